@@ -1,0 +1,1 @@
+"""flyquant: FlyDSL kernels for MX-format MoE on AMD Instinct GPUs."""
