@@ -1,0 +1,206 @@
+"""Scale and weight layouts: tcgen05 blocked scales (torchao parity), the AMD MFMA scale
+shuffle (aiter's ``e8m0_shuffle``), and aiter's A16W4 MoE weight/scale pre-shuffles with their
+inverses. Pure index permutations on bytes; every function works on any device.
+
+Vocabulary: a scale matrix is (rows, cols) = (non-reduced dim, reduced dim / 32), one E8M0 byte
+per block of 32 elements along the reduced dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validate
+
+# tcgen05 (NVIDIA cuBLAS / torchao to_blocked): the scale matrix is cut into 128x4 tiles, stored
+# tile after tile (row of tiles major); inside a tile, row r = 32 * r_hi + r_lo is stored at
+# r_lo * 16 + r_hi * 4 + col, i.e. the four 32-row quarters are interleaved.
+TCGEN05_TILE_ROWS = 128
+TCGEN05_TILE_COLS = 4
+TCGEN05_QUARTER = 32
+
+# MFMA scale shuffle (aiter e8m0_shuffle): rows padded to 256, cols to 8. Each 32x8 tile of the
+# padded matrix becomes 256 contiguous bytes that 64 lanes read as one dword each: lane
+# (c_lo * 16 + r_lo) gets rows {r_lo, r_lo + 16} x cols {c_lo, c_lo + 4}, stored in the order
+# (col half, row half), so one 32-bit load gives a lane its 4 scales.
+MFMA_ROW_PAD = 256
+MFMA_COL_PAD = 8
+MFMA_TILE_ROWS = 32
+MFMA_ROW_HALF = 16
+MFMA_TILE_COLS = 8
+MFMA_COL_HALF = 4
+
+# aiter A16W4 MoE layouts (aiter/ops/shuffle.py): a wave of 64 lanes covers NLANE rows of N by
+# KLANE = 64 / NLANE lanes along K, each lane holding KPACK = 16 packed bytes (32 FP4 values).
+WAVE = 64
+A16W4_KPACK = 16
+# Scales: 32 rows (2 packs of 16 lanes) by 8 columns (2 packs of 4 lanes) per 256-byte tile.
+A16W4_SCALE_NLANE = 16
+A16W4_SCALE_NPACK = 2
+A16W4_SCALE_KLANE = 4
+A16W4_SCALE_KPACK = 2
+A16W4_SCALE_ROWS = A16W4_SCALE_NLANE * A16W4_SCALE_NPACK  # 32: N per scale tile
+A16W4_SCALE_COLS = A16W4_SCALE_KLANE * A16W4_SCALE_KPACK  # 8 scales = 256 elements of K
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _zero_pad_2d(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if tuple(s.shape) == (rows, cols):
+        return s
+    out = s.new_zeros((rows, cols))
+    out[: s.shape[0], : s.shape[1]] = s
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a one-byte tensor (E8M0, FP8, packed FP4), so permutes are plain copies."""
+    return t.view(torch.uint8)
+
+
+def tcgen05_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) scales -> the flat tcgen05 blocked layout (torchao to_blocked), zero-padded to
+    (ceil(rows/128)*128, ceil(cols/4)*4) first. Returns a 1D tensor of the padded size."""
+    rows, cols = scales.shape
+    prows, pcols = _ceil_to(rows, TCGEN05_TILE_ROWS), _ceil_to(cols, TCGEN05_TILE_COLS)
+    padded = _zero_pad_2d(_bytes(scales), prows, pcols)
+    tiles = padded.view(
+        prows // TCGEN05_TILE_ROWS, TCGEN05_TILE_ROWS // TCGEN05_QUARTER, TCGEN05_QUARTER,
+        pcols // TCGEN05_TILE_COLS, TCGEN05_TILE_COLS,
+    )  # (row tile, r_hi, r_lo, col tile, col)
+    out = tiles.permute(0, 3, 2, 1, 4).contiguous().flatten()  # (row tile, col tile, r_lo, r_hi, col)
+    return out.view(scales.dtype)
+
+
+def tcgen05_blocked_col_groups(scales: torch.Tensor, col_ends: torch.Tensor) -> torch.Tensor:
+    """Per-group tcgen05 layout for groups along the scale columns (torchao
+    torch_to_blocked_2d_K_groups): each column group [start, end) is blocked on its own and the
+    groups follow each other. Every group width must be a multiple of 4 columns (so there is no
+    per-group padding, and the result has the size of the un-grouped layout)."""
+    starts = [0] + col_ends.tolist()[:-1]
+    parts = []
+    for start, end in zip(starts, col_ends.tolist()):
+        if (end - start) % TCGEN05_TILE_COLS:
+            raise ValueError(f"scale column group [{start}, {end}) must be a multiple of {TCGEN05_TILE_COLS} wide")
+        if end > start:
+            parts.append(tcgen05_blocked(scales[:, start:end]))
+    return torch.cat(parts)
+
+
+def mfma_shuffle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) scales -> aiter's e8m0_shuffle layout, shape (ceil(rows/256)*256,
+    ceil(cols/8)*8); the padding is zero bytes (aiter leaves it uninitialised)."""
+    rows, cols = scales.shape
+    prows, pcols = _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
+    padded = _zero_pad_2d(_bytes(scales), prows, pcols)
+    tiles = padded.view(
+        prows // MFMA_TILE_ROWS, MFMA_TILE_ROWS // MFMA_ROW_HALF, MFMA_ROW_HALF,
+        pcols // MFMA_TILE_COLS, MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_COL_HALF,
+    )  # (row tile, r_hi, r_lo, col tile, c_hi, c_lo)
+    out = tiles.permute(0, 3, 5, 2, 4, 1).contiguous().view(prows, pcols)  # (.., c_lo, r_lo, c_hi, r_hi)
+    return out.view(scales.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# aiter A16W4 MoE weight and scale pre-shuffles
+# ------------------------------------------------------------------------------------------------
+
+
+def _a16w4_weight_dims(w: torch.Tensor, nlane: int, gate_up: bool, name: str):
+    validate.tensor(w, name, (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
+    if nlane <= 0 or WAVE % nlane:
+        raise ValueError(f"nlane must divide the wave size {WAVE}, got {nlane}")
+    experts, n, k_packed = w.shape
+    halves = 2 if gate_up else 1
+    validate.multiple_of(n, halves * nlane, f"{name}.shape[1] (N{' = gate + up' if gate_up else ''}, rows per expert)")
+    klane = WAVE // nlane
+    validate.multiple_of(
+        k_packed, klane * A16W4_KPACK,
+        f"{name}.shape[2] (K/2 packed bytes; a wave reads {klane} lanes x {A16W4_KPACK} bytes along K)",
+    )
+    # (E, [gate/up,] N0, NLANE, K0, KLANE, KPACK)
+    split = (experts,) + ((2,) if gate_up else ()) + (n // halves // nlane, nlane, k_packed // (klane * A16W4_KPACK), klane, A16W4_KPACK)
+    return split
+
+
+# Weight permutations: plain (E, N0, NLANE, K0, KLANE, KPACK) -> (E, N0, K0, KLANE, NLANE, KPACK);
+# gate_up (E, 2, N0, NLANE, K0, KLANE, KPACK) -> (E, N0, 2, K0, KLANE, NLANE, KPACK).
+_W_PERM = (0, 1, 3, 4, 2, 5)
+_W_PERM_GATE_UP = (0, 2, 1, 4, 5, 3, 6)
+
+
+def _inverse(perm: tuple) -> tuple:
+    inv = [0] * len(perm)
+    for dst, src in enumerate(perm):
+        inv[src] = dst
+    return tuple(inv)
+
+
+def shuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = False) -> torch.Tensor:
+    """aiter's shuffle_weight_a16w4, byte for byte: packed MXFP4 expert weights (E, N, K/2)
+    (uint8 or float4_e2m1fn_x2) -> same shape and dtype, each NLANE x (64/NLANE * 16 bytes) tile
+    stored lane-major so a wave reads it with one 16-byte load per lane. gate_up: N holds the gate
+    then the up half; the two halves' tiles are interleaved per NLANE rows."""
+    split = _a16w4_weight_dims(w, nlane, gate_up, "w")
+    perm = _W_PERM_GATE_UP if gate_up else _W_PERM
+    out = _bytes(w.contiguous()).view(split).permute(perm).contiguous().view(w.shape)
+    return out.view(w.dtype)
+
+
+def unshuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = False) -> torch.Tensor:
+    """Inverse of shuffle_weight_a16w4."""
+    split = _a16w4_weight_dims(w, nlane, gate_up, "w")
+    perm = _W_PERM_GATE_UP if gate_up else _W_PERM
+    shuffled_shape = tuple(split[p] for p in perm)
+    out = _bytes(w.contiguous()).view(shuffled_shape).permute(_inverse(perm)).contiguous().view(w.shape)
+    return out.view(w.dtype)
+
+
+def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
+    validate.tensor(s, "s", (torch.float8_e8m0fnu, torch.uint8), ndim=(2, 3))
+    if s.dim() == 3:
+        if experts != s.shape[0]:
+            raise ValueError(f"experts = {experts} must equal s.shape[0] = {s.shape[0]} for (E, N, K/32) scales")
+        n, kb = s.shape[1], s.shape[2]
+    else:
+        if experts <= 0 or s.shape[0] % experts:
+            raise ValueError(f"s.shape[0] (E*N) = {s.shape[0]} must be a multiple of experts = {experts}")
+        n, kb = s.shape[0] // experts, s.shape[1]
+    validate.multiple_of(n, A16W4_SCALE_ROWS, f"N (rows per expert{', gate + up' if gate_up else ''})")
+    if kb <= 0 or kb % A16W4_SCALE_COLS:
+        raise ValueError(
+            f"K = 32 * s.shape[-1] = {32 * kb} must be a positive multiple of {32 * A16W4_SCALE_COLS} "
+            f"(scales come in tiles of {A16W4_SCALE_COLS} per row)"
+        )
+    n1, k1 = n // A16W4_SCALE_ROWS, kb // A16W4_SCALE_COLS
+    p, lane, kp, kl = A16W4_SCALE_NPACK, A16W4_SCALE_NLANE, A16W4_SCALE_KPACK, A16W4_SCALE_KLANE
+    if gate_up:  # N = (gate/up half, N1, NLANE): the pack is the half
+        return (experts, p, n1, lane, k1, kp, kl)
+    return (experts, n1, p, lane, k1, kp, kl)
+
+
+# Scale permutations to (E, N1, K1, KLANE, NLANE, KPACK, NPACK):
+_S_PERM = (0, 1, 4, 6, 3, 5, 2)
+_S_PERM_GATE_UP = (0, 2, 4, 6, 3, 5, 1)
+
+
+def shuffle_scale_a16w4(s: torch.Tensor, experts: int, gate_up: bool = False) -> torch.Tensor:
+    """aiter's shuffle_scale_a16w4, byte for byte: E8M0 scales (E*N, K/32) or (E, N, K/32) -> same
+    shape and dtype; each 32 (N) x 8 (K/32) tile becomes 256 bytes, lane (k_lane * 16 + n_lane)
+    holding rows {n_lane, n_lane + 16} x cols {k_lane, k_lane + 4} as one dword. Needs
+    N % 32 == 0 and K % 256 == 0 (named in the error, unlike aiter's view failures)."""
+    split = _a16w4_scale_dims(s, experts, gate_up)
+    perm = _S_PERM_GATE_UP if gate_up else _S_PERM
+    out = _bytes(s.contiguous()).view(split).permute(perm).contiguous().view(s.shape)
+    return out.view(s.dtype)
+
+
+def unshuffle_scale_a16w4(s: torch.Tensor, experts: int, gate_up: bool = False) -> torch.Tensor:
+    """Inverse of shuffle_scale_a16w4."""
+    split = _a16w4_scale_dims(s, experts, gate_up)
+    perm = _S_PERM_GATE_UP if gate_up else _S_PERM
+    shuffled_shape = tuple(split[p] for p in perm)
+    out = _bytes(s.contiguous()).view(shuffled_shape).permute(_inverse(perm)).contiguous().view(s.shape)
+    return out.view(s.dtype)

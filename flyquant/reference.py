@@ -1,0 +1,355 @@
+"""Pure-PyTorch reference for every flyquant op: the numerical contract the kernels match.
+
+Quantize ops are bit-exact with torchao 0.18 ``to_mx`` on finite input (see formats.py for the
+scale rule and its named quirks) and follow torchao's refined NaN/Inf semantics. Everything runs
+on any device; nothing here imports a kernel.
+
+Layouts (DESIGN.md):
+- 1x32 (axis=-1): data (M, K) row-major, scales (M, K/32).
+- 32x1 (axis=0): data (M, K) column-major (stride (1, M)), scales (K, M/32).
+- 3D (E, N, K) along N: data column-major per expert (stride (N*K, 1, N)), scales (E, N/32, K),
+  or (E, N/32, K/32) with 32x32 scale blocks.
+- scale_layout "tcgen05": torchao's blocked layout with the shapes torchao 0.18 returns:
+  1x32 (ceil(M/128)*128, ceil(K/32/4)*4); 32x1 flat (ceil(K/128)*128 * ceil(M/32/4)*4,);
+  3D (E, ceil(K/128)*128 * ceil(N/32/4)*4) blocked per expert from the (K, N/32) transpose.
+- scale_layout "mfma": aiter's e8m0_shuffle of the (non-reduced, reduced/32) matrix, rows padded
+  to 256 and columns to 8 with zeros: 1x32 of (M, K/32); 32x1 of (K, M/32); 3D per expert of
+  (K, N/32), shape (E, ceil(K/256)*256, ceil(N/32/8)*8).
+  With 32x32 blocks both layouts first repeat each scale over its 32 K rows (as torchao does for
+  tcgen05), since a GEMM consumer reads one scale per (K row, 32 N).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import formats, layouts, validate
+from .formats import E2M1, E4M3, MX_BLOCK
+from .layouts import shuffle_scale_a16w4, shuffle_weight_a16w4  # noqa: F401  (reference names)
+from .moe import moe_sorting  # noqa: F401  (reference name)
+
+MXFP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float8_e8m0fnu
+SCALE_BLOCK_K_CHOICES = (1, MX_BLOCK)
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _quantize_rows(x: torch.Tensor, scaling_mode: str, fmt=E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 32 along the last dim of x (..., K) -> (element bytes (..., K) uint8, codes (..., K/32))."""
+    *lead, k = x.shape
+    codes, elems = formats.mx_quantize_blocks(x.reshape(*lead, k // MX_BLOCK, MX_BLOCK), scaling_mode, fmt)
+    return elems.reshape(*lead, k), codes
+
+
+def _layout_scales_2d(scales: torch.Tensor, scale_layout: Optional[str], flat: bool) -> torch.Tensor:
+    """Plain (rows, cols) scales -> the requested layout; `flat`: tcgen05 result stays 1D (32x1)."""
+    if scale_layout == "mfma":
+        return layouts.mfma_shuffle_scales(scales)
+    if scale_layout == "tcgen05":
+        blocked = layouts.tcgen05_blocked(scales)
+        if flat:
+            return blocked
+        return blocked.view(_ceil_to(scales.shape[0], layouts.TCGEN05_TILE_ROWS), -1)
+    return scales
+
+
+def _scale_shape_2d(rows: int, cols: int, scale_layout: Optional[str], flat: bool) -> tuple:
+    if scale_layout == "mfma":
+        return (_ceil_to(rows, layouts.MFMA_ROW_PAD), _ceil_to(cols, layouts.MFMA_COL_PAD))
+    if scale_layout == "tcgen05":
+        shape = (_ceil_to(rows, layouts.TCGEN05_TILE_ROWS), _ceil_to(cols, layouts.TCGEN05_TILE_COLS))
+        return (shape[0] * shape[1],) if flat else shape
+    return (rows, cols)
+
+
+def check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs) -> int:
+    axis = validate.mxfp8_2d_axis(x, axis)
+    validate.scaling_mode(scaling_mode)
+    validate.scale_layout(scale_layout)
+    if axis == 1:
+        validate.block_dim(x, 1, "x", "K")
+    else:
+        validate.block_dim(x, 0, "x", "M")
+    if offs is not None:
+        validate.offs(offs, x, x.shape[0])
+    return axis
+
+
+def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+    """MXFP8-quantize a 2D (M, K) BF16/FP16/FP32 tensor in blocks of 32 along `axis`.
+
+    axis=-1 (1x32): data (M, K) row-major, scales (M, K/32). axis=0 (32x1): data (M, K) with
+    stride (1, M), scales (K, M/32). Returns (float8_e4m3fn data, float8_e8m0fnu scales).
+    offs: int32 token-group end offsets along M (torchao's contract, validated: non-decreasing,
+    last == M, group sizes multiples of 128). Blocks never straddle such groups, so offs changes
+    only the tcgen05 layout of 32x1 scales, which is then laid out per group (torchao's
+    torch_to_blocked_2d_K_groups on the (K, M/32) scales); for 1x32 the per-group layout
+    (torch_to_blocked_2d_M_groups) equals the global one.
+    """
+    axis = check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
+    if axis == 1:
+        data, scales = _quantize_rows(x, scaling_mode)
+        data = data.view(MXFP8_DTYPE)
+        return data, _layout_scales_2d(scales.view(SCALE_DTYPE), scale_layout, flat=False)
+    data_t, scales = _quantize_rows(x.t(), scaling_mode)  # (K, M), (K, M/32)
+    data = data_t.view(MXFP8_DTYPE).t()  # (M, K), stride (1, M)
+    scales = scales.view(SCALE_DTYPE)
+    if scale_layout == "tcgen05" and offs is not None:
+        return data, layouts.tcgen05_blocked_col_groups(scales, offs.to("cpu", torch.int64) // MX_BLOCK)
+    return data, _layout_scales_2d(scales, scale_layout, flat=True)
+
+
+def mxfp8_quantize_empty(x, axis=-1, scale_layout=None, offs=None):
+    """Uninitialised outputs with the shapes, strides and dtypes of mxfp8_quantize (for fake
+    tensor implementations)."""
+    axis = validate.mxfp8_2d_axis(x, axis)
+    m, k = x.shape
+    if axis == 1:
+        data = torch.empty((m, k), dtype=MXFP8_DTYPE, device=x.device)
+        shape = _scale_shape_2d(m, k // MX_BLOCK, scale_layout, flat=False)
+    else:
+        data = torch.empty_strided((m, k), (1, m), dtype=MXFP8_DTYPE, device=x.device)
+        shape = _scale_shape_2d(k, m // MX_BLOCK, scale_layout, flat=True)
+    return data, torch.empty(shape, dtype=SCALE_DTYPE, device=x.device)
+
+
+def mxfp8_quantize_dual(x, scaling_mode="rceil"):
+    """Both orientations of a 2D tensor: ((data_1x32, scales_1x32), (data_32x1, scales_32x1)),
+    plain scale layouts; M and K must both be multiples of 32."""
+    check_mxfp8_dual(x, scaling_mode)
+    return mxfp8_quantize(x, -1, scaling_mode), mxfp8_quantize(x, 0, scaling_mode)
+
+
+def check_mxfp8_dual(x, scaling_mode):
+    validate.high_precision(x, "x", ndim=2)
+    validate.scaling_mode(scaling_mode)
+    validate.block_dim(x, 1, "x", "K")
+    validate.block_dim(x, 0, "x", "M")
+
+
+def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
+    validate.high_precision(w, "w", ndim=3)
+    validate.scaling_mode(scaling_mode)
+    validate.scale_layout(scale_layout)
+    if scale_block_k not in SCALE_BLOCK_K_CHOICES:
+        raise ValueError(f"scale_block_k must be one of {SCALE_BLOCK_K_CHOICES}, got {scale_block_k!r}")
+    validate.block_dim(w, 1, "w", "N")
+    if scale_block_k == MX_BLOCK:
+        validate.block_dim(w, 2, "w", "K", block=scale_block_k)
+
+
+def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Optional[str]) -> torch.Tensor:
+    """Plain (E, N/32, K or K/32) -> per-expert layouts of the (K, N/32) transpose."""
+    if scale_layout is None:
+        return scales
+    per_k_row = scales.transpose(1, 2)  # (E, K or K/32, N/32)
+    if scale_block_k != 1:
+        per_k_row = per_k_row.repeat_interleave(scale_block_k, dim=1)
+    if scale_layout == "tcgen05":
+        return torch.stack([layouts.tcgen05_blocked(s) for s in per_k_row])
+    return torch.stack([layouts.mfma_shuffle_scales(s) for s in per_k_row])
+
+
+def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+    """MXFP8-quantize expert weights (E, N, K) along N.
+
+    scale_block_k=1: one scale per 32 (N) x 1 (K), scales (E, N/32, K). scale_block_k=32: one per
+    32 x 32 tile (the amax over the 1024 values), scales (E, N/32, K/32). Data (E, N, K) with
+    stride (N*K, 1, N) (column-major per expert). Layouts: see the module docstring.
+    """
+    check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    e, n, k = w.shape
+    if scale_block_k == 1:
+        data_t, scales_t = _quantize_rows(w.transpose(1, 2), scaling_mode)  # (E, K, N), (E, K, N/32)
+        data = data_t.transpose(1, 2)
+        scales = scales_t.transpose(1, 2).contiguous()
+    else:
+        nb, kb = n // MX_BLOCK, k // MX_BLOCK
+        tiles = w.reshape(e, nb, MX_BLOCK, kb, MX_BLOCK).permute(0, 1, 3, 2, 4)  # (E, N/32, K/32, 32n, 32k)
+        scales, elems = formats.mx_quantize_blocks(tiles.reshape(e, nb, kb, MX_BLOCK * MX_BLOCK), scaling_mode, E4M3)
+        elems = elems.view(e, nb, kb, MX_BLOCK, MX_BLOCK).permute(0, 1, 3, 2, 4).reshape(e, n, k)
+        data = elems.transpose(1, 2).contiguous().transpose(1, 2)
+    scales = scales.view(SCALE_DTYPE)
+    return data.view(MXFP8_DTYPE), _layout_scales_3d(scales, scale_block_k, scale_layout)
+
+
+def mxfp8_quantize_3d_empty(w, scale_block_k=1, scale_layout=None):
+    """Uninitialised outputs with the shapes, strides and dtypes of mxfp8_quantize_3d."""
+    e, n, k = w.shape
+    data = torch.empty_strided((e, n, k), (n * k, 1, n), dtype=MXFP8_DTYPE, device=w.device)
+    if scale_layout is None:
+        shape = (e, n // MX_BLOCK, k // scale_block_k)
+    else:
+        shape = (e,) + _scale_shape_2d(k, n // MX_BLOCK, scale_layout, flat=scale_layout == "tcgen05")
+    return data, torch.empty(shape, dtype=SCALE_DTYPE, device=w.device)
+
+
+def quantize_mxfp4(w, scaling_mode="floor"):
+    """MXFP4-quantize along the last dim (blocks of 32): (..., K) BF16/FP16/FP32 ->
+    (uint8 (..., K/2) packed E2M1, element 2i in the low nibble; float8_e8m0fnu (..., K/32)).
+    Bit-exact with torchao 0.18 to_mx(w, torch.float4_e2m1fn_x2, 32, mode) on finite input; a
+    block with NaN/Inf gets scale 0xFF and nibbles E2M1_NAN_BLOCK_CODE."""
+    validate.high_precision(w, "w")
+    if w.dim() < 1:
+        raise ValueError("w must have at least 1 dimension")
+    validate.scaling_mode(scaling_mode)
+    validate.block_dim(w, w.dim() - 1, "w", "K")
+    codes, scales = _quantize_rows(w, scaling_mode, E2M1)
+    return formats.pack_fp4(codes), scales.view(SCALE_DTYPE)
+
+
+def _check_scales(scales, name="scales"):
+    validate.tensor(scales, name, (SCALE_DTYPE, torch.uint8))
+
+
+def dequantize_mxfp4(packed, scales):
+    """(..., K/2) packed E2M1 + (..., K/32) E8M0 -> FP32 (..., K) = value * 2^(code - 127)
+    (code 0 is 2^-127, 0xFF is NaN)."""
+    validate.tensor(packed, "packed", (torch.uint8, torch.float4_e2m1fn_x2))
+    _check_scales(scales)
+    k = packed.shape[-1] * 2
+    validate.block_dim(packed, packed.dim() - 1, "packed", "K/2", block=MX_BLOCK // 2)
+    validate.shape(scales, "scales", tuple(packed.shape[:-1]) + (k // MX_BLOCK,))
+    values = formats.e2m1_decode(formats.unpack_fp4(packed))
+    s = formats.e8m0_decode(scales)
+    return (values.view(*s.shape, MX_BLOCK) * s.unsqueeze(-1)).view(*packed.shape[:-1], k)
+
+
+def mxfp8_dequantize(data, scales, axis=-1):
+    """MXFP8 data + plain-layout scales -> FP32 with data's shape (row-major).
+
+    2D axis=-1: scales (M, K/32). 2D axis=0: scales (K, M/32). 3D (E, N, K) data, axis=1 (or -2):
+    scales (E, N/32, K), or (E, N/32, K/32) for 32x32 blocks.
+    """
+    validate.tensor(data, "data", (MXFP8_DTYPE, torch.uint8), ndim=(2, 3))
+    _check_scales(scales)
+    values = data.view(MXFP8_DTYPE).to(torch.float32)
+    s = formats.e8m0_decode(scales)
+    if data.dim() == 2:
+        m, k = data.shape
+        if axis in (-1, 1):
+            validate.block_dim(data, 1, "data", "K")
+            validate.shape(scales, "scales", (m, k // MX_BLOCK))
+            return (values.view(m, k // MX_BLOCK, MX_BLOCK) * s.unsqueeze(-1)).view(m, k)
+        if axis in (0, -2):
+            validate.block_dim(data, 0, "data", "M")
+            validate.shape(scales, "scales", (k, m // MX_BLOCK))
+            per_elem = s.repeat_interleave(MX_BLOCK, dim=1)  # (K, M)
+            return (values * per_elem.t()).contiguous()
+        raise ValueError(f"axis must be -1 or 0 for 2D data, got {axis!r}")
+    if axis not in (1, -2):
+        raise ValueError(f"axis must be 1 (N) for 3D (E, N, K) data, got {axis!r}")
+    e, n, k = data.shape
+    validate.block_dim(data, 1, "data", "N")
+    if tuple(scales.shape) == (e, n // MX_BLOCK, k):
+        per_elem = s.repeat_interleave(MX_BLOCK, dim=1)
+    else:
+        validate.shape(scales, "scales", (e, n // MX_BLOCK, k // MX_BLOCK))
+        per_elem = s.repeat_interleave(MX_BLOCK, dim=1).repeat_interleave(MX_BLOCK, dim=2)
+    return (values * per_elem).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# A16W4 MoE stage 2 (down projection)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m):
+    validate.high_precision(a2, "a2", ndim=2)
+    validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
+    validate.tensor(w2_scale, "w2_scale", (SCALE_DTYPE, torch.uint8), ndim=(2, 3))
+    validate.tensor(sorted_ids, "sorted_ids", (torch.int32,), ndim=1)
+    validate.tensor(sorted_weights, "sorted_weights", (torch.float32,), ndim=1)
+    validate.tensor(sorted_expert_ids, "sorted_expert_ids", (torch.int32,), ndim=1)
+    validate.tensor(num_valid_ids, "num_valid_ids", (torch.int32,), ndim=1)
+    for name, t in (("w2", w2), ("w2_scale", w2_scale), ("sorted_ids", sorted_ids), ("sorted_weights", sorted_weights),
+                    ("sorted_expert_ids", sorted_expert_ids), ("num_valid_ids", num_valid_ids)):
+        validate.same_device("a2", a2, name, t)
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if not isinstance(block_m, int) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    validate.multiple_of(a2.shape[0], topk, "a2.shape[0] (tokens * topk rows)")
+    validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
+    blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
+    if sorted_expert_ids.shape[0] < blocks:
+        raise ValueError(f"sorted_expert_ids must have ceil(len(sorted_ids) / block_m) = {blocks} entries, got {sorted_expert_ids.shape[0]}")
+    experts, n_pad, k_half = w2.shape
+    expected = (experts, n_pad, 2 * k_half // MX_BLOCK)
+    if w2_scale.dim() == 2:
+        expected = (experts * n_pad, expected[2])
+    validate.shape(w2_scale, "w2_scale", expected)
+
+
+def moe_true_dims(a2, w2, model_dim=None, inter_dim=None) -> tuple[int, int]:
+    """The true (model_dim, inter_dim): given, or the padded weights' N and a2's width."""
+    _, n_pad, k_half = w2.shape
+    model_dim = n_pad if model_dim is None else model_dim
+    inter_dim = a2.shape[1] if inter_dim is None else inter_dim
+    if not 0 < model_dim <= n_pad:
+        raise ValueError(f"model_dim = {model_dim} must be in [1, w2.shape[1] = {n_pad}]")
+    if not 0 < inter_dim <= min(2 * k_half, a2.shape[1]):
+        raise ValueError(f"inter_dim = {inter_dim} must be in [1, min(K = 2 * w2.shape[2] = {2 * k_half}, a2.shape[1] = {a2.shape[1]})]")
+    return model_dim, inter_dim
+
+
+def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None,
+                    nlane=16):
+    """FP32 reference of the A16W4 MoE down projection (aiter torch_moe_stage2, per_1x32 weights).
+
+    out[t] (+)= sum over the pairs (t, slot) routed to expert e of
+        w_(t,slot) * (a2[t * topk + slot, :inter_dim] @ W[e][:model_dim, :inter_dim]^T + bias[e])
+    where W[e] = dequantize_mxfp4 of the unshuffled weights, w the sorted routing weight (1 when
+    apply_weights is False). Computed in FP32, rounded once to the output dtype.
+
+    a2: (T * topk, >= inter_dim) BF16/FP16/FP32, token-major stage-1 output. w2: (E, N, K/2)
+    packed FP4 and w2_scale: (E*N, K/32) or (E, N, K/32) E8M0, both shuffled as the kernel takes
+    them (shuffle_weight_a16w4 with `nlane`, shuffle_scale_a16w4; N, K may be padded beyond
+    model_dim, inter_dim). sorted_*, num_valid_ids: moe_sorting's outputs for this block_m; only
+    rows below num_valid_ids[0] whose token is < T count. bias: (E, >= model_dim). out: (T,
+    model_dim), added into in its own dtype (out_dtype is then not used); None: a new out_dtype
+    tensor. model_dim / inter_dim default to N and a2.shape[1].
+    """
+    check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m)
+    experts, n_pad, _ = w2.shape
+    model_dim, inter_dim = moe_true_dims(a2, w2, model_dim, inter_dim)
+    tokens = a2.shape[0] // topk
+    if bias is not None:
+        validate.high_precision(bias, "bias", ndim=2)
+        validate.same_device("a2", a2, "bias", bias)
+        if bias.shape[0] != experts or bias.shape[1] < model_dim:
+            raise ValueError(f"bias must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
+    if out is not None:
+        validate.high_precision(out, "out", ndim=2)
+        validate.same_device("a2", a2, "out", out)
+        validate.shape(out, "out", (tokens, model_dim))
+
+    w = layouts.unshuffle_weight_a16w4(w2, nlane)
+    s = layouts.unshuffle_scale_a16w4(w2_scale, experts).reshape(experts, n_pad, -1)
+    weight = dequantize_mxfp4(w, s)[:, :model_dim, :inter_dim]  # (E, model_dim, inter_dim) FP32
+
+    rows = torch.arange(sorted_ids.shape[0], device=a2.device)
+    token = sorted_ids & 0xFFFFFF
+    slot = torch.bitwise_right_shift(sorted_ids, 24)
+    valid = (rows < num_valid_ids[0]) & (token < tokens)
+    expert = sorted_expert_ids[rows // block_m]
+    acc = torch.zeros(tokens, model_dim, dtype=torch.float32, device=a2.device)
+    for e in torch.unique(expert[valid]).tolist():
+        sel = valid & (expert == e)
+        t, k = token[sel].long(), slot[sel].long()
+        y = a2[t * topk + k, :inter_dim].to(torch.float32) @ weight[e].t()
+        if bias is not None:
+            y = y + bias[e, :model_dim].to(torch.float32)
+        if apply_weights:
+            y = y * sorted_weights[sel].unsqueeze(1)
+        acc.index_add_(0, t, y)
+    if out is None:
+        return acc.to(out_dtype)
+    out.copy_(out.to(torch.float32) + acc)
+    return out

@@ -1,0 +1,110 @@
+"""Input checks shared by the reference, the public API and the kernel launchers.
+
+Each check raises TypeError (wrong type or dtype) or ValueError (wrong rank, shape, value,
+device or layout) with a message that names the argument and the rule it broke.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from .formats import MX_BLOCK, SCALING_MODES
+
+HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_LAYOUTS = (None, "tcgen05", "mfma")
+OFFS_GROUP_MULTIPLE = 128  # torchao's grouped-GEMM contract: every token group is a multiple of 128
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(x, name: str, dtypes: Optional[Iterable[torch.dtype]] = None, ndim=None) -> None:
+    """`x` is a torch.Tensor, with a dtype in `dtypes` and rank `ndim` (an int or a tuple of ints)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if x.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {x.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.dim() not in allowed:
+            want = " or ".join(f"{n}D" for n in allowed)
+            raise ValueError(f"{name} must be {want}, got {x.dim()}D with shape {tuple(x.shape)}")
+
+
+def high_precision(x, name: str, ndim=None) -> None:
+    """A BF16/FP16/FP32 tensor of the given rank (the inputs of every quantize op)."""
+    tensor(x, name, HIGH_PRECISION_DTYPES, ndim)
+
+
+def multiple_of(value: int, divisor: int, what: str) -> None:
+    """`value` (described by `what`, e.g. "x.shape[1] (K)") is a positive multiple of `divisor`."""
+    if value <= 0 or value % divisor:
+        raise ValueError(f"{what} = {value} must be a positive multiple of {divisor}")
+
+
+def block_dim(x: torch.Tensor, dim: int, name: str, label: str, block: int = MX_BLOCK) -> None:
+    """The dimension quantized in blocks is a positive multiple of the block size."""
+    multiple_of(x.shape[dim], block, f"{name}.shape[{dim}] ({label}, quantized in blocks of {block})")
+
+
+def scaling_mode(mode) -> None:
+    if mode not in SCALING_MODES:
+        raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {mode!r}")
+
+
+def scale_layout(layout) -> None:
+    if layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
+
+
+def contiguous(x: torch.Tensor, name: str) -> None:
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major), got strides {x.stride()} for shape {tuple(x.shape)}")
+
+
+def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{name_b} must be on the device of {name_a} ({a.device}), got {b.device}")
+
+
+def shape(x: torch.Tensor, name: str, expected: tuple) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def mxfp8_2d_axis(x, axis) -> int:
+    """Check a 2D MXFP8 quantize input and normalize `axis`: 1 ("1x32", blocks along K, axis -1
+    or 1) or 0 ("32x1", blocks along M, axis 0 or -2)."""
+    high_precision(x, "x", ndim=2)
+    if axis in (-1, 1):
+        return 1
+    if axis in (0, -2):
+        return 0
+    raise ValueError(f"axis must be -1 or 1 (1x32, blocks along K) or 0 or -2 (32x1, blocks along M), got {axis!r}")
+
+
+def offs(group_offs, x: torch.Tensor, rows: int) -> None:
+    """torchao's token-group contract: `offs` is a 1D int32 tensor of group end offsets along the
+    `rows` (M) dimension, on x's device, non-decreasing, ending at `rows`, and every group size
+    (including the first, from 0) a multiple of 128. Reads the values (a host sync on a GPU)."""
+    tensor(group_offs, "offs", (torch.int32,), ndim=1)
+    same_device("x", x, "offs", group_offs)
+    if group_offs.numel() == 0:
+        raise ValueError("offs must hold at least one group end offset")
+    ends = group_offs.to("cpu", torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    if (sizes < 0).any():
+        raise ValueError(f"offs must be non-decreasing, got {ends.tolist()}")
+    if ends[-1].item() != rows:
+        raise ValueError(f"offs[-1] must equal M = {rows} (the last group ends at the last row), got {ends[-1].item()}")
+    bad = sizes % OFFS_GROUP_MULTIPLE != 0
+    if bad.any():
+        raise ValueError(
+            f"every token group size must be a multiple of {OFFS_GROUP_MULTIPLE}; "
+            f"offs {ends.tolist()} gives sizes {sizes.tolist()}"
+        )
