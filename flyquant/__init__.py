@@ -1,1 +1,43 @@
-"""flyquant: FlyDSL kernels for MX-format MoE on AMD Instinct GPUs."""
+"""flyquant: FlyDSL kernels for MX-format Mixture-of-Experts on AMD Instinct GPUs.
+
+MXFP8 quantize (1x32, 32x1, dual, 3D per expert) and the A16W4 MoE stage-2 GEMM for gfx942
+(MI300X) and gfx950 (MI355X), each dispatched by a selector to a kernel or the PyTorch
+reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
+"""
+
+from . import emu, reference
+from .api import (
+    dequantize_mxfp4,
+    explain,
+    moe_block_m,
+    moe_gemm2_a16w4,
+    moe_sorting,
+    moe_stage2,
+    mxfp8_dequantize,
+    mxfp8_quantize,
+    mxfp8_quantize_3d,
+    mxfp8_quantize_dual,
+    quantize_mxfp4,
+    shuffle_scale_a16w4,
+    shuffle_weight_a16w4,
+)
+from .select import Plan
+
+__all__ = [
+    "Plan",
+    "dequantize_mxfp4",
+    "emu",
+    "explain",
+    "moe_block_m",
+    "moe_gemm2_a16w4",
+    "moe_sorting",
+    "moe_stage2",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+    "mxfp8_quantize_3d",
+    "mxfp8_quantize_dual",
+    "quantize_mxfp4",
+    "reference",
+    "shuffle_scale_a16w4",
+    "shuffle_weight_a16w4",
+]

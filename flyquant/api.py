@@ -1,0 +1,242 @@
+"""The public API: each call asks the selector for a plan, then runs the FlyDSL kernel or the
+reference. The kernel-backed ops are ``torch.library`` custom ops with fake implementations, so
+``torch.compile`` traces them without graph breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import layouts, moe, reference, select, validate
+from .select import Plan
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 quantize
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::mxfp8_quantize", mutates_args=())
+def _mxfp8_quantize_op(
+    x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+    if plan.backend == "reference":
+        return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+    from .kernels import mxfp8_quantize as k
+
+    launch = k.quantize_1x32 if axis == 1 else k.quantize_32x1
+    return launch(x, arch=plan.arch, scaling_mode=scaling_mode, scale_layout=scale_layout, offs=offs, config=plan.config)
+
+
+@_mxfp8_quantize_op.register_fake
+def _(x, axis, scaling_mode, scale_layout, offs):
+    return reference.mxfp8_quantize_empty(x, axis, scale_layout, offs)
+
+
+def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+    """MXFP8-quantize a 2D (M, K) BF16/FP16/FP32 tensor in blocks of 32 along `axis`.
+
+    axis=-1 (1x32): data (M, K) row-major, scales (M, K/32). axis=0 (32x1): data (M, K)
+    column-major (stride (1, M)), scales (K, M/32). scaling_mode "floor" | "rceil";
+    scale_layout None | "tcgen05" | "mfma"; offs: int32 token-group end offsets along M
+    (torchao's grouped-GEMM contract). Returns (float8_e4m3fn data, float8_e8m0fnu scales).
+    """
+    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
+    return _mxfp8_quantize_op(x, axis, scaling_mode, scale_layout, offs)
+
+
+@torch.library.custom_op("flyquant::mxfp8_quantize_dual", mutates_args=())
+def _mxfp8_quantize_dual_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp8_quantize_dual(x, scaling_mode)
+    if plan.backend == "reference":
+        (d0, s0), (d1, s1) = reference.mxfp8_quantize_dual(x, scaling_mode)
+    else:
+        from .kernels import mxfp8_quantize as k
+
+        (d0, s0), (d1, s1) = k.quantize_dual(x, arch=plan.arch, scaling_mode=scaling_mode, config=plan.config)
+    return d0, s0, d1, s1
+
+
+@_mxfp8_quantize_dual_op.register_fake
+def _(x, scaling_mode):
+    return (*reference.mxfp8_quantize_empty(x, -1), *reference.mxfp8_quantize_empty(x, 0))
+
+
+def mxfp8_quantize_dual(x, scaling_mode="rceil"):
+    """Both orientations from one read of x: ((data_1x32, scales_1x32), (data_32x1, scales_32x1))."""
+    reference.check_mxfp8_dual(x, scaling_mode)
+    d0, s0, d1, s1 = _mxfp8_quantize_dual_op(x, scaling_mode)
+    return (d0, s0), (d1, s1)
+
+
+@torch.library.custom_op("flyquant::mxfp8_quantize_3d", mutates_args=())
+def _mxfp8_quantize_3d_op(
+    w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+    if plan.backend == "reference":
+        return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+    from .kernels import mxfp8_quantize as k
+
+    return k.quantize_3d(
+        w, arch=plan.arch, scaling_mode=scaling_mode, scale_block_k=scale_block_k, scale_layout=scale_layout,
+        config=plan.config,
+    )
+
+
+@_mxfp8_quantize_3d_op.register_fake
+def _(w, scaling_mode, scale_block_k, scale_layout):
+    return reference.mxfp8_quantize_3d_empty(w, scale_block_k, scale_layout)
+
+
+def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+    """Per-expert MXFP8 quantize of (E, N, K) along N: data (E, N, K) with stride (N*K, 1, N),
+    scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks)."""
+    reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# A16W4 MoE stage 2
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_gemm2_a16w4_", mutates_args=("out",))
+def _moe_gemm2_op(
+    out: torch.Tensor,
+    a2: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_weights: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid_ids: torch.Tensor,
+    topk: int,
+    block_m: int,
+    bias: Optional[torch.Tensor],
+    apply_weights: bool,
+    model_dim: int,
+    inter_dim: int,
+) -> None:
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None)
+    args = (a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    if plan.backend == "reference":
+        reference.moe_gemm2_a16w4(
+            *args, topk, block_m, out=out, bias=bias, apply_weights=apply_weights, model_dim=model_dim,
+            inter_dim=inter_dim,
+        )
+        return
+    from .kernels import moe_gemm2_a16w4 as k
+
+    k.moe_gemm2_a16w4(
+        *args, arch=plan.arch, topk=topk, block_m=block_m, out=out, bias=bias, apply_weights=apply_weights,
+        model_dim=model_dim, inter_dim=inter_dim, tile_n=plan.config["tile_n"], k_batch=plan.config["k_batch"],
+    )
+
+
+@_moe_gemm2_op.register_fake
+def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
+      apply_weights, model_dim, inter_dim):
+    return None
+
+
+def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None,
+                    inter_dim=None):
+    """MoE down projection: out[t] (+)= sum_k w_tk * (a2[t*topk + k] @ W2[e]^T + bias[e]).
+
+    a2: (tokens * topk, inter_dim) BF16 stage-1 output (token-major); w2, w2_scale: MXFP4 weights
+    and E8M0 scales laid out by shuffle_weight_a16w4 / shuffle_scale_a16w4; the sorted_* tensors
+    and num_valid_ids: moe_sorting's outputs for `block_m` (use moe_block_m() to choose it).
+    out given: results are added into it; None: a zeroed out_dtype (bf16 or fp32) output.
+    model_dim / inter_dim: the true sizes when the weights are padded (default: their shapes).
+    """
+    reference.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                              topk, block_m)
+    model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
+    tokens = a2.shape[0] // topk
+    if out is None:
+        validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+        out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    else:
+        validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
+        validate.same_device("a2", a2, "out", out)
+        validate.shape(out, "out", (tokens, model_dim))
+    _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
+                  block_m, bias, apply_weights, model_dim, inter_dim)
+    return out
+
+
+def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
+    """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
+    return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, torch.device(device or "cpu"))
+
+
+def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
+               inter_dim=None):
+    """From routing (topk_ids, topk_weights (tokens, topk)) and the stage-1 output a2 to the layer
+    output: moe_sorting with the selector's block size, then moe_gemm2_a16w4."""
+    validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
+    tokens, topk = topk_ids.shape
+    experts = w2.shape[0]
+    model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
+    block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
+    sorted_ = moe.moe_sorting(topk_ids, topk_weights, experts, block_m)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, bias=bias, out_dtype=out_dtype,
+                           model_dim=model_dim, inter_dim=inter_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
+# ---------------------------------------------------------------------------------------------
+
+quantize_mxfp4 = reference.quantize_mxfp4
+mxfp8_dequantize = reference.mxfp8_dequantize
+dequantize_mxfp4 = reference.dequantize_mxfp4
+shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
+shuffle_scale_a16w4 = layouts.shuffle_scale_a16w4
+moe_sorting = moe.moe_sorting
+
+
+def explain(fn, *args, **kwargs) -> Plan:
+    """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it."""
+    planners = {
+        mxfp8_quantize: _explain_mxfp8,
+        mxfp8_quantize_dual: _explain_dual,
+        mxfp8_quantize_3d: _explain_3d,
+        moe_gemm2_a16w4: _explain_moe,
+    }
+    planner = planners.get(fn)
+    if planner is None:
+        name = getattr(fn, "__name__", repr(fn))
+        plan = Plan(name, "reference", "tensor's device", reasons=(f"{name} is a pure-PyTorch op with no kernel",))
+    else:
+        plan = planner(*args, **kwargs)
+    print(plan)
+    return plan
+
+
+def _explain_mxfp8(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
+    return select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+
+
+def _explain_dual(x, scaling_mode="rceil"):
+    reference.check_mxfp8_dual(x, scaling_mode)
+    return select.plan_mxfp8_quantize_dual(x, scaling_mode)
+
+
+def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+    reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    return select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+
+
+def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                 out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
+    reference.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                              topk, block_m)
+    model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
+    dtype = out.dtype if out is not None else out_dtype
+    return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)

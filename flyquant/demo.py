@@ -1,0 +1,157 @@
+"""flyquant's demo: a small MoE layer and an MXFP8 training step, as a user would write them.
+
+    python -m flyquant.demo [--arch gfx950|gfx942]
+
+On an MI300X/MI355X it runs on the GPU. Elsewhere it enables flyquant.emu (gfx950 by default),
+so the same FlyDSL kernels, compiled for that arch, execute on the CPU. It prints where each
+call ran, whether the kernels matched the reference (bit-exact for quantize, within the derived
+bound for the GEMM) and what the emulator executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+
+import flyquant as fq
+from flyquant import emu, reference, select
+
+# MoE FFN: small, but with the shape constraints of the real thing (inter_dim % 256 for the
+# scale shuffle) and uneven routing so some experts get several blocks and some none.
+TOKENS, MODEL_DIM, INTER_DIM, EXPERTS, TOPK = 12, 256, 256, 8, 2
+# MXFP8 step: two token groups of 128 (torchao's grouped-GEMM granularity), K and N of one tile.
+GROUP_ROWS, HIDDEN, EXPERT_N = 128, 128, 64
+# One MXFP8 element rounds with relative error <= 2^-4 (3 mantissa bits), so a product of two
+# has relative error <= 2^-3 + 2^-8; a dot product's error is bounded by that times sum |x||w|.
+MXFP8_PRODUCT_REL_ERR = 2.0**-3 + 2.0**-8
+# The stage-2 output is rounded once to bf16 (relative 2^-8) after an exact FP4->BF16 unpack
+# and FP32 accumulation; with bf16 atomics across the top-k contributions, one more rounding each.
+BF16_REL = 2.0**-8
+
+
+def moe_layer(x, router, w_gate_up, w2_packed, w2_scales):
+    """A MoE FFN: router + top-k, stage 1 (gate/up + SiLU) in PyTorch, stage 2 through flyquant."""
+    logits = x.float() @ router.float().t()
+    topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), TOPK, dim=-1)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    gate_up = torch.einsum("td,tkfd->tkf", x.float(), w_gate_up[topk_ids].float())
+    gate, up = gate_up.chunk(2, dim=-1)
+    a2 = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).reshape(TOKENS * TOPK, INTER_DIM)
+    out = fq.moe_stage2(a2, topk_ids.to(torch.int32), topk_weights.float(), w2_packed, w2_scales)
+    return out, a2, topk_ids, topk_weights
+
+
+def check_moe(device) -> bool:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(TOKENS, MODEL_DIM, generator=g).to(device, torch.bfloat16)
+    router = torch.randn(EXPERTS, MODEL_DIM, generator=g).to(device)
+    router[0] += 3 * x[0].float()  # skew routing: expert 0 takes several tokens
+    w_gate_up = (torch.randn(EXPERTS, 2 * INTER_DIM, MODEL_DIM, generator=g) / MODEL_DIM**0.5).to(device, torch.bfloat16)
+    w2 = (torch.randn(EXPERTS, MODEL_DIM, INTER_DIM, generator=g) / INTER_DIM**0.5).to(device, torch.bfloat16)
+
+    packed, scales = fq.quantize_mxfp4(w2)  # weight preparation, once
+    w2_packed, w2_scales = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, EXPERTS)
+    out, a2, topk_ids, topk_weights = moe_layer(x, router, w_gate_up, w2_packed, w2_scales)
+
+    # Plain PyTorch MoE with the dequantized weights, in FP32.
+    w2_deq = fq.dequantize_mxfp4(packed, scales)
+    a2f = a2.float().reshape(TOKENS, TOPK, INTER_DIM)
+    expected = torch.einsum("tki,tkoi->tko", a2f, w2_deq[topk_ids]).mul(topk_weights.unsqueeze(-1)).sum(1)
+    magnitude = torch.einsum("tki,tkoi->tko", a2f.abs(), w2_deq[topk_ids].abs()).mul(topk_weights.unsqueeze(-1)).sum(1)
+    # bf16 output rounding per contribution and of the sum, plus FP32 accumulation (K terms * 2^-24).
+    bound = (TOPK + 1) * BF16_REL * magnitude + INTER_DIM * 2.0**-24 * magnitude + 1e-30
+    err = (out.float() - expected).abs()
+    ok = bool((err <= bound).all())
+    print(f"MoE stage 2 ({TOKENS} tokens, top-{TOPK} of {EXPERTS} experts, {MODEL_DIM}x{INTER_DIM} MXFP4 weights): "
+          f"max |error| {err.max().item():.3g}, max error/bound {(err / bound).max().item():.3f} -> "
+          f"{'within' if ok else 'OUTSIDE'} the bf16 bound")
+    return ok
+
+
+def _same_bytes(a, b) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_mxfp8_step(device) -> bool:
+    """Quantize activations (both orientations) and expert weights as MXFP8 training does, check
+    bit-exactness against the reference and a grouped matmul against bf16 within the MX bound."""
+    g = torch.Generator().manual_seed(1)
+    groups = 2
+    x = (torch.randn(groups * GROUP_ROWS, HIDDEN, generator=g) * 4).to(device, torch.bfloat16)
+    w = torch.randn(groups, EXPERT_N, HIDDEN, generator=g).to(device, torch.bfloat16)
+    offs = torch.arange(1, groups + 1, dtype=torch.int32, device=device) * GROUP_ROWS
+
+    ok = True
+    (xr, sr), (xc, sc) = fq.mxfp8_quantize_dual(x)
+    (rr, rsr), (rc, rsc) = reference.mxfp8_quantize_dual(x)
+    exact = _same_bytes(xr, rr) and _same_bytes(sr, rsr) and _same_bytes(xc, rc) and _same_bytes(sc, rsc)
+    print(f"mxfp8_quantize_dual {tuple(x.shape)}: {'bit-exact' if exact else 'MISMATCH'} vs reference")
+    ok &= exact
+    d, s = fq.mxfp8_quantize(x, axis=0, scale_layout="tcgen05", offs=offs)
+    rd, rs = reference.mxfp8_quantize(x, 0, "rceil", "tcgen05", offs)
+    exact = _same_bytes(d, rd) and _same_bytes(s, rs)
+    print(f"mxfp8_quantize 32x1 with token groups, tcgen05 scales: {'bit-exact' if exact else 'MISMATCH'}")
+    ok &= exact
+    # Weights for the forward pass are quantized along K (1x32 per expert row): the 3D op
+    # quantizes along N, which the weight-gradient GEMM uses; check it too.
+    wq, ws = fq.mxfp8_quantize_3d(w)
+    rq, rs3 = reference.mxfp8_quantize_3d(w)
+    exact = _same_bytes(wq, rq) and _same_bytes(ws, rs3)
+    print(f"mxfp8_quantize_3d {tuple(w.shape)}: {'bit-exact' if exact else 'MISMATCH'}")
+    ok &= exact
+
+    wk, wks = fq.mxfp8_quantize(w.reshape(groups * EXPERT_N, HIDDEN))
+    x_deq = fq.mxfp8_dequantize(xr, sr)
+    w_deq = fq.mxfp8_dequantize(wk, wks).reshape(groups, EXPERT_N, HIDDEN)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).tolist()
+    worst = 0.0
+    for e, (lo, hi) in enumerate(zip(starts, offs.tolist())):
+        y_mx = x_deq[lo:hi] @ w_deq[e].t()
+        y_bf16 = x[lo:hi].float() @ w[e].float().t()
+        bound = MXFP8_PRODUCT_REL_ERR * (x[lo:hi].float().abs() @ w[e].float().abs().t())
+        worst = max(worst, ((y_mx - y_bf16).abs() / bound).max().item())
+    within = worst <= 1.0
+    print(f"grouped MXFP8 matmul vs bf16: max error / MX bound {worst:.3f} -> {'within' if within else 'OUTSIDE'}")
+    return ok and within
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=["gfx950", "gfx942"], default=None,
+                        help="emulated arch when there is no AMD GPU (default: gfx950)")
+    args = parser.parse_args(argv)
+
+    if select.rocm_device_present():
+        device = torch.device("cuda")
+        print(f"ROCm device found: running on {torch.cuda.get_device_name()} ({select.resolve_target(device).arch})")
+        recording = contextlib.nullcontext([])
+    else:
+        arch = args.arch or emu.arch() or "gfx950"
+        emu.enable(arch)
+        device = torch.device("cpu")
+        print(f"No AMD GPU: FlyDSL kernels compiled for {arch} run on the CPU under flyquant.emu")
+        recording = emu.record()
+
+    x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
+    print("\nThe selector's plans:")
+    fq.explain(fq.mxfp8_quantize, x, axis=0)
+    fq.explain(fq.mxfp8_quantize_dual, x)
+    print()
+    with recording as launches:
+        ok = check_mxfp8_step(device)
+        ok &= check_moe(device)
+    if launches:
+        print(f"\nEmulator: {len(launches)} kernel launches")
+        for rec in launches:
+            st = rec.stats
+            print(f"  {st.kernel} ({st.arch}): {st.workgroups_launched} workgroups, "
+                  f"{st.wave_instructions} wave-instructions, global coalescing {st.coalescing:.2f}")
+    print("\nAll checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The public API: names of DESIGN.md, clear errors on bad input, torch.compile tracing,
+explain(). Numerics of each path are tested against the reference elsewhere; here the backend
+is forced to the reference where only the API layer is under test."""
+
+import pytest
+import torch
+
+import flyquant as fq
+
+DESIGN_NAMES = [
+    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "shuffle_weight_a16w4",
+    "shuffle_scale_a16w4", "moe_sorting", "moe_gemm2_a16w4", "explain", "mxfp8_dequantize", "dequantize_mxfp4",
+    "reference", "emu", "moe_block_m",
+]
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+
+
+def test_public_names():
+    for name in DESIGN_NAMES:
+        assert hasattr(fq, name), name
+        if name not in ("reference", "emu", "explain", "moe_block_m"):
+            assert hasattr(fq.reference, name), f"reference.{name}"
+    import flyquant.compat.torchao  # noqa: F401
+
+
+X = torch.zeros(64, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: fq.mxfp8_quantize(X.to(torch.int32)), TypeError, "x must have dtype"),
+    (lambda: fq.mxfp8_quantize(X[:, :48]), ValueError, r"x.shape\[1\] \(K, quantized in blocks of 32\) = 48"),
+    (lambda: fq.mxfp8_quantize(X[:40], axis=0), ValueError, r"x.shape\[0\] \(M, quantized in blocks of 32\) = 40"),
+    (lambda: fq.mxfp8_quantize(X[None]), ValueError, "x must be 2D"),
+    (lambda: fq.mxfp8_quantize(X, axis=2), ValueError, "axis must be"),
+    (lambda: fq.mxfp8_quantize(X, scaling_mode="even"), ValueError, "scaling_mode must be one of"),
+    (lambda: fq.mxfp8_quantize(X, scale_layout="blocked"), ValueError, "scale_layout must be one of"),
+    (lambda: fq.mxfp8_quantize(X, offs=torch.tensor([64], dtype=torch.int64)), TypeError, "offs must have dtype"),
+    (lambda: fq.mxfp8_quantize(X, offs=torch.tensor([32, 64], dtype=torch.int32)), ValueError, "multiple of 128"),
+    (lambda: fq.mxfp8_quantize(X, offs=torch.tensor([128], dtype=torch.int32)), ValueError, r"offs\[-1\] must equal M"),
+    (lambda: fq.mxfp8_quantize_dual(X[:, :40]), ValueError, "K, quantized in blocks of 32"),
+    (lambda: fq.mxfp8_quantize_3d(X), ValueError, "w must be 3D"),
+    (lambda: fq.mxfp8_quantize_3d(X[None], scale_block_k=16), ValueError, "scale_block_k must be one of"),
+    (lambda: fq.quantize_mxfp4(X[:, :48]), ValueError, "blocks of 32"),
+    (lambda: fq.moe_sorting(torch.tensor([[0, 9]]), torch.ones(1, 2), 8, 16), ValueError, "expert"),
+])
+def test_bad_input_is_a_clear_error(call, error, match, reference_backend):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def _moe_inputs(tokens=3, topk=2, experts=4, model_dim=64, inter_dim=256, block_m=16):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(experts, model_dim, inter_dim, generator=g, dtype=torch.float32)
+    packed, scales = fq.quantize_mxfp4(w)
+    w2, s2 = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, experts)
+    ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
+    sorted_ = fq.moe_sorting(ids, torch.rand(tokens, topk, generator=g), experts, block_m)
+    a2 = torch.randn(tokens * topk, inter_dim, generator=g).to(torch.bfloat16)
+    return a2, w2, s2, sorted_, topk, block_m
+
+
+def test_moe_bad_inputs(reference_backend):
+    a2, w2, s2, sorted_, topk, block_m = _moe_inputs()
+    with pytest.raises(TypeError, match="a2 must have dtype"):
+        fq.moe_gemm2_a16w4(a2.to(torch.int8), w2, s2, *sorted_, topk=topk, block_m=block_m)
+    with pytest.raises(ValueError, match="a2.shape\\[0\\]"):
+        fq.moe_gemm2_a16w4(a2[:5], w2, s2, *sorted_, topk=topk, block_m=block_m)
+    with pytest.raises(ValueError, match="w2_scale must have shape"):
+        fq.moe_gemm2_a16w4(a2, w2, s2[:, :32], *sorted_, topk=topk, block_m=block_m)
+    with pytest.raises(ValueError, match="model_dim"):
+        fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m, model_dim=1000)
+    with pytest.raises(ValueError, match="out must have shape"):
+        fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m, out=torch.zeros(2, 64))
+    with pytest.raises(TypeError, match="out_dtype"):
+        fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m, out_dtype=torch.float16)
+    meta = sorted_[0].to("meta")
+    with pytest.raises(ValueError, match="sorted_ids must be on the device of a2"):
+        fq.moe_gemm2_a16w4(a2, w2, s2, meta, *sorted_[1:], topk=topk, block_m=block_m)
+
+
+def test_moe_gemm2_out_is_added_into(reference_backend):
+    a2, w2, s2, sorted_, topk, block_m = _moe_inputs()
+    fresh = fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m, out_dtype=torch.float32)
+    base = torch.full_like(fresh, 2.0)
+    out = fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m, out=base)
+    assert out is base
+    torch.testing.assert_close(out, fresh + 2.0, rtol=0, atol=1e-6)
+
+
+def test_torch_compile_traces_without_graph_breaks(reference_backend):
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+
+    def step(x):
+        (d0, s0), (d1, s1) = fq.mxfp8_quantize_dual(x)
+        d3, s3 = fq.mxfp8_quantize_3d(x.view(2, 32, 64))
+        return d0, s0, d1, s1, d3, s3
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x), step(x)):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+    a2, w2, s2, sorted_, topk, block_m = _moe_inputs()
+    moe = torch.compile(lambda a: fq.moe_gemm2_a16w4(a, w2, s2, *sorted_, topk=topk, block_m=block_m),
+                        fullgraph=True, backend="eager")
+    torch.testing.assert_close(moe(a2), fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m))
+
+
+def test_explain_prints_the_plan(capsys, reference_backend):
+    plan = fq.explain(fq.mxfp8_quantize, X, axis=0)
+    assert plan.backend == "reference" and "FLYQUANT_BACKEND=reference" in capsys.readouterr().out
+    plan = fq.explain(fq.quantize_mxfp4, X)
+    assert plan.backend == "reference" and "no kernel" in plan.reasons[0]

@@ -1,0 +1,88 @@
+"""The selector: where a call runs and why, forced backends, tuning table and overrides.
+
+These tests are pure: they never launch a kernel.
+"""
+
+import json
+
+import pytest
+import torch
+
+from flyquant import select
+
+
+@pytest.fixture
+def no_emulator(monkeypatch):
+    """Plan as in a process where flyquant.emu was never enabled and no ROCm device exists."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: None)
+    monkeypatch.setattr(select, "rocm_device_present", lambda: False)
+
+
+def test_cpu_without_emulator_uses_reference(no_emulator):
+    t = select.resolve_target(torch.device("cpu"))
+    assert t.arch is None and t.where == "cpu" and "flyquant.emu not enabled" in t.reason
+
+
+def test_cpu_with_emulator_runs_kernels(monkeypatch):
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    assert select.resolve_target(torch.device("cpu")).arch == "gfx950"
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    t = select.resolve_target(torch.device("cpu"))
+    assert (t.where, t.arch) == ("emulator", "gfx942")
+
+
+def test_backend_reference_wins(monkeypatch):
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    t = select.resolve_target(torch.device("cpu"))
+    assert t.arch is None and t.reason == "FLYQUANT_BACKEND=reference"
+
+
+def test_forced_flydsl_on_cpu(no_emulator, monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    with pytest.raises(select.BackendError, match="needs FLYQUANT_ARCH"):
+        select.resolve_target(torch.device("cpu"))
+    monkeypatch.setattr(select, "rocm_device_present", lambda: True)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    with pytest.raises(select.BackendError, match="ROCm device is present"):
+        select.resolve_target(torch.device("cpu"))
+
+
+def test_non_amd_device(monkeypatch, no_emulator):
+    monkeypatch.setattr(torch.version, "hip", None)
+    t = select.resolve_target(torch.device("cuda", 0))
+    assert t.arch is None and "target AMD GPUs" in t.reason
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    with pytest.raises(select.BackendError, match="target AMD GPUs"):
+        select.resolve_target(torch.device("cuda", 0))
+
+
+def test_rocm_arch_detection(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(select, "_rocm_arch_of", lambda index: {0: "gfx942", 1: "gfx90a"}[index])
+    assert select.resolve_target(torch.device("cuda", 0)) == select.Target("rocm", "gfx942", "ROCm device cuda:0 is gfx942")
+    t = select.resolve_target(torch.device("cuda", 1))
+    assert t.arch is None and "gfx90a has no flyquant kernels" in t.reason
+
+
+@pytest.mark.parametrize("var, value", [("FLYQUANT_BACKEND", "cuda"), ("FLYQUANT_ARCH", "gfx1100")])
+def test_bad_environment_values(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        select.resolve_target(torch.device("cpu"))
+
+
+def test_tuning_table_and_overrides(tmp_path, monkeypatch):
+    table = {"entries": [{"op": "moe_gemm2_a16w4", "arch": "gfx950",
+                          "shape": {"tokens": 4, "topk": 4}, "config": {"tile_n": 256, "k_batch": 4}}]}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("FLYQUANT_TUNING", str(path))
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {"topk": 4, "tokens": 4}) == {"tile_n": 256, "k_batch": 4}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", {"topk": 4, "tokens": 4}) == {}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {"topk": 4, "tokens": 8}) == {}
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_n": 64}')
+    assert select.config_overrides() == {"tile_n": 64}
+    monkeypatch.setenv("FLYQUANT_CONFIG", "[1]")
+    with pytest.raises(ValueError, match="JSON object"):
+        select.config_overrides()
