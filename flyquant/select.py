@@ -77,13 +77,11 @@ def _rocm_arch_of(index: int) -> str:
     return name.split(":")[0]
 
 
-@functools.lru_cache(maxsize=1)
 def rocm_device_present() -> bool:
-    """True when torch sees a ROCm GPU. Never raises or hangs on machines without ROCm."""
-    try:
-        return bool(torch.version.hip) and torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:
-        return False
+    """True when a ROCm GPU is present (cached; never raises or hangs without ROCm)."""
+    from . import emu
+
+    return emu.rocm_device_present()
 
 
 def _emulator_arch() -> str | None:

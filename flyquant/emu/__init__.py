@@ -1,0 +1,185 @@
+"""flyquant.emu: run FlyDSL's compiled gfx942/gfx950 code objects on the CPU.
+
+    import flyquant.emu as emu
+    emu.enable("gfx950")          # before the first FlyDSL launch; or FLYQUANT_EMU=gfx950
+    with emu.record() as launches:
+        my_flydsl_launcher(x_cpu, out_cpu, stream=0)
+    launches[0].stats             # the interpreter's counters for that launch
+
+``enable`` loads a stand-in for the HIP runtime (see ``runtime``) so that FlyDSL's launcher
+runs unchanged on CPU tensors: "device" memory is host memory and each kernel launch runs in
+the wave64 interpreter (``interp``) before the launch call returns. It is process-wide
+because FlyDSL's runtime library binds to whichever HIP library is loaded first, and it is
+refused on a machine with a ROCm device (there the real GPU runs the kernels).
+
+A kernel that fails in the interpreter (unknown instruction, bad address, endless wave) makes
+the FlyDSL launch call raise ``EmuLaunchError`` in the calling thread, with the interpreter's
+exception as its ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+import weakref
+
+from .codeobject import CodeObject, CodeObjectError, KernelInfo
+from .memory import EmuMemoryError, Memory
+from .runtime import EmuError, LaunchRecord, Runtime
+
+ENV_VAR = "FLYQUANT_EMU"
+
+_runtime: Runtime | None = None
+_arch: str | None = None
+
+
+class EmuLaunchError(RuntimeError):
+    """A kernel failed under the emulator; ``__cause__`` is the interpreter's exception.
+
+    Raised asynchronously in the launching thread right after the launch call returns: the
+    HIP stand-in schedules it with no arguments, and the instance picks up the exception the
+    launch callback stored for this thread.
+    """
+
+    def __init__(self, *args):
+        if not args and _runtime is not None:
+            pending = _runtime.pending.pop(threading.get_ident(), None)
+            if pending is not None:
+                what, cause = pending
+                super().__init__(f"{what} failed: {type(cause).__name__}: {cause}")
+                self.__cause__ = cause
+                return
+        super().__init__(*args or ("emulated kernel launch failed",))
+
+
+def rocm_device_present() -> bool:
+    """Is there a real ROCm GPU? No /dev/kfd means no; otherwise ask FlyDSL's device query."""
+    if not os.path.exists("/dev/kfd"):
+        return False
+    from flydsl.runtime.device import get_rocm_device_count
+
+    return get_rocm_device_count() > 0
+
+
+def enable(arch: str = "gfx950") -> None:
+    """Run FlyDSL kernels on the CPU from now on, compiling for `arch` by default.
+
+    Must run before FlyDSL's runtime library is first loaded (before the first launch in the
+    process). Calling it again only changes the default compile target. Sets ``ARCH``,
+    ``FLYDSL_GPU_ARCH`` and ``ROCM_PATH`` (a linker for code object v6) for FlyDSL.
+    Raises EmuError on a machine with a ROCm device and when FlyDSL already bound to a real HIP.
+    """
+    global _runtime, _arch
+    from .. import toolchain
+    from ..arch import arch_info
+
+    arch_info(arch)  # ValueError for anything but gfx942/gfx950
+    if _runtime is None:
+        if rocm_device_present():
+            raise EmuError("a ROCm GPU is present: kernels run on it, flyquant.emu stays off")
+        _runtime = Runtime(EmuLaunchError)
+    # The single place that points FlyDSL's compiler at the target (see flyquant.toolchain).
+    os.environ.update(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=toolchain.rocm_path())
+    _arch = arch
+
+
+def enabled() -> bool:
+    return _runtime is not None
+
+
+def arch() -> str | None:
+    """The arch given to `enable` (the default compile target), None when not enabled."""
+    return _arch
+
+
+def _require() -> Runtime:
+    if _runtime is None:
+        raise EmuError(f"flyquant.emu is not enabled: call flyquant.emu.enable(arch) or set {ENV_VAR}")
+    return _runtime
+
+
+def global_memory() -> Memory:
+    """The Memory the interpreter accesses global memory through."""
+    return _require().memory
+
+
+def track(*tensors) -> None:
+    """Register the exact bytes of these tensors' storage as valid memory until they are freed.
+
+    Needed in strict mode (``strict_memory``), where only tracked tensors, hipMalloc'd memory
+    and the launch's own kernarg segment are valid: then an access past a tensor's end fails.
+    """
+    mem = global_memory()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            key = mem.register(storage.data_ptr(), storage.nbytes())
+            weakref.finalize(t, mem.unregister, key)
+
+
+@contextlib.contextmanager
+def strict_memory():
+    """Inside this block, only tracked tensors, hipMalloc'd memory and kernarg segments are valid."""
+    mem = global_memory()
+    previous, mem.strict = mem.strict, True
+    try:
+        yield
+    finally:
+        mem.strict = previous
+
+
+def launches() -> list[LaunchRecord]:
+    """Records of the launches since the last `reset()` (oldest first)."""
+    return list(_require().records)
+
+
+def reset() -> None:
+    _require().records.clear()
+
+
+@contextlib.contextmanager
+def record():
+    """Collect the records of the launches made inside the block into the yielded list."""
+    runtime = _require()
+    collected: list[LaunchRecord] = []
+    runtime.recorders.append(collected)
+    try:
+        yield collected
+    finally:
+        runtime.recorders.remove(collected)
+
+
+def _enable_from_environment() -> None:
+    value = os.environ.get(ENV_VAR, "").strip()
+    if not value:
+        return
+    if rocm_device_present():
+        warnings.warn(f"{ENV_VAR}={value} ignored: a ROCm GPU is present", RuntimeWarning, stacklevel=3)
+        return
+    enable(value)
+
+
+_enable_from_environment()
+
+__all__ = [
+    "CodeObject",
+    "CodeObjectError",
+    "EmuError",
+    "EmuLaunchError",
+    "EmuMemoryError",
+    "KernelInfo",
+    "LaunchRecord",
+    "Memory",
+    "arch",
+    "enable",
+    "enabled",
+    "launches",
+    "global_memory",
+    "record",
+    "reset",
+    "rocm_device_present",
+    "strict_memory",
+    "track",
+]
