@@ -1,0 +1,565 @@
+"""Vector memory: GLOBAL/FLAT and MUBUF (buffer) loads, stores and atomics; DS (LDS) operations.
+
+Global addresses are host addresses; every access goes through the launch's `Memory`
+(flyquant.emu.memory), which raises on an address outside every known region.
+
+Buffer instructions address base + soffset + inst_offset + (offen ? vgpr : 0), with the base and
+the size (num_records, bytes) from the 128-bit buffer resource descriptor in four SGPRs. Only raw
+buffers are modelled (stride 0, no index, no swizzle, no thread-id add), which is what FlyDSL
+builds. Range checking, as the CDNA3/CDNA4 ISA guides describe it for raw buffers: the checked
+offset is inst_offset + vgpr offset (the SGPR offset is added after the check); load/store DWORDxN
+check each dword on its own, a byte/short access and an atomic is in or out as a whole; an
+out-of-range load returns 0 and an out-of-range store or atomic writes nothing.
+
+LDS is one byte array per workgroup (static + dynamic size from the launch). An access past its
+end reads 0 / writes nothing (the hardware's behaviour) and is counted in the launch statistics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import decode as D
+from .isa_base import AGPR_BASE, F32, LANE_IDS, LANES, U8, U16, U32, U64, sext, sreader
+from .isa_cvt import bf16_bits_to_f32, f32_to_bf16_bits
+
+DWORD = 4
+RSRC_STRIDE_SHIFT, RSRC_STRIDE_MASK = 16, 0x3FFF  # dword 1 bits 29:16
+RSRC_SWIZZLE_BIT = 31  # dword 1
+RSRC_ADD_TID_BIT = 23  # dword 3
+BASE_MASK = (1 << 48) - 1
+
+# load/store widths: suffix -> (bytes, signed)
+_WIDTH = {"ubyte": (1, False), "sbyte": (1, True), "ushort": (2, False), "sshort": (2, True), "byte": (1, False),
+          "short": (2, False), "dword": (4, False), "dwordx2": (8, False), "dwordx3": (12, False),
+          "dwordx4": (16, False)}
+
+
+def _parse(name: str):
+    """('load'|'store', bytes, signed, d16 mode) of a global/buffer/flat load/store mnemonic.
+
+    d16 mode: None (full dwords / zero- or sign-extended to 32 bits), 'lo' (write bits 15:0,
+    keep 31:16), 'hi' (write bits 31:16, keep 15:0; stores take the data from bits 31:16)."""
+    parts = name.split("_")
+    kind = parts[1]
+    rest = parts[2:]
+    d16 = None
+    if rest[-2:] == ["d16", "hi"]:
+        d16, rest = "hi", rest[:-2]
+    elif rest[-1:] == ["d16"]:
+        d16, rest = "lo", rest[:-1]
+    width = "_".join(rest)
+    if width not in _WIDTH:
+        return None
+    n, signed = _WIDTH[width]
+    return kind, n, signed, d16
+
+
+def _data_rows(inst, field: str) -> int:
+    row = inst.f[field]
+    return row + (AGPR_BASE if inst.f.get("acc") else 0)
+
+
+def _gather_store_bytes(w, row: int, nbytes: int, d16: str | None) -> np.ndarray:
+    """(64, nbytes) uint8 of the data registers of a store."""
+    if nbytes >= DWORD:
+        words = w.v[row:row + nbytes // DWORD]
+        return np.ascontiguousarray(words.T).view(U8).reshape(LANES, nbytes)
+    word = w.v[row]
+    if d16 == "hi":
+        word = word >> U32(16)
+    return np.ascontiguousarray(word).view(U8).reshape(LANES, DWORD)[:, :nbytes]
+
+
+def _write_load(w, row: int, data: np.ndarray, nbytes: int, signed: bool, d16: str | None, mask) -> None:
+    """Write (64, nbytes) uint8 loaded data to the destination registers of the active lanes."""
+    if nbytes >= DWORD:
+        words = np.ascontiguousarray(data).view(U32).reshape(LANES, nbytes // DWORD).T
+        if mask is None:
+            w.v[row:row + nbytes // DWORD] = words
+        else:
+            np.copyto(w.v[row:row + nbytes // DWORD], words, where=mask)
+        return
+    if nbytes == 1:
+        value = data[:, 0].view(np.int8).astype(np.int32).view(U32) if signed else data[:, 0].astype(U32)
+    else:
+        raw = np.ascontiguousarray(data).view(U16)[:, 0]
+        value = raw.view(np.int16).astype(np.int32).view(U32) if signed else raw.astype(U32)
+    if d16 is None:
+        new = value
+    elif d16 == "lo":
+        new = (w.v[row] & U32(0xFFFF0000)) | (value & U32(0xFFFF))
+    else:
+        new = (w.v[row] & U32(0xFFFF)) | (value << U32(16))
+    if mask is None:
+        w.v[row] = new
+    else:
+        np.copyto(w.v[row], new, where=mask)
+
+
+def _active(w):
+    return None if w.exec_full else w.exec_mask
+
+
+# --- atomics ------------------------------------------------------------------------------------------
+def _bf16x2_add(old, val):
+    def add_half(o, v):
+        return f32_to_bf16_bits(bf16_bits_to_f32(o) + bf16_bits_to_f32(v)).astype(U32)
+    lo = add_half(old & U32(0xFFFF), val & U32(0xFFFF))
+    hi = add_half(old >> U32(16), val >> U32(16))
+    return lo | (hi << U32(16))
+
+
+def _f16x2_add(old, val):
+    def add_half(o, v):
+        s = o.astype(U16).view(np.float16).astype(np.float64) + v.astype(U16).view(np.float16).astype(np.float64)
+        return s.astype(np.float16).view(U16).astype(U32)
+    return add_half(old & U32(0xFFFF), val & U32(0xFFFF)) | (add_half(old >> U32(16), val >> U32(16)) << U32(16))
+
+
+# op -> (dwords of memory operand, fn(old, data) -> new); data for cmpswap is (src, cmp)
+ATOMIC_OPS = {
+    "swap": (1, lambda o, d: d), "add": (1, lambda o, d: o + d), "sub": (1, lambda o, d: o - d),
+    "smin": (1, lambda o, d: np.minimum(o.view(np.int32), d.view(np.int32)).view(U32)),
+    "umin": (1, np.minimum),
+    "smax": (1, lambda o, d: np.maximum(o.view(np.int32), d.view(np.int32)).view(U32)),
+    "umax": (1, np.maximum), "and": (1, lambda o, d: o & d), "or": (1, lambda o, d: o | d),
+    "xor": (1, lambda o, d: o ^ d),
+    "inc": (1, lambda o, d: np.where(o >= d, U32(0), o + U32(1))),
+    "dec": (1, lambda o, d: np.where((o == 0) | (o > d), d, o - U32(1))),
+    "add_f32": (1, lambda o, d: (o.view(F32) + d.view(F32)).view(U32)),
+    "pk_add_bf16": (1, _bf16x2_add), "pk_add_f16": (1, _f16x2_add),
+    "cmpswap": (1, None),
+}
+
+
+def _apply_atomic(space, idx, data, op):
+    """Apply an atomic to uint32 elements space[idx] lane by lane in lane order when lanes collide,
+    vectorised otherwise; returns the values before the operation."""
+    if op == "cmpswap":
+        src, cmp = data
+    if np.unique(idx).size == idx.size:
+        old = space[idx].copy()
+        if op == "cmpswap":
+            space[idx] = np.where(old == cmp, src, old)
+        else:
+            space[idx] = ATOMIC_OPS[op][1](old, data).astype(U32)
+        return old
+    old = np.empty(idx.size, U32)
+    for k in range(idx.size):
+        i = idx[k]
+        o = space[i:i + 1].copy()
+        old[k] = o[0]
+        if op == "cmpswap":
+            space[i] = src[k] if o[0] == cmp[k] else o[0]
+        else:
+            space[i] = ATOMIC_OPS[op][1](o, data[k:k + 1]).astype(U32)[0]
+    return old
+
+
+def _atomic_op(name: str) -> str | None:
+    op = name.split("_atomic_", 1)[1]
+    return op if op in ATOMIC_OPS else None
+
+
+# --- GLOBAL / FLAT ------------------------------------------------------------------------------------
+def _global_address(ctx, inst):
+    """Closure w -> uint64[64] lane addresses of a GLOBAL/FLAT instruction."""
+    f = inst.f
+    offset = U64(sext(f["offset"], 13) & 0xFFFFFFFFFFFFFFFF) if inst.enc != "FLAT" else U64(f["offset"])
+    vaddr = f["addr"]
+    if inst.enc == "SCRATCH":
+        raise ctx.error(inst, "scratch memory is not supported")
+    if inst.enc == "GLOBAL" and f["saddr"] != D.GLOBAL_SADDR_OFF:
+        base = sreader(ctx, inst, f["saddr"], 64)
+        return lambda w: U64(base(w)) + w.v[vaddr].astype(U64) + offset
+    return lambda w: (w.v[vaddr].astype(U64) | (w.v[vaddr + 1].astype(U64) << U64(32))) + offset
+
+
+def build_global(inst, ctx):
+    name = inst.name
+    if inst.enc == "GLOBAL" and "load_lds" in name:
+        raise ctx.error(inst, "global_load_lds (direct to LDS) is not supported")
+    address = _global_address(ctx, inst)
+    index = ctx.index
+    if "_atomic_" in name:
+        return _build_global_atomic(inst, ctx, address, index)
+    parsed = _parse(name)
+    if parsed is None:
+        return None
+    kind, nbytes, signed, d16 = parsed
+    if kind == "load":
+        row = _data_rows(inst, "vdst")
+
+        def load(w):
+            mask = _active(w)
+            addrs = address(w)
+            data = w.launch.memory.load(addrs, nbytes, mask)
+            _write_load(w, row, data, nbytes, signed, d16, mask)
+            w.launch.rec.global_access(index, addrs, mask, nbytes, False)
+        return load
+    row = _data_rows(inst, "data")
+
+    def store(w):
+        mask = _active(w)
+        addrs = address(w)
+        w.launch.memory.store(addrs, _gather_store_bytes(w, row, nbytes, d16), mask)
+        w.launch.rec.global_access(index, addrs, mask, nbytes, True)
+    return store
+
+
+def _build_global_atomic(inst, ctx, address, index):
+    name = inst.name
+    op = _atomic_op(name)
+    if op is None or name.endswith("_x2"):
+        return None
+    data_row = _data_rows(inst, "data")
+    ret_row = _data_rows(inst, "vdst") if inst.f["sc0"] else None  # sc0 (glc): return the old value
+
+    def atomic(w):
+        mask = w.exec_mask
+        addrs = address(w)
+        lanes = np.flatnonzero(mask)
+        if lanes.size:
+            mem = w.launch.memory
+            a = addrs[lanes]
+            mem.check(a, DWORD, None, write=True)
+            if np.any(a & U64(3)):
+                raise ctx.error(inst, "misaligned atomic address")
+            idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
+            data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
+            old = _apply_atomic(mem.space(U32), idx, data, op)
+            if ret_row is not None:
+                w.v[ret_row, lanes] = old
+        w.launch.rec.global_access(index, addrs, mask, DWORD, True)
+    return atomic
+
+
+# --- MUBUF --------------------------------------------------------------------------------------------
+def _buffer_parts(ctx, inst):
+    """Closures for the descriptor fields and the per-lane checked offset of a MUBUF instruction."""
+    f = inst.f
+    if f["idxen"]:
+        raise ctx.error(inst, "indexed (structured) buffer access is not supported")
+    if f["lds"]:
+        raise ctx.error(inst, "buffer load to LDS is not supported")
+    rs = f["srsrc"] * 4
+    if rs + 4 > 102:
+        raise ctx.error(inst, "buffer resource outside the SGPRs")
+    soff = sreader(ctx, inst, f["soffset"])
+    inst_offset = U64(f["offset"])
+    vaddr = f["vaddr"]
+    offen = f["offen"]
+
+    def descriptor(w):
+        s = w.s
+        stride = (s[rs + 1] >> RSRC_STRIDE_SHIFT) & RSRC_STRIDE_MASK
+        if stride or (s[rs + 1] >> RSRC_SWIZZLE_BIT) & 1 or (s[rs + 3] >> RSRC_ADD_TID_BIT) & 1:
+            raise ctx.error(inst, f"buffer resource with stride {stride} / swizzle / add-tid is not supported "
+                                  f"(descriptor {s[rs]:#x} {s[rs + 1]:#x} {s[rs + 2]:#x} {s[rs + 3]:#x})")
+        base = (s[rs] | s[rs + 1] << 32) & BASE_MASK
+        return base, s[rs + 2], soff(w)
+
+    def offsets(w):
+        if offen:
+            return w.v[vaddr].astype(U64) + inst_offset
+        return np.full(LANES, inst_offset, U64)
+    return descriptor, offsets
+
+
+def build_buffer(inst, ctx):
+    name = inst.name
+    if "_format_" in name or name in ("buffer_wbl2", "buffer_inv"):
+        if name in ("buffer_wbl2", "buffer_inv"):
+            return lambda w: None
+        return None
+    descriptor, offsets = _buffer_parts(ctx, inst)
+    index = ctx.index
+    if "_atomic_" in name:
+        return _build_buffer_atomic(inst, ctx, descriptor, offsets, index)
+    parsed = _parse(name)
+    if parsed is None:
+        return None
+    kind, nbytes, signed, d16 = parsed
+    ncomp = nbytes // DWORD if nbytes >= DWORD else 1
+    comp_bytes = DWORD if nbytes >= DWORD else nbytes
+    comp_off = (np.arange(ncomp, dtype=U64) * U64(comp_bytes))
+
+    def lane_ranges(w):
+        base, num_records, soffset = descriptor(w)
+        off = offsets(w)
+        ends = off[:, None] + comp_off + U64(comp_bytes)  # per component: in range if end <= num_records
+        in_range = ends <= U64(num_records)
+        addrs = U64(base) + U64(soffset) + off
+        return addrs, in_range
+
+    if kind == "load":
+        row = _data_rows(inst, "vdata")
+
+        def load(w):
+            addrs, in_range = lane_ranges(w)
+            active = w.exec_mask
+            mem, rec = w.launch.memory, w.launch.rec
+            if in_range.all():
+                data = mem.load(addrs, nbytes, None if w.exec_full else active)
+                rec.global_access(index, addrs, None if w.exec_full else active, nbytes, False)
+            else:  # out-of-range components read 0 and are never touched (they may be unmapped)
+                data = np.zeros((LANES, nbytes), U8)
+                for c in range(ncomp):
+                    ok = in_range[:, c] & active
+                    part_addrs = addrs + U64(c * comp_bytes)
+                    data[:, c * comp_bytes:(c + 1) * comp_bytes] = mem.load(part_addrs, comp_bytes, ok)
+                    rec.global_access(index, part_addrs, ok, comp_bytes, False, c)
+            _write_load(w, row, data, nbytes, signed, d16, None if w.exec_full else active)
+        return load
+    row = _data_rows(inst, "vdata")
+
+    def store(w):
+        addrs, in_range = lane_ranges(w)
+        active = w.exec_mask
+        data = _gather_store_bytes(w, row, nbytes, d16)
+        mem = w.launch.memory
+        if in_range.all():
+            mem.store(addrs, data, active)
+            w.launch.rec.global_access(index, addrs, active, nbytes, True)
+            return
+        for c in range(ncomp):  # out-of-range dwords are dropped one by one
+            ok = in_range[:, c] & active
+            mem.store(addrs + U64(c * comp_bytes), data[:, c * comp_bytes:(c + 1) * comp_bytes], ok)
+            w.launch.rec.global_access(index, addrs + U64(c * comp_bytes), ok, comp_bytes, True, c)
+    return store
+
+
+def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
+    op = _atomic_op(inst.name)
+    if op is None or inst.name.endswith("_x2"):
+        return None
+    data_row = _data_rows(inst, "vdata")
+    ret = bool(inst.f["sc0"])  # return the old value into vdata
+
+    def atomic(w):
+        base, num_records, soffset = descriptor(w)
+        off = offsets(w)
+        ok = (off + U64(DWORD) <= U64(num_records)) & w.exec_mask
+        addrs = U64(base) + U64(soffset) + off
+        lanes = np.flatnonzero(ok)
+        if lanes.size:
+            mem = w.launch.memory
+            a = addrs[lanes]
+            mem.check(a, DWORD, None, write=True)
+            if np.any(a & U64(3)):
+                raise ctx.error(inst, "misaligned atomic address")
+            idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
+            data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
+            old = _apply_atomic(mem.space(U32), idx, data, op)
+            if ret:
+                w.v[data_row, lanes] = old
+        if ret:  # lanes out of range return 0
+            bad = w.exec_mask & ~ok
+            w.v[data_row, bad] = 0
+        w.launch.rec.global_access(index, addrs, ok, DWORD, True)
+    return atomic
+
+
+# --- DS (LDS) -----------------------------------------------------------------------------------------
+_DS_WIDTH = {"b8": 1, "u8": 1, "i8": 1, "b16": 2, "u16": 2, "i16": 2, "b32": 4, "b64": 8, "b96": 12, "b128": 16}
+
+
+class _Lds:
+    """Checked gathers/scatters on the workgroup's LDS bytes (lanes past the end: 0 / dropped)."""
+
+    @staticmethod
+    def _ok(w, addrs, nbytes, mask):
+        size = w.wg.lds.size
+        ok = addrs.astype(np.int64) + nbytes <= size
+        if mask is not None:
+            bad = mask & ~ok
+            ok = ok & mask
+        else:
+            bad = ~ok
+        n_bad = int(np.count_nonzero(bad))
+        if n_bad:
+            w.launch.lds_oob += n_bad
+        return ok
+
+    @staticmethod
+    def read(w, addrs, nbytes, mask):
+        ok = _Lds._ok(w, addrs, nbytes, mask)
+        idx = addrs.astype(np.int64)[:, None] + np.arange(nbytes)
+        idx = np.where(ok[:, None], idx, 0)
+        data = w.wg.lds[idx]
+        if not ok.all():
+            data = data * ok[:, None].astype(U8)
+        return data
+
+    @staticmethod
+    def write(w, addrs, data, mask):
+        nbytes = data.shape[1]
+        ok = _Lds._ok(w, addrs, nbytes, mask)
+        lanes = np.flatnonzero(ok)
+        idx = addrs.astype(np.int64)[lanes, None] + np.arange(nbytes)
+        w.wg.lds[idx] = data[lanes]  # colliding lanes: the highest lane's bytes win
+
+
+def build_ds(inst, ctx):
+    name, f = inst.name, inst.f
+    if f["gds"]:
+        raise ctx.error(inst, "GDS is not supported")
+    index = ctx.index
+    addr_row = f["addr"]
+    acc = AGPR_BASE if f["acc"] else 0
+    d0, d1, vdst = f["data0"] + acc, f["data1"] + acc, f["vdst"] + acc
+    offset = f["offset0"] | f["offset1"] << 8
+    op = name[3:]
+
+    def addrs(w):
+        return w.v[addr_row].astype(np.int64) + offset
+
+    if op in ("swizzle_b32", "permute_b32", "bpermute_b32"):
+        return _build_ds_lane(inst, ctx, op, addr_row, d0, vdst, offset, index)
+    if op.startswith(("write2", "read2")):
+        return _build_ds_pair(inst, ctx, op, addr_row, d0, d1, vdst, index)
+    if op.startswith(("write_", "read_")) and "addtid" not in op and "_tr_" not in op:
+        parts = op.split("_")
+        kind, width = parts[0], parts[1]
+        d16 = None
+        if parts[2:] == ["d16", "hi"]:
+            d16 = "hi"
+        elif parts[2:] == ["d16"]:
+            d16 = "lo"
+        elif parts[2:]:
+            return None
+        nbytes = _DS_WIDTH.get(width)
+        if nbytes is None:
+            return None
+        signed = width.startswith("i")
+        if kind == "write":
+            def ds_write(w):
+                mask = _active(w)
+                _Lds.write(w, addrs(w), _gather_store_bytes(w, d0, nbytes, d16), mask)
+                w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), nbytes)
+            return ds_write
+
+        def ds_read(w):
+            mask = _active(w)
+            data = _Lds.read(w, addrs(w), nbytes, mask)
+            _write_load(w, vdst, data, nbytes, signed, d16, mask)
+            w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), nbytes)
+        return ds_read
+    return _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index)
+
+
+def _build_ds_pair(inst, ctx, op, addr_row, d0, d1, vdst, index):
+    """ds_write2/read2[st64]_b32/b64: two accesses at addr + offset0/1 * size (* 64 for st64)."""
+    f = inst.f
+    width = op.rsplit("_", 1)[1]
+    nbytes = {"b32": 4, "b64": 8}.get(width)
+    if nbytes is None:
+        return None
+    scale = nbytes * (64 if "st64" in op else 1)
+    o0, o1 = f["offset0"] * scale, f["offset1"] * scale
+    if op.startswith("write2"):
+        def write2(w):
+            mask = _active(w)
+            a = w.v[addr_row].astype(np.int64)
+            _Lds.write(w, a + o0, _gather_store_bytes(w, d0, nbytes, None), mask)
+            _Lds.write(w, a + o1, _gather_store_bytes(w, d1, nbytes, None), mask)
+            w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), 2 * nbytes)
+        return write2
+    words = nbytes // DWORD
+
+    def read2(w):
+        mask = _active(w)
+        a = w.v[addr_row].astype(np.int64)
+        first = _Lds.read(w, a + o0, nbytes, mask)
+        second = _Lds.read(w, a + o1, nbytes, mask)
+        _write_load(w, vdst, first, nbytes, False, None, mask)
+        _write_load(w, vdst + words, second, nbytes, False, None, mask)
+        w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), 2 * nbytes)
+    return read2
+
+
+def _build_ds_lane(inst, ctx, op, addr_row, d0, vdst, offset, index):
+    """ds_swizzle_b32, ds_permute_b32 (push), ds_bpermute_b32 (pull): cross-lane moves through the
+    LDS crossbar (no LDS memory is touched). A lane reading an inactive lane gets 0."""
+    if op == "swizzle_b32":
+        if offset & 0x8000:  # quad mode: lane i of each quad reads quad lane offset[2i+1:2i]
+            sel = np.array([(offset >> (2 * i)) & 3 for i in range(4)])
+            src = (LANE_IDS & ~3) + sel[LANE_IDS & 3]
+        else:  # bit mode within 32-lane halves: ((lane & and) | or) ^ xor
+            and_m, or_m, xor_m = offset & 0x1F, (offset >> 5) & 0x1F, (offset >> 10) & 0x1F
+            src = (LANE_IDS & 32) | ((((LANE_IDS & 31) & and_m) | or_m) ^ xor_m)
+
+        def swizzle(w):  # the data operand of ds_swizzle is the ADDR register
+            data = w.v[addr_row][src] * w.exec_mask[src]
+            if w.exec_full:
+                w.v[vdst] = data
+            else:
+                np.copyto(w.v[vdst], data, where=w.exec_mask)
+        return swizzle
+
+    def permute(w):
+        lane = ((w.v[addr_row].astype(np.int64) + offset) >> 2) & (LANES - 1)
+        mask = w.exec_mask
+        if op == "bpermute_b32":
+            data = w.v[d0][lane] * mask[lane]
+        else:
+            data = np.zeros(LANES, U32)
+            act = np.flatnonzero(mask)
+            data[lane[act]] = w.v[d0][act]  # colliding lanes: the highest lane wins
+        if w.exec_full:
+            w.v[vdst] = data
+        else:
+            np.copyto(w.v[vdst], data, where=mask)
+    return permute
+
+
+_DS_ATOMIC = {"add_u32": "add", "sub_u32": "sub", "min_i32": "smin", "max_i32": "smax", "min_u32": "umin",
+              "max_u32": "umax", "and_b32": "and", "or_b32": "or", "xor_b32": "xor", "inc_u32": "inc",
+              "dec_u32": "dec", "add_f32": "add_f32", "wrxchg_b32": "swap", "cmpst_b32": "cmpswap",
+              "pk_add_bf16": "pk_add_bf16", "pk_add_f16": "pk_add_f16"}
+
+
+def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
+    ret = "_rtn_" in op
+    base = op.replace("rtn_", "")
+    if base in ("min_f32", "max_f32"):
+        from .isa_valu import max_f32, min_f32
+        fn = max_f32 if base == "max_f32" else min_f32
+        atomic = "custom"
+    else:
+        atomic = _DS_ATOMIC.get(base)
+        if atomic is None:
+            return None
+
+    def run(w):
+        a = addrs(w)
+        mask = w.exec_mask
+        lanes = np.flatnonzero(mask)
+        ok = _Lds._ok(w, a, DWORD, mask)
+        if np.any(a[lanes] & 3):
+            raise ctx.error(inst, "misaligned LDS atomic address")
+        good = np.flatnonzero(ok)
+        lds32 = w.wg.lds[: w.wg.lds.size // 4 * 4].view(U32)
+        idx = a[good] >> 2
+        if atomic == "custom":
+            old = np.empty(good.size, U32)
+            for k, lane in enumerate(good):
+                o = lds32[idx[k]:idx[k] + 1].copy()
+                old[k] = o[0]
+                lds32[idx[k]] = fn(o.view(F32), w.v[d0, lane:lane + 1].view(F32), ctx.ieee).view(U32)[0]
+        else:
+            data = (w.v[d0, good], w.v[d1, good]) if atomic == "cmpswap" else w.v[d0, good]
+            if atomic == "cmpswap":  # ds_cmpst: DATA0 is the compare value, DATA1 the new one
+                data = (data[1], data[0])
+            old = _apply_atomic(lds32, idx, data, atomic)
+        if ret:
+            out = np.zeros(LANES, U32)
+            out[good] = old
+            np.copyto(w.v[vdst], out, where=mask)
+        w.launch.rec.lds_access(index, int(lanes.size), DWORD)
+    return run
+
+
+BUILDERS_BY_ENC = {"GLOBAL": build_global, "FLAT": build_global, "SCRATCH": build_global,
+                   "MUBUF": build_buffer, "DS": build_ds}
