@@ -1,0 +1,854 @@
+"""Shared pieces of the MXFP8 quantize kernels: the bitwise scale rules, element conversion,
+cross-lane exchanges, buffer access and scale-layout addressing (emitted into FlyDSL kernels).
+
+Every kernel quantizes blocks of 32 elements: amax = max |x| over the block, an E8M0 code c
+and elements fp8(clamp(x * m, -448, 448)) with the multiplier m of flyquant.formats.mx_scale.
+All of it is integer bit arithmetic on the input's bit patterns (no device math library):
+
+amax. |x| of a 16-bit value is its pattern with the sign cleared, and patterns of non-negative
+values order like the values (NaN patterns above Inf), so an unsigned max of patterns is the
+amax with NaN winning: a pattern >= the Inf pattern flags a non-finite block. gfx950's NaN-
+propagating v_pk_maximum3_f16 (maximum(t, x, -x) = max(t, |x|)) takes 1 instruction per two
+elements instead of 2: exact for FP16, and for BF16 patterns read as FP16 it orders every
+pattern below 0x7C00 (|x| < 2^121) correctly; a block at or above that is "suspicious" and the
+tile is redone with the exact integer max (rare: only huge, Inf or NaN values). FP32 on gfx950
+uses v_maximum3_f32 with |.| modifiers (NaN-propagating); elsewhere v_max3_u32 on masked bits.
+
+Scale rule (the E8M0 code c and the exponent e of the conversion scale 2^(e-127); eb = the
+FP32 exponent field of amax, j = its mantissa field):
+  floor: c = max(eb - 8, 0)                         e = max(c, 1)   (torchao: scale >= 2^-126)
+  rceil: c = max(eb - 8 + [j > 0x600000 + J], 0)    e = c, or 127 when c == 0 (multiplier 1.0)
+j > 0x600000 means amax / 448 > 2^(eb - 135), i.e. ceil(log2(amax / 448)) steps up (448 =
+1.75 * 2^8). J is torchao's FP32 log2 rounding (formats.py, quirk TORCHAO_RCEIL_LOG2) mapped to
+amax mantissas: 0 for BF16/FP16 (their mantissas never come that close to 1.75), a table for
+FP32 (RCEIL_LOG2_J). BF16 works on its own pattern (eb = p >> 7, 7 mantissa bits), FP16 is
+widened to FP32 first (exact; FP16 subnormals become normal FP32). The NaN code 0xFF and the
+element pattern 0x7F are written for non-finite blocks by a rare pass after the common one.
+
+Elements. gfx950: v_cvt_scalef32_pk_fp8_{bf16,f16,f32} compute fp8(x / 2^(e-127)) (exact
+scaling, round to nearest even, OCP bits) but give NaN on overflow, so floor mode (where x / s
+reaches [448, 512)) first clamps |x| to L = 448 * 2^(e-127): on 16-bit patterns with an
+unsigned min (negative patterns) then a signed min (positive patterns). rceil never overflows:
+amax / s <= 448, or at most 448 * (1 + 2^-18) for torchao's log2 quirk, which rounds to 448.
+gfx942's converter v_cvt_pk_fp8_f32 is FNUZ E4M3 (bias 8): the OCP code of v is the FNUZ code
+of v / 2 for every finite v (both grids scale by exactly 2, subnormals included), so the
+multiplier carries an extra 0.5, floor clamps to +-224, and the FNUZ +0 of a negative input
+(FNUZ has no -0) gets the sign bit OR-ed back from the input's sign (OCP -0 = 0x80; nonzero
+FNUZ results already carry it).
+
+Lanes. A wave is 64 lanes; the kernels split a block over lanes at power-of-two distances and
+combine with `exchange` (gfx950: v_permlane16/32_swap for distances 16/32; otherwise a DPP
+move at distance 1, 2 or 8 plus selects).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import flydsl.expr as fx
+import torch
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import arith, llvm, scf, vector
+from flydsl._mlir.dialects import fly as _fly
+from flydsl._mlir.dialects import rocdl
+from flydsl.expr.typing import as_ir_value
+
+from flyquant.formats import MX_BLOCK
+from flyquant.layouts import MFMA_COL_PAD, MFMA_ROW_PAD, TCGEN05_TILE_COLS, TCGEN05_TILE_ROWS
+
+def source_tag(*modules) -> str:
+    """A hash of this file and `modules`' sources. FlyDSL's disk cache keys a kernel on its own
+    module's functions and closure values but not on helpers reached through module attributes
+    (mx.*), so every builder captures this tag as a closure value: editing a helper recompiles."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    for m in modules:
+        h.update(Path(m.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+WAVE = 64
+PIECE_BYTES = 16  # one buffer_load_dwordx4 per lane: the unit every kernel loads and converts
+PIECE_DWORDS = PIECE_BYTES // 4
+# Buffer resource flags word for CDNA raw buffers (DATA_FORMAT=32, NUM_FORMAT=float); the
+# stride is 0, so hardware drops stores and zero-fills loads at byte offsets >= num_records.
+CDNA_BUFFER_FLAGS = (7 << 12) | (4 << 15)
+MAX_LAUNCH_BYTES = 1 << 31  # per buffer of one launch (offsets are non-negative i32)
+OOB = MAX_LAUNCH_BYTES  # a buffer offset past every buffer's end: the access is dropped
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Patterns of |x| at and above which a value is Inf or NaN.
+NONFINITE = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}
+F16_VIEW_INF = 0x7C00  # BF16 patterns >= this are Inf/NaN when read as FP16
+E4M3_NAN_X4 = 0x7F7F7F7F  # four E4M3 NaN bytes
+E8M0_NAN = 0xFF
+E4M3_MAX_POW2 = 8  # 448 = 1.75 * 2^8
+BF16_MANT_BITS = 7
+F32_MANT_BITS = 23
+F32_MANT_175 = 0x600000  # mantissa field of 1.75
+BF16_MANT_175 = 0x60
+FNUZ_HALF_MAX = 224.0  # 448 / 2: the OCP maximum, in FNUZ units
+# E8M0 exponent used when torchao's rceil multiplier is 1.0 (code 0): 2^(127-127).
+UNSCALED_EXP = 127
+# gfx942 multiplier 2^(126 - e) = 0.5 * 2^(127 - e) has FP32 exponent field 253 - e.
+FNUZ_MULT_FIELD = 253
+
+# torchao's rceil (formats.py quirk TORCHAO_RCEIL_LOG2), as the largest amax mantissa offset
+# j = mant - 0x600000 that does not step the scale up, per binade b of L (L = eb - 135 when
+# positive, 134 - eb otherwise): J = 0 for b < 2, else RCEIL_LOG2_J[b]. FP32 amax only.
+# eb = 8 (descale an FP32 subnormal, counted in units of 2^-22) allows one more.
+RCEIL_LOG2_J = (0, 0, 2, 4, 9, 20, 39, 40)
+RCEIL_SUBNORMAL_EB = 8
+RCEIL_DESCALE_EB = E4M3_MAX_POW2 + 127  # eb at which descale = amax / 448 has exponent 0
+RCEIL_TINY_TOP = 253 << 7  # bf16_scale_pair: top half giving exponent 254 for code-0 blocks
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a kernel variant is specialized on."""
+
+    arch: str  # "gfx942" | "gfx950"
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    mode: str  # "floor" | "rceil"
+
+    @property
+    def tag(self) -> str:
+        return f"{self.mode}_{self.dtype}_{self.arch}"
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def wide(self) -> bool:
+        return self.dtype == "fp32"
+
+    @property
+    def elems_per_piece(self) -> int:
+        return PIECE_BYTES // self.elem_bytes
+
+    @property
+    def pieces_per_block(self) -> int:
+        return MX_BLOCK // self.elems_per_piece
+
+    @property
+    def scaled_cvt(self) -> bool:
+        """gfx950's OCP scaled conversions (else gfx942's FNUZ converter)."""
+        return self.arch == "gfx950"
+
+    @property
+    def f16_view(self) -> bool:
+        """amax by v_pk_maximum3_f16 (gfx950, 16-bit types)."""
+        return self.arch == "gfx950" and not self.wide
+
+    @property
+    def needs_exact_redo(self) -> bool:
+        """BF16 read as FP16: blocks with patterns >= 0x7C00 need the exact integer amax."""
+        return self.f16_view and self.dtype == "bf16"
+
+    @property
+    def suspicious(self) -> int:
+        """amax pattern from which a tile takes the rare path."""
+        return F16_VIEW_INF if self.needs_exact_redo else NONFINITE[self.dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# IR helpers (i32 unless stated; Python ints become i32 constants)
+# ------------------------------------------------------------------------------------------------
+
+
+def i32_t():
+    return ir.IntegerType.get_signless(32)
+
+
+def i64_t():
+    return ir.IntegerType.get_signless(64)
+
+
+def v2i16_t():
+    return ir.VectorType.get([2], ir.IntegerType.get_signless(16))
+
+
+def v2f16_t():
+    return ir.VectorType.get([2], ir.F16Type.get())
+
+
+def v2bf16_t():
+    return ir.VectorType.get([2], ir.BF16Type.get())
+
+
+def vec_i32_t(n):
+    return ir.VectorType.get([n], i32_t())
+
+
+def f32_t():
+    return ir.F32Type.get()
+
+
+def const(v: int, ty=None):
+    ty = ty or i32_t()
+    width = ir.IntegerType(ty).width
+    v = int(v) & ((1 << width) - 1)
+    if v >= 1 << (width - 1):
+        v -= 1 << width
+    return arith.constant(ty, v)
+
+
+def val(x):
+    """An ir.Value from an ir.Value, a FlyDSL numeric or a Python int (i32)."""
+    if isinstance(x, int):
+        return const(x)
+    if isinstance(x, float):
+        return arith.constant(f32_t(), x)
+    if not isinstance(x, ir.Value) and hasattr(x, "ir_value"):
+        return x.ir_value()
+    return x
+
+
+def _operands(a, b):
+    """Two ir.Values of one type: a Python int takes the type of the other operand."""
+    if isinstance(a, int) and not isinstance(b, int):
+        b = val(b)
+        return const(a, b.type), b
+    a = val(a)
+    return a, const(b, a.type) if isinstance(b, int) else val(b)
+
+
+def add(a, b):
+    return arith.addi(*_operands(a, b))
+
+
+def sub(a, b):
+    return arith.subi(*_operands(a, b))
+
+
+def mul(a, b):
+    return arith.muli(*_operands(a, b))
+
+
+def band(a, b):
+    return arith.andi(*_operands(a, b))
+
+
+def bor(a, b):
+    return arith.ori(*_operands(a, b))
+
+
+def shl(a, b):
+    return arith.shli(*_operands(a, b))
+
+
+def lshr(a, b):
+    return arith.shrui(*_operands(a, b))
+
+
+def umax(a, b):
+    return arith.maxui(*_operands(a, b))
+
+
+def umin(a, b):
+    return arith.minui(*_operands(a, b))
+
+
+def select(c, a, b):
+    return arith.select(c, val(a), val(b))
+
+
+def cmp_uge(a, b):
+    return arith.cmpi(arith.CmpIPredicate.uge, val(a), val(b))
+
+
+def cmp_ult(a, b):
+    return arith.cmpi(arith.CmpIPredicate.ult, val(a), val(b))
+
+
+def cmp_ule(a, b):
+    return arith.cmpi(arith.CmpIPredicate.ule, *_operands(a, b))
+
+
+def cmp_ne(a, b):
+    return arith.cmpi(arith.CmpIPredicate.ne, *_operands(a, b))
+
+
+def cmp_eq(a, b):
+    return arith.cmpi(arith.CmpIPredicate.eq, val(a), val(b))
+
+
+def umulhi(a, b):
+    """High 32 bits of the unsigned 64-bit product (v_mul_hi_u32)."""
+    return arith.mului_extended(*_operands(a, b))[1]
+
+
+def usub_sat(a, b):
+    """max(a - b, 0) unsigned (v_sub_u32 with clamp)."""
+    return llvm.intr_usub_sat(val(a), val(b))
+
+
+def to_i64(x):
+    return arith.extui(i64_t(), val(x))
+
+
+def bitcast(ty, x):
+    return llvm.bitcast(ty, val(x))
+
+
+def as_f32(x):
+    return arith.bitcast(f32_t(), val(x))
+
+
+def as_i32(x):
+    return arith.bitcast(i32_t(), val(x))
+
+
+def pk(op, a, b):
+    """A lane-wise op on two 16-bit halves (v_pk_* on a dword)."""
+    return bitcast(i32_t(), op(bitcast(v2i16_t(), a), bitcast(v2i16_t(), b)))
+
+
+def pk_umax(a, b):
+    return pk(arith.maxui, a, b)
+
+
+def pk_umin(a, b):
+    return pk(arith.minui, a, b)
+
+
+def pk_smin(a, b):
+    return pk(arith.minsi, a, b)
+
+
+def splat16(v: int) -> int:
+    return (v & 0xFFFF) * 0x10001
+
+
+def perm(hi, lo, sel):
+    """v_perm_b32: byte i of the result is byte sel[i] of (hi:lo) (0-3 from lo, 4-7 from hi)."""
+    return llvm.call_intrinsic(i32_t(), "llvm.amdgcn.perm", [val(hi), val(lo), val(sel)], [], [])
+
+
+def extract(vec, i):
+    return vector.extract(vec, static_position=[i], dynamic_position=[])
+
+
+def from_elements(values):
+    return vector.from_elements(vec_i32_t(len(values)), [val(v) for v in values])
+
+
+def poison(ty):
+    return llvm.mlir_poison(ty)
+
+
+def lane_id():
+    return band(val(fx.Int32(fx.thread_idx.x)), WAVE - 1)
+
+
+def readfirstlane(x):
+    """The value of the first active lane (makes a wave-uniform value visible as such)."""
+    return rocdl.readfirstlane(i32_t(), val(x))
+
+
+def opaque_sgpr(x):
+    """x, hidden from LLVM's loop optimizations by an empty inline asm (no instruction): keeps a
+    per-iteration address computation inside the loop, where constant offsets fold into the
+    buffer instructions' immediate field instead of becoming strength-reduced VALU adds."""
+    return llvm.inline_asm(i32_t(), [val(x)], "", "=s,0")
+
+
+def wave_any(pred):
+    """True (i1, wave-uniform) when `pred` holds in any active lane."""
+    return arith.cmpi(arith.CmpIPredicate.ne, rocdl.ballot(i64_t(), pred), arith.constant(i64_t(), 0))
+
+
+def if_then(cond, body):
+    """Emit `if cond: body()` (no results)."""
+    op = scf.IfOp(cond, [], has_else=False)
+    with ir.InsertionPoint(op.regions[0].blocks[0]):
+        body()
+        scf.YieldOp([])
+
+
+def if_else(cond, then_body, else_body, types=()):
+    """Emit `r = then_body() if cond else else_body()`: the bodies return lists of values of
+    `types` (or nothing when types is empty)."""
+    op = scf.IfOp(cond, list(types), has_else=True)
+    if len(op.regions[1].blocks) == 0:
+        op.regions[1].blocks.append()
+    for region, body in zip(op.regions, (then_body, else_body)):
+        with ir.InsertionPoint(region.blocks[0]):
+            scf.YieldOp([val(v) for v in (body() or [])])
+    return list(op.results)
+
+
+# ------------------------------------------------------------------------------------------------
+# Buffers (raw resources: range-checked, 32-bit offsets; launches keep each below 2 GiB)
+# ------------------------------------------------------------------------------------------------
+
+
+def buffer(tensor, byte_offset, nbytes):
+    """A raw buffer resource over `tensor`'s bytes [byte_offset, byte_offset + nbytes):
+    byte_offset i64 (or i32, unsigned), nbytes an unsigned i32 (launchers keep every buffer
+    below 2 GiB, so byte offsets stay non-negative i32). Accesses at offsets >= nbytes are
+    dropped (stores) or read 0 (loads); the scalar offset is added after that check."""
+    base = _fly.extract_aligned_pointer_as_index(ir.Type.parse("!llvm.ptr"), as_ir_value(tensor))
+    off = val(byte_offset)
+    off = off if ir.IntegerType(off.type).width == 64 else to_i64(off)
+    ptr = llvm.GEPOp(base.type, base, [off], [-(2**31)], ir.IntegerType.get_signless(8), None).result
+    n = val(nbytes)
+    n = n if ir.IntegerType(n.type).width == 64 else to_i64(n)
+    return rocdl.MakeBufferRsrcOp(
+        ir.Type.parse("!llvm.ptr<8>"), ptr, const(0, ir.IntegerType.get_signless(16)), n, const(CDNA_BUFFER_FLAGS)
+    ).result
+
+
+def wait_loads():
+    """s_waitcnt vmcnt(0): one wait for all loads issued so far, instead of one per first use."""
+    fx.rocdl.s_waitcnt(vmcnt=0)
+
+
+def load(rsrc, offset, dwords=PIECE_DWORDS, soffset=0):
+    ty = vec_i32_t(dwords) if dwords > 1 else i32_t()
+    return rocdl.raw_ptr_buffer_load(ty, rsrc, val(offset), val(soffset))
+
+
+def load_short(rsrc, offset, soffset=0):
+    """A zero-extended 16-bit load (buffer_load_ushort) as an i32."""
+    h = rocdl.raw_ptr_buffer_load(ir.IntegerType.get_signless(16), rsrc, val(offset), val(soffset))
+    return arith.extui(i32_t(), h)
+
+
+def store(data, rsrc, offset, soffset=0):
+    rocdl.raw_ptr_buffer_store(val(data), rsrc, val(offset), val(soffset))
+
+
+def store_short(data, rsrc, offset, soffset=0):
+    """Store the low 16 bits of an i32."""
+    rocdl.raw_ptr_buffer_store(arith.trunci(ir.IntegerType.get_signless(16), val(data)), rsrc, val(offset), val(soffset))
+
+
+def store_byte(data, rsrc, offset, soffset=0):
+    """Store the low byte of an i32."""
+    rocdl.raw_ptr_buffer_store(arith.trunci(ir.IntegerType.get_signless(8), val(data)), rsrc, val(offset), val(soffset))
+
+
+def dwords_of(vec, n=PIECE_DWORDS):
+    return [extract(vec, i) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch helpers and scale layouts
+# ------------------------------------------------------------------------------------------------
+
+
+def torch_stream(x):
+    """FlyDSL stream argument for launches on x's device: torch's current stream (0 on CPU,
+    where flyquant.emu runs the kernels)."""
+    if x.device.type == "cpu":
+        return fx.Stream(0)
+    return fx.Stream(torch.cuda.current_stream(x.device).cuda_stream)
+
+
+def scale_layout_shape(rows: int, cols: int, scale_layout) -> tuple[int, int]:
+    """Padded (rows, cols) of a scale matrix in a layout (flyquant.layouts)."""
+    if scale_layout == "tcgen05":
+        return -(-rows // TCGEN05_TILE_ROWS) * TCGEN05_TILE_ROWS, -(-cols // TCGEN05_TILE_COLS) * TCGEN05_TILE_COLS
+    if scale_layout == "mfma":
+        return -(-rows // MFMA_ROW_PAD) * MFMA_ROW_PAD, -(-cols // MFMA_COL_PAD) * MFMA_COL_PAD
+    return rows, cols
+
+
+def layout_dims(scale_layout, padded_cols: int) -> int:
+    return padded_cols // (TCGEN05_TILE_COLS if scale_layout == "tcgen05" else MFMA_COL_PAD)
+
+
+def scale_tensor(shape, padded: bool, device) -> torch.Tensor:
+    """uint8 scale storage; zero-filled only when the layout has padding the kernel skips."""
+    return (torch.zeros if padded else torch.empty)(shape, dtype=torch.uint8, device=device)
+
+
+def scale_offset(layout, row, col, dims):
+    """Byte offset of scale (row, col) of a (rows, cols) scale matrix in `layout` (see
+    flyquant.layouts): dims = padded column count / 4 (tcgen05) or / 8 (mfma)."""
+    if layout == "tcgen05":
+        tile = add(mul(lshr(row, 7), dims), lshr(col, 2))
+        inner = add(add(shl(band(row, 31), 4), shl(band(lshr(row, 5), 3), 2)), band(col, 3))
+        return add(shl(tile, 9), inner)
+    tile = add(mul(lshr(row, 5), shl(dims, 8)), shl(lshr(col, 3), 8))
+    inner = add(add(shl(band(col, 3), 6), shl(band(row, 15), 2)), add(shl(band(lshr(col, 2), 1), 1), band(lshr(row, 4), 1)))
+    return add(tile, inner)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-lane exchange
+# ------------------------------------------------------------------------------------------------
+
+# DPP controls that move a value between lanes at XOR distance 1, 2 and 8.
+DPP_XOR = {1: 0xB1, 2: 0x4E, 8: 0x128}  # quad_perm [1,0,3,2], quad_perm [2,3,0,1], row_ror:8
+DPP_ALL = 0xF
+
+
+def dpp_xor(x, dist):
+    # every lane has a source lane in these patterns, so the "old" value is never read: poison
+    # spares the copy that a tied old operand would need
+    return rocdl.update_dpp(i32_t(), poison(i32_t()), val(x), DPP_XOR[dist], DPP_ALL, DPP_ALL, False)
+
+
+# For all-reductions over groups of 2, 4, 8 lanes (after the steps at 1 and 2): row_half_mirror
+# (lane i <-> 7 - i in each 8) pairs every lane with one of the other quad, which is enough.
+DPP_REDUCE = {1: DPP_XOR[1], 2: DPP_XOR[2], 4: 0x141, 8: DPP_XOR[8]}
+
+
+def dpp_reduce_partner(x, dist):
+    """x of a lane at distance `dist` in the reduction sense above."""
+    return rocdl.update_dpp(i32_t(), poison(i32_t()), val(x), DPP_REDUCE[dist], DPP_ALL, DPP_ALL, False)
+
+
+def lane_bit(dist):
+    """i1: this lane is the upper one of its pair at distance `dist`."""
+    return arith.cmpi(arith.CmpIPredicate.ne, band(lane_id(), dist), const(0))
+
+
+def exchange(arch, a, b, dist):
+    """Swap halves between lane pairs (i, i + dist): afterwards the lower lane holds
+    (a_i, a_{i+dist}) and the upper lane (b_{i-dist}, b_i). A max of the two then reduces a
+    over the pair in lower lanes and b in upper lanes (a reduce-scatter step)."""
+    if arch == "gfx950" and dist in (16, 32):
+        swap = rocdl.permlane32_swap if dist == 32 else rocdl.permlane16_swap
+        pair = swap(llvm.StructType.get_literal([i32_t(), i32_t()]), val(a), val(b), False, False)
+        return llvm.extractvalue(i32_t(), pair, [0]), llvm.extractvalue(i32_t(), pair, [1])
+    upper = lane_bit(dist)
+    sent = dpp_xor(select(upper, a, b), dist)  # lower lanes receive the partner's a, upper its b
+    return select(upper, sent, a), select(upper, b, sent)
+
+
+def reduce_scatter(arch, dists, parts, combine):
+    """Reduce n * 2^S registers over the lanes at `dists` (S distances): afterwards each lane
+    holds n reductions, of the registers j + n * g (j < n) where g has, from the top bit down,
+    the lane's bits at dists[0], dists[1], ...; returns those n values."""
+    for d in dists:
+        half = len(parts) // 2
+        parts = [combine(*exchange(arch, parts[j], parts[j + half], d)) for j in range(half)]
+    return parts
+
+
+def all_gather(arch, dists, x):
+    """Inverse of reduce_scatter's placement: register k of the result is `x` of the lane that
+    reduce_scatter left holding register k (within this lane's group at `dists`)."""
+    out = [x]
+    for d in reversed(dists):
+        lo_hi = [exchange(arch, v, v, d) for v in out]
+        out = [lo for lo, _ in lo_hi] + [hi for _, hi in lo_hi]
+    return out
+
+
+def for_range_carry(count, init, body):
+    """Emit a runtime loop carrying values: `values = body(i, *values)` count times; returns them."""
+    loop = scf.ForOp(const(0), val(count), const(1), [val(v) for v in init])
+    with ir.InsertionPoint(loop.body):
+        out = body(loop.induction_variable, *loop.inner_iter_args)
+        scf.YieldOp([val(v) for v in out])
+    return list(loop.results)
+
+
+def for_range(count, body):
+    """Emit `for i in range(count): body(i)` as a runtime loop (i32 induction variable)."""
+    loop = scf.ForOp(const(0), val(count), const(1))
+    with ir.InsertionPoint(loop.body):
+        body(loop.induction_variable)
+        scf.YieldOp([])
+
+
+# ------------------------------------------------------------------------------------------------
+# amax
+# ------------------------------------------------------------------------------------------------
+
+
+def _f16_max_abs(acc, x):
+    """max(acc, |x|) on two FP16 lanes with NaN propagation (gfx950 v_pk_maximum3_f16)."""
+    a, xv = bitcast(v2f16_t(), acc), bitcast(v2f16_t(), x)
+    return bitcast(i32_t(), arith.maximumf(arith.maximumf(a, xv), arith.negf(xv)))
+
+
+def _f32_max_abs(acc, x):
+    xa = llvm.intr_fabs(as_f32(x))
+    return as_i32(arith.maximumf(as_f32(acc), xa))
+
+
+def chain_amax(spec: Spec, dwords, exact=False):
+    """amax over dwords of one block (or of column pairs, for the 16-bit column kernels) as an
+    i32: two 16-bit patterns (BF16/FP16: the low and high halves separately) or FP32 bits, all of
+    |x|. exact=False uses gfx950's f16 view for BF16 (see the module doc)."""
+    if spec.wide:
+        if spec.arch == "gfx950":
+            acc = as_i32(llvm.intr_fabs(as_f32(dwords[0])))
+            for d in dwords[1:]:
+                acc = _f32_max_abs(acc, d)
+            return acc
+        return _tree([band(d, 0x7FFFFFFF) for d in dwords], umax)
+    if spec.f16_view and not exact:
+        acc = band(dwords[0], splat16(0x7FFF))
+        for d in dwords[1:]:
+            acc = _f16_max_abs(acc, d)
+        return acc
+    return _tree([band(d, splat16(0x7FFF)) for d in dwords], pk_umax)
+
+
+def chain_amax_interleaved(spec: Spec, columns, exact=False):
+    """chain_amax of several independent lists, emitted step by step across the lists so that
+    consecutive instructions do not depend on each other (no hazard wait states between them)."""
+    if spec.wide and spec.arch != "gfx950" or (not spec.wide and not (spec.f16_view and not exact)):
+        return [chain_amax(spec, col, exact) for col in columns]
+    first = _f32_abs if spec.wide else (lambda d: band(d, splat16(0x7FFF)))
+    step = _f32_max_abs if spec.wide else _f16_max_abs
+    accs = [first(col[0]) for col in columns]
+    for i in range(1, len(columns[0])):
+        accs = [step(a, col[i]) for a, col in zip(accs, columns)]
+    return accs
+
+
+def _f32_abs(x):
+    return as_i32(llvm.intr_fabs(as_f32(x)))
+
+
+def _tree(values, op):
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def amax_max(spec: Spec, a, b):
+    """Combine two partial amaxes (same representation as chain_amax)."""
+    return umax(a, b) if spec.wide else pk_umax(a, b)
+
+
+def amax_halves(spec: Spec, x):
+    """Final amax pattern from a partial: the larger 16-bit half (16-bit types)."""
+    if spec.wide:
+        return x
+    return umax(band(x, 0xFFFF), lshr(x, 16))
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale rule
+# ------------------------------------------------------------------------------------------------
+
+
+def _rceil_log2_j(eb):
+    """torchao's log2 slack J(eb) for FP32 amax (RCEIL_LOG2_J), from the binade of L."""
+    over = sub(eb, RCEIL_DESCALE_EB)
+    under = sub(RCEIL_DESCALE_EB - 1, eb)
+    mag = select(cmp_ult(eb, RCEIL_DESCALE_EB), under, over)
+    # leading-zero count of (mag | 1) is 31 - binade; the table byte is picked by (clz & 7) =
+    # 7 - binade for binades 0..7 (mag <= 134 < 256).
+    clz = llvm.intr_ctlz(bor(mag, 1), False)
+    table_lo = sum(RCEIL_LOG2_J[7 - i] << (8 * i) for i in range(4))
+    table_hi = sum(RCEIL_LOG2_J[3 - i] << (8 * i) for i in range(4))
+    j = band(perm(table_hi, table_lo, band(clz, 7)), 0xFF)
+    return select(cmp_eq(eb, RCEIL_SUBNORMAL_EB), RCEIL_LOG2_J[7], j)
+
+
+def block_scale(spec: Spec, amax):
+    """(E8M0 code, conversion scale as FP32) for a block amax pattern (finite; non-finite
+    blocks get arbitrary values here and are overwritten by the NaN pass).
+
+    The conversion scale is, on gfx950, the operand of the scaled conversions (only its exponent
+    field e matters); on gfx942 the multiplier 2^(126 - e) for the FNUZ converter."""
+    if spec.dtype == "bf16":
+        if spec.mode == "floor":
+            code = lshr(usub_sat(amax, E4M3_MAX_POW2 << BF16_MANT_BITS), BF16_MANT_BITS)
+        else:
+            step = (1 << BF16_MANT_BITS) - 1 - BF16_MANT_175  # j > 0x60 carries into the exponent
+            code = lshr(usub_sat(amax, (E4M3_MAX_POW2 << BF16_MANT_BITS) - step), BF16_MANT_BITS)
+    else:
+        bits = amax
+        if spec.dtype == "fp16":
+            half = arith.trunci(ir.IntegerType.get_signless(16), val(amax))
+            bits = as_i32(arith.extf(f32_t(), arith.bitcast(ir.F16Type.get(), half)))
+        if spec.mode == "floor":
+            code = lshr(usub_sat(bits, E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
+        else:
+            step = (1 << F32_MANT_BITS) - 1 - F32_MANT_175
+            if spec.dtype == "fp32":
+                step = sub(step, _rceil_log2_j(lshr(bits, F32_MANT_BITS)))
+            code = lshr(usub_sat(add(bits, step), E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
+    if spec.mode == "floor":
+        exp = umax(code, 1)
+    else:
+        exp = select(cmp_eq(code, 0), UNSCALED_EXP, code)
+    if spec.scaled_cvt:
+        return code, as_f32(shl(exp, F32_MANT_BITS))
+    return code, as_f32(shl(sub(FNUZ_MULT_FIELD, exp), F32_MANT_BITS))
+
+
+def pack_pair(hi, lo):
+    """Two 16-bit amax patterns (i32 each, < 2^16) -> one dword (hi << 16 | lo)."""
+    return bor(shl(hi, 16), lo)
+
+
+def halves_pair(a, b):
+    """Two partial amaxes (two 16-bit halves each) -> (max of b's halves) << 16 | max of a's."""
+    lows = perm(b, a, 0x05040100)  # (b.lo, a.lo)
+    highs = perm(b, a, 0x07060302)  # (b.hi, a.hi)
+    return pk_umax(lows, highs)
+
+
+def pair_max(x):
+    """max of the two 16-bit halves of x."""
+    return umax(band(x, 0xFFFF), lshr(x, 16))
+
+
+def top_halves(s_hi, s_lo):
+    """(top 16 bits of s_hi) << 16 | top 16 bits of s_lo: two FP32 conversion scales whose low
+    16 bits are zero, in one dword (undone by scale_from_tops)."""
+    return perm(as_i32(s_hi), as_i32(s_lo), 0x07060302)
+
+
+def scale_from_tops(spec: Spec, tops, j):
+    """Conversion scale j (0: low half, 1: high half) of a top_halves dword. gfx950 reads only
+    the exponent field, so the high one is the dword itself (the low half is mantissa there)."""
+    if j == 0:
+        return as_f32(shl(tops, 16))
+    return as_f32(tops if spec.scaled_cvt else band(tops, 0xFFFF0000))
+
+
+def bf16_scale_pair(spec: Spec, pair):
+    """block_scale for two BF16 amax patterns in one dword (gfx950), with v_pk_* ops:
+    (codes (c_hi << 16 | c_lo), top_halves of the two conversion scales).
+
+    rceil: c = sat(p - 0x3E1) >> 7 (see block_scale). The conversion exponent is c, except 127
+    for c == 0; any exponent >= 19 converts a code-0 block (|x| <= 448 * 2^-127) to the same
+    +-0 bytes as torchao's unscaled code-0 multiplier, so the tops are ((p - 0x461) wrapped,
+    min 0x7E80) + 0x80: (c - 1) << 7 + 0x80 for p >= 0x461, exponent 254 below. The low 7 bits
+    of each half are left over from p (mantissa bits of the scale: ignored by the conversion).
+    floor: c = sat(p - 0x400) >> 7 and exponent max(c, 1), kept clean (the clamp bound uses it).
+    """
+    if spec.mode == "floor":
+        w = pk(llvm.intr_usub_sat, pair, splat16(E4M3_MAX_POW2 << BF16_MANT_BITS))
+        codes = pk(arith.shrui, w, splat16(BF16_MANT_BITS))
+        tops = pk_umax(band(w, splat16(0xFF80)), splat16(1 << BF16_MANT_BITS))
+        return codes, tops
+    step = (1 << BF16_MANT_BITS) - 1 - BF16_MANT_175
+    low = (E4M3_MAX_POW2 << BF16_MANT_BITS) - step  # 0x3E1: p below it has code 0
+    codes = pk(arith.shrui, pk(llvm.intr_usub_sat, pair, splat16(low)), splat16(BF16_MANT_BITS))
+    tiny = low + (1 << BF16_MANT_BITS)  # 0x461: code >= 1 from here
+    wrapped = pk_umin(pk(arith.subi, pair, splat16(tiny)), splat16(RCEIL_TINY_TOP))
+    return codes, pk(arith.addi, wrapped, splat16(1 << BF16_MANT_BITS))
+
+
+def pair_scales(spec: Spec, pair):
+    """(codes, conversion scales) of two blocks whose 16-bit amax patterns share a dword:
+    (c_hi << 16 | c_lo, top_halves(s_hi, s_lo))."""
+    if spec.dtype == "bf16" and spec.scaled_cvt:
+        return bf16_scale_pair(spec, pair)
+    c0, s0 = block_scale(spec, band(pair, 0xFFFF))
+    c1, s1 = block_scale(spec, lshr(pair, 16))
+    return pack_pair(c1, c0), top_halves(s1, s0)
+
+
+def clamp_limit_pair(spec: Spec, tops):
+    """floor's clamp bounds for two 16-bit blocks from their (clean) top_halves: the two L
+    patterns in one dword (see clamp_limit)."""
+    bump = (E4M3_MAX_POW2 << BF16_MANT_BITS) | BF16_MANT_175  # BF16 pattern: exponent + 8, 1.75
+    if spec.dtype == "bf16":
+        return pk(arith.addi, tops, splat16(bump))
+    l_lo = add(shl(tops, 16), (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)
+    l_hi = add(band(tops, 0xFFFF0000), (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)
+    return bitcast(i32_t(), rocdl.cvt_pkrtz(v2f16_t(), as_f32(l_lo), as_f32(l_hi)))
+
+
+def clamp_limit(spec: Spec, conv):
+    """floor mode's clamp bound L = 448 * 2^(e - 127) for the gfx950 conversions, in the input's
+    format: a 16-bit pattern in both halves (BF16 exact, FP16 rounded toward zero, which keeps
+    every representable |x| <= L unchanged) or FP32."""
+    bits = as_i32(conv)
+    l32 = add(bits, (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)  # exponent e + 8, 1.75
+    if spec.dtype == "fp32":
+        return as_f32(l32)
+    if spec.dtype == "bf16":
+        l16 = lshr(l32, 16)
+    else:
+        pair = rocdl.cvt_pkrtz(v2f16_t(), as_f32(l32), as_f32(l32))
+        return bitcast(i32_t(), pair)
+    return mul(l16, 0x10001)
+
+
+# ------------------------------------------------------------------------------------------------
+# Element conversion
+# ------------------------------------------------------------------------------------------------
+
+
+def clamp16(x, limit):
+    """|x| <= L on two 16-bit sign-magnitude patterns (limit: the two L patterns): negative
+    patterns are >= 0x8000 unsigned, positive ones >= 0 signed, so an unsigned min with 0x8000|L
+    clamps the negatives and a signed min with L the positives."""
+    return pk_smin(pk_umin(x, bor(limit, 0x80008000)), limit)
+
+
+def clamp32(x, limit):
+    """|x| <= L on an FP32 value (bits in, bits out)."""
+    return as_i32(arith.minnumf(arith.maxnumf(as_f32(x), arith.negf(limit)), limit))  # v_med3_f32
+
+
+def _cvt16(spec: Spec, old, pair, scale, hi):
+    op = rocdl.cvt_scalef32_pk_fp8_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp8_f16
+    src = bitcast(v2bf16_t() if spec.dtype == "bf16" else v2f16_t(), pair)
+    r = op(v2i16_t(), bitcast(v2i16_t(), old), src, scale, hi)
+    return bitcast(i32_t(), r)
+
+
+def _cvt32(old, a, b, scale, hi):
+    r = rocdl.cvt_scalef32_pk_fp8_f32(v2i16_t(), bitcast(v2i16_t(), old), as_f32(a), as_f32(b), scale, hi)
+    return bitcast(i32_t(), r)
+
+
+def _fnuz4(values, mult, clamp):
+    """Four FP32 values (bits) -> four FNUZ bytes of value * mult, clamped to +-224 for floor."""
+    ys = []
+    for i in range(0, 4, 2):
+        pair = vector.from_elements(ir.VectorType.get([2], f32_t()), [as_f32(values[i]), as_f32(values[i + 1])])
+        prod = arith.mulf(pair, vector.broadcast(ir.VectorType.get([2], f32_t()), mult))
+        ys += [extract(prod, 0), extract(prod, 1)]
+    if clamp:
+        lo, hi = arith.constant(f32_t(), -FNUZ_HALF_MAX), arith.constant(f32_t(), FNUZ_HALF_MAX)
+        ys = [arith.minnumf(arith.maxnumf(y, lo), hi) for y in ys]  # v_med3_f32 (NaN blocks are rewritten)
+    out = rocdl.cvt_pk_fp8_f32(i32_t(), ys[0], ys[1], poison(i32_t()), False)
+    return rocdl.cvt_pk_fp8_f32(i32_t(), ys[2], ys[3], out, True)
+
+
+def convert4_16(spec: Spec, p0, p1, conv):
+    """Four 16-bit elements of one block, as two dwords of pairs (p0.lo, p0.hi, p1.lo, p1.hi),
+    -> one dword of E4M3 bytes in that order. gfx950 floor: clamp the inputs first (clamp16)."""
+    if spec.scaled_cvt:
+        return _cvt16(spec, _cvt16(spec, poison(i32_t()), p0, conv, False), p1, conv, True)
+    vals = []
+    for d in (p0, p1):
+        if spec.dtype == "bf16":
+            vals += [shl(d, 16), band(d, 0xFFFF0000)]
+        else:
+            halves = bitcast(v2f16_t(), d)
+            vals += [as_i32(arith.extf(f32_t(), extract(halves, j))) for j in range(2)]
+    out = _fnuz4(vals, conv, spec.mode == "floor")
+    signs = perm(p1, p0, 0x07050301)  # the four sign bytes
+    return bor(out, band(signs, 0x80808080))
+
+
+def convert4_32(spec: Spec, xs, conv):
+    """Four FP32 elements (bits) of one block -> one dword of E4M3 bytes. gfx950 floor: clamp
+    first (clamp32)."""
+    if spec.scaled_cvt:
+        return _cvt32(_cvt32(poison(i32_t()), xs[0], xs[1], conv, False), xs[2], xs[3], conv, True)
+    out = _fnuz4(xs, conv, spec.mode == "floor")
+    low, high = perm(xs[1], xs[0], 0x0C0C0703), perm(xs[3], xs[2], 0x0C0C0703)
+    signs = perm(high, low, 0x05040100)  # byte 3 (the sign byte) of each value
+    return bor(out, band(signs, 0x80808080))
+
+
+def convert_piece(spec: Spec, dwords, conv, limit=None):
+    """One loaded piece (4 dwords: 8 BF16/FP16 or 4 FP32 of one block) -> its E4M3 bytes as
+    output dwords (2 or 1), element order kept. `limit` (floor, gfx950) from clamp_limit."""
+    clamp = spec.mode == "floor" and spec.scaled_cvt
+    if spec.wide:
+        xs = [clamp32(x, limit) for x in dwords] if clamp else dwords
+        return [convert4_32(spec, xs, conv)]
+    xs = [clamp16(d, limit) for d in dwords] if clamp else dwords
+    return [convert4_16(spec, xs[i], xs[i + 1], conv) for i in (0, 2)]

@@ -1,0 +1,590 @@
+"""MXFP8 quantize along a column dimension: 3D expert weights (E, N, K) along N, the 2D 32x1
+orientation ((M, K) along M: E = 1, scales transposed) and the fused dual kernel (32x1 and 1x32
+from one read of the tile).
+
+Math (flyquant.reference.mxfp8_quantize_3d / mxfp8_quantize(axis=0) / mxfp8_quantize_dual,
+bit-exact): blocks of 32 consecutive rows of one column (scale_block_k = 32: 32 rows x 32
+columns), the scale rule and element conversion of _mx_common. Data out: per expert
+column-major, element (n, k) at k * N + n (stride (N*K, 1, N); 32x1: (1, M)). Scales: 3D (E,
+N/32, K) or (E, N/32, K/32); 32x1 (K, M/32); or a padded layout of the (K, N/32) matrix per expert.
+
+Work split. A wave quantizes tiles of 128 rows x 128 bytes of a row (64 BF16/FP16 or 32 FP32
+columns): lane (g, c) loads 16 bytes of rows 16g .. 16g + 15 (16 loads, each instruction 8 full
+128-byte row segments), so a lane holds 8 (4) columns x 16 rows and a block is the lane pair
+g = 2b, 2b + 1: in-lane max over 16 rows, one DPP exchange. Both lanes of a pair compute the
+scales, each converts and stores its 16 rows: 16 bytes per column, an instruction writing 128
+consecutive rows of 8 columns (full lines when N % 128 == 0). BF16/FP16 row pairs of one column
+are regrouped with v_perm_b32 first, as the packed conversion takes one scale. For N = 64 the
+tiles are 64 rows x 128 columns (4 row groups, lanes past N would waste half the work) and, on
+gfx950, neighbouring column lanes swap half their columns (v_permlane32_swap) so that every
+store still writes whole 128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN
+value takes a rare path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the
+same lanes also reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column
+block (DPP) and store the 1x32 outputs row by row (64 bytes of a row per instruction).
+
+Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
+expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
+data, so loads past it read 0 and columns past K are dropped; lanes whose rows are past N
+(N % 32 == 0: all 16 or none) are masked off. K is any size >= 1; for BF16/FP16 with K odd the
+16-byte loads are only 2-byte aligned (unaligned buffer access, which ROCm enables), and the
+last column tile loads 2-byte elements so no dword runs past the tensor's end.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+from flyquant import toolchain, validate
+from flyquant.arch import arch_info
+
+from . import _mx_common as mx
+from ._mx_common import MX_BLOCK, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, to_i64, val
+
+ROWS_PER_LANE = 16
+TILE_ROWS = (128, 64)  # 8 or 4 lane row groups; 64 for N = 64 (see plan_col)
+OOB = mx.OOB
+MAX_LAUNCH_BYTES = mx.MAX_LAUNCH_BYTES  # per expert (data) and for the whole scale tensor
+MAX_WAVES = 4
+# Consecutive column tiles per wave: amortizes a wave's setup (~70 instructions, a fifth of a
+# tile) while every 8 tiles of a row still start a new wave.
+TILES_PER_WAVE = 8
+# gfx950 32x1 / 3D: the occupancy the register allocator aims for (at most 128 VGPRs); even 2
+# waves x 16 KiB of loads in flight per SIMD cover HBM latency.
+WAVES_PER_SIMD = 4
+KINDS = ("32x1", "3d", "dual")  # dual: 32x1 plus the 1x32 outputs from the same loads
+SOURCE_TAG = mx.source_tag(sys.modules[__name__])
+TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class ColPlan:
+    tile_rows: int  # 128 (8 lane row groups) or 64 (4)
+    tile_cols: int  # columns per tile: 128 bytes of a row per 8 lanes
+    waves: int  # waves per workgroup
+    tiles_per_wave: int  # consecutive column tiles per wave
+    grid: tuple  # (column groups, row tiles, experts)
+
+
+def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str = "3d") -> ColPlan:
+    """Tile and work split for quantizing (E, N, K) along N (2D: E = 1) on `arch`.
+
+    Tile rows: 128, or 64 for N = 64 (32 x 1 blocks, not dual), where a 128-row tile would
+    leave half its lanes idle; for other N the 128-row tiles' full-line column stores win. A
+    wave walks up to TILES_PER_WAVE consecutive column tiles of one row tile, workgroups of up
+    to 4 waves."""
+    e, n, k = shape
+    arch_info(arch)
+    rows = TILE_ROWS[1] if (n == TILE_ROWS[1] and block_k == 1 and kind != "dual") else TILE_ROWS[0]
+    width = (WAVE // (rows // ROWS_PER_LANE)) * (mx.PIECE_BYTES // torch.empty((), dtype=dtype).element_size())
+    col_tiles, row_tiles = -(-k // width), -(-n // rows)
+    tpw = max(1, min(TILES_PER_WAVE, col_tiles))
+    waves = max(1, min(MAX_WAVES, -(-col_tiles // tpw)))
+    return ColPlan(rows, width, waves, tpw, (-(-col_tiles // (waves * tpw)), row_tiles, e))
+
+
+
+
+def _lane_rc(lane, groups_n):
+    """(row group, column lane) of a lane. 8 row groups (128-row tiles): lane = 8 g + c, so a
+    block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart;
+    4 row groups (64-row tiles, 32 x 1 blocks only): lane = 32 (c & 1) + 4 (c >> 1) + g, the
+    pair 1 apart and neighbouring column lanes 32 apart (see _store_interleaved)."""
+    if groups_n == 8:
+        return lshr(lane, 3), band(lane, 7)
+    return band(lane, 3), add(shl(band(lshr(lane, 2), 7), 1), lshr(lane, 5))
+
+
+def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, block_k: int = 1,
+              grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128):
+    """An uncached @flyc.jit launcher of the column kernel for one specialization: kind "32x1"
+    (scales (K, N/32)) or "3d" (scales (E, N/32, K / block_k)); scale_layout None, "tcgen05" or
+    "mfma" (of the (K, N/32) matrix per expert); grouped: tcgen05 per token group (32x1, offs)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    spec = Spec(arch, dtype, mode)
+    wide = spec.wide
+    groups_n = tile_rows // ROWS_PER_LANE
+    if groups_n not in (4, 8) or (groups_n == 4 and block_k > 1):
+        raise ValueError(f"unsupported column tile: {tile_rows} rows, scale_block_k {block_k}")
+    pair_dist = 8 if groups_n == 8 else 1
+    # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
+    # neighbouring column lanes (32 apart) trade halves of for full-line stores (gfx950 swaps)
+    interleave = groups_n == 4 and arch == "gfx950" and not spec.wide
+    cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
+    tile_cols = WAVE // groups_n * cols
+    dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
+    half = cols // 2  # columns whose codes each lane of a pair stores
+    clamp = mode == "floor" and spec.scaled_cvt
+    lanes_per_kblock = MX_BLOCK // cols  # block_k = 32: lanes sharing a 32-column block
+    source = SOURCE_TAG
+    tag = f"{kind}" + (f"_k{block_k}" if block_k > 1 else "") + (f"_{scale_layout}" if scale_layout else "")
+    name = f"mxfp8_{tag}{'_offs' if grouped else ''}_{spec.tag}_r{tile_rows}_w{waves}"
+
+    def column_amaxes(words, exact):
+        """Per dword column: the block amax (both lanes of the pair hold it)."""
+        parts = mx.chain_amax_interleaved(spec, [[w[d] for w in words] for d in range(dws)], exact)
+        out = [mx.amax_max(spec, p, mx.dpp_xor(p, pair_dist)) for p in parts]
+        if block_k == 1:
+            return out
+        # 32 x 32 blocks: also over the lane's columns and its lanes_per_kblock neighbours
+        acc = functools.reduce(lambda a, b: mx.amax_max(spec, a, b), out)
+        acc = mx.amax_halves(spec, acc)
+        dist = 1
+        while dist < lanes_per_kblock:
+            acc = mx.umax(acc, mx.dpp_reduce_partner(acc, dist))
+            dist *= 2
+        return acc
+
+    def scales(amax):
+        """Per dword column (code, conversion-scale word, clamp limit): 16-bit types: packed
+        pairs (codes, top_halves); FP32: (code, scale bits)."""
+        if block_k > 1:  # one block for every column of the lane
+            code, conv = mx.block_scale(spec, amax)
+            limit = mx.clamp_limit(spec, conv) if clamp else None
+            return [(code, mx.as_i32(conv), limit)] * dws
+        out = []
+        for a in amax:
+            if wide:
+                code, conv = mx.block_scale(spec, a)
+                out.append((code, mx.as_i32(conv), mx.clamp_limit(spec, conv) if clamp else None))
+            else:
+                codes, tops = mx.pair_scales(spec, a)
+                out.append((codes, tops, mx.clamp_limit_pair(spec, tops) if clamp else None))
+        return out
+
+    def column_code(sc, j):
+        """E8M0 code of lane column j (i32, low byte)."""
+        code = sc[j // 2][0] if not wide else sc[j][0]
+        if block_k > 1 or wide:
+            return code
+        return lshr(code, 16) if j % 2 else code
+
+    def convert(words, sc, d):
+        """The output dwords of dword column d's lane columns (1 or 2), 4 each (rows 0-3, 4-7,
+        8-11, 12-15)."""
+        _, conv, limit = sc[d]
+        xs = [w[d] for w in words]
+        if wide:
+            if clamp:
+                xs = [mx.clamp32(x, limit) for x in xs]
+            c = mx.as_f32(conv)
+            return [[mx.convert4_32(spec, xs[4 * q : 4 * q + 4], c) for q in range(4)]]
+        if clamp:
+            xs = [mx.clamp16(x, limit) for x in xs]
+        outs = []
+        for j in range(2):
+            c = mx.as_f32(conv) if block_k > 1 else mx.scale_from_tops(spec, conv, j)
+            sel = 0x07060302 if j else 0x05040100  # rows (r, r+1) of column 2d + j
+            col = []
+            for q in range(4):
+                p01 = mx.perm(xs[4 * q + 1], xs[4 * q], sel)
+                p23 = mx.perm(xs[4 * q + 3], xs[4 * q + 2], sel)
+                col.append(mx.convert4_16(spec, p01, p23, c))
+            outs.append(col)
+        return outs
+
+    def body(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps):
+        # Addressing: each tile gets its own buffers (scalar arithmetic) starting at the tile and
+        # ending at the expert's data; lanes use tile-independent VGPR offsets. Loads take the
+        # row step as the scalar offset (one VGPR for 16 loads); only the last column tile, where
+        # a lane's 16 bytes may run past the tensor's end, uses range-checked per-row offsets.
+        # Columns past K are dropped by the range checks; rows past N (last row tile) are
+        # masked off by lane (a lane's 16 rows are all inside or all outside, N % 32 == 0).
+        tid = val(fx.Int32(fx.thread_idx.x))
+        wave = mx.readfirstlane(lshr(tid, 6))
+        lane = band(tid, WAVE - 1)
+        g, c = _lane_rc(lane, groups_n)
+        hpair = band(g, 1)
+        bx, rt, e = (val(fx.Int32(v)) for v in (fx.block_idx.x, fx.block_idx.y, fx.block_idx.z))
+        n, k, row_bytes, nb = val(n), val(k), val(row_bytes), val(nb)
+        r0 = mul(rt, tile_rows)
+        row_ok = mx.cmp_ult(add(r0, mul(g, ROWS_PER_LANE)), n)
+        expert = mul(n, k)  # elements of one expert (< 2^31 bytes: checked by the launcher)
+        in_base = mul(mul(to_i64(e), to_i64(expert)), spec.elem_bytes)
+        out_base = mul(to_i64(e), to_i64(expert))
+        rs = mx.buffer(s, const(0, mx.i64_t()), s_bytes)
+        lane_cols = mul(c, cols)  # the lane's first column within a tile
+        lane_in = add(mul(mul(g, ROWS_PER_LANE), row_bytes), shl(c, 4))
+        lane_out = None if interleave else [
+            add(mul(add(lane_cols, j), n), mul(g, ROWS_PER_LANE)) for j in range(cols)]
+        lane_out_il = []
+        if interleave:  # after the swap the odd column lane holds columns 7 to the left, + 1
+            shift = mul(lshr(lane, 5), cols - 1)
+            lane_out_il = [add(mul(add(sub(lane_cols, shift), j), n), mul(g, ROWS_PER_LANE)) for j in range(2 * cols)]
+        row_step = [mul(r, row_bytes) for r in range(ROWS_PER_LANE)]
+        group = _group_of(offs, r0, groups, steps) if grouped else None
+        first = mul(add(mul(bx, waves), wave), tiles_per_wave)
+        count = mx.umin(tiles_per_wave, mx.usub_sat(col_tiles, first))
+        if kind == "dual":
+            dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
+                            lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
+        else:
+            dual_ctx = {}
+        wave_ctx = dict(dual_ctx, e=e, r0=r0, row_ok=row_ok, rs=rs, s=s, hpair=hpair, g=g, c=c, lane_cols=lane_cols,
+                        n=n, k=k, nb=nb, s_dims=s_dims, s_expert=s_expert, group=group, lane_out=lane_out,
+                        lane_out_il=lane_out_il)
+
+        def one_tile(i):
+            c0 = mul(mx.opaque_sgpr(add(first, i)), tile_cols)
+            tile_in = add(mul(r0, row_bytes), mul(c0, spec.elem_bytes))
+            rx = mx.buffer(x, add(in_base, to_i64(tile_in)), sub(mul(expert, spec.elem_bytes), tile_in))
+            tile_out = add(mul(c0, n), r0)
+            rq = mx.buffer(q, add(out_base, to_i64(tile_out)), sub(expert, tile_out))
+            col_full = mx.cmp_ule(add(c0, tile_cols), k)
+
+            def load_fast():
+                return [mx.load(rx, lane_in, soffset=row_step[r]) for r in range(ROWS_PER_LANE)]
+
+            def load_checked():
+                # buffer from the expert's start, the tile in the VGPR offset: per-row offsets
+                # that depend on the tile (computed here, not hoisted out of the loop)
+                rx_e = mx.buffer(x, in_base, mul(expert, spec.elem_bytes))
+                v = add(lane_in, tile_in)
+                offs = [add(v, row_step[r]) for r in range(ROWS_PER_LANE)]
+                if wide:
+                    return [mx.load(rx_e, o) for o in offs]
+
+                def halfwords():
+                    # 16-bit data with K odd: rows start 2-byte aligned, and a dword holding the
+                    # tensor's last element would run 2 bytes past the end (range-checked, so
+                    # read as 0): load 2-byte elements instead (last column tiles only)
+                    return [mx.from_elements([
+                        bor(mx.load_short(rx_e, add(o, 4 * i)), shl(mx.load_short(rx_e, add(o, 4 * i + 2)), 16))
+                        for i in range(mx.PIECE_DWORDS)]) for o in offs]
+
+                aligned = mx.cmp_eq(band(k, 1), 0)
+                return mx.if_else(aligned, lambda: [mx.load(rx_e, o) for o in offs], halfwords, [vec] * ROWS_PER_LANE)
+
+            vec = mx.vec_i32_t(mx.PIECE_DWORDS)
+            words = [mx.dwords_of(v) for v in mx.if_else(col_full, load_fast, load_checked, [vec] * ROWS_PER_LANE)]
+            mx.wait_loads()
+            amax = column_amaxes(words, False)
+            peak = amax if block_k > 1 else functools.reduce(lambda a, b: mx.amax_max(spec, a, b), amax)
+            peak = mx.amax_halves(spec, peak) if (block_k == 1 and not wide) else peak
+            rare = mx.wave_any(mx.cmp_uge(peak, spec.suspicious))
+            ctx = dict(wave_ctx, c0=c0, rq=rq, col_full=col_full)
+            exact = (lambda: column_amaxes(words, True)) if spec.needs_exact_redo else (lambda: amax)
+            mx.if_else(
+                rare,
+                lambda: finish(words, exact(), dict(ctx, exact=True), True),
+                lambda: finish(words, amax, dict(ctx, exact=False), False),
+            )
+
+        def finish(words, amax, ctx, nan_pass):
+            sc = scales(amax)
+
+            def convert_store():
+                if interleave:
+                    outs = [o for d in range(dws) for o in convert(words, sc, d)]
+                    _store_interleaved(arch, outs, ctx)
+                else:  # column pair by column pair, each stored at once (keeps few values live)
+                    for d in range(dws):
+                        for jj, out in enumerate(convert(words, sc, d)):
+                            store_column(d * (cols // dws) + jj, out, ctx, None)
+                store_codes(sc, ctx, None)
+
+            mx.if_then(ctx["row_ok"], convert_store)  # lanes of rows past N (last row tile) store nothing
+            if kind == "dual":
+                _row_blocks(spec, words, nan_pass, ctx)
+            if not nan_pass:
+                return
+            # Non-finite blocks: code 0xFF and every element 0x7F, over what was just stored.
+            if block_k > 1:
+                bad = [mx.cmp_uge(amax, mx.NONFINITE[dtype])] * cols
+            elif wide:
+                bad = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in amax]
+            else:
+                bad = [mx.cmp_uge(band(amax[j // 2], 0xFFFF) if j % 2 == 0 else lshr(amax[j // 2], 16),
+                                  mx.NONFINITE[dtype]) for j in range(cols)]
+            bad = [mx.arith.andi(b, ctx["row_ok"]) for b in bad]
+            for j in range(cols):
+                store_column(j, [const(mx.E4M3_NAN_X4)] * 4, ctx, bad[j])
+            store_codes(None, ctx, bad)
+
+        def store_column(j, out, ctx, only):
+            """Store lane column j's 16 bytes (`only`: an i1, store just where it holds)."""
+            data = mx.from_elements(out)
+            if ctx["lane_out"] is None:  # interleaved layout: only the NaN pass gets here
+                ctx["lane_out"] = [add(mul(add(ctx["lane_cols"], jj), ctx["n"]), mul(ctx["g"], ROWS_PER_LANE))
+                                   for jj in range(cols)]
+            if only is None:
+                mx.store(data, ctx["rq"], ctx["lane_out"][j])
+            else:
+                mx.if_then(only, lambda: mx.store(data, ctx["rq"], ctx["lane_out"][j]))
+
+        def store_codes(sc, ctx, only):
+            _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock, sc, ctx, only, column_code)
+
+        mx.for_range(count, one_tile)
+
+    @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
+    def kernel(
+        x: fx.Tensor,  # (E, N, K) or (M, K) BF16/FP16/FP32, row-major
+        q: fx.Tensor,  # E4M3 data as uint8, column-major per expert
+        s: fx.Tensor,  # scales (uint8), plain or padded layout
+        q1: fx.Tensor,  # dual: the 1x32 E4M3 data as uint8, row-major (else unused)
+        s1: fx.Tensor,  # dual: the 1x32 scales (M, K/32) (else unused)
+        offs: fx.Tensor,  # int32 token-group ends along N (grouped tcgen05 only; else unused)
+        n: fx.Int32,  # rows quantized (N or M), a multiple of 32
+        k: fx.Int32,  # columns
+        row_bytes: fx.Int32,  # K * element size
+        tiles_per_wave: fx.Int32,
+        col_tiles: fx.Int32,  # ceil(K / tile columns)
+        nb: fx.Int32,  # N / 32
+        s_dims: fx.Int32,  # layouts: padded scale columns / 4 (tcgen05) or / 8 (mfma); else 0
+        s_expert: fx.Int32,  # 3D layouts: bytes of one expert's scales; grouped: padded K rows
+        s_bytes: fx.Int32,  # size of the scale tensor
+        groups: fx.Int32,  # grouped: number of token groups
+        steps: fx.Int32,  # grouped: binary search steps, bit_length(groups)
+    ):
+        body(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps)
+
+    @flyc.jit
+    def launch(
+        x: fx.Tensor, q: fx.Tensor, s: fx.Tensor, q1: fx.Tensor, s1: fx.Tensor, offs: fx.Tensor, n: fx.Int32, k: fx.Int32,
+        row_bytes: fx.Int32, tiles_per_wave: fx.Int32, col_tiles: fx.Int32, nb: fx.Int32,
+        s_dims: fx.Int32, s_expert: fx.Int32, s_bytes: fx.Int32, groups: fx.Int32, steps: fx.Int32,
+        gx: fx.Int32, gy: fx.Int32, gz: fx.Int32, stream: fx.Stream = fx.Stream(None),
+    ):
+        assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
+        kernel(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps).launch(
+            grid=(gx, gy, gz), block=(WAVE * waves, 1, 1), stream=stream
+        )
+
+    if spec.scaled_cvt and kind != "dual" and not interleave:
+        # (gfx942's FNUZ conversion, the interleaved stores and dual keep more values live
+        # than 128 VGPRs hold: no budget, the allocator's own choice)
+        launch.compile_hints = {"waves_per_eu": WAVES_PER_SIMD}
+    return launch
+
+
+_cached_col = functools.lru_cache(maxsize=None)(build_col)
+
+
+def _group_of(offs, r0, groups, steps):
+    """(first block, blocks) of the token group holding row r0 (wave-uniform), by binary search
+    for the first group end > r0 in the non-decreasing int32 ends `offs`."""
+    ro = mx.buffer(offs, const(0, mx.i64_t()), mul(to_i64(groups), 4))
+
+    def end_at(i):
+        return mx.readfirstlane(mx.load(ro, shl(i, 2), dwords=1))
+
+    def step(lo, hi):
+        mid = lshr(add(lo, hi), 1)
+        above = mx.cmp_ult(r0, end_at(mid))
+        return mx.select(above, lo, add(mid, 1)), mx.select(above, mid, hi)
+
+    lo, _ = mx.for_range_carry(steps, [const(0), val(groups)], lambda i, lo, hi: step(lo, hi))
+    end = end_at(lo)
+    start = mx.select(mx.cmp_eq(lo, 0), 0, end_at(mx.usub_sat(lo, 1)))
+    return lshr(start, 5), lshr(sub(end, start), 5)
+
+
+def _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock, sc, ctx, only, column_code):
+    """Store this lane's E8M0 codes (sc None: 0xFF where `only`): each lane of a row pair stores
+    `half` of its columns' codes; a plain 32 x 32 layout one code per block (one lane)."""
+    if sc is not None and scale_layout is None and block_k == 1:
+        return _store_codes_fast(kind, half, sc, ctx, column_code)
+    rs = ctx["rs"]
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))  # block row
+    hp = mx.cmp_ne(ctx["hpair"], 0)
+    per_block = block_k > 1 and scale_layout is None
+    first_col = add(add(ctx["c0"], ctx["lane_cols"]), mx.select(hp, half, 0))
+    if per_block:
+        lead = mx.cmp_eq(band(ctx["c"], lanes_per_kblock - 1), 0)
+        stores = [(0, mx.arith.andi(lead, mx.cmp_eq(ctx["hpair"], 0)))]
+    else:
+        stores = [(jj, None) for jj in range(half)]
+    for jj, who in stores:
+        col = add(first_col, jj)
+        ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(col, ctx["k"]))
+        ok = ok if who is None else mx.arith.andi(ok, who)
+        if scale_layout is None:
+            if kind != "3d":  # 32x1, dual: (K, N/32)
+                off = add(mul(col, ctx["nb"]), b)
+            elif block_k == 1:
+                off = add(mul(add(mul(ctx["e"], ctx["nb"]), b), ctx["k"]), col)
+            else:
+                kb = lshr(add(ctx["k"], MX_BLOCK - 1), 5)
+                off = add(mul(add(mul(ctx["e"], ctx["nb"]), b), kb), lshr(col, 5))
+        elif ctx["group"] is not None:
+            first, width = ctx["group"]
+            off = add(mul(first, ctx["s_expert"]), mx.scale_offset(scale_layout, col, sub(b, first), lshr(width, 2)))
+        else:
+            off = add(mul(ctx["e"], ctx["s_expert"]), mx.scale_offset(scale_layout, col, b, ctx["s_dims"]))
+        off = mx.select(ok, off, OOB)
+        if sc is None:
+            flag = mx.select(hp, only[half + jj], only[jj]) if block_k == 1 else only[0]
+            mx.if_then(flag, lambda off=off: mx.store_byte(mx.E8M0_NAN, rs, off))
+        else:
+            code = mx.select(hp, column_code(sc, half + jj), column_code(sc, jj)) if block_k == 1 else column_code(sc, 0)
+            mx.store_byte(code, rs, off)
+
+
+def _store_interleaved(arch, outs, ctx):
+    """Store 8 lane columns (4 dwords each) of the 64-row layout so that each instruction
+    writes two adjacent 64-byte columns (one 128-byte line) from lanes c and c ^ 1 (32 apart):
+    lane c even (columns 8c .. 8c + 7) and c + 1 (8c + 8 ..) swap their odd / even columns,
+    leaving the even lane with columns 8c, 8c + 2, .., 8c + 14 and the odd one with the next
+    ones: instruction 2i writes columns 8c + 2i, 8c + 2i + 1 and 2i + 1 the next pair 8 on."""
+    evens, odds = outs[0::2], outs[1::2]
+    halves = [[mx.exchange(arch, e, o, 32) for e, o in zip(ev, od)] for ev, od in zip(evens, odds)]
+    for i in range(len(evens)):  # instruction i: pair i's evens of the even lane / its odds
+        mx.store(mx.from_elements([lo for lo, _ in halves[i]]), ctx["rq"], ctx["lane_out_il"][2 * i])
+        mx.store(mx.from_elements([hi for _, hi in halves[i]]), ctx["rq"], ctx["lane_out_il"][2 * i + 8])
+
+
+def _row_blocks(spec, words, nan_pass, ctx):
+    """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
+    cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
+    their low bits: DPP all-reduce), converted and stored per row (row-major (M, K) data, codes
+    (M, K/32) from the first lane of each block)."""
+    wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
+    lanes = MX_BLOCK // cols
+    exact = ctx["exact"]
+    clamp = spec.mode == "floor" and spec.scaled_cvt
+    amax = mx.chain_amax_interleaved(spec, [list(w) for w in words], exact)
+    amax = [mx.amax_halves(spec, a) for a in amax]
+    dist = 1
+    while dist < lanes:
+        amax = [mx.umax(a, mx.dpp_reduce_partner(a, dist)) for a in amax]
+        dist *= 2
+    convs = []
+    if wide:
+        for a in amax:
+            code, conv = mx.block_scale(spec, a)
+            convs.append((code, conv))
+    else:
+        for r in range(0, ROWS_PER_LANE, 2):
+            codes, tops = mx.pair_scales(spec, mx.pack_pair(amax[r + 1], amax[r]))
+            convs += [(codes, mx.scale_from_tops(spec, tops, 0)), (lshr(codes, 16), mx.scale_from_tops(spec, tops, 1))]
+    c0, k = ctx["c0"], ctx["k"]
+    tile = add(mul(ctx["r0"], k), c0)
+    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+    kb = lshr(k, 5)
+    tile_s = add(mul(ctx["r0"], kb), lshr(c0, 5))
+    rs = mx.buffer(ctx["s1"], tile_s, sub(mul(ctx["n"], kb), tile_s))
+    lane_ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(add(c0, ctx["lane_cols"]), k))
+    lead = mx.arith.andi(lane_ok, mx.cmp_eq(band(ctx["c"], lanes - 1), 0))
+    lane_s = add(mul(mul(ctx["g"], ROWS_PER_LANE), kb), lshr(ctx["lane_cols"], 5))
+
+    def rows():
+        for r in range(ROWS_PER_LANE):
+            code, conv = convs[r]
+            limit = mx.clamp_limit(spec, conv) if clamp else None
+            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
+            mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r])
+
+    def codes():
+        for r in range(ROWS_PER_LANE):
+            mx.store_byte(convs[r][0], rs, lane_s, mul(r, kb) if r else 0)
+
+    mx.if_then(lane_ok, rows)
+    mx.if_then(lead, codes)
+    if not nan_pass:
+        return
+    nan = [const(mx.E4M3_NAN_X4)] * (cols // 4)
+    for r in range(ROWS_PER_LANE):
+        bad = mx.arith.andi(lane_ok, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
+        data = nan[0] if len(nan) == 1 else mx.from_elements(nan)
+        mx.if_then(bad, lambda data=data, r=r: mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r]))
+        mx.if_then(mx.arith.andi(bad, lead), lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+
+
+def _store_codes_fast(kind, half, sc, ctx, column_code):
+    """Plain layouts, 32 x 1 blocks (rows past N are masked off by the caller). 32x1: the codes
+    of column c are at c * N/32: a buffer from the tile's first code to the end of the scales
+    drops columns past K, and a lane's next column is N/32 bytes on (the scalar offset). 3D: a
+    lane's codes are consecutive bytes of a row of K codes; columns past K are skipped."""
+    hp = mx.cmp_ne(ctx["hpair"], 0)
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))
+    first = add(ctx["lane_cols"], mx.select(hp, half, 0))  # within the tile
+    codes = [mx.select(hp, column_code(sc, half + jj), column_code(sc, jj)) for jj in range(half)]
+    if kind != "3d":  # 32x1, dual: (K, N/32)
+        tile = add(mul(ctx["c0"], ctx["nb"]), lshr(ctx["r0"], 5))
+        rs = mx.buffer(ctx["s"], tile, sub(mul(ctx["k"], ctx["nb"]), tile))
+        base = add(mul(first, ctx["nb"]), lshr(ctx["g"], 1))
+        for jj in range(half):
+            mx.store_byte(codes[jj], rs, base, mul(jj, ctx["nb"]) if jj else 0)
+        return
+    col = add(ctx["c0"], first)
+    base = add(mul(add(mul(ctx["e"], ctx["nb"]), b), ctx["k"]), col)
+
+    def whole():  # full column tile: the lane's codes in one store
+        if half == 4:  # 16-bit: codes[0] and [2] hold codes 1 and 3 in their bits 16-23
+            mx.store(mx.perm(codes[2], codes[0], 0x06040200), ctx["rs"], base)
+        else:
+            mx.store_short(bor(codes[0], shl(codes[1], 8)), ctx["rs"], base)
+
+    def some():
+        for jj in range(half):
+            off = mx.select(mx.cmp_ult(add(col, jj), ctx["k"]), add(base, jj), OOB)
+            mx.store_byte(codes[jj], ctx["rs"], off)
+
+    mx.if_else(ctx["col_full"], whole, some)
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch-facing launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block_k=1, offs=None, dims=0,
+               expert_bytes=0, rows_out=None):
+    """Launch the column kernel on contiguous x (E, N, K) (2D: (N, K), E = 1) into `data`
+    (column-major per expert) and `scales` (uint8, laid out as the kind/layout says)."""
+    e, n, k = x.shape if x.dim() == 3 else (1, *x.shape)
+    dtype = TORCH_DTYPES[x.dtype]
+    if n * k * x.element_size() >= MAX_LAUNCH_BYTES or scales.numel() >= MAX_LAUNCH_BYTES:
+        raise ValueError(f"{tuple(x.shape)} is too large: one expert (matrix) and the scales must stay below 2 GiB")
+    cfg = plan_col((e, n, k), x.dtype, arch, block_k, kind)
+    grouped = offs is not None
+    launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows)
+    width = cfg.tile_cols
+    groups = offs.numel() if grouped else 0
+    offs_arg = offs if grouped else torch.zeros(1, dtype=torch.int32, device=x.device)
+    q1, s1 = rows_out if rows_out is not None else (offs_arg, offs_arg)  # dual: the 1x32 outputs
+    with toolchain.target(arch):
+        launch(
+            x, data.view(torch.uint8), scales, q1, s1, offs_arg, n, k, k * x.element_size(), cfg.tiles_per_wave,
+            -(-k // width), n // MX_BLOCK, dims, expert_bytes, scales.numel(), groups, groups.bit_length(),
+            *cfg.grid, stream=mx.torch_stream(x),
+        )
+
+
+def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_block_k: int = 1, scale_layout=None):
+    """MXFP8 quantize of contiguous expert weights (E, N, K) along N on `arch`, as
+    flyquant.reference.mxfp8_quantize_3d: data (E, N, K) float8_e4m3fn with stride (N*K, 1, N);
+    scales float8_e8m0fnu (E, N/32, K) (scale_block_k=32: (E, N/32, K/32)), or per expert the
+    "tcgen05" (flat) / "mfma" layout of the (K, N/32) matrix, zero padded."""
+    validate.high_precision(w, "w", ndim=3)
+    validate.scaling_mode(scaling_mode)
+    validate.scale_layout(scale_layout)
+    if scale_block_k not in (1, MX_BLOCK):
+        raise ValueError(f"scale_block_k must be 1 or {MX_BLOCK}, got {scale_block_k!r}")
+    validate.contiguous(w, "w")
+    validate.block_dim(w, 1, "w", "N")
+    if scale_block_k == MX_BLOCK:
+        validate.block_dim(w, 2, "w", "K", block=scale_block_k)
+    e, n, k = w.shape
+    data = torch.empty_strided((e, n, k), (n * k, 1, n), dtype=torch.float8_e4m3fn, device=w.device)
+    nb = n // MX_BLOCK
+    if scale_layout is None:
+        scales = torch.empty((e, nb, k // scale_block_k), dtype=torch.uint8, device=w.device)
+        dims = expert_bytes = 0
+    else:
+        prows, pcols = mx.scale_layout_shape(k, nb, scale_layout)
+        shape = (e, prows * pcols) if scale_layout == "tcgen05" else (e, prows, pcols)
+        scales = mx.scale_tensor(shape, (prows, pcols) != (k, nb), w.device)
+        dims, expert_bytes = mx.layout_dims(scale_layout, pcols), prows * pcols
+    launch_col(w, data, scales, arch=arch, scaling_mode=scaling_mode, kind="3d", scale_layout=scale_layout,
+               block_k=scale_block_k, dims=dims, expert_bytes=expert_bytes)
+    return data, scales.view(torch.float8_e8m0fnu)
