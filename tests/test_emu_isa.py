@@ -783,3 +783,175 @@ def test_counters_by_class_and_partial_store_lines():
     st = stats.memory["global_store_dword"]
     assert (st.bytes, st.lines, st.partial_store_lines) == (256, 3, 2)
     assert stats.by_class["wait"] == 1 and stats.by_class["vmem_store"] == 1 and stats.wave_instructions == 3
+
+
+# --- vectorised paths: per-lane selectors, packed halves at once, tails, gathers -----------------------
+def _perm_ref(s0: int, s1: int, sel: int) -> int:
+    """v_perm_b32 per the ISA pseudocode, one lane: byte k of D from selector byte k."""
+    out = 0
+    for k in range(4):
+        b = (sel >> (8 * k)) & 0xFF
+        if b < 4:
+            byte = (s1 >> (8 * b)) & 0xFF
+        elif b < 8:
+            byte = (s0 >> (8 * (b - 4))) & 0xFF
+        elif b <= 11:  # sign of S1[15], S1[31], S0[15], S0[31] replicated
+            word, bit = (s1, s1, s0, s0)[b - 8], (15, 31, 15, 31)[b - 8]
+            byte = 0xFF if (word >> bit) & 1 else 0
+        else:
+            byte = 0 if b == 12 else 0xFF
+        out |= byte << (8 * k)
+    return out
+
+
+def test_v_perm_b32_per_lane_and_scalar_selectors():
+    # per-lane selectors cover every table entry (0..13) and values above 13 (0xFF); the scalar
+    # selector 0x0B0A0908 takes the four sign bytes, 0x070D0C00 a source byte and the constants
+    rng = np.random.default_rng(7)
+    s0, s1 = (rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    sel = rng.choice(np.array(list(range(14)) + [14, 0x80, 0xFF], np.uint32), (64, 4))
+    sel = (sel[:, 0] | sel[:, 1] << 8 | sel[:, 2] << 16 | sel[:, 3] << 24).astype(np.uint32)
+    w, _ = run("gfx942", I.v_perm_b32_e64(v[8], v[6], v[7], v[9]), I.v_perm_b32_e64(v[10], v[6], v[7], s[20]),
+               I.v_perm_b32_e64(v[11], v[6], v[7], s[21]),
+               vgpr={6: s0, 7: s1, 9: sel}, sgpr={20: 0x0B0A0908, 21: 0x070D0C00})
+    for lane in range(64):
+        a, b = int(s0[lane]), int(s1[lane])
+        assert w.v[8, lane] == _perm_ref(a, b, int(sel[lane])), lane
+        assert w.v[10, lane] == _perm_ref(a, b, 0x0B0A0908) and w.v[11, lane] == _perm_ref(a, b, 0x070D0C00)
+
+
+@pytest.mark.parametrize("opsel,opsel_hi", [(0b00, 0b11), (0b00, 0b00), (0b11, 0b11), (0b01, 0b10), (0b10, 0b01)])
+def test_packed_u16_op_sel_halves_with_sgpr_and_partial_exec(opsel, opsel_hi):
+    # v_pk_add_u16 D = S0 + S1 per half, wrapping: the low result adds half opsel[i] of source i,
+    # the high one half opsel_hi[i]; S1 is an SGPR; lanes 40..63 (EXEC off) keep D
+    rng = np.random.default_rng(opsel * 4 + opsel_hi)
+    a = rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32)
+    sgpr = 0xFFF01234
+    w, _ = run("gfx950", I.v_pk_add_u16(v[6], v[4], s[10], opsel=opsel, opsel_hi=opsel_hi),
+               vgpr={4: a, 6: 0xDEADBEEF}, sgpr={10: sgpr}, exec_mask=(1 << 40) - 1)
+
+    def half(x, h):
+        return (int(x) >> (16 * h)) & 0xFFFF
+    for lane in range(64):
+        lo = (half(a[lane], opsel & 1) + half(sgpr, opsel >> 1 & 1)) & 0xFFFF
+        hi = (half(a[lane], opsel_hi & 1) + half(sgpr, opsel_hi >> 1 & 1)) & 0xFFFF
+        assert w.v[6, lane] == (lo | hi << 16 if lane < 40 else 0xDEADBEEF), lane
+
+
+def test_packed_f16_neg_on_one_half_only():
+    # neg = 0b01, neg_hi = 0b00: the low result is -S0.lo + S1.lo = -1.5 + 0.25 = -1.25 (0xBD00),
+    # the high one S0.hi + S1.hi = 2 + 0.5 = 2.5 (0x4100)
+    w, _ = run("gfx950", I.v_pk_add_f16(v[2], v[0], v[1], neg=0b01, neg_hi=0b00),
+               vgpr={0: 0x40003E00, 1: 0x38003400})
+    assert (w.v[2] == 0x4100BD00).all()
+
+
+@pytest.mark.parametrize("opsel,opsel_hi", [(0b00, 0b11), (0b11, 0b00), (0b01, 0b01)])
+def test_packed_f32_fma_halves_with_sgpr_pair(opsel, opsel_hi):
+    # v_pk_fma_f32 D.lo = A[opsel0] * B[opsel1] + C.lo, D.hi = A[opsel_hi0] * B[opsel_hi1] + C.hi,
+    # B an SGPR pair; small exact values; EXEC off for lanes 50..63 (D kept)
+    a = np.stack([LANES + 1.0, LANES * 2.0]).astype(np.float32)
+    b = (3.0, -0.5)
+    c = np.float32(0.25)
+    w, _ = run("gfx942", I.v_pk_fma_f32(v[6:7], v[0:1], s[10:11], v[2:3], opsel=opsel, opsel_hi=opsel_hi, opsel_hi2=1),
+               vgpr={0: a[0], 1: a[1], 2: np.full(64, c), 3: np.full(64, c), 6: 7, 7: 7},
+               sgpr={10: f32(b[0]), 11: f32(b[1])}, exec_mask=(1 << 50) - 1)
+    lo = a[opsel & 1] * np.float32(b[opsel >> 1 & 1]) + c
+    hi = a[opsel_hi & 1] * np.float32(b[opsel_hi >> 1 & 1]) + c
+    assert np.array_equal(as_f32(w.v[6, :50]), lo[:50]) and np.array_equal(as_f32(w.v[7, :50]), hi[:50])
+    assert (w.v[6:8, 50:] == 7).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_buffer_tail_counts_bytes_and_lines_once(arch):
+    # lane l loads dwordx4 at byte 16*l of a 128-byte aligned buffer with num_records 136: lanes
+    # 0..7 are in range (one line), lane 8 only for dwords 0, 1 (bytes 128..135, the next line),
+    # every other dword reads 0. Counted once: 136 bytes in 2 lines.
+    store = np.arange(256, dtype=np.uint32)
+    base = (store.ctypes.data + 127) // 128 * 128
+    first = (base - store.ctypes.data) // 4
+    inst = I.buffer_load_dwordx4(vdata=v[2:5], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=0)
+    w, stats = run(arch, inst, sgpr=_rsrc_sgprs(base, 136), vgpr={0: LANES * 16}, memory=Memory())
+    got = w.v[2:6].T
+    for lane in range(64):
+        want = [store[first + 4 * lane + d] if 16 * lane + 4 * d + 4 <= 136 else 0 for d in range(4)]
+        assert list(got[lane]) == want, lane
+    c = stats.memory["buffer_load_dwordx4"]
+    assert (c.executed, c.bytes, c.lines) == (1, 136, 2)
+
+
+def test_line_counts_follow_the_offset_in_the_line():
+    # the same lane pattern (64 contiguous dwords) from a line-aligned base touches 2 lines,
+    # from 4 bytes further 3: the counts are remembered per pattern and offset in the line
+    buf = np.zeros(256, np.uint32)
+    base = (buf.ctypes.data + 127) // 128 * 128
+    a0 = base + LANES.astype(np.uint64) * 4
+    a1 = a0 + 4
+    _, stats = run("gfx942", I.global_load_dword(vdst=v[4], addr=v[0], saddr=OFF, offset=0),
+                   I.global_load_dword(vdst=v[5], addr=v[2], saddr=OFF, offset=0),
+                   I.global_load_dword(vdst=v[6], addr=v[0], saddr=OFF, offset=0),
+                   vgpr={0: a0 & 0xFFFFFFFF, 1: a0 >> 32, 2: a1 & 0xFFFFFFFF, 3: a1 >> 32}, memory=Memory())
+    assert stats.memory["global_load_dword"].lines == 2 + 3 + 2
+
+
+def test_lds_read_with_an_inactive_lane_out_of_range():
+    # lane 63 (EXEC off) points past the 256-byte LDS: nothing is counted, active lanes read
+    w, stats = run("gfx942", I.ds_write_b32(addr=v[0], data0=v[1], offset0=0, offset1=0),
+                   I.ds_read_b32(vdst=v[2], addr=v[0], offset0=0, offset1=0),
+                   vgpr={0: np.where(LANES < 63, LANES * 4, 4096), 1: LANES + 100, 2: 5},
+                   exec_mask=(1 << 63) - 1, lds=256)
+    assert (w.v[2, :63] == LANES[:63] + 100).all() and w.v[2, 63] == 5 and stats.lds_out_of_range_lanes == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_global_atomic_pk_add_f16_every_lane(arch):
+    # 64 lanes add f16 (1.0, 0.5) to one dword holding (0, 0): exact sums 64.0 (0x5400) and
+    # 32.0 (0x5000); lane 0 returns the initial value
+    out = np.zeros(1, np.uint32)
+    a = out.ctypes.data
+    w, _ = run(arch, I.global_atomic_pk_add_f16(vdst=v[3], addr=v[0], data=v[2], saddr=OFF, offset=0, sc0=1),
+               vgpr={0: a & 0xFFFFFFFF, 1: a >> 32, 2: 0x38003C00, 3: 9}, memory=Memory())
+    assert out[0] == 0x50005400 and w.v[3, 0] == 0
+
+
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # codes 0..7; bit 3 is the sign
+
+
+def test_mfma_f8f6f4_fp4_operands():
+    # v_mfma_f32_16x16x128_f8f6f4 with cbsz = blgp = 4 (both FP4 E2M1): lane l holds row l % 16,
+    # k = 32 * (l // 16) + j, element j in nibble j % 2 (low first) of byte j // 2 of its 4
+    # registers; values from the E2M1 table, products and sums exact in f32 here
+    rng = np.random.default_rng(3)
+    ca, cb = rng.integers(0, 16, (16, 128)), rng.integers(0, 16, (16, 128))  # codes of A and B^T
+
+    def value(code):
+        return (-1.0 if code & 8 else 1.0) * E2M1_VALUES[code & 7]
+
+    def pack(codes):  # (16, 128) codes -> 4 registers of (64,) words
+        lane = _mfma_operand(codes, 16, 32)  # (64, 32)
+        nib = (lane[:, 0::2] | lane[:, 1::2] << 4).astype(np.uint8)  # (64, 16) bytes
+        return np.ascontiguousarray(nib).view(np.uint32).T  # (4, 64)
+
+    pa, pb = pack(ca), pack(cb)
+    vgpr = {**{10 + r: pa[r] for r in range(4)}, **{20 + r: pb[r] for r in range(4)}}
+    w, _ = run("gfx950", I.v_mfma_f32_16x16x128_f8f6f4(v[0:3], v[10:13], v[20:23], 0, cbsz=4, blgp=4), vgpr=vgpr)
+    a, b = np.vectorize(value)(ca), np.vectorize(value)(cb)
+    d = as_f32(w.v[0:4]).reshape(4, 4, 16).transpose(1, 0, 2).reshape(16, 16)
+    assert np.array_equal(d, (a @ b.T).astype(np.float32))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mfma_i32_16x16x32_i8_accumulates(arch):
+    # int8 A (16x32) and B (32x16), 8 bytes per lane in 2 registers (k = 8 * (l // 16) + j), C = 1000
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(-128, 128, (16, 32)), rng.integers(-128, 128, (32, 16))
+
+    def pack(m):
+        return np.ascontiguousarray(_mfma_operand(m, 16, 8).astype(np.int8)).view(np.uint32).T  # (2, 64)
+
+    pa, pb = pack(a), pack(b.T)
+    c = np.full((4, 64), 1000, np.uint32)
+    w, _ = run(arch, I.v_mfma_i32_16x16x32_i8(v[0:3], v[10:11], v[20:21], v[0:3]),
+               vgpr={10: pa[0], 11: pa[1], 20: pb[0], 21: pb[1], **{r: c[r] for r in range(4)}})
+    d = w.v[0:4].view(np.int32).reshape(4, 4, 16).transpose(1, 0, 2).reshape(16, 16)
+    assert np.array_equal(d, a @ b + 1000)

@@ -6,7 +6,9 @@ Register files of one wave (wave64):
 - ``v``: NumPy uint32 array (512, 64): rows 0..255 are the architectural VGPRs v0..v255,
   rows 256..511 the accumulation registers a0..a255 (AGPRs), one column per lane.
   ``vi``/``vf`` view the same memory as int32/float32; ``h16``/``hi16``/``hf16`` as 16-bit
-  halves (row, lane, 0 = bits 15:0, 1 = bits 31:16).
+  halves (row, lane, 0 = bits 15:0, 1 = bits 31:16); ``flat8``/``flat16``/``flat32`` as one
+  flat uint8/uint16/uint32 array (element k of 8/16/32 bits of register row r, lane l is at
+  ((r * 64 + l) * (4 / bytes) + k)), for gathers whose indices are computed when a closure is built.
 - EXEC is kept in ``s[126]``/``s[127]`` and mirrored as a boolean lane mask ``exec_mask`` (plus
   ``exec_full``, all 64 lanes on): every write of EXEC goes through `set_exec`.
 
@@ -95,8 +97,8 @@ class Wave:
     """Registers and position of one wave; `wg` is its workgroup (LDS), `launch` what the
     launch's waves share (memory, counters)."""
 
-    __slots__ = ("s", "scc", "v", "vi", "vf", "h16", "hi16", "hf16", "exec_mask", "exec_full",
-                 "pc", "done", "at_barrier", "wg", "launch", "wave_id", "executed")
+    __slots__ = ("s", "scc", "v", "vi", "vf", "h16", "hi16", "hf16", "flat8", "flat16", "flat32", "exec_mask",
+                 "exec_full", "pc", "done", "at_barrier", "wg", "launch", "wave_id", "executed")
 
     def __init__(self):
         self.v = np.zeros((2 * 256, LANES), dtype=U32)
@@ -105,6 +107,9 @@ class Wave:
         self.h16 = self.v.view(U16).reshape(512, LANES, 2)
         self.hi16 = self.v.view(I16).reshape(512, LANES, 2)
         self.hf16 = self.v.view(F16).reshape(512, LANES, 2)
+        self.flat8 = self.v.view(U8).reshape(-1)
+        self.flat16 = self.v.view(U16).reshape(-1)
+        self.flat32 = self.v.reshape(-1)
         self.reset()
 
     def reset(self):

@@ -47,6 +47,8 @@ class F8Format:
         self.max_value = float(self.table[max_code])
         self.emin = 1 - bias  # exponent of the smallest normal value
         self._tables: dict[bool, np.ndarray] = {}
+        self._class_shift = U32(22 - mbits)  # binary32 bits above it: sign, exponent, mbits + 1 mantissa bits
+        self._sticky_mask = U32((1 << (22 - mbits)) - 1)
 
     def _decode_one(self, code: int) -> float:
         sign = -1.0 if code & self.sign_bit else 1.0
@@ -81,8 +83,8 @@ class F8Format:
             rep = ((classes >> U32(1)) << U32(22 - self.mbits)) | (classes & U32(1))
             table = self._tables[saturate] = self._encode_exact(rep.view(F32), saturate)
         b = np.asarray(x, F32).view(U32)
-        sticky = (b & U32((1 << (22 - self.mbits)) - 1)) != 0
-        return table[((b >> U32(22 - self.mbits)) << U32(1)) | sticky]
+        sticky = (b & self._sticky_mask) != 0
+        return table[((b >> self._class_shift) << U32(1)) | sticky]
 
     def _encode_exact(self, x, saturate: bool) -> np.ndarray:
         """Round-to-nearest-even codes of binary32 values `x` (narrower floats convert exactly).
@@ -199,8 +201,11 @@ def _pow2(s) -> np.ndarray:
     return np.where(s == 0xFF, np.nan, np.ldexp(1.0, (s - F32_EXP_BIAS).astype(I32)))
 
 
-# 2**(127 - s) in binary32 for every E8M0 code s (s = 254: the subnormal 2**-127; 255: NaN)
+# 2**(127 - s) in binary32 for every E8M0 code s (s = 254: the subnormal 2**-127; 255: NaN),
+# indexed by the top 9 bits (sign, exponent) of the f32 scale operand
 _INV_POW2 = np.array([np.ldexp(np.float32(1.0), F32_EXP_BIAS - s) for s in range(255)] + [np.nan], F32)
+_INV_POW2_BY_TOP9 = np.concatenate([_INV_POW2, _INV_POW2])
+F32_EXP_SHIFT = U32(23)
 
 
 def unscale(x, scale_f32) -> np.ndarray:
@@ -211,8 +216,8 @@ def unscale(x, scale_f32) -> np.ndarray:
     way) and results below 2**-126 are far below the narrow formats' smallest subnormal
     (they round to zero either way), so one binary32 multiply is as good as exact division."""
     x = np.asarray(x, F32)
-    factor = _INV_POW2[scale_exponent(scale_f32)]
-    if np.isnan(factor).any():  # scale code 0xFF: NaN with each element's sign
+    factor = _INV_POW2_BY_TOP9[np.asarray(scale_f32, F32).view(U32) >> F32_EXP_SHIFT]
+    if np.count_nonzero(np.isnan(factor)):  # scale code 0xFF: NaN with each element's sign
         return np.where(np.isnan(factor), np.copysign(np.float32(np.nan), x), x * factor)
     return x * factor
 
@@ -259,7 +264,9 @@ def _lanes(x, dtype) -> np.ndarray:
 def encode_pairs(fmt: F8Format, lo, hi, scale=None) -> np.ndarray:
     """uint16[64] holding code(lo) in bits 7:0 and code(hi) in bits 15:8 of each lane (f32
     inputs; `scale`: a v_cvt_scalef32 scale operand to divide by). One encode of 128 values."""
-    pairs = np.stack([_lanes(lo, F32), _lanes(hi, F32)], axis=1)  # (64, 2): lo first (little-endian)
+    pairs = np.empty((64, 2), F32)  # lo first (little-endian)
+    pairs[:, 0] = lo
+    pairs[:, 1] = hi
     if scale is not None:
         pairs = unscale(pairs, np.asarray(scale, F32)[..., None] if np.ndim(scale) else scale)
     return fmt.encode(pairs).view(U16).reshape(64)
@@ -331,7 +338,7 @@ def build_cvt_scalef32_pk_f8_16(inst, ctx):
 
     def run(w):
         halves = np.ascontiguousarray(_lanes(src(w), U32)).view(U16).reshape(64, 2)  # [:, 0] = bits 15:0
-        values = bf16_bits_to_f32(halves) if is_bf16 else halves.view(F16).astype(F32)
+        values = (halves.astype(U32) << U32(16)).view(F32) if is_bf16 else halves.view(F16).astype(F32)
         scale = sc(w)
         values = unscale(values, np.asarray(scale, F32)[..., None] if np.ndim(scale) else scale)
         put(w, fmt.encode(values).view(U16).reshape(64))
@@ -430,9 +437,14 @@ def scaled_pair_table(fmt: F8Format, out: str) -> np.ndarray:
     return _SCALED_TABLES[key]
 
 
-def scale_index(scale_f32, per_scale: int) -> np.ndarray:
-    """exponent field of the scale operand times `per_scale` (a row offset into a pair table)."""
-    return ((np.asarray(scale_f32, F32).view(U32) >> U32(23)) & U32(0xFF)).astype(np.intp) * per_scale
+SCALE_ROW = 256  # entries per scale code in the pair / scaled tables
+_SCALE_ROW_BY_TOP9 = (np.arange(512, dtype=np.intp) & 0xFF) * SCALE_ROW
+
+
+def scale_row(scale_f32) -> np.ndarray:
+    """Exponent field of the scale operand times SCALE_ROW (a row offset into a flattened
+    (256 scales, 256 codes) table), from the operand's top 9 bits by one lookup."""
+    return _SCALE_ROW_BY_TOP9[np.asarray(scale_f32, F32).view(U32) >> F32_EXP_SHIFT]
 
 
 def build_cvt_scalef32_fp4_in(inst, ctx):
@@ -456,7 +468,7 @@ def build_cvt_scalef32_fp4_in(inst, ctx):
     put = vwriter(ctx, inst, "u32")
 
     def run(w):  # both results of the byte at once: pairs[256 * scale + byte]
-        put(w, pairs[scale_index(sc(w), 256) + ((np.asarray(src(w), U32) >> shift) & U32(0xFF))])
+        put(w, pairs[scale_row(sc(w)) + ((np.asarray(src(w), U32) >> shift) & U32(0xFF))])
     return run
 
 
@@ -470,7 +482,7 @@ def build_cvt_scalef32_f8_to_16(inst, ctx):
     put = vwriter(ctx, inst, "u32")
 
     def run(w):  # table[256 * scale + code] for each byte of the selected word
-        row = scale_index(sc(w), 256)
+        row = scale_row(sc(w))
         x = np.asarray(src(w), U32) >> shift
         put(w, table[row + (x & U32(0xFF))] | (table[row + ((x >> U32(8)) & U32(0xFF))] << U32(16)))
     return run

@@ -28,6 +28,7 @@ RSRC_STRIDE_SHIFT, RSRC_STRIDE_MASK = 16, 0x3FFF  # dword 1 bits 29:16
 RSRC_SWIZZLE_BIT = 31  # dword 1
 RSRC_ADD_TID_BIT = 23  # dword 3
 BASE_MASK = (1 << 48) - 1
+U64_MASK = (1 << 64) - 1
 
 # load/store widths: suffix -> (bytes, signed)
 _WIDTH = {"ubyte": (1, False), "sbyte": (1, True), "ushort": (2, False), "sshort": (2, True), "byte": (1, False),
@@ -102,19 +103,21 @@ def _active(w):
 
 
 # --- atomics ------------------------------------------------------------------------------------------
+def _halves(x) -> np.ndarray:
+    """uint16 (2n,) of uint32 words (n,): the low half of each word first."""
+    return np.ascontiguousarray(x, U32).view(U16)
+
+
 def _bf16x2_add(old, val):
-    def add_half(o, v):
-        return f32_to_bf16_bits(bf16_bits_to_f32(o) + bf16_bits_to_f32(v)).astype(U32)
-    lo = add_half(old & U32(0xFFFF), val & U32(0xFFFF))
-    hi = add_half(old >> U32(16), val >> U32(16))
-    return lo | (hi << U32(16))
+    """Packed bf16 add of both halves at once, each rounded to nearest even."""
+    total = bf16_bits_to_f32(_halves(old)) + bf16_bits_to_f32(_halves(val))
+    return f32_to_bf16_bits(total).view(U32)
 
 
 def _f16x2_add(old, val):
-    def add_half(o, v):
-        s = o.astype(U16).view(np.float16).astype(np.float64) + v.astype(U16).view(np.float16).astype(np.float64)
-        return s.astype(np.float16).view(U16).astype(U32)
-    return add_half(old & U32(0xFFFF), val & U32(0xFFFF)) | (add_half(old >> U32(16), val >> U32(16)) << U32(16))
+    """Packed f16 add of both halves at once (exact in binary64, rounded once)."""
+    total = _halves(old).view(np.float16).astype(np.float64) + _halves(val).view(np.float16).astype(np.float64)
+    return total.astype(np.float16).view(U32)
 
 
 # op -> (dwords of memory operand, fn(old, data) -> new); data for cmpswap is (src, cmp)
@@ -172,7 +175,8 @@ def _global_address(ctx, inst):
         raise ctx.error(inst, "scratch memory is not supported")
     if inst.enc == "GLOBAL" and f["saddr"] != D.GLOBAL_SADDR_OFF:
         base = sreader(ctx, inst, f["saddr"], 64)
-        return lambda w: U64(base(w)) + w.v[vaddr].astype(U64) + offset
+        off = int(offset)
+        return lambda w: w.v[vaddr].astype(U64) + U64((base(w) + off) & U64_MASK)
     return lambda w: (w.v[vaddr].astype(U64) | (w.v[vaddr + 1].astype(U64) << U64(32))) + offset
 
 
@@ -224,7 +228,7 @@ def _build_global_atomic(inst, ctx, address, index):
             mem = w.launch.memory
             a = addrs[lanes]
             mem.check(a, DWORD, None, write=True)
-            if np.any(a & U64(3)):
+            if np.count_nonzero(a & U64(3)):
                 raise ctx.error(inst, "misaligned atomic address")
             idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
             data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
@@ -283,50 +287,65 @@ def build_buffer(inst, ctx):
     kind, nbytes, signed, d16 = parsed
     ncomp = nbytes // DWORD if nbytes >= DWORD else 1
     comp_bytes = DWORD if nbytes >= DWORD else nbytes
-    comp_off = (np.arange(ncomp, dtype=U64) * U64(comp_bytes))
-
-    def lane_ranges(w):
-        base, num_records, soffset = descriptor(w)
-        off = offsets(w)
-        ends = off[:, None] + comp_off + U64(comp_bytes)  # per component: in range if end <= num_records
-        in_range = ends <= U64(num_records)
-        addrs = U64(base) + U64(soffset) + off
-        return addrs, in_range
-
-    if kind == "load":
-        row = _data_rows(inst, "vdata")
-
-        def load(w):
-            addrs, in_range = lane_ranges(w)
-            active = w.exec_mask
-            mem, rec = w.launch.memory, w.launch.rec
-            if in_range.all():
-                data = mem.load(addrs, nbytes, None if w.exec_full else active)
-                rec.global_access(index, addrs, None if w.exec_full else active, nbytes, False)
-            else:  # out-of-range components read 0 and are never touched (they may be unmapped)
-                data = np.zeros((LANES, nbytes), U8)
-                for c in range(ncomp):
-                    ok = in_range[:, c] & active
-                    part_addrs = addrs + U64(c * comp_bytes)
-                    data[:, c * comp_bytes:(c + 1) * comp_bytes] = mem.load(part_addrs, comp_bytes, ok)
-                    rec.global_access(index, part_addrs, ok, comp_bytes, False, c)
-            _write_load(w, row, data, nbytes, signed, d16, None if w.exec_full else active)
-        return load
+    comp_off = np.arange(ncomp, dtype=U64) * U64(comp_bytes)
+    comp_end = comp_off + U64(comp_bytes)
+    inst_offset = inst.f["offset"]
+    vaddr = inst.f["vaddr"]
+    offen = inst.f["offen"]
     row = _data_rows(inst, "vdata")
 
+    def addresses(w):
+        """(lane addresses, every component of every lane in range?, num_records): the
+        checked offset of a lane is inst_offset + its VGPR offset (offen), all in range when
+        the largest one leaves room for the whole access below num_records."""
+        base, num_records, soffset = descriptor(w)
+        start = base + soffset + inst_offset
+        limit = num_records - nbytes - inst_offset  # largest VGPR offset fully in range
+        if offen:
+            voff = w.v[vaddr]
+            addrs = voff.astype(U64) + U64(start)
+            all_in = limit >= 0 and not np.count_nonzero(voff > U32(limit))
+        else:
+            addrs = np.full(LANES, start, U64)
+            all_in = limit >= 0
+        return addrs, all_in, num_records
+
+    def components(w, addrs, num_records, active):
+        """Out-of-range tail: (component addresses, component in range and lane active), both
+        flattened lane-major to 64 * ncomp entries of comp_bytes bytes."""
+        off = offsets(w)
+        ok = off[:, None] + comp_end <= U64(num_records)
+        if active is not None:
+            ok &= active[:, None]
+        return (addrs[:, None] + comp_off).reshape(-1), ok.reshape(-1)
+
+    if kind == "load":
+        def load(w):
+            addrs, all_in, num_records = addresses(w)
+            active = None if w.exec_full else w.exec_mask
+            mem, rec = w.launch.memory, w.launch.rec
+            if all_in:
+                data = mem.load(addrs, nbytes, active)
+                rec.global_access(index, addrs, active, nbytes, False)
+            else:  # out-of-range components read 0 and are never touched (they may be unmapped)
+                caddrs, ok = components(w, addrs, num_records, active)
+                data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
+                rec.global_access(index, caddrs, ok, comp_bytes, False)
+            _write_load(w, row, data, nbytes, signed, d16, active)
+        return load
+
     def store(w):
-        addrs, in_range = lane_ranges(w)
-        active = w.exec_mask
+        addrs, all_in, num_records = addresses(w)
+        active = None if w.exec_full else w.exec_mask
         data = _gather_store_bytes(w, row, nbytes, d16)
-        mem = w.launch.memory
-        if in_range.all():
+        mem, rec = w.launch.memory, w.launch.rec
+        if all_in:
             mem.store(addrs, data, active)
-            w.launch.rec.global_access(index, addrs, active, nbytes, True)
-            return
-        for c in range(ncomp):  # out-of-range dwords are dropped one by one
-            ok = in_range[:, c] & active
-            mem.store(addrs + U64(c * comp_bytes), data[:, c * comp_bytes:(c + 1) * comp_bytes], ok)
-            w.launch.rec.global_access(index, addrs + U64(c * comp_bytes), ok, comp_bytes, True, c)
+            rec.global_access(index, addrs, active, nbytes, True)
+        else:  # out-of-range components are dropped one by one
+            caddrs, ok = components(w, addrs, num_records, active)
+            mem.store(caddrs, data.reshape(LANES * ncomp, comp_bytes), ok)
+            rec.global_access(index, caddrs, ok, comp_bytes, True)
     return store
 
 
@@ -347,7 +366,7 @@ def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
             mem = w.launch.memory
             a = addrs[lanes]
             mem.check(a, DWORD, None, write=True)
-            if np.any(a & U64(3)):
+            if np.count_nonzero(a & U64(3)):
                 raise ctx.error(inst, "misaligned atomic address")
             idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
             data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
@@ -365,13 +384,18 @@ def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
 _DS_WIDTH = {"b8": 1, "u8": 1, "i8": 1, "b16": 2, "u16": 2, "i16": 2, "b32": 4, "b64": 8, "b96": 12, "b128": 16}
 
 
+_LDS_BYTE_OFFSETS = {n: np.arange(n, dtype=np.int64) for n in (1, 2, 4, 8, 12, 16)}
+
+
 class _Lds:
-    """Checked gathers/scatters on the workgroup's LDS bytes (lanes past the end: 0 / dropped)."""
+    """Checked gathers/scatters on the workgroup's LDS bytes (lanes past the end: 0 / dropped).
+    `addrs` are int64 byte addresses of all 64 lanes; when every lane (active or not) is in
+    range, one gather/scatter does it."""
 
     @staticmethod
     def _ok(w, addrs, nbytes, mask):
         size = w.wg.lds.size
-        ok = addrs.astype(np.int64) + nbytes <= size
+        ok = addrs + nbytes <= size
         if mask is not None:
             bad = mask & ~ok
             ok = ok & mask
@@ -384,21 +408,26 @@ class _Lds:
 
     @staticmethod
     def read(w, addrs, nbytes, mask):
+        """(64, nbytes) uint8; rows of inactive lanes are unspecified (never written back)."""
+        lds = w.wg.lds
+        if not np.count_nonzero(addrs > lds.size - nbytes):
+            return lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]]
         ok = _Lds._ok(w, addrs, nbytes, mask)
-        idx = addrs.astype(np.int64)[:, None] + np.arange(nbytes)
-        idx = np.where(ok[:, None], idx, 0)
-        data = w.wg.lds[idx]
-        if not ok.all():
-            data = data * ok[:, None].astype(U8)
-        return data
+        idx = np.where(ok[:, None], addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes], 0)
+        return lds[idx] * ok[:, None].astype(U8)
 
     @staticmethod
     def write(w, addrs, data, mask):
+        lds = w.wg.lds
         nbytes = data.shape[1]
-        ok = _Lds._ok(w, addrs, nbytes, mask)
-        lanes = np.flatnonzero(ok)
-        idx = addrs.astype(np.int64)[lanes, None] + np.arange(nbytes)
-        w.wg.lds[idx] = data[lanes]  # colliding lanes: the highest lane's bytes win
+        if not np.count_nonzero(addrs > lds.size - nbytes):
+            if mask is None:  # colliding lanes: the highest lane's bytes win
+                lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]] = data
+                return
+            lanes = np.flatnonzero(mask)
+        else:
+            lanes = np.flatnonzero(_Lds._ok(w, addrs, nbytes, mask))
+        lds[addrs[lanes, None] + _LDS_BYTE_OFFSETS[nbytes]] = data[lanes]
 
 
 def build_ds(inst, ctx):
@@ -537,7 +566,7 @@ def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
         mask = w.exec_mask
         lanes = np.flatnonzero(mask)
         ok = _Lds._ok(w, a, DWORD, mask)
-        if np.any(a[lanes] & 3):
+        if np.count_nonzero(a[lanes] & 3):
             raise ctx.error(inst, "misaligned LDS atomic address")
         good = np.flatnonzero(ok)
         lds32 = w.wg.lds[: w.wg.lds.size // 4 * 4].view(U32)

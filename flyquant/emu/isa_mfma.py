@@ -33,23 +33,34 @@ _IN_BITS = {"bf16": 16, "f16": 16, "f32": 32, "i8": 8, "fp8_fp8": 8, "fp8_bf8": 
 F8F6F4_FORMATS = {0: ("fp8", 8), 1: ("bf8", 8), 4: ("fp4", 4)}
 
 
-def _decode_elements(ctx, words: np.ndarray, kind: str, bits: int) -> np.ndarray:
-    """(64, E) float64 (or int64) elements of `kind` from (nregs, 64) uint32 register rows."""
-    raw = np.ascontiguousarray(words.T).view(U8)  # (64, nregs*4) bytes, little-endian
+_TABLES: dict = {}
+
+
+def element_table(ctx, kind: str) -> np.ndarray:
+    """Value (float64, or int64 for i8) of every code of an input element kind, indexed by the
+    code's bits: the exact conversions of the ISA (bf16/f16/f32 widen exactly; fp8/bf8 per arch)."""
+    key = (kind, ctx.arch if kind in ("fp8", "bf8") else None)
+    table = _TABLES.get(key)
+    if table is None:
+        with np.errstate(invalid="ignore"):  # signalling NaN codes widen to NaN, as in execution
+            table = _element_values(ctx, kind)
+        table.flags.writeable = False
+        _TABLES[key] = table
+    return table
+
+
+def _element_values(ctx, kind: str) -> np.ndarray:
+    codes = np.arange(1 << 16 if kind in ("bf16", "f16") else 256, dtype=U32)
     if kind == "bf16":
-        return bf16_bits_to_f32(raw.view(U16).astype(U32)).astype(F64)
+        return bf16_bits_to_f32(codes).astype(F64)
     if kind == "f16":
-        return raw.view(F16).astype(F64)
-    if kind == "f32":
-        return raw.view(F32).astype(F64)
+        return codes.astype(U16).view(F16).astype(F64)
     if kind == "i8":
-        return raw.view(np.int8).astype(np.int64)
+        return codes.astype(U8).view(np.int8).astype(np.int64)
     if kind in ("fp8", "bf8"):
-        fmt = fp8_formats(ctx.arch)[kind == "bf8"]
-        return fmt.decode(raw).astype(F64)
+        return fp8_formats(ctx.arch)[kind == "bf8"].table.astype(F64)
     if kind == "fp4":
-        nib = np.stack([raw & U8(0xF), raw >> U8(4)], axis=-1).reshape(LANES, -1)  # low nibble first
-        return E2M1.decode(nib).astype(F64)
+        return E2M1.table.astype(F64)
     raise ValueError(kind)
 
 
@@ -67,13 +78,42 @@ def _acc_to_matrix(regs: np.ndarray, m: int) -> np.ndarray:
     return regs.reshape(4, 4, 2, 32).transpose(0, 2, 1, 3).reshape(32, 32)
 
 
-def _matrix_to_acc(mat: np.ndarray, m: int) -> np.ndarray:
-    if m == 16:
-        return mat.reshape(4, 4, 16).transpose(1, 0, 2).reshape(4, LANES)
-    return mat.reshape(4, 2, 4, 32).transpose(0, 2, 1, 3).reshape(16, LANES)
+def operand_indices(first_row: int, elems: int, bits: int, rows: int) -> np.ndarray:
+    """(rows, K) positions of the A (or B) matrix elements in the register file viewed as one
+    flat array of `bits`-wide elements (bits 4: nibble positions, low nibble first): lane l
+    holds its `elems` elements packed little-endian in registers first_row, first_row + 1, ..."""
+    per_reg = 32 // bits
+    j = np.arange(elems)
+    lane = np.arange(LANES)[:, None]
+    pos = ((first_row + j // per_reg) * LANES + lane) * per_reg + j % per_reg  # (64, elems)
+    return _operand_matrix(pos, rows)
+
+
+def accumulator_indices(first_row: int, m: int) -> np.ndarray:
+    """(m, m) positions of the C/D matrix elements in the flat 32-bit register file."""
+    regs = m * m // LANES
+    return _acc_to_matrix(np.arange(first_row * LANES, (first_row + regs) * LANES).reshape(regs, LANES), m)
+
+
+def _operand_reader(ctx, kind: str, bits: int, first_row: int, elems: int, rows: int):
+    """Closure w -> (rows, K) float64 (int64 for i8) operand matrix: one gather of the element
+    codes from the register file, one table lookup of their values."""
+    idx = operand_indices(first_row, elems, bits, rows)
+    if kind == "f32":
+        return lambda w: w.vf.reshape(-1)[idx].astype(F64)
+    table = element_table(ctx, kind)
+    if bits == 16:
+        return lambda w: table[w.flat16[idx]]
+    if bits == 8:
+        return lambda w: table[w.flat8[idx]]
+    byte, shift = idx >> 1, ((idx & 1) * 4).astype(U8)  # fp4: nibble `shift` of byte `byte`
+
+    return lambda w: table[(w.flat8[byte] >> shift) & U8(0xF)]
 
 
 def build_mfma(inst, ctx):
+    """D = A B^T + C with A (M x K) and B (N x K) gathered from the registers as exact float64
+    (int64) values, the K products and C summed in float64 and rounded once (module doc)."""
     m_ = _MFMA_RE.match(inst.name)
     if m_ is None:
         return None
@@ -94,35 +134,33 @@ def build_mfma(inst, ctx):
             a_kind = b_kind = intype
         a_bits = b_bits = _IN_BITS[intype]
     elems = m * k // LANES
-    a_regs, b_regs = elems * a_bits // 32, elems * b_bits // 32
-    acc_regs = m * n // LANES
     a_code, b_code = inst.src[0], inst.src[1]
     if a_code < D.VGPR_BASE or b_code < D.VGPR_BASE:
         raise ctx.error(inst, "MFMA A/B operands must be registers")
     a_row = a_code - D.VGPR_BASE + (AGPR_BASE if f["acc"] & 1 else 0)
     b_row = b_code - D.VGPR_BASE + (AGPR_BASE if f["acc"] & 2 else 0)
     acc_base = AGPR_BASE if f["acc_cd"] else 0
-    d_row = inst.vdst + acc_base
+    get_a = _operand_reader(ctx, a_kind, a_bits, a_row, elems, m)
+    get_b = _operand_reader(ctx, b_kind, b_bits, b_row, elems, n)
+    d_idx = accumulator_indices(inst.vdst + acc_base, m)
     c_code = inst.src[2]
     integer = out == "i32"
     if c_code >= D.VGPR_BASE:
-        c_row = c_code - D.VGPR_BASE + acc_base
-
-        def c_matrix(w):
-            regs = w.v[c_row:c_row + acc_regs]
-            return _acc_to_matrix(regs.view(I32).astype(np.int64) if integer else regs.view(F32).astype(F64), m)
-    else:  # an inline constant C (e.g. 0) is broadcast to every element
-        c_const = vsrc(ctx, inst, 2, "i32" if integer else "f32")(None)
-        c_matrix = (lambda w: np.full((m, n), c_const, np.int64 if integer else F64))  # noqa: E731
-
-    def run(w):
-        a = _operand_matrix(_decode_elements(ctx, w.v[a_row:a_row + a_regs], a_kind, a_bits), m)
-        b = _operand_matrix(_decode_elements(ctx, w.v[b_row:b_row + b_regs], b_kind, b_bits), n)
-        d = a @ b.T + c_matrix(w)
+        c_idx = accumulator_indices(c_code - D.VGPR_BASE + acc_base, m)
         if integer:
-            w.v[d_row:d_row + acc_regs] = _matrix_to_acc(d, m).astype(np.int64).astype(I32).view(U32)
+            c_matrix = lambda w: w.vi.reshape(-1)[c_idx].astype(np.int64)  # noqa: E731
         else:
-            w.v[d_row:d_row + acc_regs] = _matrix_to_acc(d, m).astype(F32).view(U32)
+            c_matrix = lambda w: w.vf.reshape(-1)[c_idx].astype(F64)  # noqa: E731
+    else:  # an inline constant C (e.g. 0) is broadcast to every element
+        c_const = np.full((m, n), vsrc(ctx, inst, 2, "i32" if integer else "f32")(None), np.int64 if integer else F64)
+        c_matrix = lambda w: c_const  # noqa: E731
+
+    def run(w):  # MFMAs ignore EXEC
+        d = get_a(w) @ get_b(w).T + c_matrix(w)
+        if integer:
+            w.vi.reshape(-1)[d_idx] = d.astype(I32)
+        else:
+            w.vf.reshape(-1)[d_idx] = d.astype(F32)
     return run
 
 

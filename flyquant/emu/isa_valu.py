@@ -45,7 +45,7 @@ def fma_f32(a, b, c):
     err = (p - (s - t)) + (c64 - t)  # exact error of the binary64 sum (TwoSum)
     bits = np.asarray(s).view(I64)
     fix = (err != 0) & ((bits & 1) == 0) & np.isfinite(s)
-    if np.any(fix):
+    if np.count_nonzero(fix):
         s = np.where(fix, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
     return np.asarray(s).astype(F32)
 
@@ -74,7 +74,7 @@ def _signed_zero_fix(r, a, b, is_max):
     """Where a == b (so also +0 vs -0), the result is a's and b's bits ANDed (max: +0 wins) or
     ORed (min: -0 wins); identical bits otherwise."""
     eq = a == b
-    if not eq.any():
+    if not np.count_nonzero(eq):
         return r
     ut = _UINT_OF[a.dtype]
     both = (a.view(ut) & b.view(ut)) if is_max else (a.view(ut) | b.view(ut))
@@ -85,7 +85,7 @@ def _max_min(a, b, ieee, is_max):
     """v_max/v_min of one float type: a NaN operand is dropped (a signalling NaN is returned
     quieted in IEEE mode); max(+0, -0) = +0, min(+0, -0) = -0."""
     r = _signed_zero_fix(np.fmax(a, b) if is_max else np.fmin(a, b), a, b, is_max)
-    if ieee and (np.isnan(a).any() or np.isnan(b).any()):
+    if ieee and (np.count_nonzero(np.isnan(a)) or np.count_nonzero(np.isnan(b))):
         r = np.where(_is_snan(b), _quiet(b), r)
         r = np.where(_is_snan(a), _quiet(a), r)
     return r
@@ -107,7 +107,7 @@ def med3_f32(a, b, c, ieee=True):
     mx = max_f32(max_f32(a, b, ieee), c, ieee)
     r = np.where(mx == a, max_f32(b, c, ieee), np.where(mx == b, max_f32(a, c, ieee), max_f32(a, b, ieee)))
     nan = np.isnan(a) | np.isnan(b) | np.isnan(c)
-    if nan.any():
+    if np.count_nonzero(nan):
         r = np.where(nan, min_f32(min_f32(a, b, ieee), c, ieee), r)
     return r
 
@@ -116,17 +116,29 @@ def _maximum_minimum(a, b, is_max):
     """IEEE 754-2019 maximum/minimum (v_maximum*, v_minimum*): NaN if either operand is NaN
     (the first NaN operand, quieted), +0 > -0."""
     r = _signed_zero_fix(np.maximum(a, b) if is_max else np.minimum(a, b), a, b, is_max)
-    if np.isnan(r).any():
+    if np.count_nonzero(np.isnan(r)):
         r = np.where(np.isnan(a), _quiet(a), np.where(np.isnan(b), _quiet(b), r))
     return r
 
 
+def _extremum3(a, b, c, is_max):
+    """maximum/minimum of three: NumPy's maximum/minimum already give the IEEE result unless
+    a NaN or a signed zero is involved, which a final result that is neither NaN nor zero rules
+    out (a NaN operand propagates; an intermediate zero of either sign did not win). Otherwise
+    the exact pairwise rule decides."""
+    f = np.maximum if is_max else np.minimum
+    r = f(f(a, b), c)
+    if np.count_nonzero(np.abs(r) > 0) == r.size:
+        return r
+    return _maximum_minimum(_maximum_minimum(a, b, is_max), c, is_max)
+
+
 def maximum3(a, b, c):
-    return _maximum_minimum(_maximum_minimum(a, b, True), c, True)
+    return _extremum3(a, b, c, True)
 
 
 def minimum3(a, b, c):
-    return _maximum_minimum(_maximum_minimum(a, b, False), c, False)
+    return _extremum3(a, b, c, False)
 
 
 def _f16(fn):
@@ -224,25 +236,41 @@ def _alignbyte(a, b, c):
 
 
 PERM_ZERO, PERM_ONES = 12, 13  # v_perm_b32 selector values for the constant bytes 0x00 / 0xFF (13..255)
+PERM_TABLE_BYTES = 16  # per lane: 8 source bytes, 4 sign bytes, 0x00, 3 x 0xFF
+_PERM_CONST_WORD = U32(0xFFFFFF00)  # table bytes 12..15 (little-endian): 0x00, 0xFF, 0xFF, 0xFF
+_PERM_LANE_BASE = (np.arange(64, dtype=np.intp) * PERM_TABLE_BYTES)[:, None]
+
+
+_PERM_SCALAR_SEL: dict[int, np.ndarray] = {}  # selector value -> flat table indices (64, 4)
+
+
+def _perm_scalar_index(sel: int) -> np.ndarray:
+    idx = _PERM_SCALAR_SEL.get(sel)
+    if idx is None:
+        if len(_PERM_SCALAR_SEL) >= 4096:
+            _PERM_SCALAR_SEL.clear()
+        idx = _PERM_SCALAR_SEL[sel] = _PERM_LANE_BASE + [min((sel >> (8 * k)) & 0xFF, PERM_ONES) for k in range(4)]
+    return idx
 
 
 def _perm_b32(s0, s1, sel):
-    """v_perm_b32: byte k of D is byte sel[k] of a 14-entry table per lane: bytes 0..3 of S1,
-    4..7 of S0, 8..11 the sign of bytes 1, 3, 5, 7 replicated, 12 -> 0x00, >= 13 -> 0xFF."""
-    table = np.empty((64, 14), U8)
-    table[:, 0:4] = np.ascontiguousarray(s1, U32).view(U8).reshape(-1, 4)  # a scalar broadcasts
-    table[:, 4:8] = np.ascontiguousarray(s0, U32).view(U8).reshape(-1, 4)
-    table[:, 8:12] = (table[:, 1:8:2] >> U8(7)) * U8(0xFF)
-    table[:, PERM_ZERO] = 0
-    table[:, PERM_ONES] = 0xFF
-    sel = np.asarray(sel, U32)
-    if sel.ndim == 0:
-        idx = [min((int(sel) >> (8 * k)) & 0xFF, PERM_ONES) for k in range(4)]
-        out = table[:, idx]
+    """v_perm_b32: byte k of D is byte sel[k] of a table per lane: bytes 0..3 of S1, 4..7 of S0,
+    8..11 the sign of bytes 1, 3, 5, 7 replicated, 12 -> 0x00, >= 13 -> 0xFF.
+
+    The table is 16 bytes per lane (12 -> 0x00, 13..15 -> 0xFF, selectors clamped to 13), so a
+    whole instruction is one gather from the flattened (64, 16) table."""
+    table = np.empty((64, PERM_TABLE_BYTES // 4), U32)
+    table[:, 0] = s1  # a scalar broadcasts
+    table[:, 1] = s0
+    table[:, 3] = _PERM_CONST_WORD
+    tb = table.view(U8)
+    np.right_shift(tb[:, 1:8:2].view(np.int8), 7, out=tb[:, 8:12].view(np.int8))  # sign -> 0x00 / 0xFF
+    if np.ndim(sel) == 0:
+        idx = _perm_scalar_index(int(sel))
     else:
-        idx = np.minimum(np.ascontiguousarray(sel).view(U8).reshape(64, 4), U8(PERM_ONES))
-        out = np.take_along_axis(table, idx.astype(np.intp), axis=1)
-    return np.ascontiguousarray(out).view(U32).reshape(64)
+        sel = np.minimum(np.ascontiguousarray(sel, U32).view(U8).reshape(64, 4), U8(PERM_ONES))
+        idx = sel + _PERM_LANE_BASE
+    return tb.reshape(-1)[idx].view(U32).reshape(64)
 
 
 def _ffbh_u32(x):
@@ -735,15 +763,79 @@ _PK32 = {
 _PK16_SAT = {"u16": (I32(0), I32(0xFFFF)), "i16": (I32(-0x8000), I32(0x7FFF))}
 
 
+def _half_rows(kind: str, row: int, lo_sel: int, hi_sel: int):
+    """Getter w -> the 16-bit halves of register `row` that feed the low and the high result,
+    as a (64, 2) view (or (64, 1) when both results read the same half)."""
+    view = {"u16": "h16", "b16": "h16", "i16": "hi16", "f16": "hf16"}[kind]
+    if (lo_sel, hi_sel) == (0, 1):
+        cols = slice(None)
+    elif lo_sel == hi_sel:
+        cols = slice(lo_sel, lo_sel + 1)
+    else:
+        cols = slice(None, None, -1)
+    if view == "h16":
+        return lambda w: w.h16[row, :, cols]
+    if view == "hi16":
+        return lambda w: w.hi16[row, :, cols]
+    return lambda w: w.hf16[row, :, cols]
+
+
+def _pk16_pair(ctx, inst, i, kind, wide):
+    """Getter for packed source i giving both halves at once (a (64, 2)-broadcastable array:
+    column 0 feeds the low result, column 1 the high one) with neg applied, or None when the
+    halves need different modifiers (then the instruction runs half by half)."""
+    neg_lo, neg_hi = (inst.neg >> i) & 1, (inst.neg_hi >> i) & 1
+    if neg_lo != neg_hi or (neg_lo and kind != "f16"):
+        return None
+    sel_lo, sel_hi = (inst.opsel >> i) & 1, (inst.opsel_hi >> i) & 1
+    dtype = KINDS[kind][0]
+    code = inst.src[i]
+    if code >= D.VGPR_BASE:
+        get = _half_rows(kind, code - D.VGPR_BASE, sel_lo, sel_hi)
+    else:
+        g_lo, g_hi = vsrc(ctx, inst, i, kind, sel_lo), vsrc(ctx, inst, i, kind, sel_hi)
+        if code == D.SRC_LITERAL or is_inline(code):
+            pair = np.array([g_lo(None), g_hi(None)], dtype)
+            get = lambda w: pair  # noqa: E731
+        else:
+            get = lambda w: np.array([g_lo(w), g_hi(w)], dtype)  # noqa: E731
+    if neg_lo:
+        return lambda w: np.negative(get(w))
+    if wide is not dtype:
+        return lambda w: np.asarray(get(w), wide)
+    return get
+
+
 def _build_pk16(inst, ctx):
     """Packed 16-bit math: op_sel[i] / op_sel_hi[i] pick the half of source i for the low / high
     result, neg / neg_hi negate float halves. Clamp saturates integers (computed in int32) and
-    clamps floats to [0, 1]."""
+    clamps floats to [0, 1]. The operations are element-wise, so both halves are computed in
+    one NumPy call on (64, 2) arrays whenever the two halves take the same modifiers."""
     kind, n, fn = _PK16[inst.name]
     is_float = kind == "f16"
     dtype = KINDS[kind][0]
     clamp = inst.clamp
     wide = I32 if clamp and not is_float else dtype
+
+    def finish(r):
+        if clamp and is_float:
+            r = np.where(np.isnan(r), dtype(0), np.clip(r, dtype(0), dtype(1)))
+        elif clamp:
+            low, high = _PK16_SAT[kind]
+            r = np.minimum(np.maximum(r, low), high)
+        return np.asarray(r).astype(dtype)
+
+    pairs = [_pk16_pair(ctx, inst, i, kind, wide) for i in range(n)]
+    if all(g is not None for g in pairs):
+        row = inst.vdst
+
+        def run_pairs(w):
+            r = finish(fn(*[g(w) for g in pairs])).view(U16)
+            if w.exec_full:
+                w.h16[row] = r
+            else:
+                np.copyto(w.h16[row], r, where=w.exec_mask[:, None])
+        return run_pairs
 
     def half_getter(i, hi_sel, neg):
         g = vsrc(ctx, inst, i, kind, hi_sel)
@@ -759,14 +851,6 @@ def _build_pk16(inst, ctx):
     hi = [half_getter(i, (inst.opsel_hi >> i) & 1, (inst.neg_hi >> i) & 1) for i in range(n)]
     put_lo = vwriter(ctx, inst, kind, hi=0)
     put_hi = vwriter(ctx, inst, kind, hi=1)
-
-    def finish(r):
-        if clamp and is_float:
-            r = np.where(np.isnan(r), dtype(0), np.clip(r, dtype(0), dtype(1)))
-        elif clamp:
-            low, high = _PK16_SAT[kind]
-            r = np.minimum(np.maximum(r, low), high)
-        return np.asarray(r).astype(dtype)
 
     def run(w):
         r_lo = finish(fn(*[g(w) for g in lo]))
@@ -794,17 +878,58 @@ def _pk32_half(ctx, inst, i, sel, neg):
     return get
 
 
+def _pk32_pair(ctx, inst, i):
+    """Getter for packed f32 source i giving both halves at once as a (2, 64)-broadcastable
+    array (row 0 feeds the low result, row 1 the high one), or None when the halves take
+    different neg modifiers."""
+    neg = (inst.neg >> i) & 1
+    if neg != (inst.neg_hi >> i) & 1:
+        return None
+    sel_lo, sel_hi = (inst.opsel >> i) & 1, (inst.opsel_hi >> i) & 1
+    code = inst.src[i]
+    if code >= D.VGPR_BASE:
+        r = code - D.VGPR_BASE
+        if (sel_lo, sel_hi) == (0, 1):
+            get = lambda w: w.vf[r:r + 2]  # noqa: E731
+        elif sel_lo == sel_hi:
+            get = lambda w: w.vf[r + sel_lo:r + sel_lo + 1]  # noqa: E731
+        else:
+            get = lambda w: w.vf[[r + 1, r]]  # noqa: E731
+    else:
+        g_lo, g_hi = _pk32_half(ctx, inst, i, sel_lo, 0), _pk32_half(ctx, inst, i, sel_hi, 0)
+        if is_inline(code):
+            const = g_lo(None)
+            get = lambda w: const  # noqa: E731
+        else:
+            get = lambda w: np.array([[g_lo(w)], [g_hi(w)]], F32)  # noqa: E731
+    if neg:
+        return lambda w: np.negative(get(w))
+    return get
+
+
 def _build_pk32(inst, ctx):
     """v_pk_{add,mul,fma}_f32 / v_pk_mov_b32: two f32 lanes per 64-bit register pair;
-    op_sel[i] picks the half of source i for the low result, op_sel_hi[i] for the high one."""
+    op_sel[i] picks the half of source i for the low result, op_sel_hi[i] for the high one.
+    The arithmetic is element-wise: both halves are one NumPy call on (2, 64) arrays when
+    the two halves of every source take the same neg modifier."""
     if inst.clamp:
         raise ctx.error(inst, "clamp on packed f32 math is not supported")
     row = inst.vdst
+    if inst.name != "v_pk_mov_b32":
+        n, fn = _PK32[inst.name]
+        pairs = [_pk32_pair(ctx, inst, i) for i in range(n)]
+        if all(g is not None for g in pairs):
+            def run_pairs(w):
+                r = fn(*[g(w) for g in pairs])
+                if w.exec_full:
+                    w.vf[row:row + 2] = r
+                else:
+                    np.copyto(w.vf[row:row + 2], r, where=w.exec_mask, casting="unsafe")
+            return run_pairs
     if inst.name == "v_pk_mov_b32":
         lo = _pk32_half(ctx, inst, 0, inst.opsel & 1, 0)
         hi = _pk32_half(ctx, inst, 1, (inst.opsel >> 1) & 1, 0)
     else:
-        n, fn = _PK32[inst.name]
         los = [_pk32_half(ctx, inst, i, (inst.opsel >> i) & 1, (inst.neg >> i) & 1) for i in range(n)]
         his = [_pk32_half(ctx, inst, i, (inst.opsel_hi >> i) & 1, (inst.neg_hi >> i) & 1) for i in range(n)]
         lo = lambda w: fn(*[g(w) for g in los])  # noqa: E731

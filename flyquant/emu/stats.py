@@ -134,12 +134,42 @@ class LaunchStats:
         return self.summary()
 
 
+LINE_PATTERN_CACHE_SIZE = 4096  # distinct lane-address patterns remembered per launch
+
+
+def line_counts(a: np.ndarray, nbytes: int, store: bool) -> tuple[int, int]:
+    """(distinct 128-byte lines, lines a store covers only in part) of accesses of `nbytes` bytes
+    at the addresses `a` (uint64, at least one)."""
+    a = np.sort(a)
+    first = a >> LINE_SHIFT
+    last = (a + np.uint64(nbytes - 1)) >> LINE_SHIFT
+    straddle = bool(np.count_nonzero(first != last))
+    lines = np.concatenate([first, last]) if straddle else first
+    if straddle:
+        lines.sort()
+    distinct = lines[np.concatenate(([True], lines[1:] != lines[:-1]))]
+    if not store:
+        return int(distinct.size), 0
+    if straddle or (a.size > 1 and np.count_nonzero(a[1:] - a[:-1] < np.uint64(nbytes))):
+        # overlapping lanes or lanes crossing a line: count each byte once
+        byte_addrs = np.unique((a[:, None] + np.arange(nbytes, dtype=np.uint64)).ravel())
+        covered = np.bincount(np.searchsorted(distinct, byte_addrs >> LINE_SHIFT), minlength=distinct.size)
+    else:  # disjoint lanes, each inside one line
+        covered = np.bincount(np.searchsorted(distinct, first), minlength=distinct.size) * nbytes
+    return int(distinct.size), int(np.count_nonzero(covered < LINE_BYTES))
+
+
 class MemRecorder:
-    """Accumulates memory counters per instruction index during a launch."""
+    """Accumulates memory counters per instruction index during a launch.
+
+    Line counts depend only on the lanes' addresses relative to the first active lane and on
+    that lane's offset in its line (a translation by whole lines changes nothing), and kernels
+    repeat few such patterns, so `line_counts` is computed once per pattern."""
 
     def __init__(self):
         self.counters: dict[int, MemCounter] = {}
         self.global_store = False  # did the current workgroup store/atomically update global memory
+        self._patterns: dict[tuple, tuple[int, int]] = {}
 
     def counter(self, index: int) -> MemCounter:
         c = self.counters.get(index)
@@ -150,32 +180,26 @@ class MemRecorder:
     def global_access(self, index: int, addrs: np.ndarray, mask: np.ndarray | None, nbytes: int, store: bool,
                       part: int = 0) -> None:
         """Record one global access: `nbytes` per active lane at `addrs` (uint64). An instruction
-        recorded in several parts (range-checked dwords) counts as executed once (part 0)."""
-        c = self.counter(index)
+        recorded in several parts counts as executed once (part 0)."""
+        c = self.counters.get(index)
+        if c is None:
+            c = self.counters[index] = MemCounter()
         c.executed += part == 0
         a = addrs[mask] if mask is not None else addrs
         if a.size == 0:
             return
         c.bytes += int(a.size) * nbytes
-        a = np.sort(a)
-        first = a >> LINE_SHIFT
-        last = (a + np.uint64(nbytes - 1)) >> LINE_SHIFT
-        straddle = bool((first != last).any())
-        lines = np.concatenate([first, last]) if straddle else first
-        if straddle:
-            lines.sort()
-        distinct = lines[np.concatenate(([True], lines[1:] != lines[:-1]))]
-        c.lines += int(distinct.size)
-        if not store:
-            return
-        self.global_store = True
-        if straddle or (a.size > 1 and bool((a[1:] - a[:-1] < np.uint64(nbytes)).any())):
-            # overlapping lanes or lanes crossing a line: count each byte once
-            byte_addrs = np.unique((a[:, None] + np.arange(nbytes, dtype=np.uint64)).ravel())
-            covered = np.bincount(np.searchsorted(distinct, byte_addrs >> LINE_SHIFT), minlength=distinct.size)
-        else:  # disjoint lanes, each inside one line
-            covered = np.bincount(np.searchsorted(distinct, first), minlength=distinct.size) * nbytes
-        c.partial_store_lines += int(np.count_nonzero(covered < LINE_BYTES))
+        if store:
+            self.global_store = True
+        a0 = a[0]
+        key = (int(a0) % LINE_BYTES, nbytes, store, (a - a0).tobytes())
+        counts = self._patterns.get(key)
+        if counts is None:
+            if len(self._patterns) >= LINE_PATTERN_CACHE_SIZE:
+                self._patterns.clear()
+            counts = self._patterns[key] = line_counts(a, nbytes, store)
+        c.lines += counts[0]
+        c.partial_store_lines += counts[1]
 
     def lds_access(self, index: int, active_lanes: int, nbytes: int) -> None:
         c = self.counter(index)
