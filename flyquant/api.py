@@ -24,10 +24,10 @@ def _mxfp8_quantize_op(
     plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
     if plan.backend == "reference":
         return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
-    from .kernels import mxfp8_quantize as k
+    from .kernels import mxfp8_quantize_2d as k
 
     launch = k.quantize_1x32 if axis == 1 else k.quantize_32x1
-    return launch(x, arch=plan.arch, scaling_mode=scaling_mode, scale_layout=scale_layout, offs=offs, config=plan.config)
+    return launch(x, arch=plan.arch, scaling_mode=scaling_mode, scale_layout=scale_layout, offs=offs)
 
 
 @_mxfp8_quantize_op.register_fake
@@ -53,9 +53,9 @@ def _mxfp8_quantize_dual_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.T
     if plan.backend == "reference":
         (d0, s0), (d1, s1) = reference.mxfp8_quantize_dual(x, scaling_mode)
     else:
-        from .kernels import mxfp8_quantize as k
+        from .kernels import mxfp8_quantize_2d as k
 
-        (d0, s0), (d1, s1) = k.quantize_dual(x, arch=plan.arch, scaling_mode=scaling_mode, config=plan.config)
+        (d0, s0), (d1, s1) = k.quantize_dual(x, arch=plan.arch, scaling_mode=scaling_mode)
     return d0, s0, d1, s1
 
 
@@ -78,12 +78,10 @@ def _mxfp8_quantize_3d_op(
     plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
     if plan.backend == "reference":
         return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
-    from .kernels import mxfp8_quantize as k
+    from .kernels import mxfp8_quantize_3d as k
 
-    return k.quantize_3d(
-        w, arch=plan.arch, scaling_mode=scaling_mode, scale_block_k=scale_block_k, scale_layout=scale_layout,
-        config=plan.config,
-    )
+    return k.quantize_3d(w, arch=plan.arch, scaling_mode=scaling_mode, scale_block_k=scale_block_k,
+                         scale_layout=scale_layout)
 
 
 @_mxfp8_quantize_3d_op.register_fake
@@ -132,7 +130,8 @@ def _moe_gemm2_op(
 
     k.moe_gemm2_a16w4(
         *args, arch=plan.arch, topk=topk, block_m=block_m, out=out, bias=bias, apply_weights=apply_weights,
-        model_dim=model_dim, inter_dim=inter_dim, tile_n=plan.config["tile_n"], k_batch=plan.config["k_batch"],
+        model_dim=model_dim, inter_dim=inter_dim, tile_m=plan.config["tile_m"], tile_n=plan.config["tile_n"],
+        k_batch=plan.config["k_batch"],
     )
 
 

@@ -16,6 +16,7 @@ The planning functions are pure given those variables: the same inputs give the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -49,7 +50,7 @@ class Plan:
             head += f" (PyTorch reference on {self.where})"
         lines = [head]
         lines += [f"  {k} = {v}" for k, v in self.config.items()]
-        lines += [f"  because {r}" for r in self.reasons]
+        lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
 
@@ -183,8 +184,7 @@ def _forced_reference(reason: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _kernel_plan(op: str, target: Target, kernel: str, config: dict, shape_key: dict, *reasons: str) -> Plan:
-    config = {**config, **tuned_config(op, target.arch, shape_key), **config_overrides()}
+def _kernel_plan(op: str, target: Target, kernel: str, config: dict, *reasons: str) -> Plan:
     return Plan(op, "flydsl", target.where, target.arch, kernel, config, (target.reason, *reasons))
 
 
@@ -196,76 +196,95 @@ def _flydsl_unavailable() -> str | None:
     return None
 
 
-def _reference_or_raise(op: str, target: Target, reason: str) -> Plan:
-    _forced_reference(reason)
-    return reference_plan(op, target, reason)
-
-
-def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, extra: dict) -> Plan:
-    target = resolve_target(x.device)
+def _kernel_target(op: str, device: torch.device) -> Target | Plan:
+    """The target to compile for, or the reference plan when this device runs no kernel."""
+    target = resolve_target(device)
     if target.arch is None:
         return reference_plan(op, target)
     missing = _flydsl_unavailable()
     if missing:
-        return _reference_or_raise(op, target, missing)
-    from .kernels import mxfp8_quantize as k
+        _forced_reference(missing)
+        return reference_plan(op, target, missing)
+    return target
 
-    config = k.plan(kind, tuple(x.shape), x.dtype, target.arch)
-    name = k.kernel_name(kind, scaling_mode, x.dtype, target.arch)
-    shape_key = {"kind": kind, "shape": "x".join(map(str, x.shape)), "dtype": str(x.dtype).replace("torch.", "")}
+
+_SHORT_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
+
+
+def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, **extra) -> Plan:
+    target = _kernel_target(op, x.device)
+    if isinstance(target, Plan):
+        return target
+    from .kernels import mxfp8_quantize_2d as k
+
+    config = {**dataclasses.asdict(k.plan(kind, tuple(x.shape), x.dtype, target.arch)), **extra}
+    name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
+    conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     layout = f"scales written in the {scale_layout} layout by the kernel" if scale_layout else "plain scales"
-    return _kernel_plan(op, target, name, {**config, **extra}, shape_key, layout)
+    return _kernel_plan(op, target, name, config, conversion, layout)
 
 
 def plan_mxfp8_quantize(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout, offs) -> Plan:
     """1x32 (axis 1) or 32x1 (axis 0) MXFP8 quantize of a 2D tensor (inputs already validated)."""
     kind = "1x32" if axis == 1 else "32x1"
-    return _mxfp8_plan("mxfp8_quantize", x, kind, scaling_mode, scale_layout, {"token_groups": offs is not None})
+    return _mxfp8_plan("mxfp8_quantize", x, kind, scaling_mode, scale_layout, token_groups=offs is not None)
 
 
 def plan_mxfp8_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
-    return _mxfp8_plan("mxfp8_quantize_dual", x, "dual", scaling_mode, None, {})
+    return _mxfp8_plan("mxfp8_quantize_dual", x, "dual", scaling_mode, None)
 
 
 def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout) -> Plan:
-    return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, {"scale_block_k": scale_block_k})
+    return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
+
+
+MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch")
+
+
+def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
+    """(tile_m, tile_n, k_batch): first principles (the kernel's choose_config), then the tuning
+    table, then FLYQUANT_CONFIG; tile_m must divide the caller's block_m."""
+    from .kernels import moe_gemm2_a16w4 as k
+
+    tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
+    config = {"tile_m": tile_m, "tile_n": tile_n, "k_batch": k_batch}
+    shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
+    config.update(tuned_config("moe_gemm2_a16w4", target.arch, shape))
+    config.update({f: v for f, v in config_overrides().items() if f in MOE_CONFIG_FIELDS})
+    if block_m is not None and block_m % config["tile_m"]:
+        fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
+        config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
+    return config
 
 
 def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias) -> Plan:
-    """The A16W4 stage-2 GEMM: tile_n and split-K for this shape; block_m is the caller's."""
+    """The A16W4 stage-2 GEMM: tiles and split-K for this shape; block_m is the caller's sort."""
     op = "moe_gemm2_a16w4"
-    target = resolve_target(a2.device)
-    if target.arch is None:
-        return reference_plan(op, target)
-    missing = _flydsl_unavailable()
-    if missing:
-        return _reference_or_raise(op, target, missing)
-    from .kernels import moe_gemm2_a16w4 as k
-
+    target = _kernel_target(op, a2.device)
+    if isinstance(target, Plan):
+        return target
+    if a2.dtype != torch.bfloat16:
+        reason = f"the kernel takes bf16 activations, a2 is {_dtype_name(a2.dtype)}"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
-    unsupported = k.unsupported(a2.dtype, block_m, model_dim, inter_dim, w2.shape, out_dtype, target.arch)
-    if unsupported:
-        return _reference_or_raise(op, target, unsupported)
-    tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
-    if block_m % tile_m:
-        tile_m = block_m if block_m in k.TILE_M_CHOICES else tile_m
-    config = {"tile_m": tile_m, "tile_n": tile_n, "k_batch": k_batch, "out_dtype": str(out_dtype).replace("torch.", ""),
-              "bias": has_bias}
-    shape_key = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
-    name = k.kernel_name(tile_m, tile_n, target.arch)
+    config = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
+    name = (f"moe_gemm2_a16w4_{_dtype_name(out_dtype)}_{config['tile_m']}x{config['tile_n']}_kb{config['k_batch']}"
+            f"{'_bias' if has_bias else ''}_{target.arch}")
     conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
-    return _kernel_plan(op, target, name, config, shape_key, conversion)
+    return _kernel_plan(op, target, name, config, conversion)
 
 
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device: torch.device) -> int:
-    """The tile_m the stage-2 kernel wants for this shape: sort with it (reference: any works)."""
-    target = resolve_target(device)
-    if target.arch is None or _flydsl_unavailable():
-        return 32
-    from .kernels import moe_gemm2_a16w4 as k
+    """The tile_m the stage-2 kernel wants for this shape: sort with it (the reference takes any)."""
+    target = _kernel_target("moe_gemm2_a16w4", device)
+    if isinstance(target, Plan):
+        return REFERENCE_BLOCK_M
+    return _moe_config(target, tokens, topk, experts, model_dim, inter_dim, None)["tile_m"]
 
-    tuned = tuned_config("moe_gemm2_a16w4", target.arch, {"tokens": tokens, "topk": topk, "experts": experts,
-                                                          "model_dim": model_dim, "inter_dim": inter_dim})
-    forced = config_overrides()
-    return forced.get("tile_m", tuned.get("tile_m", k.choose_config(tokens, topk, experts, model_dim, inter_dim,
-                                                                     target.arch)[0]))
+
+REFERENCE_BLOCK_M = 32
