@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import re
 import sys
@@ -81,11 +82,31 @@ def _environ(**values: str | None):
                 os.environ[k] = v
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_cache_dir() -> str:
+    """FlyDSL's disk cache for our kernels, one directory per version of their sources.
+
+    FlyDSL's cache key does not cover every helper a kernel reaches (module attributes, closure
+    objects), so an edited kernel could be served stale bytes: keying the directory on a hash of
+    the kernel sources and the FlyDSL version rules that out.
+    """
+    import flydsl
+
+    from . import kernels
+
+    digest = hashlib.sha256(flydsl.__version__.encode())
+    for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return str(cache_dir() / "flydsl" / digest.hexdigest()[:16])
+
+
 @contextlib.contextmanager
 def target(arch: str):
-    """Compile (and launch) FlyDSL kernels for `arch` inside this block."""
+    """Compile (and launch) FlyDSL kernels for `arch` inside this block (a cache directory of
+    the user's own, FLYDSL_RUNTIME_CACHE_DIR, is respected)."""
     arch_info(arch)
-    with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path()):
+    cache = os.environ.get("FLYDSL_RUNTIME_CACHE_DIR") or kernel_cache_dir()
+    with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache):
         yield
 
 
