@@ -1,0 +1,866 @@
+"""A16W4 MoE stage 2 (down projection): BF16 activations x pre-shuffled MXFP4 expert weights.
+
+Math. For every sorted row r that holds a routing pair (token t, top-k slot k) of expert e
+(moe_sorting's output: ids (k << 24) | t, one expert per block of block_m rows):
+
+    out[t, n] += w_r * (sum_i a2[t * topk + k, i] * W2[e][n, i] + bias[e, n])
+
+with W2[e][n, i] = fp4(n, i) * 2^(scale(n, i // 32) - 127) (E2M1 two per byte, E8M0 per 32
+along inter_dim), w_r the routing weight (1 when apply_weights is off), the bias term only when a
+bias is given. Products are exact in FP32 and accumulated in FP32 by MFMA; the FP4 -> BF16
+conversion is exact (E2M1 has 2 significant bits). The only roundings are FP32 accumulation,
+the contribution's rounding to the output dtype and the output's atomic accumulation.
+
+Data layout (aiter's shuffles, flyquant.layouts): the weight of expert e is (N0, K0, 4, 16, 16)
+bytes: for each 16-row block of N and 128-wide block of K, lane (kl, nl) of a wave reads the 16
+bytes = 32 FP4 values of row 16 * n0 + nl, k = 128 * k0 + 32 * kl + [0, 32). The scales are
+(N1, K1, 4, 16, 2, 2) bytes: lane (kl, nl)'s dword holds rows 32 * n1 + {nl, nl + 16} x k-chunks
+256 * k1 + 128 * {0, 1} + 32 * kl, byte = 2 * k-half + n-half.
+
+Work split. Grid (m-slots, n-tiles, k_batch); a workgroup computes a tile_m x tile_n tile of the
+output over inter_dim / k_batch of K with wn x wk waves (1, 2 or 4 in all; default_layout,
+default_waves): each wave takes all tile_m rows x tile_n / wn columns over 1/wk of the
+workgroup's K range (in 256-wide iterations), and the wk partial sums meet in LDS. Per 128-wide
+K step, lane (kl, l16) of a wave loads straight from global memory into registers (no LDS in
+the main loop):
+  - A: for each 16-row block of the tile, 64 bytes of row l16 at k = 32 * kl + [0, 32);
+  - B: for each 16-column block, the 16 bytes of the pre-shuffled weight (coalesced 1 KiB/wave);
+  - scales: one dword per 32 columns per 256-wide K iteration.
+The MFMA operand of lane (kl, l16) for its k-chunk: A and B use the same k order, so any order
+of the 32 values inside the chunk works as long as both follow it.
+  - gfx950: v_cvt_scalef32_pk_bf16_fp4 converts 2 FP4 to BF16 with the scale applied (exactly,
+    in range), feeding v_mfma_f32_16x16x32_bf16 (4 per 128-wide step and 16x16 block).
+  - gfx942: software unpack by byte lookups (v_perm_b32) in tables built per scale, feeding
+    v_mfma_f32_16x16x16_bf16 (8 per step and block); see _unpack_sw.
+
+Pipeline. Each wave walks its K iterations last first, two 128-wide steps each: the loads of a
+step (B, scales, and A for one-row-block tiles; larger tiles load A at use to keep two
+workgroups per CU) are issued before the previous step computes, with one vmcnt wait per step.
+The global last iteration, the only one that can reach past inter_dim, comes first and is
+peeled (masked, its first MFMAs start from a constant 0); the final iteration prefetches nothing.
+Within a step, block nb + 1 is unpacked before block nb's MFMAs, so no MFMA waits on a fresh
+conversion; scheduling barriers pin that order.
+
+Which m-tiles work. Without a host synchronisation the grid is sized by an upper bound on the
+m-tiles that can hold a routing pair (from T, topk, experts: at most T * topk, and at most
+T * topk / tile_m + min(E, T * topk)); when that bound is below the number of m-tiles in the
+sorted arrays, m-slot s scans the sorted ids (64 tiles per wave step: ballot + popcount) for
+the s-th m-tile whose first row holds a pair (pairs come first in every block, so such a tile is
+exactly one with work). Otherwise m-slot s is m-tile s. Either way a workgroup without work
+(no such tile, a tile past num_valid_ids[0], or a tile of padding rows) exits after a few scalar
+instructions; num_valid_ids is read on the device.
+
+Output. After the K loop, the waves of K group 0 add the bias (once per contribution: only
+the k-split 0 workgroup adds it), multiply by the routing weight and atomically add into out:
+fp32 by global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 on column pairs
+(neighbour lanes swap two rows by DPP so each lane owns two adjacent columns). Rows of padding
+(token id >= T) and columns >= model_dim are never written.
+
+Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
+32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
+block_m a multiple of tile_m; k_batch * wk <= ceil(inter_dim / 256). Weight bytes beyond the true
+inter_dim are never read as data (masked in the last K step); columns beyond model_dim are not
+loaded. gfx942's software unpack is exact for scale codes 2..252 (scales 2^-125 .. 2^125); codes
+0, 1, 253, 254 give wrong values for nonzero elements there (zeros stay zero).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import llvm
+from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+from flyquant import toolchain, validate
+from flyquant.arch import arch_info
+
+# ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
+WAVE = 64
+WAVES = 4  # default waves per workgroup
+WAVE_COUNTS = (1, 2, 4)
+MFMA_MN = 16  # 16x16 MFMA output blocks
+K_STEP = 128  # K covered by one 16-byte FP4 pack per lane (4 lanes x 32 along K)
+K_CHUNK = 32  # FP4 values per lane per step (16 bytes); also the MX block
+KT = 256  # K per loop iteration: two steps, one scale dword
+W_TILE_BYTES = 1024  # one 16 (N) x 128 (K) weight tile: 64 lanes x 16 bytes
+S_TILE_BYTES = 256  # one 32 (N) x 256 (K) scale tile: 64 lanes x 4 bytes
+A_BYTES_PER_LANE = 64  # 32 bf16 per lane per step
+TOKEN_BITS = 24
+TOKEN_MASK = (1 << TOKEN_BITS) - 1
+OOB = 0x7FFFFFF0  # a buffer offset past every num_records: the load returns 0, a store is dropped
+F32_MANT_BITS = 23
+
+TILE_MS = (16, 32, 64)
+TILE_NS = (64, 128, 256)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float32)
+LDS_REDUCE_BUDGET = 32 * 1024  # keeps 2 workgroups per CU on gfx942 (64 KiB LDS)
+MAX_ACC_PER_LANE = 64  # accumulator registers per lane (16x16 block = 4): more spill to AGPR copies
+MAX_WAVE_N = 128  # columns per wave: two 128-wide steps of B in flight = 64 VGPRs
+
+
+
+def _s32(bits: int) -> int:
+    """A 32-bit pattern as the signed int an Int32 constant takes (keeps i32 arithmetic i32)."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+# gfx942 software unpack. FP4 magnitude code c (0..7) = 2^E(c) * (1 + f(c)/2):
+# E = [-, -1, 0, 0, 1, 1, 2, 2], f = [-, 0, 0, 1, 0, 1, 0, 1]; code 0 is zero.
+SW_EXP_LO_ADJ = 0x00000100  # codes 0..3 (bytes): exponent s + [*, -1, 0, 0]  (subtract)
+SW_EXP_HI_ADJ = 0x02020101  # codes 4..7: exponent s + [1, 1, 2, 2]             (add)
+SW_MANT_LO = 0x40000000  # mantissa-msb byte 0x40 for codes 3
+SW_MANT_HI = 0x40004000  # ... and 5, 7
+SEL_MAG = 0x07070707  # per-byte 3-bit magnitude of the low nibble
+SIGN_BYTES = _s32(0x80808080)
+PERM_LO_PAIRS = 0x05010400  # [lo.b0, hi.b0, lo.b1, hi.b1]: bf16 of lookups 0 and 1
+PERM_HI_PAIRS = 0x07030602  # [lo.b2, hi.b2, lo.b3, hi.b3]: bf16 of lookups 2 and 3
+PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
+PERM_ODD_HALVES = 0x07060302  # bf16 1 of two dwords
+DPP_QUAD_SWAP_PAIRS = 0xB1  # quad_perm [1, 0, 3, 2]: lane l reads lane l ^ 1
+
+
+def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int) -> bool:
+    """Whether wn x wk waves can split a tile_m x tile_n tile (wn along N, wk along K): whole
+    16-column blocks per wave, at most MAX_WAVE_N columns and MAX_ACC_PER_LANE accumulators per
+    wave, the LDS reduction of the wk partial tiles within LDS_REDUCE_BUDGET."""
+    wave_n = tile_n // wn
+    acc = tile_m * wave_n // WAVE
+    lds = (wk - 1) * tile_m * tile_n * 4
+    return (tile_n % (wn * MFMA_MN) == 0 and wave_n <= MAX_WAVE_N and acc <= MAX_ACC_PER_LANE
+            and lds <= LDS_REDUCE_BUDGET)
+
+
+def default_waves(tile_m: int, tile_n: int, n_kt: int, k_batch: int) -> int:
+    """2 waves per workgroup when a 2-wave split fits, else 4. Fewer, longer waves spend fewer
+    instructions on per-wave setup and epilogue (wave-instructions per MFMA, measured under the
+    emulator, drop ~10-20% from 4 waves to 2 at 1-5 tokens); 2 waves with split K still keep
+    many loads in flight at small token counts (at 1 token, GPT-OSS-like: 276 workgroups x 2
+    waves x 2 steps of 8 KiB of weights)."""
+    try:
+        default_layout(tile_m, tile_n, n_kt, k_batch, 2)
+        return 2
+    except ValueError:
+        return WAVES
+
+
+def default_layout(tile_m: int, tile_n: int, n_kt: int, k_batch: int, waves: int = WAVES) -> tuple[int, int]:
+    """(wn, wk) for `waves` waves per workgroup: the most K-parallel split that fits (more waves
+    along K = more columns per wave = fewer A loads per MFMA) and leaves every wave at least one
+    256-wide K step."""
+    for wk in (4, 2, 1):
+        if waves % wk == 0 and wave_fits(tile_m, tile_n, waves // wk, wk) and k_batch * wk <= n_kt:
+            return waves // wk, wk
+    raise ValueError(f"tile {tile_m}x{tile_n}, {waves} waves, k_batch {k_batch} over {n_kt} K steps of {KT}: no wave split fits")
+
+
+@dataclass(frozen=True)
+class Gemm2Config:
+    """Everything a compiled kernel is specialised on."""
+
+    arch: str
+    out_dtype: torch.dtype
+    tile_m: int
+    tile_n: int
+    k_batch: int
+    wn: int  # waves along N
+    wk: int  # waves along K (wn * wk waves per workgroup)
+    model_dim: int  # true N (output columns)
+    inter_dim: int  # true K
+    w_n: int  # the weights' N (model_dim padded)
+    w_k: int  # the weights' K (inter_dim padded)
+    a_stride: int  # a2 row stride (elements)
+    topk: int
+    block_m: int
+    apply_weights: bool
+    bias_dtype: torch.dtype | None  # None: no bias
+
+    @property
+    def waves(self) -> int:
+        return self.wn * self.wk
+
+    @property
+    def n_kt(self) -> int:
+        return -(-self.inter_dim // KT)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.model_dim // self.tile_n)
+
+    @property
+    def lds_bytes(self) -> int:
+        return (self.wk - 1) * self.tile_m * self.tile_n * 4
+
+    @property
+    def name(self) -> str:
+        out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
+        bias = "" if self.bias_dtype is None else "_bias"
+        wts = "_w" if self.apply_weights else ""
+        return (
+            f"moe_gemm2_a16w4_{out}_{self.tile_m}x{self.tile_n}_kb{self.k_batch}_w{self.wn}x{self.wk}{wts}{bias}"
+            f"_n{self.model_dim}_k{self.inter_dim}_{self.arch}"
+        )
+
+
+# ---- small device helpers ----------------------------------------------------------------------
+
+
+def _i32(v):
+    return fx.Int32(v)
+
+
+def _rsrc(addr, nbytes):
+    """Buffer resource over [addr, addr + nbytes): loads past the end return 0."""
+    ptr_ty = fx.PointerType.get(T.i32, address_space=fx.AddressSpace.Global, alignment=4)
+    return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(fx.inttoptr(ptr_ty, addr), num_records_bytes=fx.Int64(nbytes)))
+
+
+def _scalar_load(addr):
+    """One wave-uniform i32 at a global address that the kernel never writes: s_load_dword."""
+    ptr = llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), fx.Int64(addr).ir_value())
+    return fx.Int32(llvm.load(T.i32, ptr, alignment=4, invariant=True))
+
+
+def _load(rsrc, voffset, soffset, dwords: int):
+    """buffer_load_dword{,x2,x4}: `dwords` i32 per lane at rsrc + soffset + voffset (bytes)."""
+    res = T.i32 if dwords == 1 else T.vec(dwords, T.i32)
+    v = rocdl.raw_ptr_buffer_load(res, rsrc, _i32(voffset).ir_value(), _i32(soffset).ir_value(), 0)
+    return fx.Int32(v) if dwords == 1 else Vec(v)
+
+
+def _perm(hi, lo, sel: int):
+    """v_perm_b32: byte i of the result = byte sel_i of the 8-byte value (hi:lo)."""
+    return fx.Int32(rocdl.perm_b32(hi, lo, fx.Int32(sel)))
+
+
+def _as_f32(bits):
+    return fx.Int32(bits).bitcast(fx.Float32)
+
+
+def _ballot(pred):
+    return fx.Int64(rocdl.ballot(T.i64, pred))
+
+
+def _lanes_below(mask):
+    """Number of set bits of the wave mask in lanes below this one (v_mbcnt)."""
+    lo = fx.Int32(mask)
+    hi = fx.Int32(mask >> 32)
+    below_lo = rocdl.mbcnt_lo(T.i32, lo.ir_value(), fx.Int32(0).ir_value())
+    return fx.Int32(rocdl.mbcnt_hi(T.i32, hi.ir_value(), below_lo))
+
+
+def _scale_f32(dword, byte: int):
+    """An f32 whose exponent field is byte `byte` of `dword`: the form of an E8M0 scale that
+    v_cvt_scalef32_pk_bf16_fp4 reads (it uses the exponent field only)."""
+    shift = F32_MANT_BITS - 8 * byte
+    return _as_f32(dword << shift if shift >= 0 else dword.shrui(fx.Int32(-shift)))
+
+
+def _unpack_hw(dword, scale):
+    """gfx950: 8 FP4 (one dword, element 2i in the low nibble of byte i) times the scale -> 8
+    BF16 in order, 4 x v_cvt_scalef32_pk_bf16_fp4."""
+    words = []
+    for sel in range_constexpr(4):
+        pk = rocdl.cvt_scalef32_pk_bf16_fp4(T.vec(2, T.bf16), dword, scale, sel)
+        words.append(Vec(pk).bitcast(fx.Int32)[0])
+    return words
+
+
+def _sw_tables(dword, byte: int):
+    """gfx942: the BF16 bytes of fp4(c) * 2^(s - 127) for the 8 magnitude codes c, for the scale
+    s = byte `byte` of `dword`: (lo0, lo1, hi0, hi1), low/high BF16 byte of codes 0..3 / 4..7.
+
+    For c >= 1 the BF16 exponent is X = s + E(c) and the mantissa msb f(c): high byte X >> 1
+    (sign added per element), low byte (X & 1) << 7 | f(c) << 6; code 0 gives 0. Exact while
+    1 <= X <= 254 for every code (scale codes 2..252)."""
+    rep = _perm(dword, dword, byte * 0x01010101)  # s in every byte
+    x_lo = rep - SW_EXP_LO_ADJ
+    x_hi = rep + SW_EXP_HI_ADJ
+    hi0 = x_lo.shrui(fx.Int32(1)) & 0x7F7F7F00  # byte 0 (code 0) -> 0
+    hi1 = x_hi.shrui(fx.Int32(1)) & 0x7F7F7F7F
+    lo0 = ((x_lo << 7) & _s32(0x80808000)) | SW_MANT_LO
+    lo1 = ((x_hi << 7) & SIGN_BYTES) | SW_MANT_HI
+    return lo0, lo1, hi0, hi1
+
+
+def _unpack_sw(dword, tables):
+    """gfx942: 8 FP4 of one dword -> 8 BF16 (scaled) as 4 dwords in the element order
+    (0, 2), (4, 6), (1, 3), (5, 7): the even-nibble and odd-nibble magnitudes index the byte
+    tables (v_perm_b32), the nibble's sign bit is OR-ed into the high byte, and two more perms
+    interleave low/high bytes into BF16 pairs. 14 VALU per dword."""
+    lo0, lo1, hi0, hi1 = tables
+    sel_even = dword & SEL_MAG
+    sel_odd = dword.shrui(fx.Int32(4)) & SEL_MAG
+    lo_e = _perm(lo1, lo0, sel_even)
+    lo_o = _perm(lo1, lo0, sel_odd)
+    hi_e = _perm(hi1, hi0, sel_even) | ((dword << 4) & SIGN_BYTES)
+    hi_o = _perm(hi1, hi0, sel_odd) | (dword & SIGN_BYTES)
+    return [
+        _perm(hi_e, lo_e, PERM_LO_PAIRS),
+        _perm(hi_e, lo_e, PERM_HI_PAIRS),
+        _perm(hi_o, lo_o, PERM_LO_PAIRS),
+        _perm(hi_o, lo_o, PERM_HI_PAIRS),
+    ]
+
+
+def _a_operands_sw(a_dwords):
+    """gfx942: the 8 BF16 of one A chunk (4 dwords, natural order) regrouped as the two K=16
+    operands matching _unpack_sw's order: (a0, a2, a4, a6) and (a1, a3, a5, a7)."""
+    d0, d1, d2, d3 = a_dwords
+    even = [_perm(d1, d0, PERM_EVEN_HALVES), _perm(d3, d2, PERM_EVEN_HALVES)]
+    odd = [_perm(d1, d0, PERM_ODD_HALVES), _perm(d3, d2, PERM_ODD_HALVES)]
+    return even, odd
+
+
+def _udiv(x, d: int):
+    """x // d for x >= 0 and a constant d: a shift for powers of two, else an unsigned divide
+    (a multiply-high); the signed // costs sign fix-ups."""
+    if d & (d - 1) == 0:
+        return x.shrui(fx.Int32(d.bit_length() - 1))
+    return fx.Int32(fx.arith.divui(x.ir_value(), fx.Int32(d).ir_value()))
+
+
+def _vec_i32(words):
+    return Vec.from_elements([_i32(w) for w in words], fx.Int32)
+
+
+# ---- kernel builder ----------------------------------------------------------------------------
+
+
+def build_moe_gemm2_a16w4(cfg: Gemm2Config):
+    """A fresh @flyc.jit launcher for `cfg` (uncached: compile_only needs a fresh one)."""
+    info = arch_info(cfg.arch)
+    hw_unpack = info.hw_fp4_to_bf16
+    WN, WK = cfg.wn, cfg.wk
+    TILE_M, TILE_N = cfg.tile_m, cfg.tile_n
+    WAVE_N = TILE_N // WN
+    MB = TILE_M // MFMA_MN  # 16-row blocks per tile
+    NB = WAVE_N // MFMA_MN  # 16-column blocks per wave
+    NP = max(1, NB // 2)  # 32-column scale groups per wave
+    N_KT = cfg.n_kt
+    K_SPLIT = cfg.k_batch * WK  # K workers per output tile
+    TOPK = cfg.topk
+    MODEL_DIM, INTER_DIM = cfg.model_dim, cfg.inter_dim
+    A_ROW_BYTES = cfg.a_stride * 2
+    NBLK_BYTES = cfg.w_k // K_STEP * W_TILE_BYTES  # one 16-row block of N, all of K
+    NPAIR_BYTES = cfg.w_k // KT * S_TILE_BYTES  # one 32-row scale group, all of K
+    EXPERT_W_BYTES = cfg.w_n * cfg.w_k // 2
+    EXPERT_S_BYTES = cfg.w_n * cfg.w_k // K_CHUNK
+    HAS_BIAS = cfg.bias_dtype is not None
+    BIAS_BYTES = 0 if not HAS_BIAS else (2 if cfg.bias_dtype == torch.bfloat16 else 4)
+    OUT_F32 = cfg.out_dtype == torch.float32
+    OUT_ELEM = 4 if OUT_F32 else 2
+    TAIL = INTER_DIM % KT != 0  # the last K iteration is partly past inter_dim
+    N_TAIL = MODEL_DIM % TILE_N != 0  # the last n-tile is partly past model_dim
+    LDS_BYTES = cfg.lds_bytes
+    LOG_WAVE, LOG_MFMA = WAVE.bit_length() - 1, MFMA_MN.bit_length() - 1
+    LOG_TILE_M, LOG_WN = TILE_M.bit_length() - 1, WN.bit_length() - 1
+    PREFETCH_A = MB == 1  # larger tiles load A at use: registers for 2 WGs/CU
+    LOADS_SUB1 = NB + (4 * MB if PREFETCH_A else 0)  # vector loads of a step's prefetch group
+    LOADS_SUB0 = LOADS_SUB1 + NP  # ... plus the scale dwords with step 0
+    if K_SPLIT > N_KT or not wave_fits(TILE_M, TILE_N, WN, WK):
+        raise ValueError(f"{cfg}: no valid wave split (k_batch * wk must be <= {N_KT} K steps of {KT})")
+
+    def mfma(acc, a_words, b_words):
+        if const_expr(hw_unpack):
+            return rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [_vec_i32(a_words).bitcast(fx.BFloat16), _vec_i32(b_words).bitcast(fx.BFloat16), acc])
+        a16 = _vec_i32(a_words).bitcast(fx.Int16)
+        b16 = _vec_i32(b_words).bitcast(fx.Int16)
+        return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [a16, b16, acc])
+
+    @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
+    def gemm2_kernel(
+        a2: fx.Int64,  # (T * topk, a_stride) bf16, row t * topk + slot
+        w2: fx.Int64,  # (E, w_n, w_k / 2) FP4, shuffle_weight_a16w4
+        w2_scale: fx.Int64,  # (E * w_n, w_k / 32) E8M0, shuffle_scale_a16w4
+        sorted_ids: fx.Int64,  # (R,) int32 (slot << 24) | token
+        sorted_weights: fx.Int64,  # (R,) f32
+        sorted_expert_ids: fx.Int64,  # (R / block_m,) int32
+        num_valid_ids: fx.Int64,  # (2,) int32: [rows in use, T]
+        out: fx.Int64,  # (T, model_dim) bf16/f32
+        bias: fx.Int64,  # (E, bias_stride) or unused
+        bias_stride: fx.Int32,
+        tokens: fx.Int32,  # T
+        n_rows: fx.Int32,  # R
+        compact: fx.Int32,  # 1: m-slot s = the s-th tile with work (scan); 0: m-tile s
+    ):
+        tid = fx.Int32(gpu.thread_id("x"))
+        lane = tid & (WAVE - 1)
+        wave = fx.Int32(rocdl.readfirstlane(T.i32, tid.shrui(fx.Int32(LOG_WAVE)).ir_value()))
+        m_slot = fx.Int32(gpu.block_id("x"))
+        n_tile = fx.Int32(gpu.block_id("y"))
+        k_split = fx.Int32(gpu.block_id("z"))
+
+        ids_bytes = fx.Int64(n_rows) * 4
+        ids_rsrc = _rsrc(sorted_ids, ids_bytes)
+        rows_used = fx.min(_scalar_load(num_valid_ids), n_rows)
+        n_used = rows_used.shrui(fx.Int32(LOG_TILE_M))  # m-tiles in use (block_m is a multiple of tile_m)
+
+        # ---- which m-tile: direct, or the m_slot-th tile with work -------------------------
+        tile = m_slot
+        if compact != 0:
+            found = fx.Int32(-1)
+            chunks = (n_used + (WAVE - 1)).shrui(fx.Int32(LOG_WAVE))
+            for c_idx, state in range(0, chunks, 1, init=[m_slot, found]):
+                target, found_c = state
+                base = fx.Int32(c_idx) << LOG_WAVE
+                idx = base + lane
+                first = _load(ids_rsrc, idx << (LOG_TILE_M + 2), 0, 1)  # OOB past R reads 0
+                work = (idx < n_used) & ((first & TOKEN_MASK) < tokens)
+                mask = _ballot(work)
+                hit = _ballot(work & (_lanes_below(mask) == target))
+                count = fx.Int32(fx.math.ctpop(mask))
+                found_c = (hit != 0).select(base + fx.Int32(fx.math.cttz(hit)), found_c)
+                results = yield [target - count, found_c]
+            tile = results[1]
+        # tile < n_used, unsigned: also false for "not found" (-1); idle slots exit here
+        if fx.Uint32(tile) < fx.Uint32(n_used):
+            row0 = tile << LOG_TILE_M
+            tok0 = _scalar_load(sorted_ids + fx.Int64(row0 << 2)) & TOKEN_MASK
+            if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
+                expert = _scalar_load(sorted_expert_ids + fx.Int64(_udiv(row0, cfg.block_m) << 2))
+                w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, EXPERT_W_BYTES)
+                s_rsrc = _rsrc(w2_scale + fx.Int64(expert) * EXPERT_S_BYTES, EXPERT_S_BYTES)
+                a_rsrc = _rsrc(a2, fx.Int64(tokens) * (TOPK * A_ROW_BYTES))
+                wn_i = wave & (WN - 1)
+                wk_i = wave.shrui(fx.Int32(LOG_WN))
+                kl = lane.shrui(fx.Int32(LOG_MFMA))
+                l16 = lane & (MFMA_MN - 1)
+                col_wave = n_tile * TILE_N + wn_i * WAVE_N
+                blk_wave = col_wave.shrui(fx.Int32(LOG_MFMA))  # first 16-column block of the wave
+                worker = k_split * WK + wk_i
+                kt_begin = _udiv(worker * N_KT, K_SPLIT)
+                kt_end = _udiv((worker + 1) * N_KT, K_SPLIT)
+
+                # A: per 16-row block, this lane's row (l16) at its k-chunk (kl); padding rows OOB.
+                a_off = []
+                for mb in range_constexpr(MB):
+                    rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
+                    tok = rid & TOKEN_MASK
+                    a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
+                    a_off.append((tok < tokens).select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
+                # B: per 16-column block; blocks past model_dim are never loaded (OOB -> 0).
+                b_off = []
+                for nb in range_constexpr(NB):
+                    off = (blk_wave + nb) * NBLK_BYTES + lane * 16
+                    if const_expr(N_TAIL):
+                        off = ((blk_wave + nb) * MFMA_MN < MODEL_DIM).select(off, OOB)
+                    b_off.append(off)
+                s_off = [(blk_wave.shrui(fx.Int32(1)) + p) * NPAIR_BYTES + lane * 4 for p in range_constexpr(NP)]
+                # A wave of one 16-column block may start at the odd half of a 32-row scale group:
+                # shift its scale dwords so that byte 2 * step is always its own.
+                half_shift = (blk_wave & 1) << 3
+
+                def chunk_ok(kt, sub):
+                    """This lane's 32-wide k-chunk of step `sub` of iteration kt lies below inter_dim."""
+                    return kt * KT + sub * K_STEP + kl * K_CHUNK < INTER_DIM
+
+                # Per-lane offsets stay fixed: the iteration's offset is wave-uniform (the scalar
+                # offset), the step and 16-byte piece offsets are constants (the instruction's
+                # immediate offset), so loads need no per-iteration VALU address math.
+                def load_a(kt, sub, masked):
+                    voff = a_off
+                    if const_expr(masked):
+                        voff = [chunk_ok(kt, sub).select(v, OOB) for v in voff]
+                    soff = kt * (KT * 2)
+                    return [[_load(a_rsrc, voff[mb] + (sub * (K_STEP * 2) + j * 16), soff, 4) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
+
+                def load_step(kt, sub, masked):
+                    """Issue the prefetched loads of one 128-wide K step of iteration kt: the B chunks,
+                    with sub 0 the iteration's scale dwords, and A when PREFETCH_A. `masked`: chunks
+                    at k >= inter_dim read as 0 (offset past the buffer end), their scales as 0."""
+                    voff = b_off
+                    if const_expr(masked):
+                        voff = [chunk_ok(kt, sub).select(v, OOB) for v in voff]
+                    b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, kt * (2 * W_TILE_BYTES), 4) for nb in range_constexpr(NB)]
+                    sc = []
+                    if const_expr(sub == 0):
+                        sc = [_load(s_rsrc, s_off[p], kt * S_TILE_BYTES, 1) for p in range_constexpr(NP)]
+                        if const_expr(masked):
+                            keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(_s32(0xFFFF0000)), fx.Int32(0))
+                            sc = [v & keep for v in sc]
+                        if const_expr(NB == 1):
+                            sc = [v.shrui(half_shift) for v in sc]
+                    a = load_a(kt, sub, masked) if const_expr(PREFETCH_A) else []
+                    return a, b, sc
+
+                def unpack_block(b, sc, sub, nb):
+                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of a step."""
+                    byte = 2 * sub + nb % 2
+                    if const_expr(hw_unpack):
+                        scale = _scale_f32(sc[nb // 2], byte)
+                        return [_unpack_hw(b[nb][j], scale) for j in range_constexpr(4)]
+                    tables = _sw_tables(sc[nb // 2], byte)
+                    return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
+
+                def compute_step(a, b, sc, sub, accs, kt, masked):
+                    """Unpack the B chunks of one K step and issue its MFMAs into accs (loading A here
+                    when it is not prefetched). Instruction order, pinned by scheduling barriers:
+                    unpack block 0; then unpack block nb + 1 before the MFMAs of block nb, so an MFMA
+                    never reads a conversion just issued (no hazard wait states) and at most two
+                    blocks of BF16 are live."""
+                    if const_expr(not PREFETCH_A):
+                        a = load_a(kt, sub, masked)
+                    accs = list(accs)
+                    if const_expr(not hw_unpack):
+                        a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
+                    words = unpack_block(b, sc, sub, 0)
+                    for nb in range_constexpr(NB):
+                        rocdl.sched_barrier(0)
+                        nxt = unpack_block(b, sc, sub, nb + 1) if const_expr(nb + 1 < NB) else None
+                        rocdl.sched_barrier(0)
+                        for j in range_constexpr(4):
+                            for mb in range_constexpr(MB):
+                                i = mb * NB + nb
+                                if const_expr(hw_unpack):
+                                    accs[i] = mfma(accs[i], [a[mb][j][q] for q in range_constexpr(4)], words[j])
+                                else:
+                                    even, odd = a_ops[mb][j]
+                                    accs[i] = mfma(accs[i], even, words[j][0:2])
+                                    accs[i] = mfma(accs[i], odd, words[j][2:4])
+                        words = nxt
+                    return accs
+
+                def flat(a, b, sc):
+                    return [v.ir_value() for row in a for v in row] + [v.ir_value() for v in b] + [v.ir_value() for v in sc]
+
+                def unflat(vals):
+                    n_a = 4 * MB if PREFETCH_A else 0
+                    a = [[Vec(vals[mb * 4 + j]) for j in range_constexpr(4)] for mb in range_constexpr(n_a // 4)]
+                    b = [Vec(vals[n_a + nb]) for nb in range_constexpr(NB)]
+                    sc = [fx.Int32(v) for v in vals[n_a + NB:]]
+                    return a, b, sc
+
+                # Software pipeline over this worker's iterations, last one first: loads of one
+                # 128-wide step are in flight while the previous step computes. Only the global last
+                # iteration can reach past inter_dim, and it comes first here (peeled, masked when
+                # TAIL, its first MFMAs starting from a constant 0), so the other iterations never
+                # need masking; the final iteration prefetches nothing. Scheduling barriers keep
+                # the compiler from sinking the loads into the math.
+                n_acc = MB * NB
+                zero = Vec.filled(4, 0.0, fx.Float32).ir_value()
+                kt_first = kt_end - 1
+                a0, b0, sc = load_step(kt_first, 0, masked=TAIL)
+                a1, b1, _ = load_step(kt_first, 1, masked=TAIL)
+                rocdl.sched_barrier(0)
+                accs = compute_step(a0, b0, sc, 0, [zero] * n_acc, kt_first, masked=TAIL)
+                rocdl.sched_barrier(0)
+                more = kt_first > kt_begin
+                pre = flat(a0, b0, sc)  # placeholder when there is no next iteration
+                if more:
+                    pre = flat(*load_step(kt_first - 1, 0, masked=False))
+                rocdl.sched_barrier(0)
+                accs = compute_step(a1, b1, sc, 1, accs, kt_first, masked=TAIL)
+                rocdl.sched_barrier(0)
+                if more:
+                    for i, state in range(0, kt_first - kt_begin - 1, 1, init=accs + pre):
+                        kt = kt_first - 1 - fx.Int32(i)
+                        accs = list(state[:n_acc])
+                        a0, b0, sc = unflat(list(state[n_acc:]))
+                        # one wait per step for its whole prefetched group (in issue order, the
+                        # loads issued after it may stay in flight), not one per use
+                        a1, b1, _ = load_step(kt, 1, masked=False)
+                        rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                        rocdl.sched_barrier(0)
+                        accs = compute_step(a0, b0, sc, 0, accs, kt, masked=False)
+                        rocdl.sched_barrier(0)
+                        a0, b0, sc_next = load_step(kt - 1, 0, masked=False)
+                        rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
+                        rocdl.sched_barrier(0)
+                        accs = compute_step(a1, b1, sc, 1, accs, kt, masked=False)
+                        rocdl.sched_barrier(0)
+                        results = yield accs + flat(a0, b0, sc_next)
+                    accs = list(results[:n_acc])
+                    a0, b0, sc = unflat(list(results[n_acc:]))
+                    a1, b1, _ = load_step(kt_begin, 1, masked=False)
+                    rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                    rocdl.sched_barrier(0)
+                    accs = compute_step(a0, b0, sc, 0, accs, kt_begin, masked=False)
+                    rocdl.s_waitcnt(vmcnt=0)
+                    accs = compute_step(a1, b1, sc, 1, accs, kt_begin, masked=False)
+
+                # ---- reduce the wk partial sums in LDS ---------------------------------------
+                if const_expr(WK > 1):
+                    lds = fx.SharedAllocator().allocate(LDS_BYTES, alignment=16)
+                    lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
+                    p3 = ir.Type.parse("!llvm.ptr<3>")
+
+                    def lds_ptr(group, i):
+                        off = (((group * WN + wn_i) * (MB * NB) + i) * WAVE + lane) * 16
+                        return llvm.inttoptr(p3, fx.Int64(lds_base + off).ir_value())
+
+                    if wk_i > 0:
+                        for i in range_constexpr(MB * NB):
+                            llvm.StoreOp(accs[i], lds_ptr(wk_i - 1, i), alignment=16)
+                    gpu.barrier()
+                    if wk_i == 0:
+                        for g in range_constexpr(WK - 1):
+                            for i in range_constexpr(MB * NB):
+                                part = llvm.load(T.vec(4, T.f32), lds_ptr(g, i), alignment=16)
+                                accs[i] = (Vec(accs[i]) + Vec(part)).ir_value()
+
+                # ---- epilogue: bias, routing weight, atomic add into out ---------------------
+                # One exec-masked region per row (f32) or row pair (bf16) holds the atomics of all
+                # the wave's column blocks: the row predicate is the same for all of them.
+                if wk_i == 0:
+                    if const_expr(HAS_BIAS):
+                        # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
+                        b_row = bias + fx.Int64(expert) * fx.Int64(bias_stride) * BIAS_BYTES
+                        b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(bias_stride) * BIAS_BYTES, fx.Int64(0)))
+                        bias_v = []
+                        for nb in range_constexpr(NB):
+                            col = col_wave + nb * MFMA_MN + l16
+                            if const_expr(BIAS_BYTES == 4):
+                                bias_v.append(_load(b_rsrc, col << 2, 0, 1).bitcast(fx.Float32))
+                            else:
+                                half = rocdl.raw_ptr_buffer_load(T.i16, b_rsrc, (col << 1).ir_value(), fx.Int32(0).ir_value(), 0)
+                                bias_v.append((fx.Int32(fx.Int16(half)) << 16).bitcast(fx.Float32))  # bf16 = high half of f32
+                    if const_expr(cfg.apply_weights):
+                        w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
+                    odd_lane = (l16 & 1) == 1
+                    p1 = ir.Type.parse("!llvm.ptr<1>")
+                    for mb in range_constexpr(MB):
+                        row = row0 + mb * MFMA_MN + kl * 4  # this lane's 4 rows: row .. row + 3
+                        rids = _load(ids_rsrc, row << 2, 0, 4)
+                        toks = [rids[i] & TOKEN_MASK for i in range_constexpr(4)]
+                        if const_expr(cfg.apply_weights):
+                            wts = _load(w_rsrc_rows, row << 2, 0, 4).bitcast(fx.Float32)
+                        vals = []  # vals[nb][i]: row i, column block nb
+                        for nb in range_constexpr(NB):
+                            acc = Vec(accs[mb * NB + nb])
+                            v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
+                            if const_expr(HAS_BIAS):
+                                v = [x + bias_v[nb] for x in v]
+                            if const_expr(cfg.apply_weights):
+                                v = [v[i] * fx.Float32(wts[i]) for i in range_constexpr(4)]
+                            vals.append(v)
+                        cols = [col_wave + nb * MFMA_MN + l16 for nb in range_constexpr(NB)]
+
+                        def atomic_add(addr, value, nb):
+                            """out[addr] += value (agent scope); columns past model_dim skipped."""
+                            ptr = llvm.inttoptr(p1, addr.ir_value())
+                            if const_expr(N_TAIL):
+                                if cols[nb] < MODEL_DIM:
+                                    fx.atomic_add(ptr, value, syncscope=rocdl.SyncScope.Agent)
+                            else:
+                                fx.atomic_add(ptr, value, syncscope=rocdl.SyncScope.Agent)
+
+                        if const_expr(OUT_F32):
+                            for i in range_constexpr(4):
+                                if toks[i] < tokens:
+                                    row_addr = out + fx.Int64(toks[i] * MODEL_DIM) * OUT_ELEM
+                                    for nb in range_constexpr(NB):
+                                        atomic_add(row_addr + fx.Int64(cols[nb] << 2), vals[nb][i], nb)
+                        else:
+                            # lanes 2j, 2j+1 hold columns 2j, 2j+1 of rows 0..3: two DPP moves leave
+                            # the even lane rows 0, 1 and the odd lane rows 2, 3 of both columns.
+                            pairs = [[], []]
+                            for nb in range_constexpr(NB):
+                                v = vals[nb]
+                                sent = [odd_lane.select(v[0], v[2]), odd_lane.select(v[1], v[3])]
+                                got = [
+                                    fx.Int32(rocdl.update_dpp(T.i32, fx.Int32(0).ir_value(), x.bitcast(fx.Int32).ir_value(), DPP_QUAD_SWAP_PAIRS, 0xF, 0xF, True)).bitcast(fx.Float32)
+                                    for x in sent
+                                ]
+                                for h in range_constexpr(2):
+                                    lo = odd_lane.select(got[h], v[h])
+                                    hi = odd_lane.select(v[h + 2], got[h])
+                                    pairs[h].append(Vec.from_elements([lo, hi], fx.Float32).to(fx.BFloat16))
+                            for h in range_constexpr(2):
+                                tok = odd_lane.select(toks[h + 2], toks[h])
+                                if tok < tokens:
+                                    row_addr = out + fx.Int64(tok * MODEL_DIM + (l16 & ~1)) * OUT_ELEM
+                                    for nb in range_constexpr(NB):
+                                        atomic_add(row_addr + fx.Int64(col_wave + nb * MFMA_MN) * OUT_ELEM, pairs[h][nb], nb)
+
+    @flyc.jit
+    def launch(
+        a2: fx.Int64,
+        w2: fx.Int64,
+        w2_scale: fx.Int64,
+        sorted_ids: fx.Int64,
+        sorted_weights: fx.Int64,
+        sorted_expert_ids: fx.Int64,
+        num_valid_ids: fx.Int64,
+        out: fx.Int64,
+        bias: fx.Int64,
+        bias_stride: fx.Int32,
+        tokens: fx.Int32,
+        n_rows: fx.Int32,
+        grid_m: fx.Int32,
+        compact: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        gemm2_kernel(
+            a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+            out, bias, bias_stride, tokens, n_rows, compact,
+        ).launch(grid=(grid_m, cfg.n_tiles, cfg.k_batch), block=(cfg.waves * WAVE, 1, 1), stream=stream)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_launcher(cfg: Gemm2Config):
+    return build_moe_gemm2_a16w4(cfg)
+
+
+# ---- configuration choice ----------------------------------------------------------------------
+
+
+def choose_config(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, arch: str) -> tuple[int, int, int]:
+    """(tile_m, tile_n, k_batch) for a call: tile_m covers the average rows per active expert;
+    tile_n 256 once there are enough m-tiles to fill the GPU, else 128; k_batch the smallest
+    split that gives every CU a workgroup streaming weights (at 1 token on a GPT-OSS-like shape,
+    4 m-tiles x 24 n-tiles x 3 = 288 >= 256 CUs), within the K steps available."""
+    info = arch_info(arch)
+    pairs = max(1, tokens * topk)
+    active = min(experts, pairs)
+    rows_per_expert = -(-pairs // active)
+    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
+    m_tiles = active * -(-rows_per_expert // tile_m)
+    n_kt = -(-inter_dim // KT)
+    tile_n = 256 if m_tiles * -(-model_dim // 256) >= info.compute_units else 128
+    n_tiles = -(-model_dim // tile_n)
+    k_batch = 1
+    while m_tiles * n_tiles * k_batch < info.compute_units and 2 * (k_batch + 1) <= n_kt:
+        k_batch += 1
+    return tile_m, tile_n, k_batch
+
+
+def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) -> tuple[int, bool]:
+    """(m-slots to launch, compact) from shapes alone (no device read): the m-tiles that can hold
+    a routing pair number at most T*topk (one pair each) and at most T*topk/tile_m + min(E, T*topk)
+    (whole tiles plus one partial tile per active expert). Below the sorted arrays' tile count,
+    launch that bound and let each slot scan for its tile (compact)."""
+    tiles_all = sorted_rows // tile_m
+    pairs = tokens * topk
+    bound = min(tiles_all, pairs, pairs // tile_m + min(experts, pairs))
+    return (bound, True) if bound < tiles_all else (tiles_all, False)
+
+
+# ---- torch-facing launcher ---------------------------------------------------------------------
+
+W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def moe_gemm2_a16w4(
+    a2,  # (T * topk, >= inter_dim) bf16, row t * topk + slot, unit stride along K
+    w2,  # (E, w_n, w_k / 2) uint8 / float4_e2m1fn_x2, shuffle_weight_a16w4(nlane=16)
+    w2_scale,  # (E * w_n, w_k / 32) or (E, w_n, w_k / 32) e8m0 / uint8, shuffle_scale_a16w4
+    sorted_ids,  # (R,) int32, moe_sorting
+    sorted_weights,  # (R,) float32
+    sorted_expert_ids,  # (>= ceil(R / block_m),) int32
+    num_valid_ids,  # (2,) int32, read on the device only
+    *,
+    arch: str,
+    topk: int,
+    block_m: int,
+    out=None,  # (T, model_dim) out_dtype contiguous: added into; None: zeros
+    bias=None,  # (E, >= model_dim) bf16 / f32
+    apply_weights: bool = True,
+    out_dtype=torch.bfloat16,
+    model_dim: int | None = None,  # true sizes when the weights are padded
+    inter_dim: int | None = None,
+    tile_m: int | None = None,
+    tile_n: int | None = None,
+    k_batch: int | None = None,
+    waves: int | None = None,
+):
+    """Launch the A16W4 stage-2 GEMM for `arch` on the tensors' device, on torch's current stream
+    (CPU tensors: the emulator, stream 0), without a host synchronisation. Returns out."""
+    info = arch_info(arch)
+    validate.tensor(a2, "a2", (torch.bfloat16,), ndim=2)
+    validate.tensor(w2, "w2", W2_DTYPES, ndim=3)
+    validate.tensor(w2_scale, "w2_scale", SCALE_DTYPES, ndim=(2, 3))
+    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
+                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
+        validate.tensor(t, name, (dt,), ndim=1)
+        validate.contiguous(t, name)
+        validate.same_device("a2", a2, name, t)
+    for name, t in (("w2", w2), ("w2_scale", w2_scale)):
+        validate.contiguous(t, name)
+        validate.same_device("a2", a2, name, t)
+    if a2.stride(1) != 1:
+        raise ValueError(f"a2 must have unit stride along K, got strides {a2.stride()}")
+    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
+        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
+    if a2.shape[0] % topk:
+        raise ValueError(f"a2.shape[0] = {a2.shape[0]} must be a multiple of topk = {topk} (tokens * topk rows)")
+    experts, w_n, w_k_half = w2.shape
+    w_k = 2 * w_k_half
+    validate.multiple_of(w_k, KT, "w2's K = 2 * w2.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
+    validate.multiple_of(w_n, 2 * MFMA_MN, "w2.shape[1] (N; scales come in 32-row groups)")
+    scale_shape = (experts * w_n, w_k // K_CHUNK) if w2_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
+    validate.shape(w2_scale, "w2_scale", scale_shape)
+    model_dim = w_n if model_dim is None else model_dim
+    inter_dim = a2.shape[1] if inter_dim is None else inter_dim
+    if not (0 < model_dim <= w_n and model_dim % MFMA_MN == 0):
+        raise ValueError(f"model_dim = {model_dim} must be a multiple of {MFMA_MN} in [1, w2.shape[1] = {w_n}]")
+    if not (0 < inter_dim <= min(w_k, a2.shape[1]) and inter_dim % K_CHUNK == 0):
+        raise ValueError(f"inter_dim = {inter_dim} must be a multiple of {K_CHUNK} in [1, min(K = {w_k}, a2.shape[1] = {a2.shape[1]})]")
+    tokens = a2.shape[0] // topk
+    rows = sorted_ids.shape[0]
+    validate.shape(sorted_weights, "sorted_weights", (rows,))
+    if sorted_expert_ids.shape[0] < -(-rows // block_m):
+        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
+    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if out is not None:
+        validate.tensor(out, "out", OUT_DTYPES, ndim=2)
+        validate.shape(out, "out", (tokens, model_dim))
+        validate.contiguous(out, "out")
+        validate.same_device("a2", a2, "out", out)
+    if bias is not None:
+        validate.tensor(bias, "bias", BIAS_DTYPES, ndim=2)
+        validate.same_device("a2", a2, "bias", bias)
+        if bias.shape[0] != experts or bias.shape[1] < model_dim or bias.stride(1) != 1:
+            raise ValueError(f"bias must be (E = {experts}, >= model_dim = {model_dim}) with unit column stride, got {tuple(bias.shape)}")
+
+    auto_m, auto_n, auto_kb = choose_config(tokens, topk, experts, model_dim, inter_dim, arch)
+    if tile_m is None:
+        fitting = [m for m in TILE_MS if block_m % m == 0]
+        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
+    if tile_m not in TILE_MS or block_m % tile_m:
+        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
+    tile_n = auto_n if tile_n is None else tile_n
+    if tile_n not in TILE_NS:
+        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    n_kt = -(-inter_dim // KT)
+    k_batch = min(auto_kb, n_kt) if k_batch is None else k_batch
+    if not isinstance(k_batch, int) or not 1 <= k_batch <= n_kt:
+        raise ValueError(f"k_batch must be an int in [1, ceil(inter_dim / {KT}) = {n_kt}], got {k_batch!r}")
+    if waves is None:
+        waves = default_waves(tile_m, tile_n, n_kt, k_batch)
+    if waves not in WAVE_COUNTS:
+        raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
+    wn, wk = default_layout(tile_m, tile_n, n_kt, k_batch, waves)
+
+    if out is None:
+        out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    cfg = Gemm2Config(
+        arch=info.name, out_dtype=out.dtype, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, wn=wn, wk=wk,
+        model_dim=model_dim, inter_dim=inter_dim, w_n=w_n, w_k=w_k, a_stride=a2.stride(0), topk=topk,
+        block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
+    )
+    grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
+    if grid_m == 0:
+        return out
+    stream = torch.cuda.current_stream(a2.device) if a2.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(
+            a2.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
+            sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(),
+            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
+            tokens, rows, grid_m, int(compact), stream=stream,
+        )
+    return out
