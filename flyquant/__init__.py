@@ -20,6 +20,7 @@ from .api import (
     quantize_mxfp4,
     shuffle_scale_a16w4,
     shuffle_weight_a16w4,
+    warmup,
 )
 from .select import Plan
 
@@ -40,4 +41,5 @@ __all__ = [
     "reference",
     "shuffle_scale_a16w4",
     "shuffle_weight_a16w4",
+    "warmup",
 ]

@@ -187,6 +187,33 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
                            model_dim=model_dim, inter_dim=inter_dim)
 
 
+def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1,), quantize_shapes=(),
+           scaling_mode: str = "rceil", device=None) -> list[Plan]:
+    """Compile (into FlyDSL's disk cache) the kernels a model will use, by running each op once
+    on zeros: the MoE stage 2 for every token count in `tokens`, and the 1x32, 32x1 and dual
+    MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
+    device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
+    plans = []
+    w2 = torch.zeros(experts, model_dim, inter_dim // 2, dtype=torch.uint8, device=device)
+    scales = torch.full((experts, model_dim, inter_dim // 32), 127, dtype=torch.uint8, device=device)
+    w2_scale = layouts.shuffle_scale_a16w4(scales.view(torch.float8_e8m0fnu), experts)
+    for t in tokens:
+        ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
+        a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
+        block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
+        sorted_ = moe.moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
+        plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))
+        moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m)
+    for m, k in quantize_shapes:
+        x = torch.zeros(m, k, dtype=torch.bfloat16, device=device)
+        for axis in (1, 0):
+            plans.append(select.plan_mxfp8_quantize(x, axis, scaling_mode, None, None))
+            mxfp8_quantize(x, axis, scaling_mode)
+        plans.append(select.plan_mxfp8_quantize_dual(x, scaling_mode))
+        mxfp8_quantize_dual(x, scaling_mode)
+    return plans
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
 # ---------------------------------------------------------------------------------------------

@@ -115,3 +115,15 @@ def test_explain_prints_the_plan(capsys, reference_backend):
     assert plan.backend == "reference" and "FLYQUANT_BACKEND=reference" in capsys.readouterr().out
     plan = fq.explain(fq.quantize_mxfp4, X)
     assert plan.backend == "reference" and "no kernel" in plan.reasons[0]
+
+
+def test_warmup_runs_the_kernels_a_model_uses():
+    import flyquant.emu as emu
+
+    with emu.record() as launches:
+        plans = fq.warmup(model_dim=64, inter_dim=256, experts=4, topk=2, tokens=(1, 3), quantize_shapes=[(32, 64)])
+    assert [p.op for p in plans] == ["moe_gemm2_a16w4"] * 2 + ["mxfp8_quantize"] * 2 + ["mxfp8_quantize_dual"]
+    assert all(p.backend == "flydsl" for p in plans)
+    kernels = [rec.stats.kernel for rec in launches]
+    assert sum(k.startswith("moe_gemm2_a16w4") for k in kernels) == 2
+    assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
