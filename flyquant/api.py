@@ -190,12 +190,15 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
 def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1,), quantize_shapes=(),
            scaling_mode: str = "rceil", device=None) -> list[Plan]:
     """Compile (into FlyDSL's disk cache) the kernels a model will use, by running each op once
-    on zeros: the MoE stage 2 for every token count in `tokens`, and the 1x32, 32x1 and dual
+    on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
+    the weights padded as the shuffles require), and the 1x32, 32x1 and dual
     MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
-    w2 = torch.zeros(experts, model_dim, inter_dim // 2, dtype=torch.uint8, device=device)
-    scales = torch.full((experts, model_dim, inter_dim // 32), 127, dtype=torch.uint8, device=device)
+    # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
+    w_n, w_k = -(-model_dim // 32) * 32, -(-inter_dim // 256) * 256
+    w2 = torch.zeros(experts, w_n, w_k // 2, dtype=torch.uint8, device=device)
+    scales = torch.full((experts, w_n, w_k // 32), 127, dtype=torch.uint8, device=device)
     w2_scale = layouts.shuffle_scale_a16w4(scales.view(torch.float8_e8m0fnu), experts)
     for t in tokens:
         ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
@@ -203,7 +206,8 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
         sorted_ = moe.moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
         plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))
-        moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m)
+        moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, model_dim=model_dim,
+                        inter_dim=inter_dim)
     for m, k in quantize_shapes:
         x = torch.zeros(m, k, dtype=torch.bfloat16, device=device)
         for axis in (1, 0):

@@ -121,7 +121,7 @@ def test_warmup_runs_the_kernels_a_model_uses():
     import flyquant.emu as emu
 
     with emu.record() as launches:
-        plans = fq.warmup(model_dim=64, inter_dim=256, experts=4, topk=2, tokens=(1, 3), quantize_shapes=[(32, 64)])
+        plans = fq.warmup(model_dim=48, inter_dim=224, experts=4, topk=2, tokens=(1, 3), quantize_shapes=[(32, 64)])
     assert [p.op for p in plans] == ["moe_gemm2_a16w4"] * 2 + ["mxfp8_quantize"] * 2 + ["mxfp8_quantize_dual"]
     assert all(p.backend == "flydsl" for p in plans)
     kernels = [rec.stats.kernel for rec in launches]
