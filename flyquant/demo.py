@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         for rec in launches:
             st = rec.stats
             print(f"  {st.kernel} ({st.arch}): {st.workgroups_launched} workgroups, "
-                  f"{st.wave_instructions} wave-instructions, global coalescing {st.coalescing:.2f}")
+                  f"{st.wave_instructions} wave-instructions, {st.global_bytes} bytes of global memory traffic")
     print("\nAll checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 
