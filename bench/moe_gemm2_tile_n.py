@@ -1,0 +1,929 @@
+"""A16W4 MoE stage-2 GEMM: sweep of tile_n (and split-K) per shape and token count.
+
+    python bench/moe_gemm2_tile_n.py                          # hardware if a ROCm GPU is present, else modelled
+    python bench/moe_gemm2_tile_n.py --quick --out results    # a subset
+    python bench/moe_gemm2_tile_n.py --shapes gptoss --tokens 1,4 --tile-n 128,256 --k-batch sel,1
+
+Inputs are built the way a user builds them: routing (random top-k, --skew makes some experts
+popular), flyquant's moe_sorting with the selector's block size, weights laid out by flyquant's
+shuffle_weight_a16w4 / shuffle_scale_a16w4. The weights are random FP4 bytes and E8M0 scales:
+the kernel's instructions and memory accesses do not depend on the values (no data-dependent
+branch), and quantizing real model-sized weights on a CPU would take minutes and gigabytes.
+
+Hardware mode (ROCm GPU): each config is timed (median and minimum of --iters single-call event
+pairs after --warmup calls, caches flushed between calls unless --no-flush), with
+TFLOPS = 2 * tokens * topk * inter_dim * model_dim / time, the compulsory-traffic bandwidth and
+how far the time is from the weight-streaming bound; beside them the public API's end-to-end
+call (selector + custom op + kernel) and, when importable, the PyTorch reference and aiter's
+CK-Tile stage 2. It writes the tuning table the selector reads
+(FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per shape and token count.
+
+Modelled mode (no AMD GPU): the same configs run under flyquant.emu and the outputs hold only
+what is observed, labelled "modelled, not timed": workgroups launched and working, the idle
+workgroups' cost, VGPR/AGPR/LDS and the occupancy they allow (compiler), wave-instructions
+(total, per MFMA executed, per useful MFMA), memory instructions and bytes, coalescing (useful
+bytes / bytes of the 128-byte lines touched). No tuning table is written from them.
+
+How a model-sized launch is reduced to something a CPU emulates in seconds (stated per row).
+Every launch emulated is the real kernel (the same compiled configuration as the model-sized
+one) on the real routing; only which m-tiles hold work changes:
+- when the m-tiles with work need more than --max-workgroups workgroups (each m-tile is
+  n-tiles x k_batch workgroups, all emulated), a systematic sample of S of the W tiles (evenly
+  spaced in the order of their routed rows, so partly filled tiles are represented as often as
+  in the launch) is emulated and its working workgroups' counters scaled by W / S.
+  An estimate, marked "~S/W" in the table; "exact" when every tile with work ran;
+- how: when the kernel maps m-slots to m-tiles directly, the sampled tiles' rows are gathered
+  into shorter moe_sorting-shaped arrays (same token ids, routing weights, experts), so only
+  they launch; when it scans for the tiles with work (small token counts: the grid is sized by
+  an upper bound, kernel.m_grid's "compact"), the unsampled tiles' rows become padding instead,
+  keeping the real grid and scan with those tiles' workgroups idle;
+- an idle workgroup's counters come from a launch without work (no row in use, resp. all rows
+  padding), and the real launch's idle workgroups (its grid, from kernel.m_grid, minus the
+  working ones) are counted at that cost.
+Workgroups working = tiles with work x n-tiles x k_batch, checked against the emulator's count of
+workgroups that stored. All tensors start on 256-byte boundaries (as hipMalloc places them), so
+line counts match device allocations rather than torch's 64-byte-aligned CPU buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
+
+import flyquant as fq  # noqa: E402
+from flyquant import layouts, select  # noqa: E402
+from flyquant.arch import arch_info  # noqa: E402
+from flyquant.moe import TOKEN_BITS, TOKEN_MASK  # noqa: E402
+
+OP = "moe_gemm2_a16w4"
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+QUICK_TOKENS = (1, 4, 16, 128)
+K_BATCH_DEFAULT = "sel,1,2,4"  # "sel": the selector's split for the shape and token count
+# modelled mode: working workgroups emulated per config (whole m-tiles: n-tiles x k_batch each)
+MAX_WORKGROUPS = 96
+QUICK_MAX_WORKGROUPS = 24
+FP4_PER_BYTE = 2
+MX_BLOCK = 32  # FP4 values per E8M0 scale
+BF16_BYTES = 2
+W_SCALE_CODES = (119, 127)  # random E8M0 weight scales 2^-8 .. 2^0 (any finite code works)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One MoE layer's stage 2: out (T, model_dim) = sum over top-k of a2 (T*topk, inter_dim) @ W2[e]^T.
+    w_n, w_k: the weights' padded sizes (aiter's scale shuffle needs K % 256 == 0)."""
+
+    name: str
+    model_dim: int
+    inter_dim: int
+    experts: int
+    topk: int
+    w_n: int
+    w_k: int
+    tokens: tuple = TOKENS
+    why: str = ""
+
+
+# fmt: off
+SHAPES = {s.name: s for s in (
+    #        name               model  inter    E topk   w_n   w_k
+    MoeShape("gptoss",           2880,  2880, 128, 4,   3072, 3072, why="GPT-OSS-120B, padded to 3072 as deployed"),
+    MoeShape("gptoss-3072",      3072,  3072, 128, 4,   3072, 3072, why="upstream FlyDSL's GPT-OSS-like shape"),
+    MoeShape("dsr1-i256",        7168,   256, 256, 8,   7168,  256, why="DeepSeek-R1, inter_dim 2048 over 8 ranks"),
+    MoeShape("dsr1-i1024",       7168,  1024, 256, 8,   7168, 1024, why="DeepSeek-R1, inter_dim 2048 over 2 ranks"),
+    MoeShape("dsr1-i2048",       7168,  2048, 256, 8,   7168, 2048, why="DeepSeek-R1, whole experts"),
+    MoeShape("dsr1-i2048-e384",  7168,  2048, 384, 8,   7168, 2048, why="384 experts (Kimi-K2 class)"),
+    MoeShape("upstream-small",    256,   512,   8, 2,    256,  512, tokens=(5,), why="upstream FlyDSL's small shape"),
+)}
+# fmt: on
+DEFAULT_SHAPES = "gptoss,gptoss-3072,dsr1-i256,dsr1-i1024,dsr1-i2048,dsr1-i2048-e384,upstream-small"
+QUICK_SHAPES = "gptoss,dsr1-i2048"
+
+# ---- figures of other kernels, from issue 5 (not measured by this script) ---------------------------
+UPSTREAM_SOURCE = (
+    "upstream FlyDSL A16W4 stage 2 (kernels/moe/moe_2stage_a16wmix/gemm2.py), gfx950, "
+    "executed on a CPU emulator, one count per instruction a wave executes (issue 5)"
+)
+# (shape, tokens, tile_m, tile_n) -> wave-instructions per MFMA
+UPSTREAM_PER_MFMA = {
+    ("gptoss-3072", 1, 16, 128): 10.24,
+    ("gptoss-3072", 1, 16, 256): 8.95,
+    ("gptoss-3072", 1, 32, 256): 5.33,
+    ("upstream-small", 5, 16, 128): 14.96,
+    ("upstream-small", 5, 16, 256): 10.57,
+    ("upstream-small", 5, 32, 256): 6.47,
+}
+UPSTREAM_NOTES = (
+    "gfx950 static, 3072x3072 tile 16x128: 106 VGPR, 16 KiB LDS, 192 MFMA, 1,855 instructions per wave",
+    "at 1 token (GPT-OSS-like, E=128, topk 4, tile_m 16) only 48 of its workgroups stream weights; "
+    "idle ones exit after 80 wave-instructions",
+    "does not assemble for gfx942 (v_cvt_scalef32_pk_bf16_fp4)",
+    "aiter CK-Tile in GPT-OSS production on MI355X: 39 / 49 / 64 us for the whole MoE (both stages) "
+    "at 1 / 2 / 4 tokens",
+)
+TARGETS = (
+    "GPT-OSS-like at 1 token: >= 256 workgroups stream weights",
+    "idle workgroups exit within ~100 wave-instructions (upstream: 80)",
+    "16-byte weight loads with coalescing >= 0.95",
+    "no spills, >= 2 workgroups per CU",
+    "wave-instructions per MFMA <= 0.7x upstream's on the same shape and tile",
+)
+PER_MFMA_TARGET = 0.7
+MIN_WORKING_AT_ONE_TOKEN = 256
+MIN_WORKGROUPS_PER_CU = 2
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+
+def routing(shape: MoeShape, tokens: int, skew: float, seed: int):
+    """(topk_ids int32 (T, topk), topk_weights f32 (T, topk)): distinct experts per token, drawn
+    with popularity (rank + 1)^-skew over a random ranking of the experts (skew 0: uniform);
+    weights a softmax over the chosen slots, as after a router's top-k."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{shape.name}/{tokens}".encode()))
+    popularity = torch.empty(shape.experts)
+    popularity[torch.randperm(shape.experts, generator=gen)] = (torch.arange(shape.experts) + 1.0) ** -skew
+    ids = torch.multinomial(popularity.expand(tokens, -1), shape.topk, replacement=False, generator=gen)
+    weights = torch.softmax(torch.randn(tokens, shape.topk, generator=gen), dim=-1)
+    return ids.to(torch.int32), weights, gen
+
+
+class Weights:
+    """A shape's w2 (E, w_n, w_k/2) and w2_scale (E*w_n, w_k/32) in aiter's A16W4 layouts, filled
+    expert by expert on demand: random FP4 bytes and E8M0 codes, each expert from its own seed
+    (its weights do not depend on which others are built). Experts never filled are never read
+    by the launches that use this object (their memory is not even backed on a CPU)."""
+
+    def __init__(self, shape: MoeShape, seed: int, device):
+        self.shape, self.seed, self.device = shape, seed, device
+        self.w2 = common.aligned_empty((shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE), torch.uint8, device)
+        self.scale = common.aligned_empty((shape.experts * shape.w_n, shape.w_k // MX_BLOCK), torch.uint8, device)
+        self.filled: set[int] = set()
+
+    def fill(self, experts) -> "Weights":
+        s, lo, hi = self.shape, *W_SCALE_CODES
+        for e in sorted(set(experts) - self.filled):
+            gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}/{s.name}/{e}".encode()))
+            packed = torch.randint(
+                0, 256, (1, s.w_n, s.w_k // FP4_PER_BYTE), dtype=torch.uint8, generator=gen, device=self.device
+            )
+            codes = torch.randint(
+                lo, hi + 1, (s.w_n, s.w_k // MX_BLOCK), dtype=torch.uint8, generator=gen, device=self.device
+            )
+            self.w2[e] = layouts.shuffle_weight_a16w4(packed)[0]
+            self.scale[e * s.w_n : (e + 1) * s.w_n] = layouts.shuffle_scale_a16w4(codes, 1)
+            self.filled.add(e)
+        return self
+
+
+@dataclass
+class Problem:
+    """One (shape, token count, block size): routing, moe_sorting's outputs, the stage-1 output a2,
+    and the m-tiles that hold routing pairs."""
+
+    shape: MoeShape
+    tokens: int
+    tile_m: int
+    sorting: tuple  # (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    a2: torch.Tensor  # (T * topk, w_k) bf16
+    work_tiles: torch.Tensor  # indices of the m-tiles whose rows hold routing pairs
+    valid_rows: torch.Tensor  # routing pairs in each of them
+    experts_active: int
+
+
+def build_problem(shape: MoeShape, tokens: int, tile_m: int, skew: float, seed: int, device) -> Problem:
+    ids, weights, gen = routing(shape, tokens, skew, seed)
+    sorting = tuple(
+        common.aligned(t) for t in fq.moe_sorting(ids.to(device), weights.to(device), shape.experts, tile_m)
+    )
+    a2 = common.aligned(torch.randn(tokens * shape.topk, shape.w_k, generator=gen).to(torch.bfloat16).to(device))
+    sorted_ids, _, _, num_valid = (t.cpu() for t in sorting)
+    used = int(num_valid[0]) // tile_m
+    tok = (sorted_ids[: used * tile_m] & TOKEN_MASK).view(used, tile_m)
+    valid = (tok < tokens).sum(dim=1)
+    work = valid.nonzero().flatten()
+    return Problem(shape, tokens, tile_m, sorting, a2, work, valid[work], int(ids.unique().numel()))
+
+
+def padded_sorting(p: Problem, keep: torch.Tensor) -> tuple:
+    """moe_sorting's outputs with the rows of every m-tile not in `keep` turned into padding
+    (id (topk << 24) | T, weight 0): same lengths, so the same grid and the same m-tile scan,
+    the other tiles without work."""
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
+    kept_rows = torch.zeros(sorted_ids.numel(), dtype=torch.bool)
+    kept_rows[(keep[:, None] * p.tile_m + torch.arange(p.tile_m)).flatten()] = True
+    kept_rows = kept_rows.to(sorted_ids.device)
+    pad = (p.shape.topk << TOKEN_BITS) | p.tokens
+    return (
+        common.aligned(torch.where(kept_rows, sorted_ids, pad)),
+        common.aligned(torch.where(kept_rows, sorted_weights, 0.0)),
+        sorted_expert_ids,
+        num_valid,
+    )
+
+
+def gathered_sorting(p: Problem, keep: torch.Tensor, in_use: bool = True) -> tuple:
+    """moe_sorting-shaped arrays holding only the m-tiles in `keep` (block_m = tile_m, so each
+    tile keeps its expert id); in_use=False: num_valid_ids says no row is in use."""
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
+    rows = (keep[:, None] * p.tile_m + torch.arange(p.tile_m)).flatten().to(sorted_ids.device)
+    used = rows.numel() if in_use else 0
+    return (
+        common.aligned(sorted_ids[rows]),
+        common.aligned(sorted_weights[rows]),
+        common.aligned(sorted_expert_ids[keep.to(sorted_ids.device)]),
+        common.aligned(torch.tensor([used, p.tokens], dtype=torch.int32, device=num_valid.device)),
+    )
+
+
+def useful_mfmas(p: Problem, arch: str, kernel) -> int:
+    """MFMAs the routed rows need: per tile with work, its 16-row blocks holding pairs x the 16-column
+    blocks of model_dim x the MFMA's K steps over inter_dim (16x16x32 on gfx950, 16x16x16 on gfx942)."""
+    mfma_k = int(re.search(r"(\d+)x(\d+)x(\d+)", arch_info(arch).bf16_mfma).group(3))
+    mn = kernel.MFMA_MN
+    row_blocks = int(((p.valid_rows + mn - 1) // mn).sum())
+    return row_blocks * math.ceil(p.shape.model_dim / mn) * math.ceil(p.shape.inter_dim / mfma_k)
+
+
+def compulsory_bytes(p: Problem) -> int:
+    """Bytes any implementation moves at least once: the active experts' FP4 weights and E8M0
+    scales (true sizes), a2, the bf16 output, and the sorted ids and weights in use."""
+    s = p.shape
+    weights = p.experts_active * s.model_dim * s.inter_dim * (1 / FP4_PER_BYTE + 1 / MX_BLOCK)
+    a2 = p.tokens * s.topk * s.inter_dim * BF16_BYTES
+    out = p.tokens * s.model_dim * BF16_BYTES
+    ids = int(p.sorting[3][0]) * 8
+    return int(weights + a2 + out + ids)
+
+
+def flops(p: Problem) -> float:
+    return 2.0 * p.tokens * p.shape.topk * p.shape.inter_dim * p.shape.model_dim
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    tile_m: int
+    tile_n: int
+    k_batch: int
+
+
+def selector_choice(shape: MoeShape, tokens: int, device) -> tuple[Config | None, str]:
+    """The config the public API would run (moe_block_m, then the plan), or None and why not."""
+    tile_m = fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
+    # the planner reads shapes, dtypes and the device only: stride-0 views cost no memory
+    a2 = torch.empty(1, dtype=torch.bfloat16, device=device).expand(tokens * shape.topk, shape.w_k)
+    w2 = torch.empty(1, dtype=torch.uint8, device=device).expand(shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE)
+    try:
+        plan = select.plan_moe_gemm2_a16w4(
+            a2, w2, shape.topk, tile_m, shape.model_dim, shape.inter_dim, torch.bfloat16, False
+        )
+    except Exception as exc:  # reported in the output: the sweep itself does not need the selector
+        return None, f"the selector failed: {type(exc).__name__}: {exc}"
+    if plan.backend != "flydsl":
+        return None, str(plan)
+    c = plan.config
+    return Config(c["tile_m"], c["tile_n"], c["k_batch"]), str(plan)
+
+
+def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_tile_m: int) -> list[Config]:
+    tile_ms = [auto_tile_m if m == "auto" else int(m) for m in args.tile_m]
+    out = []
+    for tile_m in dict.fromkeys(tile_ms):
+        for tile_n in args.tile_n:
+            for kb in args.k_batch:
+                if kb == "sel":
+                    if chosen is None:
+                        continue
+                    kb = chosen.k_batch
+                cfg = Config(tile_m, tile_n, int(kb))
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def launch(kernel, p: Problem, arch: str, cfg: Config, sorting, w2, w2_scale, model_dim: int, out=None):
+    """The kernel's torch-facing launcher with an explicit config."""
+    s = p.shape
+    return kernel.moe_gemm2_a16w4(
+        p.a2,
+        w2,
+        w2_scale,
+        *sorting,
+        arch=arch,
+        topk=s.topk,
+        block_m=p.tile_m,
+        out=out,
+        model_dim=model_dim,
+        inter_dim=s.inter_dim,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        k_batch=cfg.k_batch,
+    )
+
+
+# ---- modelled mode ------------------------------------------------------------------------------
+
+
+def model_config(kernel, p: Problem, arch: str, cfg: Config, max_workgroups: int, weights: Weights) -> dict:
+    """Emulate a representative part of one config's launch and estimate the whole launch's
+    counters (module docstring). Returns a result row."""
+    s = p.shape
+    # compiled (without running) before any emulated launch of this config compiles it
+    res = common.compiled_resources(
+        (arch, s.name, cfg), arch, launch, kernel, p, arch, cfg, p.sorting, weights.w2, weights.scale, s.model_dim
+    )
+    n_tiles = -(-s.model_dim // cfg.tile_n)
+    grid_m, compact = kernel.m_grid(p.tokens, s.topk, s.experts, p.sorting[0].numel(), p.tile_m)
+    per_tile = n_tiles * cfg.k_batch  # workgroups of one m-tile
+    n_work = int(p.work_tiles.numel())
+    sampled = max(1, min(n_work, max_workgroups // per_tile))
+    # systematic sample over the tiles ordered by how many rows hold pairs: the sample's fill
+    # (which sets the A traffic and the epilogue's atomics) spreads like the whole launch's
+    by_fill = p.work_tiles[torch.argsort(p.valid_rows, stable=True)]
+    keep = by_fill[torch.linspace(0, n_work - 1, sampled).round().long()].sort().values
+    weights.fill(p.sorting[2].cpu()[keep].tolist())  # block_m = tile_m: one expert id per m-tile
+
+    records = []
+
+    def run(sorting):
+        out = common.aligned(torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16))
+        _, counts, recs = common.emulate(
+            lambda: launch(kernel, p, arch, cfg, sorting, weights.w2, weights.scale, s.model_dim, out)
+        )
+        records.extend(recs)
+        return counts
+
+    if compact:  # the real grid and scan: unsampled tiles' workgroups idle
+        idle = run(padded_sorting(p, keep[:0]))
+        mixed = run(padded_sorting(p, keep))
+    else:  # m-slot = m-tile: launch the sampled tiles alone; idle = out of the rows in use
+        idle = run(gathered_sorting(p, keep[:1], in_use=False))
+        mixed = run(gathered_sorting(p, keep))
+    if idle.workgroups_working:
+        raise RuntimeError(f"{s.name} T={p.tokens} {cfg}: a launch without work stored to global memory")
+    if mixed.workgroups_working != sampled * per_tile:
+        raise RuntimeError(
+            f"{s.name} T={p.tokens} {cfg}: {mixed.workgroups_working:.0f} workgroups stored, expected "
+            f"{sampled * per_tile} (sampled tiles with work x n-tiles x k_batch): the kernel and this script "
+            "disagree on which m-tiles have work"
+        )
+    per_idle = idle.scaled(1.0 / idle.workgroups_launched)
+    work = common.Counts.combine([(1.0, mixed), (-(mixed.workgroups_launched - mixed.workgroups_working), per_idle)])
+    launched, working = grid_m * per_tile, n_work * per_tile
+    total = common.Counts.combine([(n_work / sampled, work), (launched - working, per_idle)])
+    res = res or common.resources_of_kernel(records[0].kernel)  # None: compiled earlier in this process
+    waves = records[0].stats.waves_per_workgroup
+    return modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work, kernel) | {
+        "kernel": records[0].kernel
+    }
+
+
+def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work, kernel) -> dict:
+    mfma = total.cls("mfma")
+    useful = useful_mfmas(p, arch, kernel)
+    loads = total.mem("vmem_load")
+    wide = total.memory.get("buffer_load_dwordx4")
+    atomics = total.mem("vmem_atomic")
+    lds = total.mem("lds")
+    glob = total.mem(common.GLOBAL_CLASSES)
+    upstream = UPSTREAM_PER_MFMA.get((p.shape.name, p.tokens, cfg.tile_m, cfg.tile_n)) if arch == "gfx950" else None
+    per_mfma = total.wave_instructions / mfma if mfma else None
+    return {
+        "shape": p.shape.name,
+        "tokens": p.tokens,
+        "arch": arch,
+        "tile_m": cfg.tile_m,
+        "tile_n": cfg.tile_n,
+        "k_batch": cfg.k_batch,
+        "reduction": "exact" if sampled == n_work else f"~{sampled}/{n_work} tiles",
+        "wg_launched": launched,
+        "wg_working": working,
+        "tiles_with_work": n_work,
+        "tiles_sampled": sampled,
+        "idle_wg_instr": per_idle.wave_instructions,
+        "idle_wave_instr": per_idle.wave_instructions / waves,
+        **common.resource_figures(res),
+        "wave_instr": total.wave_instructions,
+        "mfma": mfma,
+        "mfma_useful": useful,
+        "instr_per_mfma": per_mfma,
+        "instr_per_useful_mfma": total.wave_instructions / useful if useful else None,
+        "instr_per_working_wave": (total.wave_instructions - per_idle.wave_instructions * (launched - working))
+        / (working * waves),
+        "upstream_instr_per_mfma": upstream,
+        "vs_upstream": per_mfma / upstream if upstream and per_mfma else None,
+        "vmem_load_instr": loads.executed,
+        "vmem_load_bytes": loads.bytes,
+        "coalescing_loads": common.coalescing(loads),
+        "coalescing_16B_loads": common.coalescing(wide) if wide else None,
+        "atomic_instr": atomics.executed,
+        "atomic_bytes": atomics.bytes,
+        "coalescing_atomics": common.coalescing(atomics),
+        "partial_store_lines": glob.partial_store_lines,
+        "lds_instr": lds.executed,
+        "lds_bytes_moved": lds.bytes,
+        "global_bytes": glob.bytes,
+        "compulsory_bytes": compulsory_bytes(p),
+        "traffic_vs_compulsory": glob.bytes / compulsory_bytes(p),
+        "counts": total.to_json(),
+    }
+
+
+def target_misses(row: dict) -> list[str]:
+    """The issue 5 targets this row can be checked against and misses. Not checkable here: the
+    weight loads' coalescing alone (A and the weights both use buffer_load_dwordx4, and the
+    emulator counts per mnemonic)."""
+    misses = []
+    if row["spills"]:
+        misses.append(f"{row['spills']} spills")
+    if row["workgroups_per_cu"] is not None and row["workgroups_per_cu"] < MIN_WORKGROUPS_PER_CU:
+        misses.append(f"{row['workgroups_per_cu']} workgroup(s) per CU")
+    if row["vs_upstream"] is not None and row["vs_upstream"] > PER_MFMA_TARGET:
+        misses.append(f"wave-instructions per MFMA {row['vs_upstream']:.2f}x upstream's (target <= {PER_MFMA_TARGET}x)")
+    if row["shape"].startswith("gptoss") and row["tokens"] == 1 and row["wg_working"] < MIN_WORKING_AT_ONE_TOKEN:
+        misses.append(
+            f"{row['wg_working']} workgroups stream weights at 1 token (target >= {MIN_WORKING_AT_ONE_TOKEN})"
+        )
+    return misses
+
+
+# ---- hardware mode ------------------------------------------------------------------------------
+
+
+def aiter_stage2():
+    """aiter's CK-Tile stage 2 (aiter.fused_moe.cktile_moe_stage2), or None and why not."""
+    try:
+        from aiter.fused_moe import cktile_moe_stage2
+    except Exception as exc:  # aiter raises RuntimeError, ImportError, OSError... without ROCm pieces
+        return None, f"aiter not importable ({type(exc).__name__}: {exc})"
+    return cktile_moe_stage2, "aiter.fused_moe.cktile_moe_stage2"
+
+
+def time_config(kernel, p: Problem, arch: str, cfg: Config, w2, scale, args) -> dict:
+    out = torch.zeros(p.tokens, p.shape.model_dim, dtype=torch.bfloat16, device="cuda")
+    t = common.time_gpu(
+        lambda: launch(kernel, p, arch, cfg, p.sorting, w2, scale, p.shape.model_dim, out=out),
+        warmup=args.warmup,
+        iters=args.iters,
+        flush=not args.no_flush,
+        before=out.zero_,
+    )
+    return timing_row(p, arch, t, "flyquant", {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "k_batch": cfg.k_batch})
+
+
+def timing_row(p: Problem, arch: str, t: common.Timing, impl: str, extra: dict) -> dict:
+    seconds = t.median_us * 1e-6
+    bound = compulsory_bytes(p) / common.hbm_peak_bytes_per_s(arch)
+    return {
+        "shape": p.shape.name,
+        "tokens": p.tokens,
+        "arch": arch,
+        "impl": impl,
+        **extra,
+        "median_us": t.median_us,
+        "min_us": t.min_us,
+        "iters": t.iters,
+        "cold_cache": t.cold_cache,
+        "tflops": flops(p) / seconds / 1e12,
+        "compulsory_tb_per_s": compulsory_bytes(p) / seconds / 1e12,
+        "hbm_peak_fraction": compulsory_bytes(p) / seconds / common.hbm_peak_bytes_per_s(arch),
+        "vs_streaming_bound": seconds / bound,
+    }
+
+
+def time_baselines(p: Problem, arch: str, w2, scale, args) -> list[dict]:
+    """The public API (with the selector's config for this block size), the PyTorch reference and
+    aiter's CK-Tile stage 2 on the same inputs (failures recorded)."""
+    s = p.shape
+    rows = []
+    out = torch.zeros(p.tokens, s.model_dim, dtype=torch.float32, device="cuda")
+
+    def reference():
+        fq.reference.moe_gemm2_a16w4(
+            p.a2, w2, scale, *p.sorting, s.topk, p.tile_m, out=out, model_dim=s.model_dim, inter_dim=s.inter_dim
+        )
+
+    api_out = torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16, device="cuda")
+
+    def api():  # the user's path: selector (plan per call) + custom op + kernel
+        fq.moe_gemm2_a16w4(
+            p.a2,
+            w2,
+            scale,
+            *p.sorting,
+            topk=s.topk,
+            block_m=p.tile_m,
+            out=api_out,
+            model_dim=s.model_dim,
+            inter_dim=s.inter_dim,
+        )
+
+    candidates = [("flyquant api", api, api_out.zero_), ("pytorch reference", reference, out.zero_)]
+    fn, why = aiter_stage2()
+    if fn is not None:
+        out_bf16 = torch.zeros(p.tokens, s.w_n, dtype=torch.bfloat16, device="cuda")
+        sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
+
+        def ck_tile():  # a2 as (T, topk, K); the padding of the weights given as aiter's *_pad_zeros
+            fn(
+                p.a2.view(p.tokens, s.topk, s.w_k),
+                None,
+                w2,
+                sorted_ids,
+                sorted_expert_ids,
+                num_valid,
+                out_bf16,
+                s.topk,
+                scale.view(torch.float8_e8m0fnu),
+                None,
+                p.tile_m,
+                sorted_weights=sorted_weights,
+                n_pad_zeros=s.w_n - s.model_dim,
+                k_pad_zeros=s.w_k - s.inter_dim,
+            )
+
+        candidates.append(("aiter ck-tile", ck_tile, out_bf16.zero_))
+    else:
+        rows.append({"shape": s.name, "tokens": p.tokens, "arch": arch, "impl": "aiter ck-tile", "error": why})
+    for name, call, before in candidates:
+        try:
+            t = common.time_gpu(call, warmup=args.warmup, iters=args.iters, flush=not args.no_flush, before=before)
+        except Exception as exc:  # a baseline that fails is reported, never replaced by a number
+            rows.append(
+                {
+                    "shape": s.name,
+                    "tokens": p.tokens,
+                    "arch": arch,
+                    "impl": name,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
+            continue
+        rows.append(timing_row(p, arch, t, name, {}))
+    return rows
+
+
+def tuning_table(rows: list[dict], shapes: dict) -> dict:
+    """The fastest flyquant config per (arch, shape, tokens), in select.tuned_config's format."""
+    best = {}
+    for r in rows:
+        if r.get("impl") != "flyquant":
+            continue
+        key = (r["arch"], r["shape"], r["tokens"])
+        if key not in best or r["median_us"] < best[key]["median_us"]:
+            best[key] = r
+    entries = []
+    for (arch, name, tokens), r in sorted(best.items()):
+        s = shapes[name]
+        entries.append(
+            {
+                "op": OP,
+                "arch": arch,
+                "shape": {
+                    "tokens": tokens,
+                    "topk": s.topk,
+                    "experts": s.experts,
+                    "model_dim": s.model_dim,
+                    "inter_dim": s.inter_dim,
+                },
+                "config": {"tile_m": r["tile_m"], "tile_n": r["tile_n"], "k_batch": r["k_batch"]},
+                "median_us": r["median_us"],
+            }
+        )
+    return {"entries": entries}
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+MODELLED_COLUMNS = [
+    ("shape", "shape"),
+    ("tokens", "T"),
+    ("arch", "arch"),
+    ("tile", "tile"),
+    ("k_batch", "kb"),
+    ("sel", "sel"),
+    ("wg_launched", "WG"),
+    ("wg_working", "working"),
+    ("idle_wave_instr", "idle/wave"),
+    ("vgprs", "VGPR"),
+    ("agprs", "AGPR"),
+    ("lds_kib", "LDS KiB"),
+    ("spills", "spill"),
+    ("workgroups_per_cu", "WG/CU"),
+    ("inflight_kib", "ld KiB/CU"),
+    ("wave_instr", "wave-instr"),
+    ("instr_per_mfma", "/MFMA"),
+    ("instr_per_useful_mfma", "/useful"),
+    ("upstream_instr_per_mfma", "upstream/MFMA"),
+    ("vs_upstream", "ratio"),
+    ("coalescing_16B_loads", "coal 16B ld"),
+    ("coalescing_loads", "coal ld"),
+    ("coalescing_atomics", "coal atom"),
+    ("traffic_vs_compulsory", "traffic/min"),
+    ("reduction", "reduction"),
+]
+HARDWARE_COLUMNS = [
+    ("shape", "shape"),
+    ("tokens", "T"),
+    ("impl", "impl"),
+    ("tile", "tile"),
+    ("k_batch", "kb"),
+    ("sel", "sel"),
+    ("median_us", "median us"),
+    ("min_us", "min us"),
+    ("tflops", "TFLOPS"),
+    ("compulsory_tb_per_s", "TB/s"),
+    ("hbm_peak_fraction", "of HBM"),
+    ("vs_streaming_bound", "x bound"),
+    ("error", "error"),
+]
+
+
+def _display(rows):
+    for r in rows:
+        r = dict(r)
+        if "tile_m" in r:
+            r["tile"] = f"{r['tile_m']}x{r['tile_n']}"
+        r["sel"] = "*" if r.get("selected") else ""
+        if r.get("lds_bytes") is not None:
+            r["lds_kib"] = r["lds_bytes"] / 1024
+        if r.get("load_bytes_in_flight_per_cu") is not None:
+            r["inflight_kib"] = r["load_bytes_in_flight_per_cu"] / 1024
+        yield r
+
+
+def plot(rows: list[dict], mode: str, path: Path) -> Path:
+    """One column per shape, x = tokens: modelled, wave-instructions per MFMA (with upstream FlyDSL's
+    figures from issue 5 as black crosses) and per useful MFMA, and the working workgroups;
+    hardware, TFLOPS and the time over the weight-streaming bound (baselines dashed)."""
+    plt = common.pyplot()
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "error" not in r))
+    panels = (
+        (
+            ("instr_per_mfma", "wave-instructions / MFMA"),
+            ("instr_per_useful_mfma", "wave-instructions / useful MFMA"),
+            ("wg_working", "workgroups working"),
+        )
+        if mode == "modelled"
+        else (("tflops", "TFLOPS"), ("vs_streaming_bound", "time / weight-streaming bound"))
+    )
+    cols = max(1, len(shapes))
+    fig, axes = plt.subplots(len(panels), cols, figsize=(4.8 * cols, 3.2 * len(panels)), squeeze=False)
+    for col, name in enumerate(shapes):
+        mine = [r for r in rows if r["shape"] == name and "error" not in r]
+        series = {}
+        for r in mine:
+            series.setdefault(_series_name(r), []).append(r)
+        for row_i, (key, label) in enumerate(panels):
+            ax = axes[row_i][col]
+            for sname, pts in sorted(series.items()):
+                pts = sorted(pts, key=lambda r: r["tokens"])
+                dashed = pts[0].get("impl", "flyquant") != "flyquant"
+                ax.plot(
+                    [r["tokens"] for r in pts],
+                    [r.get(key) for r in pts],
+                    marker="o",
+                    ms=3,
+                    label=sname,
+                    ls="--" if dashed else "-",
+                )
+                chosen = [r for r in pts if r.get("selected")]
+                ax.scatter(
+                    [r["tokens"] for r in chosen], [r.get(key) for r in chosen], marker="*", s=90, c="k", zorder=3
+                )
+            if key == "instr_per_mfma":
+                theirs = [(t, v, f"{tm}x{tn}") for (sh, t, tm, tn), v in UPSTREAM_PER_MFMA.items() if sh == name]
+                ax.scatter(
+                    [t for t, _, _ in theirs],
+                    [v for _, v, _ in theirs],
+                    marker="x",
+                    c="k",
+                    zorder=3,
+                    label="upstream FlyDSL (issue 5)" if theirs else None,
+                )
+                for t, v, tile in theirs:
+                    ax.annotate(tile, (t, v), fontsize=6, xytext=(3, 2), textcoords="offset points")
+            ax.set_xscale("log", base=2)
+            if key == "wg_working":
+                ax.set_yscale("log", base=2)
+            ax.set_title(f"{name}: {label}", fontsize=9)
+            ax.set_xlabel("tokens")
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=6)
+    label = common.MODELLED_LABEL if mode == "modelled" else common.HARDWARE_LABEL
+    fig.suptitle(f"A16W4 MoE stage 2, tile_n sweep (* = the selector's choice)\n{label}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _series_name(r: dict) -> str:
+    if r.get("impl", "flyquant") != "flyquant":
+        return r["impl"]
+    return f"{r['arch']} {r['tile_m']}x{r['tile_n']} kb{r['k_batch']}"
+
+
+def print_upstream(file=sys.stdout) -> None:
+    print(f"\nupstream, for comparison ({UPSTREAM_SOURCE}):", file=file)
+    for (shape, tokens, tm, tn), v in UPSTREAM_PER_MFMA.items():
+        print(f"  {shape} T={tokens} tile {tm}x{tn}: {v} wave-instructions per MFMA", file=file)
+    for note in UPSTREAM_NOTES:
+        print(f"  {note}", file=file)
+    print("targets (issue 5): " + "; ".join(TARGETS), file=file)
+
+
+# ---- driver -------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--shapes", type=common.csv_list, default=None, help=f"from {sorted(SHAPES)} (default {DEFAULT_SHAPES})"
+    )
+    ap.add_argument(
+        "--tokens",
+        type=lambda t: common.csv_list(t, int),
+        default=None,
+        help="token counts (default: each shape's list, " + ",".join(map(str, TOKENS)) + ")",
+    )
+    ap.add_argument(
+        "--tile-n", type=lambda t: common.csv_list(t, int), default=None, help="default: every supported value"
+    )
+    ap.add_argument(
+        "--tile-m", type=common.csv_list, default=["auto"], help="auto (the selector's block size) or values"
+    )
+    ap.add_argument(
+        "--k-batch", type=common.csv_list, default=None, help=f"split-K values or 'sel' (default {K_BATCH_DEFAULT})"
+    )
+    ap.add_argument("--skew", type=float, default=0.0, help="expert popularity exponent (0: uniform routing)")
+    ap.add_argument(
+        "--max-workgroups",
+        type=int,
+        default=None,
+        help=f"modelled: working workgroups emulated per config, at least one m-tile's (default {MAX_WORKGROUPS})",
+    )
+    common.add_common_args(ap)
+    args = ap.parse_args(argv)
+    args.shapes = args.shapes or common.csv_list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    for name in args.shapes:
+        if name not in SHAPES:
+            ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
+    args.k_batch = args.k_batch or common.csv_list("sel" if args.quick else K_BATCH_DEFAULT)
+    args.max_workgroups = args.max_workgroups or (QUICK_MAX_WORKGROUPS if args.quick else MAX_WORKGROUPS)
+    return args
+
+
+def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list, list, list]:
+    """Every (arch, shape, tokens, config): a modelled or timed row, or the reason it has none.
+    Returns (rows, configs the launcher refused, errors, the selector's plans)."""
+    rows, skipped, errors, plans = [], [], [], []
+    weights = {}
+    for arch in archs:
+        if mode == "modelled":
+            common.emu.enable(arch)  # the selector plans for the emulator's arch
+        for name in args.shapes:
+            shape = SHAPES[name]
+            if name not in weights:
+                weights[name] = Weights(shape, args.seed, device)
+                if mode == "hardware":
+                    weights[name].fill(range(shape.experts))
+            w = weights[name]
+            for tokens in args.tokens or (QUICK_TOKENS if args.quick and shape.tokens == TOKENS else shape.tokens):
+                chosen, plan_text = selector_choice(shape, tokens, device)
+                if chosen is None:
+                    print(f"  {name} T={tokens} {arch}: no selector choice to mark ({plan_text})")
+                plans.append({"arch": arch, "shape": name, "tokens": tokens, "plan": plan_text})
+                auto_tile_m = (
+                    chosen.tile_m
+                    if chosen
+                    else fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
+                )
+                problems = {}
+                for cfg in configs_for(shape, tokens, args, chosen, auto_tile_m):
+                    if cfg.tile_m not in problems:
+                        problems[cfg.tile_m] = build_problem(shape, tokens, cfg.tile_m, args.skew, args.seed, device)
+                    p = problems[cfg.tile_m]
+                    try:
+                        if mode == "modelled":
+                            row = model_config(kernel, p, arch, cfg, args.max_workgroups, w)
+                        else:
+                            row = time_config(kernel, p, arch, cfg, w.w2, w.scale, args)
+                    except ValueError as exc:  # the launcher refuses the config (e.g. split-K past the K steps)
+                        skipped.append({"shape": name, "tokens": tokens, "arch": arch, **vars(cfg), "reason": str(exc)})
+                        continue
+                    except Exception as exc:  # a failed launch or check: reported, and the sweep goes on
+                        errors.append(
+                            {
+                                "shape": name,
+                                "tokens": tokens,
+                                "arch": arch,
+                                **vars(cfg),
+                                "error": f"{type(exc).__name__}: {exc}",
+                            }
+                        )
+                        print(
+                            f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch}: "
+                            f"ERROR {errors[-1]['error']}"
+                        )
+                        continue
+                    row["selected"] = cfg == chosen
+                    rows.append(row)
+                    print(f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch}: done", flush=True)
+                if mode == "hardware":  # sorted with the selector's block size, as the API is called
+                    base = problems.get(auto_tile_m) or build_problem(
+                        shape, tokens, auto_tile_m, args.skew, args.seed, device
+                    )
+                    rows += time_baselines(base, arch, w.w2, w.scale, args)
+
+    return rows, skipped, errors, plans
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    mode, archs = common.resolve_mode(args.mode, args.arch)
+    from flyquant.kernels import moe_gemm2_a16w4 as kernel  # after the emulator is enabled
+
+    args.tile_n = args.tile_n or list(kernel.TILE_NS)
+    device = "cuda" if mode == "hardware" else "cpu"
+    label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
+    print(f"A16W4 MoE stage 2, tile_n sweep: {label}")
+    sources = common.kernel_sources()
+    rows, skipped, errors, plans = sweep(args, mode, archs, kernel, device)
+
+    print()
+    common.print_table(list(_display(rows)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
+    if skipped:
+        print(
+            f"\n{len(skipped)} configs refused by the launcher, e.g. {skipped[0]['tile_m']}x{skipped[0]['tile_n']} "
+            f"kb{skipped[0]['k_batch']}: {skipped[0]['reason']}"
+        )
+    for e in errors:
+        print(
+            f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {e['tile_m']}x{e['tile_n']} kb{e['k_batch']}: {e['error']}"
+        )
+    if mode == "modelled":
+        for r in rows:
+            r["target_misses"] = target_misses(r)
+            if r["target_misses"]:
+                print(
+                    f"target missed: {r['shape']} T={r['tokens']} {r['arch']} "
+                    f"{r['tile_m']}x{r['tile_n']} kb{r['k_batch']}: " + "; ".join(r["target_misses"])
+                )
+        print(
+            "\nreduction: 'exact' = every m-tile with work emulated; '~S/W' = S of the W m-tiles with work emulated "
+            "(all their n-tiles and k-splits) and scaled by W/S (see the script's docstring)"
+        )
+        print_upstream()
+    changed = common.warn_if_sources_changed(sources)
+    stem = f"moe_gemm2_tile_n_{mode}"
+    environment = common.environment() | {"kernel_sources_changed": changed}
+    payload = {
+        "mode": mode,
+        "label": label,
+        "args": vars(args),
+        "environment": environment,
+        "shapes": {n: SHAPES[n] for n in args.shapes},
+        "rows": rows,
+        "skipped": skipped,
+        "errors": errors,
+        "plans": plans,
+    }
+    if mode == "modelled":
+        payload["upstream"] = {
+            "source": UPSTREAM_SOURCE,
+            "per_mfma": [
+                dict(zip(("shape", "tokens", "tile_m", "tile_n"), k), value=v) for k, v in UPSTREAM_PER_MFMA.items()
+            ],
+            "notes": UPSTREAM_NOTES,
+            "targets": TARGETS,
+        }
+    else:
+        for arch in archs:
+            table = tuning_table([r for r in rows if r["arch"] == arch], SHAPES)
+            path = common.write_json(args.out / f"tuning_{arch}.json", table)
+            print(f"tuning table: {path} (use with FLYQUANT_TUNING={path})")
+    json_path = common.write_json(args.out / f"{stem}.json", payload)
+    png_path = plot(rows, mode, args.out / f"{stem}.png")
+    print(f"\nwrote {json_path} and {png_path}")
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)

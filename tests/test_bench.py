@@ -1,0 +1,185 @@
+"""The benchmark scripts (bench/) on tiny configurations, so they do not rot: each runs in its
+modelled mode under flyquant.emu, writes valid JSON and a PNG; and the MoE bench's way of
+emulating part of a launch gives exactly the counters of the whole launch when nothing is
+sampled (the part it scales is then the whole).
+
+The hardware mode needs a ROCm GPU (marker `gpu`)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flyquant.emu as emu
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@functools.cache
+def load(name: str):
+    """A bench script as a module (once per session: its dataclasses are keys of its caches)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_emu_arch():
+    """The scripts call flyquant.emu.enable(arch) (it sets the default compile target): restore it."""
+    previous = emu.arch()
+    yield
+    if previous is not None:
+        emu.enable(previous)
+
+
+def read_outputs(out: Path, stem: str) -> dict:
+    def no_nan(token):
+        raise ValueError(f"{token} in JSON")
+
+    payload = json.loads((out / f"{stem}.json").read_text(), parse_constant=no_nan)
+    assert (out / f"{stem}.png").read_bytes()[: len(PNG_MAGIC)] == PNG_MAGIC
+    return payload
+
+
+def test_moe_bench_modelled(tmp_path, keep_emu_arch):
+    """upstream FlyDSL's small shape (model 256, inter 512, 8 experts, top-2) at 5 tokens, one
+    config: 16 small workgroups to emulate."""
+    bench = load("moe_gemm2_tile_n")
+    argv = "--mode modelled --arch gfx950 --shapes upstream-small --tokens 5 --tile-n 128 --k-batch 1 --out".split()
+    bench.main([*argv, str(tmp_path)])
+    payload = read_outputs(tmp_path, "moe_gemm2_tile_n_modelled")
+    assert payload["mode"] == "modelled" and "not timed" in payload["label"]
+    (row,) = payload["rows"]
+    assert (row["tile_n"], row["k_batch"], row["reduction"]) == (128, 1, "exact")
+    # 10 routing pairs over 8 experts: between 2 and 8 m-tiles hold pairs, each 2 n-tiles wide
+    assert 2 * 2 <= row["wg_working"] <= 8 * 2 and row["wg_working"] <= row["wg_launched"]
+    assert row["mfma"] >= row["mfma_useful"] > 0 and row["wave_instr"] > row["mfma"]
+    assert row["spills"] == 0 and row["vgprs"] > 0 and row["workgroups_per_cu"] >= 1
+    assert row["coalescing_loads"] > 0 and row["upstream_instr_per_mfma"] == 14.96
+
+
+@pytest.mark.parametrize("tokens", [1, 64], ids=["compact-grid", "direct-grid"])
+def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
+    """With every m-tile emulated, idle + working parts recombine to the whole launch's counters.
+    1 token: 2 pairs, the grid is sized by an upper bound (the kernel scans for tiles: the padded
+    path); 64 tokens: 128 pairs fill every m-slot (direct: the gathered path)."""
+    bench = load("moe_gemm2_tile_n")
+    from flyquant.kernels import moe_gemm2_a16w4 as kernel
+
+    common = bench.common
+    shape = bench.SHAPES["upstream-small"]
+    p = bench.build_problem(shape, tokens, 16, 0.0, 0, "cpu")
+    compact = kernel.m_grid(tokens, shape.topk, shape.experts, p.sorting[0].numel(), 16)[1]
+    assert compact == (tokens == 1)
+    cfg = bench.Config(16, 128, 1)
+    weights = bench.Weights(shape, 0, "cpu")
+    row = bench.model_config(kernel, p, "gfx950", cfg, 10**6, weights)
+    assert row["reduction"] == "exact"
+    out = common.aligned(torch.zeros(tokens, shape.model_dim, dtype=torch.bfloat16))
+    _, whole, _ = common.emulate(
+        lambda: bench.launch(kernel, p, "gfx950", cfg, p.sorting, weights.w2, weights.scale, shape.model_dim, out)
+    )
+    est = row["counts"]
+    assert est["wave_instructions"] == whole.wave_instructions
+    assert (est["workgroups_launched"], est["workgroups_working"]) == (
+        whole.workgroups_launched,
+        whole.workgroups_working,
+    )
+    assert est["by_class"] == {k: v for k, v in whole.by_class.items() if v}
+    for name, m in whole.memory.items():
+        assert (est["memory"][name]["bytes"], est["memory"][name]["lines"]) == (m.bytes, m.lines), name
+
+
+def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
+    """A 64x256 input (one 64-row tile, 8 blocks of 32 per row) quantized 1x32 and 32x1 (its data
+    column-major), rceil: the kernels run, bit-exact, with their outputs placed as on a GPU."""
+    bench = load("quantize")
+    argv = "--mode modelled --arch gfx950 --shapes 64x256 --kinds 1x32,32x1 --modes rceil --out".split()
+    bench.main([*argv, str(tmp_path)])
+    payload = read_outputs(tmp_path, "quantize_modelled")
+    assert [r["kind"] for r in payload["rows"]] == ["1x32", "32x1"]
+    for row in payload["rows"]:
+        assert row["status"] == "ok", row["status"]
+        assert row["bit_exact"] is True and row["reduction"] == "exact"
+        assert row["instr_per_element"] > 0 and 0 < row["coalescing_loads"] <= 1
+        assert row["outputs_off_line"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("moe_gemm2_tile_n", ["--shapes", "upstream-small", "--tokens", "5", "--tile-n", "128", "--k-batch", "1"]),
+        ("quantize", ["--shapes", "256x1024", "--kinds", "1x32", "--modes", "rceil"]),
+    ],
+)
+def test_bench_hardware(tmp_path, script, args):
+    """On a real MI300X/MI355X: each script times a tiny config, flyquant's rows have times (and
+    the quantize output was bit-exact before it was timed)."""
+    bench = load(script)
+    bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--out", str(tmp_path), *args])
+    payload = read_outputs(tmp_path, f"{script}_hardware")
+    ours = [r for r in payload["rows"] if r.get("impl") == "flyquant"]
+    assert ours and all(r["median_us"] > 0 for r in ours)
+    if script == "quantize":
+        assert all(r["bit_exact"] for r in ours)
+
+
+def test_bytes_in_flight_follows_vmcnt():
+    """Two 16-byte loads (2 x 1 KiB per wave) in flight, a wait that leaves the newest one, a
+    4-byte load (256 B) and a store (counted by vmcnt, 0 bytes): at most 2 KiB were outstanding;
+    after vmcnt(0) a single load is 256 B."""
+    common = load("quantize").common
+    isa = """
+        buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen
+        global_load_dwordx4 v[4:7], v[8:9], off
+        s_waitcnt vmcnt(1)
+        buffer_load_dword v10, v4, s[0:3], 0 offen
+        buffer_store_dword v10, v4, s[4:7], 0 offen
+        s_waitcnt vmcnt(0) lgkmcnt(0)
+        buffer_load_dword v11, v4, s[0:3], 0 offen
+    """
+    assert common.bytes_in_flight_per_wave(isa) == 2 * 16 * 64
+    assert common.bytes_in_flight_per_wave(isa.split("s_waitcnt vmcnt(0)")[1]) == 4 * 64
+
+
+def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
+    """The hardware sweep's tuning table (written from timed rows; here two made-up timings)
+    gives the selector the faster config for exactly that (arch, shape, tokens)."""
+    from flyquant import select
+
+    bench = load("moe_gemm2_tile_n")
+    shape = bench.SHAPES["gptoss"]
+    timed = [
+        {
+            "impl": "flyquant",
+            "arch": "gfx950",
+            "shape": "gptoss",
+            "tokens": 4,
+            "tile_m": 16,
+            "tile_n": n,
+            "k_batch": kb,
+            "median_us": us,
+        }
+        for n, kb, us in ((128, 2, 30.0), (256, 1, 20.0))
+    ] + [{"impl": "pytorch reference", "arch": "gfx950", "shape": "gptoss", "tokens": 4, "median_us": 1.0}]
+    path = bench.common.write_json(tmp_path / "tuning_gfx950.json", bench.tuning_table(timed, bench.SHAPES))
+    monkeypatch.setenv("FLYQUANT_TUNING", str(path))
+    key = {
+        "tokens": 4,
+        "topk": shape.topk,
+        "experts": shape.experts,
+        "model_dim": shape.model_dim,
+        "inter_dim": shape.inter_dim,
+    }
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
