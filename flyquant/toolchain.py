@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import re
 import sys
@@ -180,7 +181,7 @@ def compile_only(arch: str, launch, *args, **kwargs) -> list[KernelReport]:
             FLYDSL_DUMP_IR="1",
             FLYDSL_DUMP_DIR=dump,
             FLYDSL_RUNTIME_ENABLE_CACHE="0",
-        ):
+        ), contextlib.redirect_stdout(io.StringIO()):  # FlyDSL prints a line per dumped stage
             launch(*args, **kwargs)
         reports = []
         for isa_file in sorted(Path(dump).glob("*/22_final_isa.s")):
