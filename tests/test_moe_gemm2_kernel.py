@@ -133,7 +133,7 @@ def check(p, got, out0, out_dtype, k_batch, apply_weights):
     )
     tol = tolerance(p, out0, out_dtype, k_batch, apply_weights)
     err = (got.double() - ref.double()).abs()
-    bad = err > tol
+    bad = ~(err <= tol)  # NaN or Inf anywhere fails too
     assert not bad.any(), (
         f"{int(bad.sum())} elements outside the derived bound; worst at {divmod(int((err - tol).argmax()), err.shape[1])}: "
         f"err {float(err.flatten()[(err - tol).argmax()]):.3g} tol {float(tol.flatten()[(err - tol).argmax()]):.3g}"
@@ -220,6 +220,32 @@ def test_aiter_shuffled_inputs_give_the_same_result(arch):
     p["w2_scale"] = aiter.shuffle_scale_a16w4(p["scales"].reshape(experts * 128, -1), experts, False)
     theirs = run_case(arch, p, torch.float32)
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
+# Ends of the scale range the module docstring promises exact (E8M0 codes 2..252): at code 2 the
+# smallest FP4 magnitude 0.5 scales to 2^-126, the least normal BF16; at code 252 the largest,
+# 6 = 1.5 * 2^2, scales to 1.5 * 2^127, the top binade. Activations are powers of two chosen so
+# that no product or sum leaves FP32's normal range: +-{1, 2} at code 2 (products >= 2^-126),
+# +-{2^-9, 2^-8} at code 252 (256 products < 2^128).
+SCALE_ENDS = [("code2", 2, (1.0, 2.0)), ("code252", 252, (2.0**-9, 2.0**-8))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("end", SCALE_ENDS, ids=[e[0] for e in SCALE_ENDS])
+def test_scale_codes_at_the_ends_of_the_exact_range(arch, end):
+    _, code, magnitudes = end
+    experts, md, kd = 4, 128, 256
+    p = make_problem(5, 2, experts, md, kd, 16, seed=code)
+    gen = torch.Generator().manual_seed(code)
+    p["packed"] = torch.randint(0, 256, (experts, md, kd // 2), generator=gen, dtype=torch.uint8)
+    p["scales"] = torch.full((experts, md, kd // 32), code, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    p["w2"] = layouts.shuffle_weight_a16w4(p["packed"])
+    p["w2_scale"] = layouts.shuffle_scale_a16w4(p["scales"].reshape(experts * md, -1), experts)
+    pick = torch.randint(0, 2, p["a2"].shape, generator=gen)
+    sign = torch.randint(0, 2, p["a2"].shape, generator=gen) * 2 - 1
+    p["a2"] = (sign * torch.tensor(magnitudes)[pick]).to(torch.bfloat16)
+    got = run_case(arch, p, torch.float32)
+    check(p, got, torch.zeros_like(got), torch.float32, 1, True)
 
 
 def ck_style_sorting(topk_ids, topk_weights, experts, block_m):
