@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 
 import flyquant as fq  # noqa: E402
+import flyquant.emu as emu  # noqa: E402
 from flyquant import layouts, select  # noqa: E402
 from flyquant.arch import arch_info  # noqa: E402
 from flyquant.moe import TOKEN_BITS, TOKEN_MASK  # noqa: E402
@@ -166,8 +167,8 @@ class Weights:
 
     def __init__(self, shape: MoeShape, seed: int, device):
         self.shape, self.seed, self.device = shape, seed, device
-        self.w2 = common.aligned_empty((shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE), torch.uint8, device)
-        self.scale = common.aligned_empty((shape.experts * shape.w_n, shape.w_k // MX_BLOCK), torch.uint8, device)
+        self.w2 = emu.aligned_empty((shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE), torch.uint8, device)
+        self.scale = emu.aligned_empty((shape.experts * shape.w_n, shape.w_k // MX_BLOCK), torch.uint8, device)
         self.filled: set[int] = set()
 
     def fill(self, experts) -> "Weights":
@@ -204,9 +205,9 @@ class Problem:
 def build_problem(shape: MoeShape, tokens: int, tile_m: int, skew: float, seed: int, device) -> Problem:
     ids, weights, gen = routing(shape, tokens, skew, seed)
     sorting = tuple(
-        common.aligned(t) for t in fq.moe_sorting(ids.to(device), weights.to(device), shape.experts, tile_m)
+        emu.aligned(t) for t in fq.moe_sorting(ids.to(device), weights.to(device), shape.experts, tile_m)
     )
-    a2 = common.aligned(torch.randn(tokens * shape.topk, shape.w_k, generator=gen).to(torch.bfloat16).to(device))
+    a2 = emu.aligned(torch.randn(tokens * shape.topk, shape.w_k, generator=gen).to(torch.bfloat16).to(device))
     sorted_ids, _, _, num_valid = (t.cpu() for t in sorting)
     used = int(num_valid[0]) // tile_m
     tok = (sorted_ids[: used * tile_m] & TOKEN_MASK).view(used, tile_m)
@@ -225,8 +226,8 @@ def padded_sorting(p: Problem, keep: torch.Tensor) -> tuple:
     kept_rows = kept_rows.to(sorted_ids.device)
     pad = (p.shape.topk << TOKEN_BITS) | p.tokens
     return (
-        common.aligned(torch.where(kept_rows, sorted_ids, pad)),
-        common.aligned(torch.where(kept_rows, sorted_weights, 0.0)),
+        emu.aligned(torch.where(kept_rows, sorted_ids, pad)),
+        emu.aligned(torch.where(kept_rows, sorted_weights, 0.0)),
         sorted_expert_ids,
         num_valid,
     )
@@ -239,10 +240,10 @@ def gathered_sorting(p: Problem, keep: torch.Tensor, in_use: bool = True) -> tup
     rows = (keep[:, None] * p.tile_m + torch.arange(p.tile_m)).flatten().to(sorted_ids.device)
     used = rows.numel() if in_use else 0
     return (
-        common.aligned(sorted_ids[rows]),
-        common.aligned(sorted_weights[rows]),
-        common.aligned(sorted_expert_ids[keep.to(sorted_ids.device)]),
-        common.aligned(torch.tensor([used, p.tokens], dtype=torch.int32, device=num_valid.device)),
+        emu.aligned(sorted_ids[rows]),
+        emu.aligned(sorted_weights[rows]),
+        emu.aligned(sorted_expert_ids[keep.to(sorted_ids.device)]),
+        emu.aligned(torch.tensor([used, p.tokens], dtype=torch.int32, device=num_valid.device)),
     )
 
 
@@ -359,7 +360,7 @@ def model_config(kernel, p: Problem, arch: str, cfg: Config, max_workgroups: int
     records = []
 
     def run(sorting):
-        out = common.aligned(torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16))
+        out = emu.aligned(torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16))
         _, counts, recs = common.emulate(
             lambda: launch(kernel, p, arch, cfg, sorting, weights.w2, weights.scale, s.model_dim, out)
         )
@@ -797,7 +798,7 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
     weights = {}
     for arch in archs:
         if mode == "modelled":
-            common.emu.enable(arch)  # the selector plans for the emulator's arch
+            emu.enable(arch)  # the selector plans for the emulator's arch
         for name in args.shapes:
             shape = SHAPES[name]
             if name not in weights:

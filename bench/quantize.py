@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 
 import flyquant as fq  # noqa: E402
+import flyquant.emu as emu  # noqa: E402
 from flyquant import reference, select  # noqa: E402
 
 MX_BLOCK = 32
@@ -163,7 +164,7 @@ def bit_exact(case: Case, x: torch.Tensor, got) -> bool:
 
 def make_input(case: Case, shape, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case.kind}/{shape}".encode()))
-    return common.aligned((torch.randn(shape, generator=gen) * INPUT_SCALE).to(case.dtype).to(device))
+    return emu.aligned((torch.randn(shape, generator=gen) * INPUT_SCALE).to(case.dtype).to(device))
 
 
 def reduced_shape(shape: tuple, max_elements: int) -> tuple:
@@ -215,7 +216,7 @@ def model_case(case: Case, arch: str, max_elements: int) -> dict:
     full_key = (arch, case.kind, case.mode, case.dtype, case.shape)
     full_res = common.compiled_resources(full_key, arch, api_call, case, torch.empty(case.shape, dtype=case.dtype))
     common.compiled_resources(full_key[:-1] + (shape,), arch, api_call, case, x)
-    with common.device_like_allocations():
+    with emu.device_like_allocations():
         out, counts, records = common.emulate(lambda: api_call(case, x))
     if not records:
         return row | {"status": "nothing was launched (the API ran the reference)"}
@@ -232,7 +233,7 @@ def model_case(case: Case, arch: str, max_elements: int) -> dict:
             "bit_exact": bit_exact(case, x, out),
             # outputs the launcher allocated off a 128-byte line (0 when device_like_allocations
             # reached them): their stores show split lines that a hipMalloc'd buffer has not
-            "outputs_off_line": common.misaligned(_tensors(out)),
+            "outputs_off_line": emu.misaligned(_tensors(out)),
             "reduction": (
                 "exact"
                 if shape == case.shape
@@ -553,7 +554,7 @@ def main(argv=None) -> dict:
     rows = []
     for arch in archs:
         if mode == "modelled":
-            common.emu.enable(arch)  # the selector plans, and the API compiles, for the emulator's arch
+            emu.enable(arch)  # the selector plans, and the API compiles, for the emulator's arch
         for case in cases_for(args):
             try:
                 new = [model_case(case, arch, args.max_elements)] if mode == "modelled" else time_case(case, arch, args)

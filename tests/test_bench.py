@@ -84,7 +84,7 @@ def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
     weights = bench.Weights(shape, 0, "cpu")
     row = bench.model_config(kernel, p, "gfx950", cfg, 10**6, weights)
     assert row["reduction"] == "exact"
-    out = common.aligned(torch.zeros(tokens, shape.model_dim, dtype=torch.bfloat16))
+    out = emu.aligned(torch.zeros(tokens, shape.model_dim, dtype=torch.bfloat16))
     _, whole, _ = common.emulate(
         lambda: bench.launch(kernel, p, "gfx950", cfg, p.sorting, weights.w2, weights.scale, shape.model_dim, out)
     )

@@ -20,6 +20,7 @@ from tinygrad.runtime.autogen.amd.cdna import ins as I
 
 from flyquant import toolchain
 from flyquant.emu import codeobject, interp
+from flyquant.emu.alloc import aligned
 from flyquant.emu.isa_base import AGPR_BASE, EmuError, Wave
 from flyquant.emu.memory import Memory
 
@@ -785,6 +786,42 @@ def test_counters_by_class_and_partial_store_lines():
     assert stats.by_class["wait"] == 1 and stats.by_class["vmem_store"] == 1 and stats.wave_instructions == 3
 
 
+def test_memory_counters_per_instruction_and_by_tensor():
+    # Two loads of two tensors, told apart by pc and by address range:
+    #   pc 4 (after the 4-byte s_nop): global_load_dwordx4, lane l at a + 16 l: 64 x 16 = 1024
+    #     contiguous bytes from a line start = 8 whole lines, coalescing 1, range [a, a + 1024);
+    #   pc 12 (after the 8-byte global load): global_load_dword, lane l at b + 256 (63 - l) (column
+    #     0 of a 64 x 64 f32 matrix, bottom up: lane 0 is not the lowest address): 64 x 4 bytes in
+    #     64 lines, coalescing 256 / (64 * 128) = 1/32, range [b, b + 63 * 256 + 4).
+    a = aligned(torch.zeros(256, dtype=torch.int32))  # line-aligned, as a GPU allocation
+    b = aligned(torch.zeros(64 * 64, dtype=torch.int32))
+    a.copy_(torch.arange(256))
+    b.copy_(torch.arange(64 * 64) + 5000)
+    pa, pb = a.data_ptr(), b.data_ptr()
+    addr_a = pa + LANES.astype(np.uint64) * 16
+    addr_b = pb + (63 - LANES).astype(np.uint64) * 256
+    w, stats = run("gfx950", I.s_nop(simm16=0),
+                   I.global_load_dwordx4(vdst=v[4:7], addr=v[0], saddr=OFF, offset=0),
+                   I.global_load_dword(vdst=v[8], addr=v[2], saddr=OFF, offset=0),
+                   vgpr={0: addr_a & 0xFFFFFFFF, 1: addr_a >> 32, 2: addr_b & 0xFFFFFFFF, 3: addr_b >> 32},
+                   memory=Memory())
+    assert (w.v[4] == LANES * 4).all() and (w.v[8] == (63 - LANES) * 64 + 5000).all()
+    assert sorted(stats.memory_by_pc) == [4, 12]
+    ca, cb = stats.memory_by_pc[4], stats.memory_by_pc[12]
+    assert (ca.name, ca.cls, cb.name, cb.cls) == ("global_load_dwordx4", "vmem_load", "global_load_dword", "vmem_load")
+    assert (ca.executed, ca.lanes, ca.bytes, ca.lines, ca.lo, ca.hi) == (1, 64, 1024, 8, pa, pa + 1024)
+    assert (cb.executed, cb.lanes, cb.bytes, cb.lines, cb.lo, cb.hi) == (1, 64, 256, 64, pb, pb + 63 * 256 + 4)
+    assert (ca.bytes_per_lane, ca.coalescing, cb.bytes_per_lane, cb.coalescing) == (16, 1.0, 4, 1 / 32)
+    # by tensor: [data_ptr, data_ptr + nbytes) holds exactly one instruction's accesses each
+    assert stats.memory_within(pa, pa + a.nbytes) == {4: ca}
+    assert stats.memory_within(pb, pb + b.nbytes) == {12: cb}
+    ta = stats.traffic_within(pa, pa + a.nbytes)
+    assert (ta.executed, ta.bytes, ta.lines) == (1, 1024, 8)
+    assert stats.traffic_within(pa, pa + 512).executed == 0  # an instruction half inside does not count
+    # the per-mnemonic counters are the per-pc ones summed
+    assert stats.memory["global_load_dwordx4"] == stats.traffic_within(pa, pa + a.nbytes)
+
+
 # --- vectorised paths: per-lane selectors, packed halves at once, tails, gathers -----------------------
 def _perm_ref(s0: int, s1: int, sel: int) -> int:
     """v_perm_b32 per the ISA pseudocode, one lane: byte k of D from selector byte k."""
@@ -878,6 +915,9 @@ def test_buffer_tail_counts_bytes_and_lines_once(arch):
         assert list(got[lane]) == want, lane
     c = stats.memory["buffer_load_dwordx4"]
     assert (c.executed, c.bytes, c.lines) == (1, 136, 2)
+    # 9 lanes moved data (lane 8 two dwords of its four): 136 / 9 bytes per lane; bytes [base, base + 136)
+    pc = stats.memory_by_pc[0]
+    assert (pc.lanes, pc.bytes_per_lane, pc.lo, pc.hi) == (9, 136 / 9, base, base + 136)
 
 
 def test_line_counts_follow_the_offset_in_the_line():

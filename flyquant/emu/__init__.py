@@ -25,6 +25,7 @@ import threading
 import warnings
 import weakref
 
+from .alloc import aligned, aligned_empty, device_like_allocations, misaligned
 from .codeobject import CodeObject, CodeObjectError, KernelInfo
 from .memory import EmuMemoryError, Memory
 from .runtime import EmuError, LaunchRecord, Runtime
@@ -172,11 +173,15 @@ __all__ = [
     "KernelInfo",
     "LaunchRecord",
     "Memory",
+    "aligned",
+    "aligned_empty",
     "arch",
+    "device_like_allocations",
     "enable",
     "enabled",
     "launches",
     "global_memory",
+    "misaligned",
     "record",
     "reset",
     "rocm_device_present",

@@ -27,7 +27,7 @@ import numpy as np
 from . import decode as D
 from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu
 from .isa_base import END, F32, LANES, Ctx, EmuError, Wave, sext
-from .stats import CLASSES, LaunchStats, MemRecorder, classify
+from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
 
@@ -360,10 +360,9 @@ def _fill_stats(stats: LaunchStats, prog: Program, counts: list, launch: _Launch
     stats.wave_instructions = sum(counts)
     for index, counter in launch.rec.counters.items():
         inst = prog.insts[index]
-        total = stats.memory.setdefault(inst.name, type(counter)())
-        total.executed += counter.executed
-        total.bytes += counter.bytes
-        total.lines += counter.lines
-        total.partial_store_lines += counter.partial_store_lines
-        stats.mem_class[inst.name] = prog.classes[index]
+        counter.pc, counter.name, counter.cls = inst.addr - prog.entry, inst.name, prog.classes[index]
+        counter.text = inst.text
+        stats.memory_by_pc[counter.pc] = counter
+        stats.memory.setdefault(inst.name, MemCounter()).add(counter)
+        stats.mem_class[inst.name] = counter.cls
     stats.lds_out_of_range_lanes = launch.lds_oob

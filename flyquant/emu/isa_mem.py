@@ -319,6 +319,11 @@ def build_buffer(inst, ctx):
             ok &= active[:, None]
         return (addrs[:, None] + comp_off).reshape(-1), ok.reshape(-1)
 
+    def lanes_moving(ok):
+        """Lanes with a component in range (`ok` as `components` returns it): those whose first
+        component is, as a later component in range implies the first one is."""
+        return int(np.count_nonzero(ok[::ncomp]))
+
     if kind == "load":
         def load(w):
             addrs, all_in, num_records = addresses(w)
@@ -330,7 +335,7 @@ def build_buffer(inst, ctx):
             else:  # out-of-range components read 0 and are never touched (they may be unmapped)
                 caddrs, ok = components(w, addrs, num_records, active)
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
-                rec.global_access(index, caddrs, ok, comp_bytes, False)
+                rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
             _write_load(w, row, data, nbytes, signed, d16, active)
         return load
 
@@ -345,7 +350,7 @@ def build_buffer(inst, ctx):
         else:  # out-of-range components are dropped one by one
             caddrs, ok = components(w, addrs, num_records, active)
             mem.store(caddrs, data.reshape(LANES * ncomp, comp_bytes), ok)
-            rec.global_access(index, caddrs, ok, comp_bytes, True)
+            rec.global_access(index, caddrs, ok, comp_bytes, True, lanes_moving(ok))
     return store
 
 
