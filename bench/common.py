@@ -154,14 +154,28 @@ GLOBAL_CLASSES = ("vmem_load", "vmem_store", "vmem_atomic")
 
 @dataclass
 class MemFigures:
-    """One memory mnemonic's traffic: executions, bytes moved by active lanes, 128-byte lines touched,
-    and stored lines covered only in part (a read-modify-write or masked write on a GPU)."""
+    """Memory traffic of one mnemonic (or one tensor's instructions): executions, lanes that moved
+    data, bytes they moved, 128-byte lines touched, and stored lines covered only in part (a
+    read-modify-write or masked write on a GPU)."""
 
     cls: str
     executed: float = 0.0
     bytes: float = 0.0
     lines: float = 0.0
     partial_store_lines: float = 0.0
+    lanes: float = 0.0
+
+    @classmethod
+    def of(cls, kind: str, c) -> "MemFigures":
+        """From a flyquant.emu MemCounter."""
+        return cls(kind, c.executed, c.bytes, c.lines, c.partial_store_lines, c.lanes)
+
+    def add(self, other: "MemFigures", coef: float = 1.0) -> None:
+        self.executed += coef * other.executed
+        self.bytes += coef * other.bytes
+        self.lines += coef * other.lines
+        self.partial_store_lines += coef * other.partial_store_lines
+        self.lanes += coef * other.lanes
 
 
 @dataclass
@@ -175,12 +189,16 @@ class Counts:
     by_class: dict[str, float] = field(default_factory=dict)
     by_opcode: dict[str, float] = field(default_factory=dict)
     memory: dict[str, MemFigures] = field(default_factory=dict)
+    by_tensor: dict[str, MemFigures] = field(default_factory=dict)  # instructions that stayed inside one tensor
 
     @classmethod
-    def of(cls, stats) -> "Counts":
-        mem = {}
-        for name, c in stats.memory.items():
-            mem[name] = MemFigures(stats.mem_class[name], c.executed, c.bytes, c.lines, c.partial_store_lines)
+    def of(cls, stats, tensors=None) -> "Counts":
+        """`tensors`: {name: contiguous CPU tensor} whose traffic to count apart (by address range)."""
+        mem = {name: MemFigures.of(stats.mem_class[name], c) for name, c in stats.memory.items()}
+        by_tensor = {
+            name: MemFigures.of("tensor", stats.traffic_within(t.data_ptr(), t.data_ptr() + t.nbytes))
+            for name, t in (tensors or {}).items()
+        }
         return cls(
             wave_instructions=stats.wave_instructions,
             workgroups_launched=stats.workgroups_launched,
@@ -188,6 +206,7 @@ class Counts:
             by_class=dict(stats.by_class),
             by_opcode=dict(stats.by_opcode),
             memory=mem,
+            by_tensor=by_tensor,
         )
 
     @classmethod
@@ -203,11 +222,9 @@ class Counts:
             for k, v in c.by_opcode.items():
                 out.by_opcode[k] = out.by_opcode.get(k, 0.0) + coef * v
             for k, m in c.memory.items():
-                acc = out.memory.setdefault(k, MemFigures(m.cls))
-                acc.executed += coef * m.executed
-                acc.bytes += coef * m.bytes
-                acc.lines += coef * m.lines
-                acc.partial_store_lines += coef * m.partial_store_lines
+                out.memory.setdefault(k, MemFigures(m.cls)).add(m, coef)
+            for k, m in c.by_tensor.items():
+                out.by_tensor.setdefault(k, MemFigures(m.cls)).add(m, coef)
         return out
 
     def scaled(self, factor: float) -> "Counts":
@@ -219,10 +236,7 @@ class Counts:
         total = MemFigures("+".join(classes))
         for m in self.memory.values():
             if m.cls in classes:
-                total.executed += m.executed
-                total.bytes += m.bytes
-                total.lines += m.lines
-                total.partial_store_lines += m.partial_store_lines
+                total.add(m)
         return total
 
     def cls(self, name: str) -> float:
@@ -238,6 +252,7 @@ class Counts:
             "memory": {
                 k: dataclasses.asdict(m) | {"coalescing": coalescing(m)} for k, m in sorted(self.memory.items())
             },
+            "by_tensor": {k: dataclasses.asdict(m) | {"coalescing": coalescing(m)} for k, m in self.by_tensor.items()},
         }
 
 
@@ -247,12 +262,12 @@ def coalescing(m: MemFigures) -> float | None:
     return m.bytes / (m.lines * LINE_BYTES) if m.lines else None
 
 
-def emulate(fn):
+def emulate(fn, tensors=None):
     """Run `fn()` (which launches FlyDSL kernels on CPU tensors under flyquant.emu) and return
-    (its result, the summed Counts of its launches, the LaunchRecords)."""
+    (its result, the summed Counts of its launches, the LaunchRecords); `tensors` as in Counts.of."""
     with emu.record() as records:
         result = fn()
-    return result, Counts.combine([(1.0, Counts.of(r.stats)) for r in records]), list(records)
+    return result, Counts.combine([(1.0, Counts.of(r.stats, tensors)) for r in records]), list(records)
 
 
 # ---- compiled kernel resources ------------------------------------------------------------------
