@@ -50,11 +50,12 @@ exactly one with work). Otherwise m-slot s is m-tile s. Either way a workgroup w
 (no such tile, a tile past num_valid_ids[0], or a tile of padding rows) exits after a few scalar
 instructions; num_valid_ids is read on the device.
 
-Output. After the K loop, the waves of K group 0 add the bias (once per contribution: only
-the k-split 0 workgroup adds it), multiply by the routing weight and atomically add into out:
-fp32 by global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 on column pairs
-(neighbour lanes swap two rows by DPP so each lane owns two adjacent columns). Rows of padding
-(token id >= T) and columns >= model_dim are never written.
+Output. The MFMAs compute out^T blocks (weights as the A operand), so after the K loop lane
+(kl, l16) holds token row l16 and the four consecutive columns 4 kl .. 4 kl + 3 of every 16x16
+block. The waves of K group 0 add the bias (once per contribution: only the k-split 0
+workgroup adds it), multiply by the routing weight and atomically add into out: fp32 by
+global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 per column pair, straight
+from registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
@@ -125,7 +126,6 @@ PERM_LO_PAIRS = 0x05010400  # [lo.b0, hi.b0, lo.b1, hi.b1]: bf16 of lookups 0 an
 PERM_HI_PAIRS = 0x07030602  # [lo.b2, hi.b2, lo.b3, hi.b3]: bf16 of lookups 2 and 3
 PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
 PERM_ODD_HALVES = 0x07060302  # bf16 1 of two dwords
-DPP_QUAD_SWAP_PAIRS = 0xB1  # quad_perm [1, 0, 3, 2]: lane l reads lane l ^ 1
 
 
 def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int) -> bool:
@@ -370,11 +370,15 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         raise ValueError(f"{cfg}: no valid wave split (k_batch * wk must be <= {N_KT} K steps of {KT})")
 
     def mfma(acc, a_words, b_words):
+        """acc += the 16x16 block of out^T: the weights go in as the MFMA's A operand (rows = output
+        columns) and the activations as B (columns = token rows), so lane (kl, l16) ends up with
+        token row l16 and four consecutive output columns 4 kl .. 4 kl + 3: the epilogue adds
+        column pairs straight from registers, with no exchange between lanes."""
         if const_expr(hw_unpack):
-            return rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [_vec_i32(a_words).bitcast(fx.BFloat16), _vec_i32(b_words).bitcast(fx.BFloat16), acc])
+            return rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [_vec_i32(b_words).bitcast(fx.BFloat16), _vec_i32(a_words).bitcast(fx.BFloat16), acc])
         a16 = _vec_i32(a_words).bitcast(fx.Int16)
         b16 = _vec_i32(b_words).bitcast(fx.Int16)
-        return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [a16, b16, acc])
+        return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [b16, a16, acc])
 
     @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
     def gemm2_kernel(
@@ -608,78 +612,61 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                                 accs[i] = (Vec(accs[i]) + Vec(part)).ir_value()
 
                 # ---- epilogue: bias, routing weight, atomic add into out ---------------------
-                # One exec-masked region per row (f32) or row pair (bf16) holds the atomics of all
-                # the wave's column blocks: the row predicate is the same for all of them.
+                # Lane (kl, l16) holds token row l16 of each 16-row block and columns 4 kl .. 4 kl + 3
+                # of each 16-column block (see mfma): one row predicate per block row covers all the
+                # wave's atomics, and a 16-column block is wholly inside or outside model_dim.
                 if wk_i == 0:
+                    lane_col = col_wave + kl * 4
                     if const_expr(HAS_BIAS):
                         # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
                         b_row = bias + fx.Int64(expert) * fx.Int64(bias_stride) * BIAS_BYTES
                         b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(bias_stride) * BIAS_BYTES, fx.Int64(0)))
-                        bias_v = []
+                        bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
                         for nb in range_constexpr(NB):
-                            col = col_wave + nb * MFMA_MN + l16
+                            words = _load(b_rsrc, lane_col * BIAS_BYTES, nb * MFMA_MN * BIAS_BYTES, BIAS_BYTES)  # 4 columns: BIAS_BYTES dwords
                             if const_expr(BIAS_BYTES == 4):
-                                bias_v.append(_load(b_rsrc, col << 2, 0, 1).bitcast(fx.Float32))
-                            else:
-                                half = rocdl.raw_ptr_buffer_load(T.i16, b_rsrc, (col << 1).ir_value(), fx.Int32(0).ir_value(), 0)
-                                bias_v.append((fx.Int32(fx.Int16(half)) << 16).bitcast(fx.Float32))  # bf16 = high half of f32
+                                bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
+                            else:  # bf16 = the high half of an f32
+                                bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+                                               for i in range_constexpr(4)])
                     if const_expr(cfg.apply_weights):
                         w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
-                    odd_lane = (l16 & 1) == 1
                     p1 = ir.Type.parse("!llvm.ptr<1>")
                     for mb in range_constexpr(MB):
-                        row = row0 + mb * MFMA_MN + kl * 4  # this lane's 4 rows: row .. row + 3
-                        rids = _load(ids_rsrc, row << 2, 0, 4)
-                        toks = [rids[i] & TOKEN_MASK for i in range_constexpr(4)]
+                        row = row0 + mb * MFMA_MN + l16
+                        tok = _load(ids_rsrc, row << 2, 0, 1) & TOKEN_MASK
                         if const_expr(cfg.apply_weights):
-                            wts = _load(w_rsrc_rows, row << 2, 0, 4).bitcast(fx.Float32)
-                        vals = []  # vals[nb][i]: row i, column block nb
+                            wt = _load(w_rsrc_rows, row << 2, 0, 1).bitcast(fx.Float32)
+                        vals = []  # vals[nb][i]: column 4 kl + i of block nb
                         for nb in range_constexpr(NB):
                             acc = Vec(accs[mb * NB + nb])
                             v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
                             if const_expr(HAS_BIAS):
-                                v = [x + bias_v[nb] for x in v]
+                                v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
                             if const_expr(cfg.apply_weights):
-                                v = [v[i] * fx.Float32(wts[i]) for i in range_constexpr(4)]
+                                v = [x * wt for x in v]
                             vals.append(v)
-                        cols = [col_wave + nb * MFMA_MN + l16 for nb in range_constexpr(NB)]
-
-                        def atomic_add(addr, value, nb):
-                            """out[addr] += value (agent scope); columns past model_dim skipped."""
-                            ptr = llvm.inttoptr(p1, addr.ir_value())
-                            if const_expr(N_TAIL):
-                                if cols[nb] < MODEL_DIM:
-                                    fx.atomic_add(ptr, value, syncscope=rocdl.SyncScope.Agent)
-                            else:
-                                fx.atomic_add(ptr, value, syncscope=rocdl.SyncScope.Agent)
-
-                        if const_expr(OUT_F32):
-                            for i in range_constexpr(4):
-                                if toks[i] < tokens:
-                                    row_addr = out + fx.Int64(toks[i] * MODEL_DIM) * OUT_ELEM
-                                    for nb in range_constexpr(NB):
-                                        atomic_add(row_addr + fx.Int64(cols[nb] << 2), vals[nb][i], nb)
-                        else:
-                            # lanes 2j, 2j+1 hold columns 2j, 2j+1 of rows 0..3: two DPP moves leave
-                            # the even lane rows 0, 1 and the odd lane rows 2, 3 of both columns.
-                            pairs = [[], []]
+                        if tok < tokens:
+                            row_addr = out + fx.Int64(tok * MODEL_DIM + lane_col) * OUT_ELEM
                             for nb in range_constexpr(NB):
-                                v = vals[nb]
-                                sent = [odd_lane.select(v[0], v[2]), odd_lane.select(v[1], v[3])]
-                                got = [
-                                    fx.Int32(rocdl.update_dpp(T.i32, fx.Int32(0).ir_value(), x.bitcast(fx.Int32).ir_value(), DPP_QUAD_SWAP_PAIRS, 0xF, 0xF, True)).bitcast(fx.Float32)
-                                    for x in sent
-                                ]
-                                for h in range_constexpr(2):
-                                    lo = odd_lane.select(got[h], v[h])
-                                    hi = odd_lane.select(v[h + 2], got[h])
-                                    pairs[h].append(Vec.from_elements([lo, hi], fx.Float32).to(fx.BFloat16))
-                            for h in range_constexpr(2):
-                                tok = odd_lane.select(toks[h + 2], toks[h])
-                                if tok < tokens:
-                                    row_addr = out + fx.Int64(tok * MODEL_DIM + (l16 & ~1)) * OUT_ELEM
-                                    for nb in range_constexpr(NB):
-                                        atomic_add(row_addr + fx.Int64(col_wave + nb * MFMA_MN) * OUT_ELEM, pairs[h][nb], nb)
+
+                                def add_block(nb=nb):
+                                    """out[tok, block nb's 4 columns] += vals[nb] (agent scope): fp32 one
+                                    element per atomic, bf16 a column pair per atomic."""
+                                    if const_expr(OUT_F32):
+                                        parts = [(i, vals[nb][i]) for i in range_constexpr(4)]
+                                    else:
+                                        parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
+                                                 for h in range_constexpr(2)]
+                                    for i, value in parts:
+                                        addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
+                                        fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
+
+                                if const_expr(N_TAIL):
+                                    if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
+                                        add_block()
+                                else:
+                                    add_block()
 
     @flyc.jit
     def launch(
