@@ -363,7 +363,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     LDS_BYTES = cfg.lds_bytes
     LOG_WAVE, LOG_MFMA = WAVE.bit_length() - 1, MFMA_MN.bit_length() - 1
     LOG_TILE_M, LOG_WN = TILE_M.bit_length() - 1, WN.bit_length() - 1
-    PREFETCH_A = MB == 1  # larger tiles load A at use: registers for 2 WGs/CU
+    # Larger tiles load a step's A just before the next step's prefetch (not a step ahead with B):
+    # registers for 2 WGs/CU, and the step's one wait still leaves the prefetch in flight.
+    PREFETCH_A = MB == 1
     LOADS_SUB1 = NB + (4 * MB if PREFETCH_A else 0)  # vector loads of a step's prefetch group
     LOADS_SUB0 = LOADS_SUB1 + NP  # ... plus the scale dwords with step 0
     if K_SPLIT > N_KT or not wave_fits(TILE_M, TILE_N, WN, WK):
@@ -496,30 +498,36 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     a = load_a(kt, sub, masked) if const_expr(PREFETCH_A) else []
                     return a, b, sc
 
-                def unpack_block(b, sc, sub, nb):
-                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of a step."""
-                    byte = 2 * sub + nb % 2
+                def step_a(kt, sub, masked, a):
+                    """A of a step: prefetched with its B, or (larger tiles) loaded now."""
+                    return a if const_expr(PREFETCH_A) else load_a(kt, sub, masked)
+
+                def unpack_block(b, sc, sub, nb, scales):
+                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of a step
+                    (gfx950: with the step's precomputed scale operands; gfx942: tables built here,
+                    keeping one block's tables live)."""
                     if const_expr(hw_unpack):
-                        scale = _scale_f32(sc[nb // 2], byte)
-                        return [_unpack_hw(b[nb][j], scale) for j in range_constexpr(4)]
-                    tables = _sw_tables(sc[nb // 2], byte)
+                        return [_unpack_hw(b[nb][j], scales[nb]) for j in range_constexpr(4)]
+                    tables = _sw_tables(sc[nb // 2], 2 * sub + nb % 2)
                     return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
 
-                def compute_step(a, b, sc, sub, accs, kt, masked):
-                    """Unpack the B chunks of one K step and issue its MFMAs into accs (loading A here
-                    when it is not prefetched). Instruction order, pinned by scheduling barriers:
-                    unpack block 0; then unpack block nb + 1 before the MFMAs of block nb, so an MFMA
-                    never reads a conversion just issued (no hazard wait states) and at most two
-                    blocks of BF16 are live."""
-                    if const_expr(not PREFETCH_A):
-                        a = load_a(kt, sub, masked)
+                def compute_step(a, b, sc, sub, accs):
+                    """Unpack the B chunks of one K step and issue its MFMAs into accs. Instruction
+                    order, pinned by scheduling barriers: gfx950: every block's scale operand first
+                    (none is read right after it is written: no hazard wait states); unpack block 0; then
+                    unpack block nb + 1 before the MFMAs of block nb, so an MFMA never reads a
+                    conversion just issued and at most two blocks of BF16 are live."""
                     accs = list(accs)
+                    scales = None
+                    if const_expr(hw_unpack):
+                        scales = [_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)]
+                        rocdl.sched_barrier(0)
                     if const_expr(not hw_unpack):
                         a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
-                    words = unpack_block(b, sc, sub, 0)
+                    words = unpack_block(b, sc, sub, 0, scales)
                     for nb in range_constexpr(NB):
                         rocdl.sched_barrier(0)
-                        nxt = unpack_block(b, sc, sub, nb + 1) if const_expr(nb + 1 < NB) else None
+                        nxt = unpack_block(b, sc, sub, nb + 1, scales) if const_expr(nb + 1 < NB) else None
                         rocdl.sched_barrier(0)
                         for j in range_constexpr(4):
                             for mb in range_constexpr(MB):
@@ -553,43 +561,49 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                 zero = Vec.filled(4, 0.0, fx.Float32).ir_value()
                 kt_first = kt_end - 1
                 a0, b0, sc = load_step(kt_first, 0, masked=TAIL)
+                pre = flat(a0, b0, sc)  # placeholder when there is no next iteration
+                a0 = step_a(kt_first, 0, TAIL, a0)
                 a1, b1, _ = load_step(kt_first, 1, masked=TAIL)
                 rocdl.sched_barrier(0)
-                accs = compute_step(a0, b0, sc, 0, [zero] * n_acc, kt_first, masked=TAIL)
+                accs = compute_step(a0, b0, sc, 0, [zero] * n_acc)
                 rocdl.sched_barrier(0)
+                a1 = step_a(kt_first, 1, TAIL, a1)
                 more = kt_first > kt_begin
-                pre = flat(a0, b0, sc)  # placeholder when there is no next iteration
                 if more:
                     pre = flat(*load_step(kt_first - 1, 0, masked=False))
                 rocdl.sched_barrier(0)
-                accs = compute_step(a1, b1, sc, 1, accs, kt_first, masked=TAIL)
+                accs = compute_step(a1, b1, sc, 1, accs)
                 rocdl.sched_barrier(0)
                 if more:
                     for i, state in range(0, kt_first - kt_begin - 1, 1, init=accs + pre):
                         kt = kt_first - 1 - fx.Int32(i)
                         accs = list(state[:n_acc])
                         a0, b0, sc = unflat(list(state[n_acc:]))
-                        # one wait per step for its whole prefetched group (in issue order, the
-                        # loads issued after it may stay in flight), not one per use
+                        # one wait per step for everything issued before its successor's prefetch
+                        # group (in issue order, that group may stay in flight), not one per use
+                        a0 = step_a(kt, 0, False, a0)
                         a1, b1, _ = load_step(kt, 1, masked=False)
                         rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
                         rocdl.sched_barrier(0)
-                        accs = compute_step(a0, b0, sc, 0, accs, kt, masked=False)
+                        accs = compute_step(a0, b0, sc, 0, accs)
                         rocdl.sched_barrier(0)
+                        a1 = step_a(kt, 1, False, a1)
                         a0, b0, sc_next = load_step(kt - 1, 0, masked=False)
                         rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
                         rocdl.sched_barrier(0)
-                        accs = compute_step(a1, b1, sc, 1, accs, kt, masked=False)
+                        accs = compute_step(a1, b1, sc, 1, accs)
                         rocdl.sched_barrier(0)
                         results = yield accs + flat(a0, b0, sc_next)
                     accs = list(results[:n_acc])
                     a0, b0, sc = unflat(list(results[n_acc:]))
+                    a0 = step_a(kt_begin, 0, False, a0)
                     a1, b1, _ = load_step(kt_begin, 1, masked=False)
                     rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
                     rocdl.sched_barrier(0)
-                    accs = compute_step(a0, b0, sc, 0, accs, kt_begin, masked=False)
+                    accs = compute_step(a0, b0, sc, 0, accs)
+                    a1 = step_a(kt_begin, 1, False, a1)
                     rocdl.s_waitcnt(vmcnt=0)
-                    accs = compute_step(a1, b1, sc, 1, accs, kt_begin, masked=False)
+                    accs = compute_step(a1, b1, sc, 1, accs)
 
                 # ---- reduce the wk partial sums in LDS ---------------------------------------
                 if const_expr(WK > 1):
