@@ -37,8 +37,8 @@ multiplier carries an extra 0.5, floor clamps to +-224, and the FNUZ +0 of a neg
 FNUZ results already carry it).
 
 Lanes. A wave is 64 lanes; the kernels split a block over lanes at power-of-two distances and
-combine with `exchange` (gfx950: v_permlane16/32_swap for distances 16/32; otherwise a DPP
-move at distance 1, 2 or 8 plus selects).
+combine with `exchange` (gfx950: v_permlane16/32_swap for distances 16/32; otherwise DPP: two
+bank-masked moves at distance 8, a move plus selects at distance 1 or 2).
 """
 
 from __future__ import annotations
@@ -485,6 +485,8 @@ def scale_offset(layout, row, col, dims):
 # DPP controls that move a value between lanes at XOR distance 1, 2 and 8.
 DPP_XOR = {1: 0xB1, 2: 0x4E, 8: 0x128}  # quad_perm [1,0,3,2], quad_perm [2,3,0,1], row_ror:8
 DPP_ALL = 0xF
+# DPP bank masks (a bank: 4 lanes of a 16-lane row): lanes 8-15 / 0-7 of each row.
+UPPER_BANKS, LOWER_BANKS = 0xC, 0x3
 
 
 def dpp_xor(x, dist):
@@ -516,6 +518,10 @@ def exchange(arch, a, b, dist):
         swap = rocdl.permlane32_swap if dist == 32 else rocdl.permlane16_swap
         pair = swap(llvm.StructType.get_literal([i32_t(), i32_t()]), val(a), val(b), False, False)
         return llvm.extractvalue(i32_t(), pair, [0]), llvm.extractvalue(i32_t(), pair, [1])
+    if dist == 8:  # the pair is the two halves of a DPP row: bank masks pick who takes the move
+        lo = rocdl.update_dpp(i32_t(), val(a), val(b), DPP_XOR[8], DPP_ALL, UPPER_BANKS, False)
+        hi = rocdl.update_dpp(i32_t(), val(b), val(a), DPP_XOR[8], DPP_ALL, LOWER_BANKS, False)
+        return lo, hi
     upper = lane_bit(dist)
     sent = dpp_xor(select(upper, a, b), dist)  # lower lanes receive the partner's a, upper its b
     return select(upper, sent, a), select(upper, b, sent)

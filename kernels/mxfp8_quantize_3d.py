@@ -15,12 +15,13 @@ g = 2b, 2b + 1: in-lane max over 16 rows, one DPP exchange. Both lanes of a pair
 scales, each converts and stores its 16 rows: 16 bytes per column, an instruction writing 128
 consecutive rows of 8 columns (full lines when N % 128 == 0). BF16/FP16 row pairs of one column
 are regrouped with v_perm_b32 first, as the packed conversion takes one scale. For N = 64 the
-tiles are 64 rows x 128 columns (4 row groups, lanes past N would waste half the work) and, on
-gfx950, neighbouring column lanes swap half their columns (v_permlane32_swap) so that every
-store still writes whole 128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN
-value takes a rare path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the
-same lanes also reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column
-block (DPP) and store the 1x32 outputs row by row (64 bytes of a row per instruction).
+tiles are 64 rows x 128 columns (4 row groups, lanes past N would waste half the work) and
+neighbouring column lanes swap half their columns (gfx950: v_permlane32_swap; gfx942: DPP
+row_ror:8 moves, the lanes being 8 apart there) so that every BF16/FP16 store still writes
+whole 128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN value takes a rare
+path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the same lanes also
+reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block (DPP) and
+store the 1x32 outputs row by row (64 bytes of a row per instruction).
 
 Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
 expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
@@ -91,14 +92,23 @@ def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str =
 
 
 
-def _lane_rc(lane, groups_n):
+# 64-row tiles: lane distance of neighbouring column lanes (c, c ^ 1, see _store_interleaved)
+# per arch: gfx950 swaps at 32 in one instruction (v_permlane32_swap); gfx942 has only DPP,
+# whose cheapest swap is at 8 (two bank-masked row_ror:8 moves, mx.exchange).
+SWAP_DIST_64 = {"gfx950": 32, "gfx942": 8}
+
+
+def _lane_rc(lane, groups_n, arch):
     """(row group, column lane) of a lane. 8 row groups (128-row tiles): lane = 8 g + c, so a
-    block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart;
-    4 row groups (64-row tiles, 32 x 1 blocks only): lane = 32 (c & 1) + 4 (c >> 1) + g, the
-    pair 1 apart and neighbouring column lanes 32 apart (see _store_interleaved)."""
+    block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart.
+    4 row groups (64-row tiles, 32 x 1 blocks only): the pair 1 apart, neighbouring column lanes
+    SWAP_DIST_64 apart: gfx950 lane = 32 (c & 1) + 4 (c >> 1) + g, gfx942 lane = 16 (c >> 2) +
+    8 (c & 1) + 4 ((c >> 1) & 1) + g."""
     if groups_n == 8:
         return lshr(lane, 3), band(lane, 7)
-    return band(lane, 3), add(shl(band(lshr(lane, 2), 7), 1), lshr(lane, 5))
+    if arch == "gfx950":
+        return band(lane, 3), add(shl(band(lshr(lane, 2), 7), 1), lshr(lane, 5))
+    return band(lane, 3), bor(bor(shl(lshr(lane, 4), 2), band(lshr(lane, 1), 2)), band(lshr(lane, 3), 1))
 
 
 def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, block_k: int = 1,
@@ -115,8 +125,8 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         raise ValueError(f"unsupported column tile: {tile_rows} rows, scale_block_k {block_k}")
     pair_dist = 8 if groups_n == 8 else 1
     # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
-    # neighbouring column lanes (32 apart) trade halves of for full-line stores (gfx950 swaps)
-    interleave = groups_n == 4 and arch == "gfx950" and not spec.wide
+    # neighbouring column lanes trade halves of for full-line stores
+    interleave = groups_n == 4 and not spec.wide
     cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
     tile_cols = WAVE // groups_n * cols
     dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
@@ -200,7 +210,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)
-        g, c = _lane_rc(lane, groups_n)
+        g, c = _lane_rc(lane, groups_n, arch)
         hpair = band(g, 1)
         bx, rt, e = (val(fx.Int32(v)) for v in (fx.block_idx.x, fx.block_idx.y, fx.block_idx.z))
         n, k, row_bytes, nb = val(n), val(k), val(row_bytes), val(nb)
@@ -216,8 +226,11 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             add(mul(add(lane_cols, j), n), mul(g, ROWS_PER_LANE)) for j in range(cols)]
         lane_out_il = []
         if interleave:  # after the swap the odd column lane holds columns 7 to the left, + 1
-            shift = mul(lshr(lane, 5), cols - 1)
-            lane_out_il = [add(mul(add(sub(lane_cols, shift), j), n), mul(g, ROWS_PER_LANE)) for j in range(2 * cols)]
+            shift = mul(band(c, 1), cols - 1)
+
+            def il(j):
+                return add(mul(add(sub(lane_cols, shift), j), n), mul(g, ROWS_PER_LANE))
+            lane_out_il = [(il(2 * i), il(2 * i + cols)) for i in range(dws)]  # per column pair
         row_step = [mul(r, row_bytes) for r in range(ROWS_PER_LANE)]
         group = _group_of(offs, r0, groups, steps) if grouped else None
         first = mul(add(mul(bx, waves), wave), tiles_per_wave)
@@ -281,12 +294,12 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             sc = scales(amax)
 
             def convert_store():
-                if interleave:
-                    outs = [o for d in range(dws) for o in convert(words, sc, d)]
-                    _store_interleaved(arch, outs, ctx)
-                else:  # column pair by column pair, each stored at once (keeps few values live)
-                    for d in range(dws):
-                        for jj, out in enumerate(convert(words, sc, d)):
+                for d in range(dws):  # column pair by column pair, each stored at once (keeps few values live)
+                    outs = convert(words, sc, d)
+                    if interleave:
+                        _store_interleaved(arch, SWAP_DIST_64[arch], outs, ctx["lane_out_il"][d], ctx["rq"])
+                    else:
+                        for jj, out in enumerate(outs):
                             store_column(d * (cols // dws) + jj, out, ctx, None)
                 store_codes(sc, ctx, None)
 
@@ -358,9 +371,9 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             grid=(gx, gy, gz), block=(WAVE * waves, 1, 1), stream=stream
         )
 
-    if spec.scaled_cvt and kind != "dual" and not interleave:
-        # (gfx942's FNUZ conversion, the interleaved stores and dual keep more values live
-        # than 128 VGPRs hold: no budget, the allocator's own choice)
+    if spec.scaled_cvt and kind != "dual":
+        # (gfx942's FNUZ conversion and dual keep more values live than 128 VGPRs hold: no
+        # budget, the allocator's own choice)
         launch.compile_hints = {"waves_per_eu": WAVES_PER_SIMD}
     return launch
 
@@ -428,17 +441,15 @@ def _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock
             mx.store_byte(code, rs, off)
 
 
-def _store_interleaved(arch, outs, ctx):
-    """Store 8 lane columns (4 dwords each) of the 64-row layout so that each instruction
-    writes two adjacent 64-byte columns (one 128-byte line) from lanes c and c ^ 1 (32 apart):
-    lane c even (columns 8c .. 8c + 7) and c + 1 (8c + 8 ..) swap their odd / even columns,
-    leaving the even lane with columns 8c, 8c + 2, .., 8c + 14 and the odd one with the next
-    ones: instruction 2i writes columns 8c + 2i, 8c + 2i + 1 and 2i + 1 the next pair 8 on."""
-    evens, odds = outs[0::2], outs[1::2]
-    halves = [[mx.exchange(arch, e, o, 32) for e, o in zip(ev, od)] for ev, od in zip(evens, odds)]
-    for i in range(len(evens)):  # instruction i: pair i's evens of the even lane / its odds
-        mx.store(mx.from_elements([lo for lo, _ in halves[i]]), ctx["rq"], ctx["lane_out_il"][2 * i])
-        mx.store(mx.from_elements([hi for _, hi in halves[i]]), ctx["rq"], ctx["lane_out_il"][2 * i + 8])
+def _store_interleaved(arch, dist, outs, offsets, rq):
+    """Store lane columns 2i, 2i + 1 (`outs`, 4 dwords each) of the 64-row layout so that each
+    instruction writes two adjacent 64-byte columns (one 128-byte line) from lanes c and c ^ 1
+    (`dist` apart): lane c even (columns 8c .. 8c + 7) gives its column 2i + 1 for column 2i of
+    lane c + 1 (8c + 8 ..): the first instruction writes columns 8c + 2i (even lane) and
+    8c + 2i + 1 (odd lane), the second the pair 8 on (`offsets`: the lane's two)."""
+    halves = [mx.exchange(arch, e, o, dist) for e, o in zip(*outs)]
+    mx.store(mx.from_elements([lo for lo, _ in halves]), rq, offsets[0])
+    mx.store(mx.from_elements([hi for _, hi in halves]), rq, offsets[1])
 
 
 def _row_blocks(spec, words, nan_pass, ctx):

@@ -164,7 +164,7 @@ def test_32x1(arch, mode, dtype):
 @pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
 def test_3d(arch, mode, dtype):
     # (3, 96, 40): 128-row tiles with a quarter of the lanes past N, a column tail; (2, 64, 136):
-    # 64-row tiles (N = 64, the interleaved full-line stores on gfx950) with a column tail.
+    # 64-row tiles (N = 64, the interleaved full-line stores) with a column tail.
     for shape in ((3, 96, 40), (2, 64, 136)):
         w = experts_tensor(dtype, *shape)
         got = q3.quantize_3d(w, arch=arch, scaling_mode=mode)
@@ -296,7 +296,7 @@ def test_plan():
 
 
 # ------------------------------------------------------------------------------------------------
-# Compile checks and the instruction budget on gfx950
+# Compile checks, the instruction budget on gfx950, coalescing on both arches
 # ------------------------------------------------------------------------------------------------
 
 COMPILE_CASES = [(a, m) for a in ARCHS for m in MODES]
@@ -340,24 +340,27 @@ COALESCED = 0.95  # useful bytes per byte of the 128-byte lines touched, data lo
 
 @pytest.mark.parametrize("kind", ["1x32", "32x1", "3d"])
 @pytest.mark.parametrize("mode", MODES)
-def test_instruction_budget(kind, mode):
-    """Executed wave-instructions on gfx950 <= 0.6x torchao's on the issue's shapes, and data
-    loads/stores fully coalesced (E8M0 code stores excluded: small, no target)."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_instruction_budget(arch, kind, mode):
+    """Executed wave-instructions on gfx950 <= 0.6x torchao's on the issue's shapes (gfx942:
+    printed only, torchao's figures are gfx950's), and on both arches data loads/stores fully
+    coalesced (E8M0 code stores excluded: small, no target)."""
     shape = {"1x32": (128, 4096), "32x1": (128, 5120), "3d": (4, 64, 1024)}[kind]
     # input and outputs where hipMalloc would put them (a CPU allocation's 64-byte alignment splits lines)
     x = emu.aligned((torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 30).to(torch.bfloat16))
     with emu.device_like_allocations(), emu.record() as launches:
         if kind == "1x32":
-            q2.quantize_1x32(x, arch="gfx950", scaling_mode=mode)
+            q2.quantize_1x32(x, arch=arch, scaling_mode=mode)
         elif kind == "32x1":
-            q2.quantize_32x1(x, arch="gfx950", scaling_mode=mode)
+            q2.quantize_32x1(x, arch=arch, scaling_mode=mode)
         else:
-            q3.quantize_3d(x, arch="gfx950", scaling_mode=mode)
+            q3.quantize_3d(x, arch=arch, scaling_mode=mode)
     total = sum(r.stats.wave_instructions for r in launches)
-    print(f"{kind} {mode} gfx950 {shape}: {total} wave-instructions ({total / x.numel():.4f} per element, "
-          f"{total / TORCHAO[(kind, mode)]:.3f}x torchao 0.18); coalescing " + ", ".join(
+    print(f"{kind} {mode} {arch} {shape}: {total} wave-instructions ({total / x.numel():.4f} per element, "
+          f"{total / TORCHAO[(kind, mode)]:.3f}x torchao 0.18's gfx950 figure); coalescing " + ", ".join(
               f"{n} {c.coalescing:.3f}" for r in launches for n, c in r.stats.memory.items()))
-    assert total <= BUDGET * TORCHAO[(kind, mode)], f"{total} wave-instructions"
+    if arch == "gfx950":
+        assert total <= BUDGET * TORCHAO[(kind, mode)], f"{total} wave-instructions"
     stores = [(n, c) for r in launches for n, c in r.stats.memory.items() if "_store" in n]
     wide = sum(c.bytes for n, c in stores if n.startswith("buffer_store_dwordx"))
     assert wide == x.numel()  # all E4M3 data leaves in 8- or 16-byte stores ...
