@@ -472,65 +472,81 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                 # Per-lane offsets stay fixed: the iteration's offset is wave-uniform (the scalar
                 # offset), the step and 16-byte piece offsets are constants (the instruction's
                 # immediate offset), so loads need no per-iteration VALU address math.
-                def load_a(kt, sub, masked):
+                ITER_BYTES = (2 * W_TILE_BYTES, S_TILE_BYTES, KT * 2)  # weights, scales, a2 per iteration
+
+                def at_iter(kt):
+                    """Iteration kt: (kt, its scalar byte offsets in the weights, scales and a2)."""
+                    return (kt,) + tuple(kt * b for b in ITER_BYTES)
+
+                def prev_iter(it):
+                    """The iteration before `it`, by three adds (no kt: only unmasked ones use it)."""
+                    return (None,) + tuple(o - b for o, b in zip(it[1:], ITER_BYTES))
+
+                def load_a(it, sub, masked):
                     voff = a_off
                     if const_expr(masked):
-                        voff = [chunk_ok(kt, sub).select(v, OOB) for v in voff]
-                    soff = kt * (KT * 2)
-                    return [[_load(a_rsrc, voff[mb] + (sub * (K_STEP * 2) + j * 16), soff, 4) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
+                        voff = [chunk_ok(it[0], sub).select(v, OOB) for v in voff]
+                    return [[_load(a_rsrc, voff[mb] + (sub * (K_STEP * 2) + j * 16), it[3], 4) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
 
-                def load_step(kt, sub, masked):
-                    """Issue the prefetched loads of one 128-wide K step of iteration kt: the B chunks,
-                    with sub 0 the iteration's scale dwords, and A when PREFETCH_A. `masked`: chunks
-                    at k >= inter_dim read as 0 (offset past the buffer end), their scales as 0."""
+                def load_step(it, sub, masked):
+                    """Issue the prefetched loads of one 128-wide K step of iteration `it`: the B
+                    chunks, with sub 0 the iteration's scale dwords, and A when PREFETCH_A. `masked`:
+                    chunks at k >= inter_dim read as 0 (offset past the buffer end), scales as 0."""
+                    kt = it[0]
                     voff = b_off
                     if const_expr(masked):
                         voff = [chunk_ok(kt, sub).select(v, OOB) for v in voff]
-                    b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, kt * (2 * W_TILE_BYTES), 4) for nb in range_constexpr(NB)]
+                    b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, it[1], 4) for nb in range_constexpr(NB)]
                     sc = []
                     if const_expr(sub == 0):
-                        sc = [_load(s_rsrc, s_off[p], kt * S_TILE_BYTES, 1) for p in range_constexpr(NP)]
+                        sc = [_load(s_rsrc, s_off[p], it[2], 1) for p in range_constexpr(NP)]
                         if const_expr(masked):
                             keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(_s32(0xFFFF0000)), fx.Int32(0))
                             sc = [v & keep for v in sc]
                         if const_expr(NB == 1):
                             sc = [v.shrui(half_shift) for v in sc]
-                    a = load_a(kt, sub, masked) if const_expr(PREFETCH_A) else []
+                    a = load_a(it, sub, masked) if const_expr(PREFETCH_A) else []
                     return a, b, sc
 
-                def step_a(kt, sub, masked, a):
+                def step_a(it, sub, masked, a):
                     """A of a step: prefetched with its B, or (larger tiles) loaded now."""
-                    return a if const_expr(PREFETCH_A) else load_a(kt, sub, masked)
+                    return a if const_expr(PREFETCH_A) else load_a(it, sub, masked)
 
-                def unpack_block(b, sc, sub, nb, scales):
-                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of a step
-                    (gfx950: with the step's precomputed scale operands; gfx942: tables built here,
-                    keeping one block's tables live)."""
+                def scale_operands(sc):
+                    """Per step of an iteration, what its blocks' unpack needs from the scale dwords:
+                    gfx950: the NB scale operands, all computed as soon as the dwords arrive (they are
+                    then dead, so the next iteration's scale loads reuse their registers, and no
+                    conversion reads a scale just written: no hazard wait states); gfx942: the dwords
+                    themselves (each block's 4 table registers are built at use)."""
                     if const_expr(hw_unpack):
-                        return [_unpack_hw(b[nb][j], scales[nb]) for j in range_constexpr(4)]
-                    tables = _sw_tables(sc[nb // 2], 2 * sub + nb % 2)
+                        return [[_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)] for sub in range_constexpr(2)]
+                    return [sc, sc]
+
+                def unpack_block(b, ops, sub, nb):
+                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of step sub."""
+                    if const_expr(hw_unpack):
+                        return [_unpack_hw(b[nb][j], ops[nb]) for j in range_constexpr(4)]
+                    tables = _sw_tables(ops[nb // 2], 2 * sub + nb % 2)
                     return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
 
-                def compute_step(a, b, sc, sub, accs):
-                    """Unpack the B chunks of one K step and issue its MFMAs into accs. Instruction
-                    order, pinned by scheduling barriers: gfx950: every block's scale operand first
-                    (none is read right after it is written: no hazard wait states); unpack block 0; then
-                    unpack block nb + 1 before the MFMAs of block nb, so an MFMA never reads a
-                    conversion just issued and at most two blocks of BF16 are live."""
+                def compute_step(a, b, ops, sub, accs):
+                    """Unpack the B chunks of one K step and issue its MFMAs into accs (ops: the step's
+                    scale_operands). Instruction order, pinned by scheduling barriers: unpack block
+                    0; then unpack block nb + 1 before the MFMAs of block nb, so an MFMA never reads a
+                    conversion just issued (no hazard wait states) and at most two blocks of BF16 are
+                    live. Each accumulator's MFMAs of a block run back to back (a chain on one
+                    accumulator needs no wait states; alternating two chains made the register
+                    allocator swap them through a temporary, with hazard nops)."""
                     accs = list(accs)
-                    scales = None
-                    if const_expr(hw_unpack):
-                        scales = [_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)]
-                        rocdl.sched_barrier(0)
                     if const_expr(not hw_unpack):
                         a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
-                    words = unpack_block(b, sc, sub, 0, scales)
+                    words = unpack_block(b, ops, sub, 0)
                     for nb in range_constexpr(NB):
                         rocdl.sched_barrier(0)
-                        nxt = unpack_block(b, sc, sub, nb + 1, scales) if const_expr(nb + 1 < NB) else None
+                        nxt = unpack_block(b, ops, sub, nb + 1) if const_expr(nb + 1 < NB) else None
                         rocdl.sched_barrier(0)
-                        for j in range_constexpr(4):
-                            for mb in range_constexpr(MB):
+                        for mb in range_constexpr(MB):
+                            for j in range_constexpr(4):
                                 i = mb * NB + nb
                                 if const_expr(hw_unpack):
                                     accs[i] = mfma(accs[i], [a[mb][j][q] for q in range_constexpr(4)], words[j])
@@ -560,50 +576,61 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                 n_acc = MB * NB
                 zero = Vec.filled(4, 0.0, fx.Float32).ir_value()
                 kt_first = kt_end - 1
-                a0, b0, sc = load_step(kt_first, 0, masked=TAIL)
+                it = at_iter(kt_first)
+                a0, b0, sc = load_step(it, 0, masked=TAIL)
                 pre = flat(a0, b0, sc)  # placeholder when there is no next iteration
-                a0 = step_a(kt_first, 0, TAIL, a0)
-                a1, b1, _ = load_step(kt_first, 1, masked=TAIL)
+                a0 = step_a(it, 0, TAIL, a0)
+                a1, b1, _ = load_step(it, 1, masked=TAIL)
+                ops = scale_operands(sc)
                 rocdl.sched_barrier(0)
-                accs = compute_step(a0, b0, sc, 0, [zero] * n_acc)
+                accs = compute_step(a0, b0, ops[0], 0, [zero] * n_acc)
                 rocdl.sched_barrier(0)
-                a1 = step_a(kt_first, 1, TAIL, a1)
+                a1 = step_a(it, 1, TAIL, a1)
                 more = kt_first > kt_begin
+                it = prev_iter(it)
                 if more:
-                    pre = flat(*load_step(kt_first - 1, 0, masked=False))
+                    pre = flat(*load_step(it, 0, masked=False))
                 rocdl.sched_barrier(0)
-                accs = compute_step(a1, b1, sc, 1, accs)
+                accs = compute_step(a1, b1, ops[1], 1, accs)
                 rocdl.sched_barrier(0)
                 if more:
-                    for i, state in range(0, kt_first - kt_begin - 1, 1, init=accs + pre):
-                        kt = kt_first - 1 - fx.Int32(i)
+                    # the loop carries the iteration's scalar offsets (three adds per iteration)
+                    for i, state in range(0, kt_first - kt_begin - 1, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
                         accs = list(state[:n_acc])
-                        a0, b0, sc = unflat(list(state[n_acc:]))
+                        a0, b0, sc = unflat(list(state[n_acc:-3]))
+                        cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
                         # one wait per step for everything issued before its successor's prefetch
                         # group (in issue order, that group may stay in flight), not one per use
-                        a0 = step_a(kt, 0, False, a0)
-                        a1, b1, _ = load_step(kt, 1, masked=False)
+                        a0 = step_a(cur, 0, False, a0)
+                        rocdl.sched_barrier(0)
+                        a1, b1, _ = load_step(cur, 1, masked=False)
                         rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                        ops = scale_operands(sc)
                         rocdl.sched_barrier(0)
-                        accs = compute_step(a0, b0, sc, 0, accs)
+                        accs = compute_step(a0, b0, ops[0], 0, accs)
                         rocdl.sched_barrier(0)
-                        a1 = step_a(kt, 1, False, a1)
-                        a0, b0, sc_next = load_step(kt - 1, 0, masked=False)
+                        a1 = step_a(cur, 1, False, a1)
+                        rocdl.sched_barrier(0)  # in issue order before the prefetch group it waits behind
+                        nxt = prev_iter(cur)
+                        a0, b0, sc_next = load_step(nxt, 0, masked=False)
                         rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
                         rocdl.sched_barrier(0)
-                        accs = compute_step(a1, b1, sc, 1, accs)
+                        accs = compute_step(a1, b1, ops[1], 1, accs)
                         rocdl.sched_barrier(0)
-                        results = yield accs + flat(a0, b0, sc_next)
+                        results = yield accs + flat(a0, b0, sc_next) + [v.ir_value() for v in nxt[1:]]
                     accs = list(results[:n_acc])
-                    a0, b0, sc = unflat(list(results[n_acc:]))
-                    a0 = step_a(kt_begin, 0, False, a0)
-                    a1, b1, _ = load_step(kt_begin, 1, masked=False)
-                    rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                    a0, b0, sc = unflat(list(results[n_acc:-3]))
+                    last = (None,) + tuple(fx.Int32(v) for v in results[-3:])
+                    a0 = step_a(last, 0, False, a0)
                     rocdl.sched_barrier(0)
-                    accs = compute_step(a0, b0, sc, 0, accs)
-                    a1 = step_a(kt_begin, 1, False, a1)
+                    a1, b1, _ = load_step(last, 1, masked=False)
+                    rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                    ops = scale_operands(sc)
+                    rocdl.sched_barrier(0)
+                    accs = compute_step(a0, b0, ops[0], 0, accs)
+                    a1 = step_a(last, 1, False, a1)
                     rocdl.s_waitcnt(vmcnt=0)
-                    accs = compute_step(a1, b1, sc, 1, accs)
+                    accs = compute_step(a1, b1, ops[1], 1, accs)
 
                 # ---- reduce the wk partial sums in LDS ---------------------------------------
                 if const_expr(WK > 1):
