@@ -34,12 +34,13 @@ of the 32 values inside the chunk works as long as both follow it.
     v_mfma_f32_16x16x16_bf16 (8 per step and block); see _unpack_sw.
 
 Pipeline. Each wave walks its K iterations last first, two 128-wide steps each: the loads of a
-step (B, scales, and A for one-row-block tiles; larger tiles load A at use to keep two
-workgroups per CU) are issued before the previous step computes, with one vmcnt wait per step.
-The global last iteration, the only one that can reach past inter_dim, comes first and is
-peeled (masked, its first MFMAs start from a constant 0); the final iteration prefetches nothing.
-Within a step, block nb + 1 is unpacked before block nb's MFMAs, so no MFMA waits on a fresh
-conversion; scheduling barriers pin that order.
+step (B, scales, and A for one-row-block tiles) are issued before the previous step computes;
+larger tiles (registers for two workgroups per CU) load a step's A just before issuing the
+next step's loads, so the one vmcnt wait per step still leaves those in flight. The loop
+carries the iteration's scalar offsets. The global last iteration, the only one that can reach
+past inter_dim, comes first and is peeled (masked, its first MFMAs start from a constant 0);
+the final iteration prefetches nothing. Within a step, block nb + 1 is unpacked before block
+nb's MFMAs, so no MFMA waits on a fresh conversion; scheduling barriers pin that order.
 
 Which m-tiles work. Without a host synchronisation the grid is sized by an upper bound on the
 m-tiles that can hold a routing pair (from T, topk, experts: at most T * topk, and at most
