@@ -431,6 +431,22 @@ def store_byte(data, rsrc, offset, soffset=0):
     rocdl.raw_ptr_buffer_store(arith.trunci(ir.IntegerType.get_signless(8), val(data)), rsrc, val(offset), val(soffset))
 
 
+def _lds_ptr(addr):
+    return llvm.inttoptr(ir.Type.parse("!llvm.ptr<3>"), val(addr))
+
+
+def lds_store(data, addr):
+    """Store an i32 or a vector of them at LDS byte address `addr` (i32)."""
+    data = val(data)
+    dwords = data.type.shape[0] if isinstance(data.type, ir.VectorType) else 1
+    llvm.StoreOp(data, _lds_ptr(addr), alignment=4 * dwords)
+
+
+def lds_load(dwords, addr):
+    """`dwords` consecutive dwords (a vector for dwords > 1) from LDS byte address `addr` (i32)."""
+    return llvm.load(vec_i32_t(dwords) if dwords > 1 else i32_t(), _lds_ptr(addr), alignment=4 * dwords)
+
+
 def dwords_of(vec, n=PIECE_DWORDS):
     return [extract(vec, i) for i in range(n)]
 

@@ -21,7 +21,10 @@ row_ror:8 moves, the lanes being 8 apart there) so that every BF16/FP16 store st
 whole 128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN value takes a rare
 path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the same lanes also
 reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block (DPP) and
-store the 1x32 outputs row by row (64 bytes of a row per instruction).
+convert the 1x32 outputs row by row. A tile holds 64 (32) bytes of each output row, so the
+wave collects a row's 128-byte line from 2 (4) consecutive column tiles in LDS and then stores
+whole lines, 8 rows per instruction (16 KiB of LDS per wave; see stages_rows for where that
+would cost occupancy and the tile's 64 (32) bytes of a row are stored at once instead).
 
 Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
 expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
@@ -56,6 +59,13 @@ MAX_WAVES = 4
 # Consecutive column tiles per wave: amortizes a wave's setup (~70 instructions, a fifth of a
 # tile) while every 8 tiles of a row still start a new wave.
 TILES_PER_WAVE = 8
+# dual: a wave's 1x32 output rows go through LDS, LINE_BYTES of a row (a line group of
+# 128 / tile columns consecutive column tiles: 2, FP32 4) per row of a 128-row tile. Groups
+# start at a wave's first tile: TILES_PER_WAVE is a multiple of them (with fewer column tiles,
+# one wave has the whole row).
+LINE_BYTES = 128
+STAGE_BYTES = TILE_ROWS[0] * LINE_BYTES  # per wave
+FLUSH_ROWS = WAVE * mx.PIECE_BYTES // LINE_BYTES  # staged rows per flush instruction
 # gfx950 32x1 / 3D: the occupancy the register allocator aims for (at most 128 VGPRs); even 2
 # waves x 16 KiB of loads in flight per SIMD cover HBM latency.
 WAVES_PER_SIMD = 4
@@ -98,6 +108,14 @@ def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str =
 SWAP_DIST_64 = {"gfx950": 32, "gfx942": 8}
 
 
+def stages_rows(arch: str, dtype: str) -> bool:
+    """dual: whether the 1x32 rows go through LDS (full-line stores). Not where the stages would
+    lower occupancy: the dual kernel's registers allow 2 waves per SIMD (8 per CU; gfx942 BF16:
+    over 256 VGPRs, 4), and gfx942's 64 KiB of LDS per CU hold only 4 waves' stages."""
+    waves_per_cu = 4 if (arch == "gfx942" and dtype == "bf16") else 8
+    return arch_info(arch).lds_bytes_per_cu >= waves_per_cu * STAGE_BYTES
+
+
 def _lane_rc(lane, groups_n, arch):
     """(row group, column lane) of a lane. 8 row groups (128-row tiles): lane = 8 g + c, so a
     block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart.
@@ -127,6 +145,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
     # neighbouring column lanes trade halves of for full-line stores
     interleave = groups_n == 4 and not spec.wide
+    stage_rows = kind == "dual" and stages_rows(arch, dtype)
     cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
     tile_cols = WAVE // groups_n * cols
     dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
@@ -235,7 +254,15 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         group = _group_of(offs, r0, groups, steps) if grouped else None
         first = mul(add(mul(bx, waves), wave), tiles_per_wave)
         count = mx.umin(tiles_per_wave, mx.usub_sat(col_tiles, first))
-        if kind == "dual":
+        if stage_rows:
+            stage = fx.SharedAllocator().allocate(waves * STAGE_BYTES, alignment=mx.PIECE_BYTES)
+            lds_wave = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, STAGE_BYTES))
+            # flush: lane (fr, fc) moves 16 bytes of staged row fr (+ FLUSH_ROWS per instruction)
+            fr, fc = lshr(lane, 3), shl(band(lane, LINE_BYTES // mx.PIECE_BYTES - 1), 4)
+            dual_ctx = dict(q1=q1, s1=s1, stage_lane=add(lds_wave, add(mul(g, ROWS_PER_LANE * LINE_BYTES), lane_cols)),
+                            flush_lds=add(lds_wave, add(mul(fr, LINE_BYTES), fc)), flush_fc=fc,
+                            flush_q1=add(mul(fr, k), fc))
+        elif kind == "dual":
             dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
                             lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
         else:
@@ -284,11 +311,17 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             rare = mx.wave_any(mx.cmp_uge(peak, spec.suspicious))
             ctx = dict(wave_ctx, c0=c0, rq=rq, col_full=col_full)
             exact = (lambda: column_amaxes(words, True)) if spec.needs_exact_redo else (lambda: amax)
+            if stage_rows:  # this tile's place in its line group (first is a multiple of the group)
+                slot = band(i, LINE_BYTES // tile_cols - 1)
+                ctx["slot_cols"] = mul(slot, tile_cols)
             mx.if_else(
                 rare,
                 lambda: finish(words, exact(), dict(ctx, exact=True), True),
                 lambda: finish(words, amax, dict(ctx, exact=False), False),
             )
+            if stage_rows:  # the group's last tile (or the wave's: the row's end) stores it
+                group_done = mx.arith.ori(mx.cmp_eq(slot, LINE_BYTES // tile_cols - 1), mx.cmp_eq(i, sub(count, 1)))
+                mx.if_then(group_done, lambda: _flush_rows(ctx))
 
         def finish(words, amax, ctx, nan_pass):
             sc = scales(amax)
@@ -455,8 +488,9 @@ def _store_interleaved(arch, dist, outs, offsets, rq):
 def _row_blocks(spec, words, nan_pass, ctx):
     """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
     cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
-    their low bits: DPP all-reduce), converted and stored per row (row-major (M, K) data, codes
-    (M, K/32) from the first lane of each block)."""
+    their low bits: DPP all-reduce), converted per row (row-major (M, K) data: into the wave's
+    LDS stage for _flush_rows, or stored at once) and codes (M, K/32) stored by the first lane
+    of each block."""
     wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
     lanes = MX_BLOCK // cols
     exact = ctx["exact"]
@@ -477,8 +511,17 @@ def _row_blocks(spec, words, nan_pass, ctx):
             codes, tops = mx.pair_scales(spec, mx.pack_pair(amax[r + 1], amax[r]))
             convs += [(codes, mx.scale_from_tops(spec, tops, 0)), (lshr(codes, 16), mx.scale_from_tops(spec, tops, 1))]
     c0, k = ctx["c0"], ctx["k"]
-    tile = add(mul(ctx["r0"], k), c0)
-    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+    if "stage_lane" in ctx:
+        stage = add(ctx["stage_lane"], ctx["slot_cols"])  # the lane's 16 rows of this tile in LDS
+
+        def put(data, r):
+            mx.lds_store(data, add(stage, r * LINE_BYTES))
+    else:
+        tile = add(mul(ctx["r0"], k), c0)
+        rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+
+        def put(data, r):
+            mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r])
     kb = lshr(k, 5)
     tile_s = add(mul(ctx["r0"], kb), lshr(c0, 5))
     rs = mx.buffer(ctx["s1"], tile_s, sub(mul(ctx["n"], kb), tile_s))
@@ -492,7 +535,7 @@ def _row_blocks(spec, words, nan_pass, ctx):
             limit = mx.clamp_limit(spec, conv) if clamp else None
             outs = mx.convert_piece(spec, list(words[r]), conv, limit)
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
-            mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r])
+            put(data, r)
 
     def codes():
         for r in range(ROWS_PER_LANE):
@@ -506,8 +549,26 @@ def _row_blocks(spec, words, nan_pass, ctx):
     for r in range(ROWS_PER_LANE):
         bad = mx.arith.andi(lane_ok, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
         data = nan[0] if len(nan) == 1 else mx.from_elements(nan)
-        mx.if_then(bad, lambda data=data, r=r: mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r]))
+        mx.if_then(bad, lambda data=data, r=r: put(data, r))
         mx.if_then(mx.arith.andi(bad, lead), lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+
+
+def _flush_rows(ctx):
+    """dual: store the staged 1x32 rows of the line group that ends with this tile, LINE_BYTES
+    of each row from 8 lanes (16 bytes each), so an instruction writes FLUSH_ROWS whole row
+    segments. Rows past N fall past the buffer's end; columns past K (the last group of a row
+    may be partial) are masked off by lane."""
+    k = ctx["k"]
+    first_col = sub(ctx["c0"], ctx["slot_cols"])
+    tile = add(mul(ctx["r0"], k), first_col)
+    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+
+    def stores():
+        for j in range(0, TILE_ROWS[0], FLUSH_ROWS):
+            data = mx.lds_load(mx.PIECE_DWORDS, add(ctx["flush_lds"], j * LINE_BYTES))
+            mx.store(data, rq, add(ctx["flush_q1"], mul(j, k)) if j else ctx["flush_q1"])
+
+    mx.if_then(mx.cmp_ult(add(first_col, ctx["flush_fc"]), k), stores)
 
 
 def _store_codes_fast(kind, half, sc, ctx, column_code):
