@@ -17,8 +17,8 @@ consecutive rows of 8 columns (full lines when N % 128 == 0). BF16/FP16 row pair
 are regrouped with v_perm_b32 first, as the packed conversion takes one scale. For N = 64 the
 tiles are 64 rows x 128 columns (4 row groups, lanes past N would waste half the work) and
 neighbouring column lanes swap half their columns (gfx950: v_permlane32_swap; gfx942: DPP
-row_ror:8 moves, the lanes being 8 apart there) so that every BF16/FP16 store still writes
-whole 128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN value takes a rare
+row_ror:8 moves, the lanes being 8 apart there) so that every store still writes whole
+128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN value takes a rare
 path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the same lanes also
 reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block (DPP) and
 convert the 1x32 outputs row by row. A tile holds 64 (32) bytes of each output row, so the
@@ -144,7 +144,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     pair_dist = 8 if groups_n == 8 else 1
     # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
     # neighbouring column lanes trade halves of for full-line stores
-    interleave = groups_n == 4 and not spec.wide
+    interleave = groups_n == 4
     stage_rows = kind == "dual" and stages_rows(arch, dtype)
     cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
     tile_cols = WAVE // groups_n * cols
@@ -244,12 +244,12 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         lane_out = None if interleave else [
             add(mul(add(lane_cols, j), n), mul(g, ROWS_PER_LANE)) for j in range(cols)]
         lane_out_il = []
-        if interleave:  # after the swap the odd column lane holds columns 7 to the left, + 1
+        if interleave:  # after the swap the odd column lane holds columns cols - 1 to the left, + 1
             shift = mul(band(c, 1), cols - 1)
 
             def il(j):
                 return add(mul(add(sub(lane_cols, shift), j), n), mul(g, ROWS_PER_LANE))
-            lane_out_il = [(il(2 * i), il(2 * i + cols)) for i in range(dws)]  # per column pair
+            lane_out_il = [(il(2 * i), il(2 * i + cols)) for i in range(cols // 2)]  # per column pair
         row_step = [mul(r, row_bytes) for r in range(ROWS_PER_LANE)]
         group = _group_of(offs, r0, groups, steps) if grouped else None
         first = mul(add(mul(bx, waves), wave), tiles_per_wave)
@@ -327,13 +327,16 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             sc = scales(amax)
 
             def convert_store():
-                for d in range(dws):  # column pair by column pair, each stored at once (keeps few values live)
-                    outs = convert(words, sc, d)
+                # dword columns converted and stored a few at a time (keeps few values live):
+                # one, or the interleaved stores' column pair (16-bit: one, FP32: two)
+                step = 2 * dws // cols if interleave else 1
+                for p in range(dws // step):
+                    outs = [o for d in range(p * step, (p + 1) * step) for o in convert(words, sc, d)]
                     if interleave:
-                        _store_interleaved(arch, SWAP_DIST_64[arch], outs, ctx["lane_out_il"][d], ctx["rq"])
+                        _store_interleaved(arch, SWAP_DIST_64[arch], outs, ctx["lane_out_il"][p], ctx["rq"])
                     else:
                         for jj, out in enumerate(outs):
-                            store_column(d * (cols // dws) + jj, out, ctx, None)
+                            store_column(p * (cols // dws) + jj, out, ctx, None)
                 store_codes(sc, ctx, None)
 
             mx.if_then(ctx["row_ok"], convert_store)  # lanes of rows past N (last row tile) store nothing
@@ -477,9 +480,10 @@ def _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock
 def _store_interleaved(arch, dist, outs, offsets, rq):
     """Store lane columns 2i, 2i + 1 (`outs`, 4 dwords each) of the 64-row layout so that each
     instruction writes two adjacent 64-byte columns (one 128-byte line) from lanes c and c ^ 1
-    (`dist` apart): lane c even (columns 8c .. 8c + 7) gives its column 2i + 1 for column 2i of
-    lane c + 1 (8c + 8 ..): the first instruction writes columns 8c + 2i (even lane) and
-    8c + 2i + 1 (odd lane), the second the pair 8 on (`offsets`: the lane's two)."""
+    (`dist` apart): lane c even (columns 8c .. 8c + 7; FP32: 4c .. 4c + 3) gives its column
+    2i + 1 for column 2i of lane c + 1 (8c + 8 ..): the first instruction writes columns 8c + 2i
+    (even lane) and 8c + 2i + 1 (odd lane), the second the pair 8 (4) on (`offsets`: the lane's
+    two)."""
     halves = [mx.exchange(arch, e, o, dist) for e, o in zip(*outs)]
     mx.store(mx.from_elements([lo for lo, _ in halves]), rq, offsets[0])
     mx.store(mx.from_elements([hi for _, hi in halves]), rq, offsets[1])

@@ -405,6 +405,21 @@ def test_instruction_budget(arch, kind, mode):
                 assert c.partial_store_lines == 0, name
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_3d_n64_store_lines(arch, dtype):
+    """3D with N = 64 (64-row tiles, interleaved column stores) writes whole 128-byte data lines
+    for the other input dtypes too (BF16: test_instruction_budget)."""
+    x = emu.aligned((torch.randn((2, 64, 256), generator=torch.Generator().manual_seed(0)) * 30).to(dtype))
+    with emu.device_like_allocations(), emu.record() as launches:
+        got = q3.quantize_3d(x, arch=arch, scaling_mode="rceil")
+    _pairs(got, reference.mxfp8_quantize_3d(x, "rceil"), "3d N = 64")
+    data = [(n, c) for r in launches for n, c in r.stats.memory.items() if n.startswith("buffer_store_dwordx")]
+    assert sum(c.bytes for _, c in data) == x.numel()
+    for name, c in data:
+        assert c.coalescing >= COALESCED and c.partial_store_lines == 0, f"{name}: {c.coalescing:.3f}"
+
+
 # ------------------------------------------------------------------------------------------------
 # The same checks on a real GPU
 # ------------------------------------------------------------------------------------------------
