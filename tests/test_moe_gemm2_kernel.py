@@ -75,8 +75,9 @@ def make_problem(tokens, topk, experts, model_dim, inter_dim, block_m, seed=0, w
     ids, weights = _routing(tokens, topk, experts, seed, skip_expert, skew)
     sorting = moe_sorting(ids, weights, experts, block_m, expert_mask=expert_mask)
     # bias comparable to the dot products, so that adding it twice (or not at all) shows; as wide
-    # as the padded weights, its columns past model_dim would show in out if they were written
-    bias = None if bias_dtype is None else (8 * torch.randn(experts, w_n, generator=gen)).to(bias_dtype)
+    # as the padded weights, its columns past model_dim would show in out if they were written;
+    # rows an odd number of elements apart (a column slice), so a bf16 row starts 2-byte aligned
+    bias = None if bias_dtype is None else (8 * torch.randn(experts, w_n + 1, generator=gen)).to(bias_dtype)[:, :w_n]
     return dict(a2=a2, w2=w2, w2_scale=w2_scale, sorting=sorting, bias=bias, topk=topk, block_m=block_m,
                 model_dim=model_dim, inter_dim=inter_dim, packed=packed, scales=scales)
 
