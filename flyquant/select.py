@@ -220,7 +220,12 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
     if isinstance(target, Plan):
         return target
     from .kernels import mxfp8_quantize_2d as k
+    from .kernels.mxfp8_quantize_3d import matrix_too_large
 
+    too_large = kind != "1x32" and matrix_too_large(x.shape, x.dtype)  # 1x32 launches in row chunks
+    if too_large:
+        _forced_reference(too_large)
+        return reference_plan(op, target, too_large)
     config = {**dataclasses.asdict(k.plan(kind, tuple(x.shape), x.dtype, target.arch)), **extra}
     name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"

@@ -613,14 +613,24 @@ def _store_codes_fast(kind, half, sc, ctx, column_code):
 # ------------------------------------------------------------------------------------------------
 
 
+def matrix_too_large(shape, dtype: torch.dtype) -> str | None:
+    """Why the column kernel cannot take a tensor of `shape` ((E, N, K) or (N, K)): one expert's
+    matrix of 2 GiB or more (its buffers use 32-bit byte offsets); None when it can."""
+    n, k = shape[-2:]
+    if n * k * torch.empty((), dtype=dtype).element_size() < MAX_LAUNCH_BYTES:
+        return None
+    return f"{tuple(shape)} {dtype}: the column kernel (32x1, dual, 3D) takes matrices below 2 GiB (32-bit buffer offsets)"
+
+
 def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block_k=1, offs=None, dims=0,
                expert_bytes=0, rows_out=None):
     """Launch the column kernel on contiguous x (E, N, K) (2D: (N, K), E = 1) into `data`
     (column-major per expert) and `scales` (uint8, laid out as the kind/layout says)."""
     e, n, k = x.shape if x.dim() == 3 else (1, *x.shape)
     dtype = TORCH_DTYPES[x.dtype]
-    if n * k * x.element_size() >= MAX_LAUNCH_BYTES or scales.numel() >= MAX_LAUNCH_BYTES:
-        raise ValueError(f"{tuple(x.shape)} is too large: one expert (matrix) and the scales must stay below 2 GiB")
+    too_large = matrix_too_large(x.shape, x.dtype)
+    if too_large or scales.numel() >= MAX_LAUNCH_BYTES:
+        raise ValueError(too_large or f"{tuple(x.shape)}: the scales must stay below 2 GiB (32-bit buffer offsets)")
     cfg = plan_col((e, n, k), x.dtype, arch, block_k, kind)
     grouped = offs is not None
     launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows)

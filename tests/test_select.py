@@ -86,3 +86,19 @@ def test_tuning_table_and_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYQUANT_CONFIG", "[1]")
     with pytest.raises(ValueError, match="JSON object"):
         select.config_overrides()
+
+
+def test_column_kernel_matrices_of_2_gib_go_to_the_reference(monkeypatch):
+    """32x1, dual and 3D address one matrix with 32-bit offsets: a 2 GiB one is planned on the
+    reference, with the reason (an error under FLYQUANT_BACKEND=flydsl); 1x32 launches such a
+    tensor in row chunks. (Expanded views: shapes without the memory.)"""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    big = torch.empty(1, 1, dtype=torch.bfloat16).expand(32768, 32768)  # exactly 2 GiB
+    for plan in (select.plan_mxfp8_quantize(big, 0, "rceil", None, None), select.plan_mxfp8_quantize_dual(big, "rceil"),
+                 select.plan_mxfp8_quantize_3d(big.unsqueeze(0).expand(2, -1, -1), "rceil", 1, None)):
+        assert plan.backend == "reference" and "below 2 GiB" in plan.reasons[-1], plan
+    assert select.plan_mxfp8_quantize(big, 1, "rceil", None, None).backend == "flydsl"
+    assert select.plan_mxfp8_quantize(big[:32736], 0, "rceil", None, None).backend == "flydsl"  # 32 rows less
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    with pytest.raises(select.BackendError, match="below 2 GiB"):
+        select.plan_mxfp8_quantize_dual(big, "rceil")
