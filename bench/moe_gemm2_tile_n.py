@@ -1,4 +1,4 @@
-"""A16W4 MoE stage-2 GEMM: sweep of tile_n (and split-K) per shape and token count.
+"""A16W4 MoE stage-2 GEMM: sweep of tile_n (and split-K, waves per workgroup) per shape and token count.
 
     python bench/moe_gemm2_tile_n.py                          # hardware if a ROCm GPU is present, else modelled
     python bench/moe_gemm2_tile_n.py --quick --out results    # a subset
@@ -71,6 +71,7 @@ OP = "moe_gemm2_a16w4"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_TOKENS = (1, 4, 16, 128)
 K_BATCH_DEFAULT = "sel,1,2,4"  # "sel": the selector's split for the shape and token count
+WAVES_DEFAULT = "auto"  # "auto": the kernel's default for each config (what the selector picks)
 # modelled mode: working workgroups emulated per config (whole m-tiles: n-tiles x k_batch each)
 MAX_WORKGROUPS = 96
 QUICK_MAX_WORKGROUPS = 24
@@ -282,6 +283,7 @@ class Config:
     tile_m: int
     tile_n: int
     k_batch: int
+    waves: int  # per workgroup
 
 
 def selector_choice(shape: MoeShape, tokens: int, device) -> tuple[Config | None, str]:
@@ -299,11 +301,12 @@ def selector_choice(shape: MoeShape, tokens: int, device) -> tuple[Config | None
     if plan.backend != "flydsl":
         return None, str(plan)
     c = plan.config
-    return Config(c["tile_m"], c["tile_n"], c["k_batch"]), str(plan)
+    return Config(c["tile_m"], c["tile_n"], c["k_batch"], c["waves"]), str(plan)
 
 
-def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_tile_m: int) -> list[Config]:
+def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_tile_m: int, kernel) -> list[Config]:
     tile_ms = [auto_tile_m if m == "auto" else int(m) for m in args.tile_m]
+    n_kt = -(-shape.inter_dim // kernel.KT)
     out = []
     for tile_m in dict.fromkeys(tile_ms):
         for tile_n in args.tile_n:
@@ -312,9 +315,11 @@ def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_
                     if chosen is None:
                         continue
                     kb = chosen.k_batch
-                cfg = Config(tile_m, tile_n, int(kb))
-                if cfg not in out:
-                    out.append(cfg)
+                for w in args.waves:
+                    waves = kernel.default_waves(tile_m, tile_n, n_kt, int(kb)) if w == "auto" else int(w)
+                    cfg = Config(tile_m, tile_n, int(kb), waves)
+                    if cfg not in out:
+                        out.append(cfg)
     return out
 
 
@@ -335,6 +340,7 @@ def launch(kernel, p: Problem, arch: str, cfg: Config, sorting, w2, w2_scale, mo
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         k_batch=cfg.k_batch,
+        waves=cfg.waves,
     )
 
 
@@ -413,6 +419,7 @@ def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, s
         "tile_m": cfg.tile_m,
         "tile_n": cfg.tile_n,
         "k_batch": cfg.k_batch,
+        "waves": cfg.waves,
         "reduction": "exact" if sampled == n_work else f"~{sampled}/{n_work} tiles",
         "wg_launched": launched,
         "wg_working": working,
@@ -491,7 +498,7 @@ def time_config(kernel, p: Problem, arch: str, cfg: Config, w2, scale, args) -> 
         flush=not args.no_flush,
         before=out.zero_,
     )
-    return timing_row(p, arch, t, "flyquant", {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "k_batch": cfg.k_batch})
+    return timing_row(p, arch, t, "flyquant", vars(cfg))
 
 
 def timing_row(p: Problem, arch: str, t: common.Timing, impl: str, extra: dict) -> dict:
@@ -609,7 +616,7 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
                     "model_dim": s.model_dim,
                     "inter_dim": s.inter_dim,
                 },
-                "config": {"tile_m": r["tile_m"], "tile_n": r["tile_n"], "k_batch": r["k_batch"]},
+                "config": {f: r[f] for f in select.MOE_CONFIG_FIELDS},
                 "median_us": r["median_us"],
             }
         )
@@ -624,6 +631,7 @@ MODELLED_COLUMNS = [
     ("arch", "arch"),
     ("tile", "tile"),
     ("k_batch", "kb"),
+    ("waves", "waves"),
     ("sel", "sel"),
     ("wg_launched", "WG"),
     ("wg_working", "working"),
@@ -652,6 +660,7 @@ HARDWARE_COLUMNS = [
     ("impl", "impl"),
     ("tile", "tile"),
     ("k_batch", "kb"),
+    ("waves", "waves"),
     ("sel", "sel"),
     ("median_us", "median us"),
     ("min_us", "min us"),
@@ -746,7 +755,7 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
 def _series_name(r: dict) -> str:
     if r.get("impl", "flyquant") != "flyquant":
         return r["impl"]
-    return f"{r['arch']} {r['tile_m']}x{r['tile_n']} kb{r['k_batch']}"
+    return f"{r['arch']} {r['tile_m']}x{r['tile_n']} kb{r['k_batch']} {r['waves']}w"
 
 
 def print_upstream(file=sys.stdout) -> None:
@@ -783,6 +792,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--k-batch", type=common.csv_list, default=None, help=f"split-K values or 'sel' (default {K_BATCH_DEFAULT})"
     )
+    ap.add_argument(
+        "--waves", type=common.csv_list, default=None, help=f"waves per workgroup or 'auto' (default {WAVES_DEFAULT})"
+    )
     ap.add_argument("--skew", type=float, default=0.0, help="expert popularity exponent (0: uniform routing)")
     ap.add_argument(
         "--max-workgroups",
@@ -797,6 +809,7 @@ def parse_args(argv=None):
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
     args.k_batch = args.k_batch or common.csv_list("sel" if args.quick else K_BATCH_DEFAULT)
+    args.waves = args.waves or common.csv_list(WAVES_DEFAULT)
     args.max_workgroups = args.max_workgroups or (QUICK_MAX_WORKGROUPS if args.quick else MAX_WORKGROUPS)
     return args
 
@@ -827,7 +840,7 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
                     else fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
                 )
                 problems = {}
-                for cfg in configs_for(shape, tokens, args, chosen, auto_tile_m):
+                for cfg in configs_for(shape, tokens, args, chosen, auto_tile_m, kernel):
                     if cfg.tile_m not in problems:
                         problems[cfg.tile_m] = build_problem(shape, tokens, cfg.tile_m, args.skew, args.seed, device)
                     p = problems[cfg.tile_m]
@@ -850,13 +863,13 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
                             }
                         )
                         print(
-                            f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch}: "
+                            f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch} {cfg.waves}w: "
                             f"ERROR {errors[-1]['error']}"
                         )
                         continue
                     row["selected"] = cfg == chosen
                     rows.append(row)
-                    print(f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch}: done", flush=True)
+                    print(f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch} {cfg.waves}w: done", flush=True)
                 if mode == "hardware":  # sorted with the selector's block size, as the API is called
                     base = problems.get(auto_tile_m) or build_problem(
                         shape, tokens, auto_tile_m, args.skew, args.seed, device
@@ -883,11 +896,11 @@ def main(argv=None) -> dict:
     if skipped:
         print(
             f"\n{len(skipped)} configs refused by the launcher, e.g. {skipped[0]['tile_m']}x{skipped[0]['tile_n']} "
-            f"kb{skipped[0]['k_batch']}: {skipped[0]['reason']}"
+            f"kb{skipped[0]['k_batch']} {skipped[0]['waves']}w: {skipped[0]['reason']}"
         )
     for e in errors:
         print(
-            f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {e['tile_m']}x{e['tile_n']} kb{e['k_batch']}: {e['error']}"
+            f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {e['tile_m']}x{e['tile_n']} kb{e['k_batch']} {e['waves']}w: {e['error']}"
         )
     if mode == "modelled":
         for r in rows:
@@ -895,7 +908,7 @@ def main(argv=None) -> dict:
             if r["target_misses"]:
                 print(
                     f"target missed: {r['shape']} T={r['tokens']} {r['arch']} "
-                    f"{r['tile_m']}x{r['tile_n']} kb{r['k_batch']}: " + "; ".join(r["target_misses"])
+                    f"{r['tile_m']}x{r['tile_n']} kb{r['k_batch']} {r['waves']}w: " + "; ".join(r["target_misses"])
                 )
         print(
             "\nreduction: 'exact' = every m-tile with work emulated; '~S/W' = S of the W m-tiles with work emulated "

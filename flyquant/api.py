@@ -131,7 +131,7 @@ def _moe_gemm2_op(
     k.moe_gemm2_a16w4(
         *args, arch=plan.arch, topk=topk, block_m=block_m, out=out, bias=bias, apply_weights=apply_weights,
         model_dim=model_dim, inter_dim=inter_dim, tile_m=plan.config["tile_m"], tile_n=plan.config["tile_n"],
-        k_batch=plan.config["k_batch"],
+        k_batch=plan.config["k_batch"], waves=plan.config["waves"],
     )
 
 

@@ -247,12 +247,13 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 
-MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch")
+MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch", "waves")
 
 
 def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
-    """(tile_m, tile_n, k_batch): first principles (the kernel's choose_config), then the tuning
-    table, then FLYQUANT_CONFIG; tile_m must divide the caller's block_m."""
+    """(tile_m, tile_n, k_batch, waves): first principles (the kernel's choose_config and
+    default_waves), then the tuning table, then FLYQUANT_CONFIG; tile_m must divide the caller's
+    block_m."""
     from .kernels import moe_gemm2_a16w4 as k
 
     tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
@@ -263,6 +264,9 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
     if block_m is not None and block_m % config["tile_m"]:
         fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
         config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
+    if "waves" not in config:  # for the tiles and split actually chosen
+        n_kt = -(-inter_dim // k.KT)
+        config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], n_kt, config["k_batch"])
     return config
 
 
@@ -279,7 +283,7 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
     config = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
     name = (f"moe_gemm2_a16w4_{_dtype_name(out_dtype)}_{config['tile_m']}x{config['tile_n']}_kb{config['k_batch']}"
-            f"{'_bias' if has_bias else ''}_{target.arch}")
+            f"_{config['waves']}w{'_bias' if has_bias else ''}_{target.arch}")
     conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
     return _kernel_plan(op, target, name, config, conversion)
 

@@ -95,7 +95,7 @@ def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
     p = bench.build_problem(shape, tokens, 16, 0.0, 0, "cpu")
     compact = kernel.m_grid(tokens, shape.topk, shape.experts, p.sorting[0].numel(), 16)[1]
     assert compact == (tokens == 1)
-    cfg = bench.Config(16, 128, 1)
+    cfg = bench.Config(16, 128, 1, 2)
     weights = bench.Weights(shape, 0, "cpu")
     row = bench.model_config(kernel, p, "gfx950", cfg, 10**6, weights)
     assert row["reduction"] == "exact"
@@ -183,6 +183,7 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
             "tile_m": 16,
             "tile_n": n,
             "k_batch": kb,
+            "waves": 2,
             "median_us": us,
         }
         for n, kb, us in ((128, 2, 30.0), (256, 1, 20.0))
@@ -196,5 +197,5 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
         "model_dim": shape.model_dim,
         "inter_dim": shape.inter_dim,
     }
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1, "waves": 2}
     assert select.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
