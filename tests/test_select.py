@@ -102,3 +102,16 @@ def test_column_kernel_matrices_of_2_gib_go_to_the_reference(monkeypatch):
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     with pytest.raises(select.BackendError, match="below 2 GiB"):
         select.plan_mxfp8_quantize_dual(big, "rceil")
+
+
+def test_moe_plan_carries_waves(monkeypatch):
+    """The plan names the waves per workgroup: the kernel's default for the chosen tiles and split
+    (GPT-OSS-like, 1 token: 16x128 tiles, split-K 3, 2 waves), unless FLYQUANT_CONFIG forces it."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    a2 = torch.empty(1, dtype=torch.bfloat16).expand(4, 2880)
+    w2 = torch.empty(1, dtype=torch.uint8).expand(128, 3072, 1536)
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
+    assert plan.config == {"tile_m": 16, "tile_n": 128, "k_batch": 3, "waves": 2}
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
+    assert plan.config["waves"] == 1 and "_1w_" in plan.kernel
