@@ -58,6 +58,7 @@ QUICK_SHAPES = ((8192, 7168), (8, 5120, 5120))
 KINDS_2D = ("1x32", "32x1", "dual")
 KINDS_3D = ("3d",)
 MODES = ("floor", "rceil")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_ELEMENTS = 1 << 22  # modelled mode: larger inputs are reduced (a few seconds of emulation each)
 QUICK_MAX_ELEMENTS = 1 << 20  # still above the torchao comparison shapes (<= 128 x 5120)
 REDUCE_STEP = 256  # reduced dimensions are multiples of this: the kernels' row tiles and scale layouts divide it
@@ -102,7 +103,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.kind} {'x'.join(map(str, self.shape))} {self.mode}"
+        dtype = "" if self.dtype == torch.bfloat16 else f" {str(self.dtype).removeprefix('torch.')}"
+        return f"{self.kind} {'x'.join(map(str, self.shape))} {self.mode}{dtype}"
 
     @property
     def elements(self) -> int:
@@ -508,10 +510,10 @@ def cases_for(args) -> list[Case]:
     for shape in shapes:
         for kind in (KINDS_2D if len(shape) == 2 else KINDS_3D):
             if kind in args.kinds:
-                cases += [Case(kind, shape, mode) for mode in args.modes]
+                cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in args.modes]
     for kind, shape in dict.fromkeys(torchao_cases):
         if kind in args.kinds:
-            cases += [Case(kind, shape, mode) for mode in args.modes]
+            cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in args.modes]
     return list(dict.fromkeys(cases))
 
 
@@ -527,6 +529,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--kinds", type=common.csv_list, default=list(KINDS_2D + KINDS_3D), help="1x32,32x1,dual,3d")
     ap.add_argument("--modes", type=common.csv_list, default=list(MODES), help="floor,rceil")
+    ap.add_argument("--dtypes", type=common.csv_list, default=["bf16"], help="input dtypes: bf16,fp16,fp32")
     ap.add_argument(
         "--max-elements",
         type=int,
@@ -541,6 +544,9 @@ def parse_args(argv=None):
     for mode in args.modes:
         if mode not in MODES:
             ap.error(f"unknown mode {mode!r}: choose from {MODES}")
+    for dtype in args.dtypes:
+        if dtype not in DTYPES:
+            ap.error(f"unknown dtype {dtype!r}: choose from {tuple(DTYPES)}")
     args.max_elements = args.max_elements or (QUICK_MAX_ELEMENTS if args.quick else MAX_ELEMENTS)
     return args
 

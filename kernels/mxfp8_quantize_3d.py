@@ -23,8 +23,12 @@ path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the same l
 reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block (DPP) and
 convert the 1x32 outputs row by row. A tile holds 64 (32) bytes of each output row, so the
 wave collects a row's 128-byte line from 2 (4) consecutive column tiles in LDS and then stores
-whole lines, 8 rows per instruction (16 KiB of LDS per wave; see stages_rows for where that
-would cost occupancy and the tile's 64 (32) bytes of a row are stored at once instead).
+whole lines, 8 rows per instruction (16 KiB of LDS per wave). Where that would cost occupancy
+(see staged_tiles) a 2-tile group stages only its first tile (8 KiB) and the last tile stores
+whole lines from its registers and the stage, 4 rows per 8-byte store: lanes of row groups 0-3
+give their own 8 bytes of rows 16g + r while lanes of groups 4-7 give the staged bytes of the
+same rows, then the other way round. Where even that would (gfx942, FP32), the tile's 32 bytes
+of a row are stored at once (quarter lines).
 
 Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
 expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
@@ -59,12 +63,11 @@ MAX_WAVES = 4
 # Consecutive column tiles per wave: amortizes a wave's setup (~70 instructions, a fifth of a
 # tile) while every 8 tiles of a row still start a new wave.
 TILES_PER_WAVE = 8
-# dual: a wave's 1x32 output rows go through LDS, LINE_BYTES of a row (a line group of
+# dual: a wave's 1x32 output rows go through LDS, up to LINE_BYTES of a row (a line group of
 # 128 / tile columns consecutive column tiles: 2, FP32 4) per row of a 128-row tile. Groups
 # start at a wave's first tile: TILES_PER_WAVE is a multiple of them (with fewer column tiles,
 # one wave has the whole row).
 LINE_BYTES = 128
-STAGE_BYTES = TILE_ROWS[0] * LINE_BYTES  # per wave
 FLUSH_ROWS = WAVE * mx.PIECE_BYTES // LINE_BYTES  # staged rows per flush instruction
 # gfx950 32x1 / 3D: the occupancy the register allocator aims for (at most 128 VGPRs); even 2
 # waves x 16 KiB of loads in flight per SIMD cover HBM latency.
@@ -108,12 +111,30 @@ def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str =
 SWAP_DIST_64 = {"gfx950": 32, "gfx942": 8}
 
 
-def stages_rows(arch: str, dtype: str) -> bool:
-    """dual: whether the 1x32 rows go through LDS (full-line stores). Not where the stages would
-    lower occupancy: the dual kernel's registers allow 2 waves per SIMD (8 per CU; gfx942 BF16:
-    over 256 VGPRs, 4), and gfx942's 64 KiB of LDS per CU hold only 4 waves' stages."""
+def staged_tiles(arch: str, dtype: str) -> int:
+    """dual: how many column tiles of a line group put their 1x32 rows in LDS. All of them (the
+    group's last tile then stores the lines from LDS: _flush_rows), all but the last (2-tile
+    groups: the last tile stores the lines from its registers and the stage: _store_lines), or
+    none (each tile stores its part of the lines). The most that costs no occupancy: the dual
+    kernel's registers allow 2 waves per SIMD (8 per CU; gfx942 BF16: over 256 VGPRs, 4), and
+    gfx942's 64 KiB of LDS per CU hold 8 waves' stages of one 8 KiB tile (16-bit) but not of
+    three 4 KiB FP32 tiles (12 KiB)."""
     waves_per_cu = 4 if (arch == "gfx942" and dtype == "bf16") else 8
-    return arch_info(arch).lds_bytes_per_cu >= waves_per_cu * STAGE_BYTES
+    tile_bytes = _tile_cols(dtype, TILE_ROWS[0])  # one output byte per column
+    group = LINE_BYTES // tile_bytes
+    for staged in (group, group - 1) if group == 2 else (group,):
+        if arch_info(arch).lds_bytes_per_cu >= waves_per_cu * stage_bytes(dtype, staged):
+            return staged
+    return 0
+
+
+def stage_bytes(dtype: str, staged: int) -> int:
+    """dual: LDS bytes of one wave's stage for `staged` tiles of a line group."""
+    return TILE_ROWS[0] * staged * _tile_cols(dtype, TILE_ROWS[0])
+
+
+def _tile_cols(dtype: str, tile_rows: int) -> int:
+    return WAVE // (tile_rows // ROWS_PER_LANE) * (mx.PIECE_BYTES // mx.ELEM_BYTES[dtype])
 
 
 def _lane_rc(lane, groups_n, arch):
@@ -145,9 +166,15 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
     # neighbouring column lanes trade halves of for full-line stores
     interleave = groups_n == 4
-    stage_rows = kind == "dual" and stages_rows(arch, dtype)
     cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
     tile_cols = WAVE // groups_n * cols
+    group_tiles = LINE_BYTES // tile_cols  # dual: column tiles of a line group
+    staged = staged_tiles(arch, dtype) if kind == "dual" else 0
+    stage_rows = staged > 0
+    held = stage_rows and staged < group_tiles  # the group's last tile stores from its registers
+    if held and (group_tiles != 2 or groups_n != 8):
+        raise ValueError(f"register-held line stores need 2-tile line groups of 128-row tiles, got {group_tiles}")
+    stage_row = staged * tile_cols  # LDS bytes of a staged row
     dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
     half = cols // 2  # columns whose codes each lane of a pair stores
     clamp = mode == "floor" and spec.scaled_cvt
@@ -255,13 +282,24 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         first = mul(add(mul(bx, waves), wave), tiles_per_wave)
         count = mx.umin(tiles_per_wave, mx.usub_sat(col_tiles, first))
         if stage_rows:
-            stage = fx.SharedAllocator().allocate(waves * STAGE_BYTES, alignment=mx.PIECE_BYTES)
-            lds_wave = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, STAGE_BYTES))
-            # flush: lane (fr, fc) moves 16 bytes of staged row fr (+ FLUSH_ROWS per instruction)
-            fr, fc = lshr(lane, 3), shl(band(lane, LINE_BYTES // mx.PIECE_BYTES - 1), 4)
-            dual_ctx = dict(q1=q1, s1=s1, stage_lane=add(lds_wave, add(mul(g, ROWS_PER_LANE * LINE_BYTES), lane_cols)),
-                            flush_lds=add(lds_wave, add(mul(fr, LINE_BYTES), fc)), flush_fc=fc,
-                            flush_q1=add(mul(fr, k), fc))
+            wave_stage = TILE_ROWS[0] * stage_row
+            stage = fx.SharedAllocator().allocate(waves * wave_stage, alignment=mx.PIECE_BYTES)
+            lds_wave = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, wave_stage))
+            dual_ctx = dict(q1=q1, s1=s1, stage_row=stage_row,
+                            stage_lane=add(lds_wave, add(mul(g, ROWS_PER_LANE * stage_row), lane_cols)))
+            if held:  # _store_lines: the lane also moves the staged bytes of row group g ^ 4's rows
+                partner = bor(band(g, 3), sub(4, band(g, 4)))  # g ^ 4
+                dual_ctx.update(
+                    row_k=[mul(r, k) for r in range(ROWS_PER_LANE)], line_lo=mx.cmp_ult(g, 4),
+                    partner_lds=add(lds_wave, add(mul(partner, ROWS_PER_LANE * stage_row), lane_cols)),
+                    partner_ok=mx.cmp_ult(add(r0, mul(partner, ROWS_PER_LANE)), n),
+                    own_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols),
+                    partner_q1=add(mul(mul(partner, ROWS_PER_LANE), k), lane_cols))
+            else:
+                # flush: lane (fr, fc) moves 16 bytes of staged row fr (+ FLUSH_ROWS per instruction)
+                fr, fc = lshr(lane, 3), shl(band(lane, LINE_BYTES // mx.PIECE_BYTES - 1), 4)
+                dual_ctx.update(flush_lds=add(lds_wave, add(mul(fr, LINE_BYTES), fc)), flush_fc=fc,
+                                flush_q1=add(mul(fr, k), fc))
         elif kind == "dual":
             dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
                             lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
@@ -312,15 +350,18 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             ctx = dict(wave_ctx, c0=c0, rq=rq, col_full=col_full)
             exact = (lambda: column_amaxes(words, True)) if spec.needs_exact_redo else (lambda: amax)
             if stage_rows:  # this tile's place in its line group (first is a multiple of the group)
-                slot = band(i, LINE_BYTES // tile_cols - 1)
+                slot = band(i, group_tiles - 1)
                 ctx["slot_cols"] = mul(slot, tile_cols)
+                # the group's last tile (or the wave's: the row's end) stores the lines
+                group_done = mx.arith.ori(mx.cmp_eq(slot, group_tiles - 1), mx.cmp_eq(i, sub(count, 1)))
+                if held:
+                    ctx["held"] = group_done
             mx.if_else(
                 rare,
                 lambda: finish(words, exact(), dict(ctx, exact=True), True),
                 lambda: finish(words, amax, dict(ctx, exact=False), False),
             )
-            if stage_rows:  # the group's last tile (or the wave's: the row's end) stores it
-                group_done = mx.arith.ori(mx.cmp_eq(slot, LINE_BYTES // tile_cols - 1), mx.cmp_eq(i, sub(count, 1)))
+            if stage_rows and not held:
                 mx.if_then(group_done, lambda: _flush_rows(ctx))
 
         def finish(words, amax, ctx, nan_pass):
@@ -493,8 +534,9 @@ def _row_blocks(spec, words, nan_pass, ctx):
     """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
     cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
     their low bits: DPP all-reduce), converted per row (row-major (M, K) data: into the wave's
-    LDS stage for _flush_rows, or stored at once) and codes (M, K/32) stored by the first lane
-    of each block."""
+    LDS stage, by the group's last tile with a register-held stage into lines (_store_lines),
+    or stored at once; non-finite blocks' rows 0x7F) and codes (M, K/32) stored by the first
+    lane of each block."""
     wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
     lanes = MX_BLOCK // cols
     exact = ctx["exact"]
@@ -519,7 +561,7 @@ def _row_blocks(spec, words, nan_pass, ctx):
         stage = add(ctx["stage_lane"], ctx["slot_cols"])  # the lane's 16 rows of this tile in LDS
 
         def put(data, r):
-            mx.lds_store(data, add(stage, r * LINE_BYTES))
+            mx.lds_store(data, add(stage, r * ctx["stage_row"]))
     else:
         tile = add(mul(ctx["r0"], k), c0)
         rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
@@ -533,28 +575,62 @@ def _row_blocks(spec, words, nan_pass, ctx):
     lead = mx.arith.andi(lane_ok, mx.cmp_eq(band(ctx["c"], lanes - 1), 0))
     lane_s = add(mul(mul(ctx["g"], ROWS_PER_LANE), kb), lshr(ctx["lane_cols"], 5))
 
-    def rows():
+    nan = [const(mx.E4M3_NAN_X4)] * (cols // 4)
+    nan = nan[0] if len(nan) == 1 else mx.from_elements(nan)
+
+    def rows(put):
         for r in range(ROWS_PER_LANE):
             code, conv = convs[r]
             limit = mx.clamp_limit(spec, conv) if clamp else None
             outs = mx.convert_piece(spec, list(words[r]), conv, limit)
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
+            if nan_pass:
+                data = mx.select(mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]), nan, data)
             put(data, r)
 
     def codes():
         for r in range(ROWS_PER_LANE):
             mx.store_byte(convs[r][0], rs, lane_s, mul(r, kb) if r else 0)
 
-    mx.if_then(lane_ok, rows)
+    if "held" in ctx:  # every lane takes part in the line stores (masked per row group there)
+        mx.if_else(ctx["held"], lambda: rows(_store_lines(ctx, lane_ok)), lambda: mx.if_then(lane_ok, lambda: rows(put)))
+    else:
+        mx.if_then(lane_ok, lambda: rows(put))
     mx.if_then(lead, codes)
     if not nan_pass:
         return
-    nan = [const(mx.E4M3_NAN_X4)] * (cols // 4)
     for r in range(ROWS_PER_LANE):
-        bad = mx.arith.andi(lane_ok, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
-        data = nan[0] if len(nan) == 1 else mx.from_elements(nan)
-        mx.if_then(bad, lambda data=data, r=r: put(data, r))
-        mx.if_then(mx.arith.andi(bad, lead), lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+        bad = mx.arith.andi(lead, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
+        mx.if_then(bad, lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+
+
+def _store_lines(ctx, lane_ok):
+    """dual, 2-tile line groups with only the first tile staged: the put(data, r) of the group's
+    second tile (or, at a row's end, of a group's only tile), which stores whole lines. Row r of
+    each lane's 16 (data: the lane's 8 bytes of it) goes out in two 8-byte stores of 4 rows x
+    128 bytes: the first writes the rows of row groups 0-3 (those lanes give their own bytes,
+    the lanes of groups 4-7 the staged bytes, read from LDS, of the same rows), the second those
+    of groups 4-7 (roles swapped). Rows past N and columns past K (the other tile of a row's
+    last group may lie past it) are masked off by lane and role."""
+    k = ctx["k"]
+    slot_cols = ctx["slot_cols"]
+    line0 = sub(ctx["c0"], slot_cols)  # the group's first column
+    tile = add(mul(ctx["r0"], k), line0)
+    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+    other_cols = sub(LINE_BYTES // 2, slot_cols)  # the staged tile's columns within the line
+    own = mx.select(lane_ok, add(ctx["own_q1"], slot_cols), OOB)
+    other_ok = mx.arith.andi(ctx["partner_ok"], mx.cmp_ult(add(add(line0, other_cols), ctx["lane_cols"]), k))
+    other = mx.select(other_ok, add(ctx["partner_q1"], other_cols), OOB)
+    lo = ctx["line_lo"]
+    offsets = (mx.select(lo, own, other), mx.select(lo, other, own))
+
+    def put(data, r):
+        staged = mx.lds_load(mx.PIECE_DWORDS // 2, add(ctx["partner_lds"], r * ctx["stage_row"]))
+        soff = ctx["row_k"][r] if r else 0
+        mx.store(mx.select(lo, data, staged), rq, offsets[0], soff)
+        mx.store(mx.select(lo, staged, data), rq, offsets[1], soff)
+
+    return put
 
 
 def _flush_rows(ctx):

@@ -336,24 +336,29 @@ def test_compile_resources(arch, mode):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile_dual(arch, dtype):
-    """dual: no scratch; the 1x32 rows go through LDS (16 KiB per wave) exactly where that costs
-    no occupancy (q3.stages_rows), and on gfx950 the registers keep 2 workgroups of 4 waves per
-    CU (as before the staging)."""
+    """dual: no scratch; the 1x32 rows go through LDS (16 KiB per wave, or 8 KiB where the
+    group's last tile stores from its registers) exactly as far as that costs no occupancy
+    (q3.staged_tiles): the registers' occupancy is kept, and on gfx950 that is 2 workgroups of 4
+    waves per CU (as before the staging)."""
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
     s, o = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
     plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
     r = _compile(arch, q3.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256, 256 * x.element_size(),
                  1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1)
-    stage = q3.MAX_WAVES * q3.STAGE_BYTES
+    group = q3.LINE_BYTES // plan.tile_cols
+    staged = q3.staged_tiles(arch, dtype)
+    # all tiles of a group staged, except on gfx942: FP16 stages one of 2 (8 waves x 8 KiB fill
+    # its 64 KiB), FP32 none (three 4 KiB tiles: 12 KiB, 8 waves would need 96 KiB)
+    assert staged == {("gfx942", "fp16"): 1, ("gfx942", "fp32"): 0}.get((arch, dtype), group)
     by_regs = occupancy(arch, r.vgprs, r.agprs, 0, q3.MAX_WAVES)
     print(f"{r.name}: {r.vgprs} VGPRs, LDS {r.lds_bytes}, {r.workgroups_per_cu()} workgroups/CU")
     assert r.spills == 0, r.name
-    if q3.stages_rows(arch, dtype):
-        assert r.lds_bytes == stage and r.workgroups_per_cu() == by_regs
-    else:
-        assert r.lds_bytes == 0 and occupancy(arch, r.vgprs, r.agprs, stage, q3.MAX_WAVES) < by_regs
-    if arch == "gfx950":
+    assert r.lds_bytes == q3.MAX_WAVES * q3.stage_bytes(dtype, staged) and r.workgroups_per_cu() == by_regs
+    if staged < group:  # the next stage that gives whole lines (all tiles, or all but the last) costs occupancy
+        more = q3.MAX_WAVES * q3.stage_bytes(dtype, group if staged == group - 1 else group - 1)
+        assert occupancy(arch, r.vgprs, r.agprs, more, q3.MAX_WAVES) < by_regs
+    if arch == "gfx950" or dtype != "bf16":
         assert r.workgroups_per_cu() >= 2, r.vgprs
 
 
@@ -403,6 +408,31 @@ def test_instruction_budget(arch, kind, mode):
             if name.startswith(("buffer_load", "buffer_store_dwordx")):
                 assert c.coalescing >= COALESCED, f"{name}: {c.coalescing:.3f}"
                 assert c.partial_store_lines == 0, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dual_store_lines(arch, dtype):
+    """dual writes whole 128-byte lines of both outputs for the other input dtypes too (BF16:
+    test_instruction_budget), gfx942 FP16 included (the group's last tile stores from its
+    registers and an 8 KiB stage). The one known exception, asserted as it is: gfx942 FP32,
+    where no stage fits without costing occupancy (q3.staged_tiles), stores its 1x32 rows in
+    quarter lines. (128, 1024): 4 (FP32: 8) line groups per wave, 2 (4) waves."""
+    x = emu.aligned((torch.randn((128, 1024), generator=torch.Generator().manual_seed(0)) * 30).to(dtype))
+    with emu.device_like_allocations(), emu.record() as launches:
+        got = q2.quantize_dual(x, arch=arch, scaling_mode="rceil")
+    (r1, rs1), (r2, rs2) = reference.mxfp8_quantize_dual(x, "rceil")
+    _pairs((*got[0], *got[1]), (r1, rs1, r2, rs2), "dual (128, 1024)")
+    data = [(n, c) for r in launches for n, c in r.stats.memory.items() if n.startswith("buffer_store_dword")]
+    assert sum(c.bytes for _, c in data) == 2 * x.numel()  # (the rest, byte stores, are the codes)
+    quarter = q3.staged_tiles(arch, q3.TORCH_DTYPES[dtype]) == 0
+    assert quarter == (arch == "gfx942" and dtype == torch.float32)
+    for n, c in data:
+        if quarter and n == "buffer_store_dword":  # 32 bytes of each row per tile
+            assert c.coalescing == q3.plan_col((1, *x.shape), dtype, arch, kind="dual").tile_cols / q3.LINE_BYTES
+            continue
+        assert c.coalescing >= COALESCED and c.partial_store_lines == 0, f"{n}: {c.coalescing:.3f}"
+    assert quarter == any(n == "buffer_store_dword" for n, _ in data)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
