@@ -355,6 +355,18 @@ def opaque_sgpr(x):
     return llvm.inline_asm(i32_t(), [val(x)], "", "=s,0")
 
 
+def lane_word(pred_bit):
+    """A per-lane word of all ones where the i32 `pred_bit` (0 or 1) is 1, else 0 (bit_select's
+    choice: it stays in a VGPR, where an i1 lane mask would take an SGPR pair)."""
+    return sub(0, pred_bit)
+
+
+def bit_select(word, a, b):
+    """word ? a : b bitwise, one v_bfi_b32 (inline asm: LLVM would otherwise turn it back into a
+    select on an SGPR-pair lane mask, or split it in two)."""
+    return llvm.inline_asm(i32_t(), [val(word), val(a), val(b)], "v_bfi_b32 $0, $1, $2, $3", "=v,v,v,v")
+
+
 def wave_any(pred):
     """True (i1, wave-uniform) when `pred` holds in any active lane."""
     return arith.cmpi(arith.CmpIPredicate.ne, rocdl.ballot(i64_t(), pred), arith.constant(i64_t(), 0))

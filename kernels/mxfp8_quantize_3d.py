@@ -24,11 +24,12 @@ reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block
 convert the 1x32 outputs row by row. A tile holds 64 (32) bytes of each output row, so the
 wave collects a row's 128-byte line from 2 (4) consecutive column tiles in LDS and then stores
 whole lines, 8 rows per instruction (16 KiB of LDS per wave). Where that would cost occupancy
-(see staged_tiles) a 2-tile group stages only its first tile (8 KiB) and the last tile stores
-whole lines from its registers and the stage, 4 rows per 8-byte store: lanes of row groups 0-3
-give their own 8 bytes of rows 16g + r while lanes of groups 4-7 give the staged bytes of the
-same rows, then the other way round. Where even that would (gfx942, FP32), the tile's 32 bytes
-of a row are stored at once (quarter lines).
+(gfx942 FP16/FP32, see staged_tiles) only the line's first half is staged (8 KiB) and the
+group's last tile stores whole lines from its registers and the stage, 4 rows per 8-byte
+store: lanes of row groups 0-3 give 8 bytes of the second half of rows 16g + r while lanes of
+groups 4-7 give the staged bytes of the same rows, then the other way round. FP32's second half
+is two tiles: the third tile's rows are carried in registers (16 VGPRs) to the fourth, and
+neighbouring column lanes trade them so each holds 8 consecutive bytes.
 
 Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
 expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
@@ -113,16 +114,16 @@ SWAP_DIST_64 = {"gfx950": 32, "gfx942": 8}
 
 def staged_tiles(arch: str, dtype: str) -> int:
     """dual: how many column tiles of a line group put their 1x32 rows in LDS. All of them (the
-    group's last tile then stores the lines from LDS: _flush_rows), all but the last (2-tile
-    groups: the last tile stores the lines from its registers and the stage: _store_lines), or
-    none (each tile stores its part of the lines). The most that costs no occupancy: the dual
-    kernel's registers allow 2 waves per SIMD (8 per CU; gfx942 BF16: over 256 VGPRs, 4), and
-    gfx942's 64 KiB of LDS per CU hold 8 waves' stages of one 8 KiB tile (16-bit) but not of
-    three 4 KiB FP32 tiles (12 KiB)."""
+    group's last tile then stores the lines from LDS: _flush_rows), those of the line's first
+    half (8 KiB per wave: the group's last tile stores the lines from its registers, FP32 also
+    from the previous tile's rows kept in registers, and the stage: _store_lines), or none (each
+    tile stores its part of the lines). The most that costs no occupancy: the dual kernel's
+    registers allow 2 waves per SIMD (8 per CU; gfx942 BF16: over 256 VGPRs, 4), and gfx942's
+    64 KiB of LDS per CU hold 8 waves' half stages, not full ones."""
     waves_per_cu = 4 if (arch == "gfx942" and dtype == "bf16") else 8
     tile_bytes = _tile_cols(dtype, TILE_ROWS[0])  # one output byte per column
     group = LINE_BYTES // tile_bytes
-    for staged in (group, group - 1) if group == 2 else (group,):
+    for staged in (group, group // 2):
         if arch_info(arch).lds_bytes_per_cu >= waves_per_cu * stage_bytes(dtype, staged):
             return staged
     return 0
@@ -172,8 +173,10 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     staged = staged_tiles(arch, dtype) if kind == "dual" else 0
     stage_rows = staged > 0
     held = stage_rows and staged < group_tiles  # the group's last tile stores from its registers
-    if held and (group_tiles != 2 or groups_n != 8):
-        raise ValueError(f"register-held line stores need 2-tile line groups of 128-row tiles, got {group_tiles}")
+    # FP32: the tile before the last keeps its rows in registers (carried to the next tile)
+    carried = group_tiles - 1 - staged if held else 0
+    if held and (staged * tile_cols != LINE_BYTES // 2 or carried > 1 or groups_n != 8):
+        raise ValueError(f"register-held line stores need half-line stages of 128-row tiles, got {staged}/{group_tiles}")
     stage_row = staged * tile_cols  # LDS bytes of a staged row
     dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
     half = cols // 2  # columns whose codes each lane of a pair stores
@@ -287,14 +290,21 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             lds_wave = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, wave_stage))
             dual_ctx = dict(q1=q1, s1=s1, stage_row=stage_row,
                             stage_lane=add(lds_wave, add(mul(g, ROWS_PER_LANE * stage_row), lane_cols)))
-            if held:  # _store_lines: the lane also moves the staged bytes of row group g ^ 4's rows
+            if held:  # _store_lines: the lane also moves 8 staged bytes of row group g ^ 4's rows
                 partner = bor(band(g, 3), sub(4, band(g, 4)))  # g ^ 4
+                piece = shl(c, 3)  # the lane's 8 bytes of a half line
                 dual_ctx.update(
-                    row_k=[mul(r, k) for r in range(ROWS_PER_LANE)], line_lo=mx.cmp_ult(g, 4),
-                    partner_lds=add(lds_wave, add(mul(partner, ROWS_PER_LANE * stage_row), lane_cols)),
-                    partner_ok=mx.cmp_ult(add(r0, mul(partner, ROWS_PER_LANE)), n),
-                    own_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols),
-                    partner_q1=add(mul(mul(partner, ROWS_PER_LANE), k), lane_cols))
+                    own_base=mx.select(row_ok, mul(mul(g, ROWS_PER_LANE), k), OOB),
+                    lo=mx.lane_word(sub(1, lshr(lane, 5))),  # row groups 0-3
+                    partner_base=mx.select(mx.cmp_ult(add(r0, mul(partner, ROWS_PER_LANE)), n),
+                                           mul(mul(partner, ROWS_PER_LANE), k), OOB),
+                    partner_lds=add(lds_wave, add(mul(partner, ROWS_PER_LANE * stage_row), piece)),
+                    piece=piece, staged=staged)
+                if carried:
+                    # after the pair exchange, lane c even holds the carried tile's bytes 8 (c / 2)
+                    # of the second half line, lane c odd the last tile's: 64 + 4c (+ 28)
+                    dual_ctx["own_cols"] = add(add(LINE_BYTES // 2, shl(c, 2)), mul(band(c, 1), 28))
+                    dual_ctx["odd"] = mx.lane_word(band(c, 1))
             else:
                 # flush: lane (fr, fc) moves 16 bytes of staged row fr (+ FLUSH_ROWS per instruction)
                 fr, fc = lshr(lane, 3), shl(band(lane, LINE_BYTES // mx.PIECE_BYTES - 1), 4)
@@ -309,7 +319,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
                         n=n, k=k, nb=nb, s_dims=s_dims, s_expert=s_expert, group=group, lane_out=lane_out,
                         lane_out_il=lane_out_il)
 
-        def one_tile(i):
+        def one_tile(i, *carry):
             c0 = mul(mx.opaque_sgpr(add(first, i)), tile_cols)
             tile_in = add(mul(r0, row_bytes), mul(c0, spec.elem_bytes))
             rx = mx.buffer(x, add(in_base, to_i64(tile_in)), sub(mul(expert, spec.elem_bytes), tile_in))
@@ -356,13 +366,17 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
                 group_done = mx.arith.ori(mx.cmp_eq(slot, group_tiles - 1), mx.cmp_eq(i, sub(count, 1)))
                 if held:
                     ctx["held"] = group_done
-            mx.if_else(
+                if carried:
+                    ctx.update(carry=carry, slot=slot, last=mx.cmp_eq(slot, group_tiles - 1))
+            rows = mx.if_else(
                 rare,
                 lambda: finish(words, exact(), dict(ctx, exact=True), True),
                 lambda: finish(words, amax, dict(ctx, exact=False), False),
+                [mx.i32_t()] * len(carry),
             )
             if stage_rows and not held:
                 mx.if_then(group_done, lambda: _flush_rows(ctx))
+            return rows  # carried: this tile's 1x32 row dwords, for the next tile
 
         def finish(words, amax, ctx, nan_pass):
             sc = scales(amax)
@@ -381,10 +395,12 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
                 store_codes(sc, ctx, None)
 
             mx.if_then(ctx["row_ok"], convert_store)  # lanes of rows past N (last row tile) store nothing
-            if kind == "dual":
-                _row_blocks(spec, words, nan_pass, ctx)
-            if not nan_pass:
-                return
+            rows = _row_blocks(spec, words, nan_pass, ctx) if kind == "dual" else None
+            if nan_pass:
+                nan_fixup(amax, ctx)
+            return rows
+
+        def nan_fixup(amax, ctx):
             # Non-finite blocks: code 0xFF and every element 0x7F, over what was just stored.
             if block_k > 1:
                 bad = [mx.cmp_uge(amax, mx.NONFINITE[dtype])] * cols
@@ -412,7 +428,10 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         def store_codes(sc, ctx, only):
             _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock, sc, ctx, only, column_code)
 
-        mx.for_range(count, one_tile)
+        if carried:
+            mx.for_range_carry(count, [const(0)] * ROWS_PER_LANE, one_tile)
+        else:
+            mx.for_range(count, one_tile)
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(
@@ -534,9 +553,9 @@ def _row_blocks(spec, words, nan_pass, ctx):
     """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
     cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
     their low bits: DPP all-reduce), converted per row (row-major (M, K) data: into the wave's
-    LDS stage, by the group's last tile with a register-held stage into lines (_store_lines),
-    or stored at once; non-finite blocks' rows 0x7F) and codes (M, K/32) stored by the first
-    lane of each block."""
+    LDS stage, by the group's last tile with a half-line stage into lines (_store_lines), or
+    stored at once; non-finite blocks' rows 0x7F) and codes (M, K/32) stored by the first lane
+    of each block. With a carried tile (FP32 half-line stage) returns the tile's row dwords."""
     wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
     lanes = MX_BLOCK // cols
     exact = ctx["exact"]
@@ -575,8 +594,7 @@ def _row_blocks(spec, words, nan_pass, ctx):
     lead = mx.arith.andi(lane_ok, mx.cmp_eq(band(ctx["c"], lanes - 1), 0))
     lane_s = add(mul(mul(ctx["g"], ROWS_PER_LANE), kb), lshr(ctx["lane_cols"], 5))
 
-    nan = [const(mx.E4M3_NAN_X4)] * (cols // 4)
-    nan = nan[0] if len(nan) == 1 else mx.from_elements(nan)
+    nan_x4 = const(mx.E4M3_NAN_X4)
 
     def rows(put):
         for r in range(ROWS_PER_LANE):
@@ -584,51 +602,85 @@ def _row_blocks(spec, words, nan_pass, ctx):
             limit = mx.clamp_limit(spec, conv) if clamp else None
             outs = mx.convert_piece(spec, list(words[r]), conv, limit)
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
-            if nan_pass:
-                data = mx.select(mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]), nan, data)
+            if nan_pass:  # 0x7F over a non-finite block's row (a bitwise select: 16 lane masks
+                # would not fit in the SGPRs)
+                bad = mx.lane_word(lshr(sub(mx.NONFINITE[spec.dtype] - 1, amax[r]), 31))  # amax < 2^31
+                data = [mx.bit_select(bad, nan_x4, d) for d in ([data] if len(outs) == 1 else outs)]
+                data = data[0] if len(data) == 1 else mx.from_elements(data)
             put(data, r)
 
     def codes():
         for r in range(ROWS_PER_LANE):
             mx.store_byte(convs[r][0], rs, lane_s, mul(r, kb) if r else 0)
 
-    if "held" in ctx:  # every lane takes part in the line stores (masked per row group there)
-        mx.if_else(ctx["held"], lambda: rows(_store_lines(ctx, lane_ok)), lambda: mx.if_then(lane_ok, lambda: rows(put)))
+    out = None
+    if "carry" in ctx:  # FP32 half-line stage: the tile before the group's last one keeps its rows
+        out = []
+        rows(lambda data, r: out.append(data))
+        mx.if_then(mx.arith.andi(lane_ok, mx.cmp_ult(ctx["slot"], ctx["staged"])),
+                   lambda: [put(data, r) for r, data in enumerate(out)])
+
+        def lines():
+            # the pair exchange gives lane c even 8 bytes of the carried tile's row (its own 4 and
+            # lane c + 1's), lane c odd 8 of this tile's (at a row's end the carried tile is this
+            # one: the columns of the tiles after it are masked off)
+            store = _store_lines(ctx)
+            for r, data in enumerate(out):
+                prev = mx.select(ctx["last"], ctx["carry"][r], data)
+                odd = ctx["odd"]
+                got = mx.dpp_xor(mx.bit_select(odd, prev, data), 1)  # the partner's prev (odd) / data (even)
+                store(mx.from_elements([mx.bit_select(odd, got, prev), mx.bit_select(odd, data, got)]), r)
+
+        mx.if_then(ctx["held"], lines)
+    elif "held" in ctx:  # every lane takes part in the line stores (masked per row group there)
+        mx.if_else(ctx["held"], lambda: rows(_store_lines(ctx)), lambda: mx.if_then(lane_ok, lambda: rows(put)))
     else:
         mx.if_then(lane_ok, lambda: rows(put))
     mx.if_then(lead, codes)
-    if not nan_pass:
-        return
-    for r in range(ROWS_PER_LANE):
-        bad = mx.arith.andi(lead, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
-        mx.if_then(bad, lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+    if nan_pass:
+        for r in range(ROWS_PER_LANE):
+            bad = mx.arith.andi(lead, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
+            mx.if_then(bad, lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+    return out
 
 
-def _store_lines(ctx, lane_ok):
-    """dual, 2-tile line groups with only the first tile staged: the put(data, r) of the group's
-    second tile (or, at a row's end, of a group's only tile), which stores whole lines. Row r of
-    each lane's 16 (data: the lane's 8 bytes of it) goes out in two 8-byte stores of 4 rows x
+def _store_lines(ctx):
+    """dual, half-line stages (only the line's first 64 bytes in LDS): the put(data, r) of the
+    group's last tile (or, at a row's end, of its last tile there), which stores whole lines.
+    data is the lane's 8 bytes of the line's second half in row r of its 16 (16-bit: its own; FP32:
+    after the pair exchange, see _row_blocks), which goes out in two 8-byte stores of 4 rows x
     128 bytes: the first writes the rows of row groups 0-3 (those lanes give their own bytes,
     the lanes of groups 4-7 the staged bytes, read from LDS, of the same rows), the second those
-    of groups 4-7 (roles swapped). Rows past N and columns past K (the other tile of a row's
-    last group may lie past it) are masked off by lane and role."""
+    of groups 4-7 (roles swapped). Rows past N and columns past K (at a row's end the line's
+    later columns may lie past it) are masked off by lane and role."""
     k = ctx["k"]
     slot_cols = ctx["slot_cols"]
     line0 = sub(ctx["c0"], slot_cols)  # the group's first column
     tile = add(mul(ctx["r0"], k), line0)
     rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
-    other_cols = sub(LINE_BYTES // 2, slot_cols)  # the staged tile's columns within the line
-    own = mx.select(lane_ok, add(ctx["own_q1"], slot_cols), OOB)
-    other_ok = mx.arith.andi(ctx["partner_ok"], mx.cmp_ult(add(add(line0, other_cols), ctx["lane_cols"]), k))
-    other = mx.select(other_ok, add(ctx["partner_q1"], other_cols), OOB)
-    lo = ctx["line_lo"]
-    offsets = (mx.select(lo, own, other), mx.select(lo, other, own))
+    if "own_cols" in ctx:  # FP32: fixed places in the line
+        own_cols, staged_cols = ctx["own_cols"], ctx["piece"]
+    else:  # 16-bit: this tile's place, the staged tile the other one (a group's only tile at a
+        # row's end is its first: the second half, past K, is masked off)
+        own_cols = add(slot_cols, ctx["piece"])
+        staged_cols = add(sub(LINE_BYTES // 2, slot_cols), ctx["piece"])
+
+    def inside(cols):
+        return mx.cmp_ult(add(line0, cols), k)
+
+    # (bases past N are OOB already, and stay past every buffer's end with the columns added)
+    own = mx.select(inside(own_cols), add(ctx["own_base"], own_cols), OOB)
+    other = mx.select(inside(staged_cols), add(ctx["partner_base"], staged_cols), OOB)
+    lo = ctx["lo"]
+    offsets = [mx.bit_select(lo, own, other), mx.bit_select(lo, other, own)]
 
     def put(data, r):
         staged = mx.lds_load(mx.PIECE_DWORDS // 2, add(ctx["partner_lds"], r * ctx["stage_row"]))
-        soff = ctx["row_k"][r] if r else 0
-        mx.store(mx.select(lo, data, staged), rq, offsets[0], soff)
-        mx.store(mx.select(lo, staged, data), rq, offsets[1], soff)
+        if r:  # the next row (rows go in order): offsets in VGPRs, SGPRs are scarce here
+            offsets[:] = [add(o, k) for o in offsets]
+        mine, theirs = mx.dwords_of(data, 2), mx.dwords_of(staged, 2)
+        mx.store(mx.from_elements([mx.bit_select(lo, a, b) for a, b in zip(mine, theirs)]), rq, offsets[0])
+        mx.store(mx.from_elements([mx.bit_select(lo, b, a) for a, b in zip(mine, theirs)]), rq, offsets[1])
 
     return put
 
