@@ -306,7 +306,7 @@ def selector_choice(shape: MoeShape, tokens: int, device) -> tuple[Config | None
 
 def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_tile_m: int, kernel) -> list[Config]:
     tile_ms = [auto_tile_m if m == "auto" else int(m) for m in args.tile_m]
-    n_kt = -(-shape.inter_dim // kernel.KT)
+    n_kt = kernel.k_iterations(shape.inter_dim)
     out = []
     for tile_m in dict.fromkeys(tile_ms):
         for tile_n in args.tile_n:
@@ -752,10 +752,15 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
     return path
 
 
+def config_label(r: dict) -> str:
+    """A config (a row, or vars(Config)) as the outputs name it: tile, split-K, waves."""
+    return f"{r['tile_m']}x{r['tile_n']} kb{r['k_batch']} {r['waves']}w"
+
+
 def _series_name(r: dict) -> str:
     if r.get("impl", "flyquant") != "flyquant":
         return r["impl"]
-    return f"{r['arch']} {r['tile_m']}x{r['tile_n']} kb{r['k_batch']} {r['waves']}w"
+    return f"{r['arch']} {config_label(r)}"
 
 
 def print_upstream(file=sys.stdout) -> None:
@@ -863,13 +868,13 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
                             }
                         )
                         print(
-                            f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch} {cfg.waves}w: "
+                            f"  {name} T={tokens} {arch} {config_label(vars(cfg))}: "
                             f"ERROR {errors[-1]['error']}"
                         )
                         continue
                     row["selected"] = cfg == chosen
                     rows.append(row)
-                    print(f"  {name} T={tokens} {arch} {cfg.tile_m}x{cfg.tile_n} kb{cfg.k_batch} {cfg.waves}w: done", flush=True)
+                    print(f"  {name} T={tokens} {arch} {config_label(vars(cfg))}: done", flush=True)
                 if mode == "hardware":  # sorted with the selector's block size, as the API is called
                     base = problems.get(auto_tile_m) or build_problem(
                         shape, tokens, auto_tile_m, args.skew, args.seed, device
@@ -895,12 +900,11 @@ def main(argv=None) -> dict:
     common.print_table(list(_display(rows)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
     if skipped:
         print(
-            f"\n{len(skipped)} configs refused by the launcher, e.g. {skipped[0]['tile_m']}x{skipped[0]['tile_n']} "
-            f"kb{skipped[0]['k_batch']} {skipped[0]['waves']}w: {skipped[0]['reason']}"
+            f"\n{len(skipped)} configs refused by the launcher, e.g. {config_label(skipped[0])}: {skipped[0]['reason']}"
         )
     for e in errors:
         print(
-            f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {e['tile_m']}x{e['tile_n']} kb{e['k_batch']} {e['waves']}w: {e['error']}"
+            f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {config_label(e)}: {e['error']}"
         )
     if mode == "modelled":
         for r in rows:
@@ -908,7 +912,7 @@ def main(argv=None) -> dict:
             if r["target_misses"]:
                 print(
                     f"target missed: {r['shape']} T={r['tokens']} {r['arch']} "
-                    f"{r['tile_m']}x{r['tile_n']} kb{r['k_batch']} {r['waves']}w: " + "; ".join(r["target_misses"])
+                    f"{config_label(r)}: " + "; ".join(r["target_misses"])
                 )
         print(
             "\nreduction: 'exact' = every m-tile with work emulated; '~S/W' = S of the W m-tiles with work emulated "

@@ -265,8 +265,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
         fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
         config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
     if "waves" not in config:  # for the tiles and split actually chosen
-        n_kt = -(-inter_dim // k.KT)
-        config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], n_kt, config["k_batch"])
+        config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(inter_dim), config["k_batch"])
     return config
 
 

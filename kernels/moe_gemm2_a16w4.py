@@ -129,6 +129,11 @@ PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
 PERM_ODD_HALVES = 0x07060302  # bf16 1 of two dwords
 
 
+def k_iterations(inter_dim: int) -> int:
+    """The KT-wide K iterations covering inter_dim (the last one may be partly past it)."""
+    return -(-inter_dim // KT)
+
+
 def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int) -> bool:
     """Whether wn x wk waves can split a tile_m x tile_n tile (wn along N, wk along K): whole
     16-column blocks per wave, at most MAX_WAVE_N columns and MAX_ACC_PER_LANE accumulators per
@@ -190,7 +195,7 @@ class Gemm2Config:
 
     @property
     def n_kt(self) -> int:
-        return -(-self.inter_dim // KT)
+        return k_iterations(self.inter_dim)
 
     @property
     def n_tiles(self) -> int:
@@ -755,7 +760,7 @@ def choose_config(tokens: int, topk: int, experts: int, model_dim: int, inter_di
     rows_per_expert = -(-pairs // active)
     tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
     m_tiles = active * -(-rows_per_expert // tile_m)
-    n_kt = -(-inter_dim // KT)
+    n_kt = k_iterations(inter_dim)
     tile_n = 256 if m_tiles * -(-model_dim // 256) >= info.compute_units else 128
     n_tiles = -(-model_dim // tile_n)
     k_batch = 1
@@ -864,7 +869,7 @@ def moe_gemm2_a16w4(
     tile_n = auto_n if tile_n is None else tile_n
     if tile_n not in TILE_NS:
         raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
-    n_kt = -(-inter_dim // KT)
+    n_kt = k_iterations(inter_dim)
     k_batch = min(auto_kb, n_kt) if k_batch is None else k_batch
     if not isinstance(k_batch, int) or not 1 <= k_batch <= n_kt:
         raise ValueError(f"k_batch must be an int in [1, ceil(inter_dim / {KT}) = {n_kt}], got {k_batch!r}")

@@ -355,7 +355,7 @@ COMPILE_CASES = [
 def test_compiles_without_spills_at_two_workgroups_per_cu(arch, case):
     shape, tile_m, tile_n, k_batch = case
     md, kd, w_n, w_k, experts, topk = MODEL_SHAPES[shape]
-    n_kt = -(-kd // K.KT)
+    n_kt = K.k_iterations(kd)
     waves = K.default_waves(tile_m, tile_n, n_kt, k_batch)
     wn, wk = K.default_layout(tile_m, tile_n, n_kt, k_batch, waves)
     cfg = K.Gemm2Config(
