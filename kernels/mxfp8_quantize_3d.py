@@ -549,6 +549,12 @@ def _store_interleaved(arch, dist, outs, offsets, rq):
     mx.store(mx.from_elements([hi for _, hi in halves]), rq, offsets[1])
 
 
+def _rows_buffer(ctx, first_col):
+    """dual: the 1x32 data (M, K) row-major from row r0, column first_col to its end."""
+    tile = add(mul(ctx["r0"], ctx["k"]), first_col)
+    return mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], ctx["k"]), tile))
+
+
 def _row_blocks(spec, words, nan_pass, ctx):
     """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
     cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
@@ -582,8 +588,7 @@ def _row_blocks(spec, words, nan_pass, ctx):
         def put(data, r):
             mx.lds_store(data, add(stage, r * ctx["stage_row"]))
     else:
-        tile = add(mul(ctx["r0"], k), c0)
-        rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+        rq = _rows_buffer(ctx, c0)
 
         def put(data, r):
             mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r])
@@ -656,8 +661,7 @@ def _store_lines(ctx):
     k = ctx["k"]
     slot_cols = ctx["slot_cols"]
     line0 = sub(ctx["c0"], slot_cols)  # the group's first column
-    tile = add(mul(ctx["r0"], k), line0)
-    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+    rq = _rows_buffer(ctx, line0)
     if "own_cols" in ctx:  # FP32: fixed places in the line
         own_cols, staged_cols = ctx["own_cols"], ctx["piece"]
     else:  # 16-bit: this tile's place, the staged tile the other one (a group's only tile at a
@@ -692,8 +696,7 @@ def _flush_rows(ctx):
     may be partial) are masked off by lane."""
     k = ctx["k"]
     first_col = sub(ctx["c0"], ctx["slot_cols"])
-    tile = add(mul(ctx["r0"], k), first_col)
-    rq = mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], k), tile))
+    rq = _rows_buffer(ctx, first_col)
 
     def stores():
         for j in range(0, TILE_ROWS[0], FLUSH_ROWS):
