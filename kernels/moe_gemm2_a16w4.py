@@ -84,6 +84,8 @@ from flydsl.expr.typing import Vector as Vec
 from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
+from . import _mx_common as mx
+
 # ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
 WAVE = 64
 WAVES = 4  # default waves per workgroup
@@ -374,6 +376,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     PREFETCH_A = MB == 1
     LOADS_SUB1 = NB + (4 * MB if PREFETCH_A else 0)  # vector loads of a step's prefetch group
     LOADS_SUB0 = LOADS_SUB1 + NP  # ... plus the scale dwords with step 0
+    UNIFORM_ITERS = cfg.n_kt % (cfg.k_batch * WK) == 0  # every K worker walks the same number of iterations
     if K_SPLIT > N_KT or not wave_fits(TILE_M, TILE_N, WN, WK):
         raise ValueError(f"{cfg}: no valid wave split (k_batch * wk must be <= {N_KT} K steps of {KT})")
 
@@ -417,22 +420,29 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         n_used = rows_used.shrui(fx.Int32(LOG_TILE_M))  # m-tiles in use (block_m is a multiple of tile_m)
 
         # ---- which m-tile: direct, or the m_slot-th tile with work -------------------------
+        def scan_chunk(base, target, found):
+            """Tiles base .. base + 63: (target - their tiles with work, found or the tile index
+            when the target-th tile with work is among them)."""
+            idx = base + lane
+            first = _load(ids_rsrc, idx << (LOG_TILE_M + 2), 0, 1)  # OOB past R reads 0
+            # ballots of single compares, and-ed as scalars: a ballot of an and costs a select
+            # and a compare per lane
+            mask = _ballot(idx < n_used) & _ballot((first & TOKEN_MASK) < tokens)
+            hit = mask & _ballot(_lanes_below(mask) == target)
+            count = fx.Int32(fx.math.ctpop(mask))
+            first_hit = fx.Int32(llvm.intr_cttz(hit.ir_value(), True))  # used only when hit != 0
+            return target - count, (hit != 0).select(base + first_hit, found)
+
         tile = m_slot
         if compact != 0:
-            found = fx.Int32(-1)
-            chunks = (n_used + (WAVE - 1)).shrui(fx.Int32(LOG_WAVE))
-            for c_idx, state in range(0, chunks, 1, init=[m_slot, found]):
-                target, found_c = state
-                base = fx.Int32(c_idx) << LOG_WAVE
-                idx = base + lane
-                first = _load(ids_rsrc, idx << (LOG_TILE_M + 2), 0, 1)  # OOB past R reads 0
-                work = (idx < n_used) & ((first & TOKEN_MASK) < tokens)
-                mask = _ballot(work)
-                hit = _ballot(work & (_lanes_below(mask) == target))
-                count = fx.Int32(fx.math.ctpop(mask))
-                found_c = (hit != 0).select(base + fx.Int32(fx.math.cttz(hit)), found_c)
-                results = yield [target - count, found_c]
-            tile = results[1]
+            # the first 64 m-tiles straight-line (at small token counts they are all), a loop over
+            # the others (a slot found among the first has a negative target there: no more hits)
+            target, tile = scan_chunk(fx.Int32(0), m_slot, fx.Int32(-1))
+            if n_used > WAVE:
+                chunks = (n_used + (WAVE - 1)).shrui(fx.Int32(LOG_WAVE))
+                for c_idx, state in range(1, chunks, 1, init=[target, tile]):
+                    results = yield list(scan_chunk(fx.Int32(c_idx) << LOG_WAVE, *state))
+                tile = results[1]
         # tile < n_used, unsigned: also false for "not found" (-1); idle slots exit here
         if fx.Uint32(tile) < fx.Uint32(n_used):
             row0 = tile << LOG_TILE_M
@@ -449,14 +459,20 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                 col_wave = n_tile * TILE_N + wn_i * WAVE_N
                 blk_wave = col_wave.shrui(fx.Int32(LOG_MFMA))  # first 16-column block of the wave
                 worker = k_split * WK + wk_i
-                kt_begin = _udiv(worker * N_KT, K_SPLIT)
-                kt_end = _udiv((worker + 1) * N_KT, K_SPLIT)
+                if const_expr(UNIFORM_ITERS):
+                    n_iters = N_KT // K_SPLIT  # compile-time: no branch on it, a loop only when needed
+                    kt_end = (worker + 1) * n_iters
+                else:
+                    kt_end = _udiv((worker + 1) * N_KT, K_SPLIT)
+                    n_iters = kt_end - _udiv(worker * N_KT, K_SPLIT)
 
                 # A: per 16-row block, this lane's row (l16) at its k-chunk (kl); padding rows OOB.
                 a_off = []
+                toks = []  # this lane's token per 16-row block (the epilogue's too)
                 for mb in range_constexpr(MB):
                     rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
                     tok = rid & TOKEN_MASK
+                    toks.append(tok)
                     a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
                     a_off.append((tok < tokens).select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
                 # B: per 16-column block; blocks past model_dim are never loaded (OOB -> 0).
@@ -584,24 +600,32 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                 kt_first = kt_end - 1
                 it = at_iter(kt_first)
                 a0, b0, sc = load_step(it, 0, masked=TAIL)
-                pre = flat(a0, b0, sc)  # placeholder when there is no next iteration
+                # without a next iteration nothing reads the prefetch: poison, not a copy of live registers
+                pre = [mx.poison(v.type) for v in flat(a0, b0, sc)]
                 a0 = step_a(it, 0, TAIL, a0)
+                rocdl.sched_barrier(0)  # step 0's loads issue first: the wait below counts on it
                 a1, b1, _ = load_step(it, 1, masked=TAIL)
+                rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
                 ops = scale_operands(sc)
                 rocdl.sched_barrier(0)
                 accs = compute_step(a0, b0, ops[0], 0, [zero] * n_acc)
                 rocdl.sched_barrier(0)
                 a1 = step_a(it, 1, TAIL, a1)
-                more = kt_first > kt_begin
+                more = n_iters > 1
                 it = prev_iter(it)
+                # step 1 in each branch, after its own wait: past a join the compiler waits per use
                 if more:
                     pre = flat(*load_step(it, 0, masked=False))
-                rocdl.sched_barrier(0)
-                accs = compute_step(a1, b1, ops[1], 1, accs)
+                    rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
+                    rocdl.sched_barrier(0)
+                    accs = compute_step(a1, b1, ops[1], 1, accs)
+                else:
+                    rocdl.s_waitcnt(vmcnt=0)
+                    accs = compute_step(a1, b1, ops[1], 1, accs)
                 rocdl.sched_barrier(0)
                 if more:
                     # the loop carries the iteration's scalar offsets (three adds per iteration)
-                    for i, state in range(0, kt_first - kt_begin - 1, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
+                    for i, state in range(0, n_iters - 2, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
                         accs = list(state[:n_acc])
                         a0, b0, sc = unflat(list(state[n_acc:-3]))
                         cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
@@ -645,8 +669,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     p3 = ir.Type.parse("!llvm.ptr<3>")
 
                     def lds_ptr(group, i):
-                        off = (((group * WN + wn_i) * (MB * NB) + i) * WAVE + lane) * 16
-                        return llvm.inttoptr(p3, fx.Int64(lds_base + off).ir_value())
+                        # a constant GEP per block off one base: the offset folds into ds_read/ds_write
+                        base = llvm.inttoptr(p3, (lds_base + ((group * WN + wn_i) * (MB * NB * WAVE) + lane) * 16).ir_value())
+                        return llvm.GEPOp(p3, base, [], [i * WAVE * 16], T.i8, None).result
 
                     if wk_i > 0:
                         for i in range_constexpr(MB * NB):
@@ -680,10 +705,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
                     p1 = ir.Type.parse("!llvm.ptr<1>")
                     for mb in range_constexpr(MB):
-                        row = row0 + mb * MFMA_MN + l16
-                        tok = _load(ids_rsrc, row << 2, 0, 1) & TOKEN_MASK
+                        tok = toks[mb]
                         if const_expr(cfg.apply_weights):
-                            wt = _load(w_rsrc_rows, row << 2, 0, 1).bitcast(fx.Float32)
+                            wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
                         vals = []  # vals[nb][i]: column 4 kl + i of block nb
                         for nb in range_constexpr(NB):
                             acc = Vec(accs[mb * NB + nb])

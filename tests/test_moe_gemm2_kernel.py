@@ -149,6 +149,9 @@ def check(p, got, out0, out_dtype, k_batch, apply_weights):
 #   tile32x256 / tile64x128: the larger tiles (2 and 4 row blocks per wave, A loaded at use);
 #   inter 768 gives the 64x128 tile's 2 waves along K unequal K ranges (3 steps of 256).
 #   inter 1024: 4 K steps, so 4 waves can split K (an LDS reduction of 3 partial tiles).
+#   Every K worker's iteration count: compile-time when they all have the same (1: no prefetch,
+#   2: straight-line; two_iters, 3: a loop; loop_uniform), else read at run time (inter 1792 =
+#   7 steps over 2 k-splits: 3 and 4; loop_uneven, and tile64x128's 1 and 2).
 # The waves column picks the workgroup's split (wn along N x wk along K, see default_layout):
 # 4: 2x2 / 4x1 / 1x4; 2: 1x2 / 2x1; 1: 1x1; padded_splitk's 4x1 gives one 16-column block per
 # wave (a wave starting at the odd half of a 32-row scale group).
@@ -165,6 +168,9 @@ CASES = [
     ("tile32x256",     20,    2,   256,   512, None, None,     32,     32,    256,      1,     2, torch.bfloat16, True, None),
     ("tile64x128",     24,    2,   128,   768, None, None,     64,     64,    128,      1,     4, torch.float32, True, torch.float32),
     ("wk4",             9,    2,   128,  1024, None, None,     16,     16,    128,      1,     4, torch.float32, True, torch.float32),
+    ("two_iters",       9,    2,   128,  1024, None, None,     16,     16,    128,      1,     2, torch.bfloat16, True, None),
+    ("loop_uniform",    5,    2,   128,  1536, None, None,     16,     16,    128,      1,     2, torch.float32, True, torch.bfloat16),
+    ("loop_uneven",     5,    2,   128,  1792, None, None,     16,     16,     64,      2,     1, torch.float32, False, None),
 ]
 SCALE_SPREAD = {"topk1": 24}  # E8M0 codes 103..151 (the rest: codes around 125)
 
@@ -291,6 +297,21 @@ def test_few_tokens_scan_for_the_tiles_with_work(arch, ck_style):
         got = run_case(arch, p, torch.float32, tile_m=block_m, k_batch=1)
     (launch,) = launches
     assert launch.grid[0] == grid_m
+    check(p, got, out0, torch.float32, 1, True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scan_past_the_first_64_tiles(arch):
+    """120 tokens x top-1 over 256 experts: about 100 m-tiles in use, a compact grid of 120 slots.
+    The scan covers the first 64 tiles straight-line and the rest in a loop: the slots whose
+    tile lies past the first 64 must find it there, and the others must not find a second one."""
+    tokens, topk, experts, md, kd, block_m = 120, 1, 256, 64, 256, 16
+    p = make_problem(tokens, topk, experts, md, kd, block_m, seed=5, skip_expert=None, skew=False)
+    ids, _, _, nvalid = p["sorting"]
+    grid_m, compact = K.m_grid(tokens, topk, experts, ids.numel(), block_m)
+    assert compact and int(nvalid[0]) // block_m > K.WAVE
+    out0 = torch.zeros(tokens, md, dtype=torch.float32)
+    got = run_case(arch, p, torch.float32, tile_m=block_m, tile_n=64, k_batch=1, waves=1)
     check(p, got, out0, torch.float32, 1, True)
 
 
