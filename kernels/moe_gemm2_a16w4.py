@@ -39,17 +39,21 @@ larger tiles (registers for two workgroups per CU) load a step's A just before i
 next step's loads, so the one vmcnt wait per step still leaves those in flight. The loop
 carries the iteration's scalar offsets. The global last iteration, the only one that can reach
 past inter_dim, comes first and is peeled (masked, its first MFMAs start from a constant 0);
-the final iteration prefetches nothing. Within a step, block nb + 1 is unpacked before block
-nb's MFMAs, so no MFMA waits on a fresh conversion; scheduling barriers pin that order.
+the final iteration prefetches nothing. When every K worker walks the same number of
+iterations (inter_dim's iterations a multiple of k_batch * wk), that number is a compile-time
+constant: 1 or 2 iterations (split K at small token counts) compile to straight-line code.
+Within a step, block nb + 1 is unpacked before block nb's MFMAs, so no MFMA waits on a fresh
+conversion; scheduling barriers pin that order.
 
 Which m-tiles work. Without a host synchronisation the grid is sized by an upper bound on the
 m-tiles that can hold a routing pair (from T, topk, experts: at most T * topk, and at most
 T * topk / tile_m + min(E, T * topk)); when that bound is below the number of m-tiles in the
-sorted arrays, m-slot s scans the sorted ids (64 tiles per wave step: ballot + popcount) for
-the s-th m-tile whose first row holds a pair (pairs come first in every block, so such a tile is
-exactly one with work). Otherwise m-slot s is m-tile s. Either way a workgroup without work
-(no such tile, a tile past num_valid_ids[0], or a tile of padding rows) exits after a few scalar
-instructions; num_valid_ids is read on the device.
+sorted arrays, m-slot s scans the sorted ids (64 tiles per wave step: ballot + popcount; the
+first step straight-line, a loop only past 64 tiles in use) for the s-th m-tile whose first row
+holds a pair (pairs come first in every block, so such a tile is exactly one with work).
+Otherwise m-slot s is m-tile s. Either way a workgroup without work (no such tile, a tile past
+num_valid_ids[0], or a tile of padding rows) exits after a few scalar instructions;
+num_valid_ids is read on the device.
 
 Output. The MFMAs compute out^T blocks (weights as the A operand), so after the K loop lane
 (kl, l16) holds token row l16 and the four consecutive columns 4 kl .. 4 kl + 3 of every 16x16
