@@ -453,7 +453,10 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
             tok0 = _scalar_load(sorted_ids + fx.Int64(row0 << 2)) & TOKEN_MASK
             if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
                 expert = _scalar_load(sorted_expert_ids + fx.Int64(_udiv(row0, cfg.block_m) << 2))
-                w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, EXPERT_W_BYTES)
+                # the buffer ends at the first 16-row block past model_dim: loads of the padding
+                # rows read 0 without a per-block select (the range check leaves out the scalar
+                # offset, i.e. the K iteration: it sees the block's offset and the step's only)
+                w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, MODEL_DIM // MFMA_MN * NBLK_BYTES)
                 s_rsrc = _rsrc(w2_scale + fx.Int64(expert) * EXPERT_S_BYTES, EXPERT_S_BYTES)
                 a_rsrc = _rsrc(a2, fx.Int64(tokens) * (TOPK * A_ROW_BYTES))
                 wn_i = wave & (WN - 1)
@@ -479,13 +482,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     toks.append(tok)
                     a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
                     a_off.append((tok < tokens).select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
-                # B: per 16-column block; blocks past model_dim are never loaded (OOB -> 0).
-                b_off = []
-                for nb in range_constexpr(NB):
-                    off = (blk_wave + nb) * NBLK_BYTES + lane * 16
-                    if const_expr(N_TAIL):
-                        off = ((blk_wave + nb) * MFMA_MN < MODEL_DIM).select(off, OOB)
-                    b_off.append(off)
+                # B: per 16-column block; blocks past model_dim are past w_rsrc's end (read as 0).
+                b_off = [(blk_wave + nb) * NBLK_BYTES + lane * 16 for nb in range_constexpr(NB)]
                 s_off = [(blk_wave.shrui(fx.Int32(1)) + p) * NPAIR_BYTES + lane * 4 for p in range_constexpr(NP)]
                 # A wave of one 16-column block may start at the odd half of a 32-row scale group:
                 # shift its scale dwords so that byte 2 * step is always its own.
