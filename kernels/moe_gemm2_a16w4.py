@@ -104,6 +104,10 @@ A_BYTES_PER_LANE = 64  # 32 bf16 per lane per step
 TOKEN_BITS = 24
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
 OOB = 0x7FFFFFF0  # a buffer offset past every num_records: the load returns 0, a store is dropped
+# An offset bit past every expert's weights (below 1 GiB, checked by the launcher): or-ed into a
+# weight offset it makes the load read 0, and the step's constant offset still folds into the
+# instruction (a select of OOB would take an add per load)
+W_PAST_END = 1 << 30
 F32_MANT_BITS = 23
 
 TILE_MS = (16, 32, 64)
@@ -519,7 +523,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     kt = it[0]
                     voff = b_off
                     if const_expr(masked):
-                        voff = [chunk_ok(kt, sub).select(v, OOB) for v in voff]
+                        past = chunk_ok(kt, sub).select(fx.Int32(0), fx.Int32(W_PAST_END))
+                        voff = [v | past for v in voff]
                     b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, it[1], 4) for nb in range_constexpr(NB)]
                     sc = []
                     if const_expr(sub == 0):
@@ -859,6 +864,8 @@ def moe_gemm2_a16w4(
     w_k = 2 * w_k_half
     validate.multiple_of(w_k, KT, "w2's K = 2 * w2.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
     validate.multiple_of(w_n, 2 * MFMA_MN, "w2.shape[1] (N; scales come in 32-row groups)")
+    if w_n * w_k // 2 >= W_PAST_END:
+        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
     scale_shape = (experts * w_n, w_k // K_CHUNK) if w2_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
     validate.shape(w2_scale, "w2_scale", scale_shape)
     model_dim = w_n if model_dim is None else model_dim

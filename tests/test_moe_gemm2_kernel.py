@@ -352,6 +352,11 @@ def test_bad_inputs_are_named():
         K.moe_gemm2_a16w4(*args, arch="gfx90a", topk=2, block_m=16)
     with pytest.raises(ValueError, match="w2's K"):
         K.moe_gemm2_a16w4(p["a2"], p["w2"][:, :, :64].contiguous(), *args[2:], arch="gfx950", topk=2, block_m=16)
+    # an expert of 1 GiB (torch.empty: address space only, no page is touched)
+    w_n, w_k = 1 << 15, 1 << 16
+    huge_w2, huge_scale = torch.empty(1, w_n, w_k // 2, dtype=torch.uint8), torch.empty(w_n, w_k // 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one expert's weights"):
+        K.moe_gemm2_a16w4(p["a2"], huge_w2, huge_scale, *args[3:], arch="gfx950", topk=2, block_m=16)
 
 
 # ---- compile checks at model shapes -------------------------------------------------------------
