@@ -239,6 +239,12 @@ def _rsrc(addr, nbytes):
     return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(fx.inttoptr(ptr_ty, addr), num_records_bytes=fx.Int64(nbytes)))
 
 
+def _zext(x):
+    """A non-negative i32 as i64: zero-extended, so a byte offset folds into the load (an SGPR
+    offset) and a size needs no 64-bit shift."""
+    return fx.Int64(fx.Uint32(x))
+
+
 def _scalar_load(addr):
     """One wave-uniform i32 at a global address that the kernel never writes: s_load_dword."""
     ptr = llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), fx.Int64(addr).ir_value())
@@ -422,7 +428,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         n_tile = fx.Int32(gpu.block_id("y"))
         k_split = fx.Int32(gpu.block_id("z"))
 
-        ids_bytes = fx.Int64(n_rows) * 4
+        ids_bytes = _zext(n_rows << 2)
         ids_rsrc = _rsrc(sorted_ids, ids_bytes)
         rows_used = fx.min(_scalar_load(num_valid_ids), n_rows)
         n_used = rows_used.shrui(fx.Int32(LOG_TILE_M))  # m-tiles in use (block_m is a multiple of tile_m)
@@ -454,9 +460,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         # tile < n_used, unsigned: also false for "not found" (-1); idle slots exit here
         if fx.Uint32(tile) < fx.Uint32(n_used):
             row0 = tile << LOG_TILE_M
-            tok0 = _scalar_load(sorted_ids + fx.Int64(row0 << 2)) & TOKEN_MASK
+            tok0 = _scalar_load(sorted_ids + _zext(row0 << 2)) & TOKEN_MASK
             if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
-                expert = _scalar_load(sorted_expert_ids + fx.Int64(_udiv(row0, cfg.block_m) << 2))
+                expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
                 # the buffer ends at the first 16-row block past model_dim: loads of the padding
                 # rows read 0 without a per-block select (the range check leaves out the scalar
                 # offset, i.e. the K iteration: it sees the block's offset and the step's only)
