@@ -636,44 +636,41 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     rocdl.s_waitcnt(vmcnt=0)
                     accs = compute_step(a1, b1, ops[1], 1, accs)
                 rocdl.sched_barrier(0)
-                if more:
-                    # the loop carries the iteration's scalar offsets (three adds per iteration)
-                    for i, state in range(0, n_iters - 2, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
-                        accs = list(state[:n_acc])
-                        a0, b0, sc = unflat(list(state[n_acc:-3]))
-                        cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
-                        # one wait per step for everything issued before its successor's prefetch
-                        # group (in issue order, that group may stay in flight), not one per use
-                        a0 = step_a(cur, 0, False, a0)
-                        rocdl.sched_barrier(0)
-                        a1, b1, _ = load_step(cur, 1, masked=False)
-                        rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
-                        ops = scale_operands(sc)
-                        rocdl.sched_barrier(0)
-                        accs = compute_step(a0, b0, ops[0], 0, accs)
-                        rocdl.sched_barrier(0)
-                        a1 = step_a(cur, 1, False, a1)
-                        rocdl.sched_barrier(0)  # in issue order before the prefetch group it waits behind
-                        nxt = prev_iter(cur)
-                        a0, b0, sc_next = load_step(nxt, 0, masked=False)
-                        rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
-                        rocdl.sched_barrier(0)
-                        accs = compute_step(a1, b1, ops[1], 1, accs)
-                        rocdl.sched_barrier(0)
-                        results = yield accs + flat(a0, b0, sc_next) + [v.ir_value() for v in nxt[1:]]
-                    accs = list(results[:n_acc])
-                    a0, b0, sc = unflat(list(results[n_acc:-3]))
-                    last = (None,) + tuple(fx.Int32(v) for v in results[-3:])
-                    a0 = step_a(last, 0, False, a0)
+                def iterate(cur, a0, b0, sc, accs, prefetch):
+                    """One unmasked iteration `cur` from its prefetched step 0 (a0, b0, sc): its accs,
+                    and with `prefetch` the next iteration and its step 0, issued while step 1
+                    computes. One wait per step for everything issued before its successor's
+                    prefetch group (in issue order, that group may stay in flight), not one per use."""
+                    a0 = step_a(cur, 0, False, a0)
                     rocdl.sched_barrier(0)
-                    a1, b1, _ = load_step(last, 1, masked=False)
+                    a1, b1, _ = load_step(cur, 1, masked=False)
                     rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
                     ops = scale_operands(sc)
                     rocdl.sched_barrier(0)
                     accs = compute_step(a0, b0, ops[0], 0, accs)
-                    a1 = step_a(last, 1, False, a1)
-                    rocdl.s_waitcnt(vmcnt=0)
+                    if const_expr(not prefetch):
+                        a1 = step_a(cur, 1, False, a1)
+                        rocdl.s_waitcnt(vmcnt=0)
+                        return compute_step(a1, b1, ops[1], 1, accs), None, None
+                    rocdl.sched_barrier(0)
+                    a1 = step_a(cur, 1, False, a1)
+                    rocdl.sched_barrier(0)  # in issue order before the prefetch group it waits behind
+                    nxt = prev_iter(cur)
+                    pre = load_step(nxt, 0, masked=False)
+                    rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
+                    rocdl.sched_barrier(0)
                     accs = compute_step(a1, b1, ops[1], 1, accs)
+                    rocdl.sched_barrier(0)
+                    return accs, pre, nxt
+
+                if more:
+                    # the loop carries the iteration's scalar offsets (three adds per iteration)
+                    for i, state in range(0, n_iters - 2, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
+                        cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
+                        accs, pre_next, nxt = iterate(cur, *unflat(list(state[n_acc:-3])), list(state[:n_acc]), True)
+                        results = yield accs + flat(*pre_next) + [v.ir_value() for v in nxt[1:]]
+                    last = (None,) + tuple(fx.Int32(v) for v in results[-3:])
+                    accs, _, _ = iterate(last, *unflat(list(results[n_acc:-3])), list(results[:n_acc]), False)
 
                 # ---- reduce the wk partial sums in LDS ---------------------------------------
                 if const_expr(WK > 1):

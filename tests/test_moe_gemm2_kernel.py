@@ -308,7 +308,7 @@ def test_scan_past_the_first_64_tiles(arch):
     tokens, topk, experts, md, kd, block_m = 120, 1, 256, 64, 256, 16
     p = make_problem(tokens, topk, experts, md, kd, block_m, seed=5, skip_expert=None, skew=False)
     ids, _, _, nvalid = p["sorting"]
-    grid_m, compact = K.m_grid(tokens, topk, experts, ids.numel(), block_m)
+    _, compact = K.m_grid(tokens, topk, experts, ids.numel(), block_m)
     assert compact and int(nvalid[0]) // block_m > K.WAVE
     out0 = torch.zeros(tokens, md, dtype=torch.float32)
     got = run_case(arch, p, torch.float32, tile_m=block_m, tile_n=64, k_batch=1, waves=1)
