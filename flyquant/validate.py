@@ -89,11 +89,17 @@ def mxfp8_2d_axis(x, axis) -> int:
 
 
 def offs(group_offs, x: torch.Tensor, rows: int) -> None:
-    """torchao's token-group contract: `offs` is a 1D int32 tensor of group end offsets along the
-    `rows` (M) dimension, on x's device, non-decreasing, ending at `rows`, and every group size
-    (including the first, from 0) a multiple of 128. Reads the values (a host sync on a GPU)."""
+    """torchao's token-group contract: `offs` is a 1D contiguous int32 tensor of group end offsets
+    along the `rows` (M) dimension, on x's device, non-decreasing, ending at `rows`, and every
+    group size (including the first, from 0) a multiple of 128. Reads the values (a host sync
+    on a GPU). Contiguous on every backend, so a call succeeds or fails the same way on both:
+    the kernels read offs as a packed int32 array."""
     tensor(group_offs, "offs", (torch.int32,), ndim=1)
     same_device("x", x, "offs", group_offs)
+    if not group_offs.is_contiguous():
+        raise ValueError(
+            f"offs must be contiguous (stride 1), got stride {group_offs.stride()[0]}: pass offs.contiguous()"
+        )
     if group_offs.numel() == 0:
         raise ValueError("offs must hold at least one group end offset")
     ends = group_offs.to("cpu", torch.int64)
