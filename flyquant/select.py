@@ -12,6 +12,9 @@ Environment: ``FLYQUANT_BACKEND=auto|reference|flydsl`` forces a backend, ``FLYQ
 forces the target arch, ``FLYQUANT_CONFIG`` (JSON object) overrides configuration fields for
 debugging, ``FLYQUANT_TUNING`` names a JSON tuning table written by ``bench/`` on hardware.
 The planning functions are pure given those variables: the same inputs give the same plan.
+Each variable, and the tuning table, is checked when read (``flyquant.env``): a bad value is
+an ``EnvError`` (ValueError) naming the variable, the value and the expected form; a key that
+is not a known field is refused with the list of known ones.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import env
 from .arch import ARCHS
 
 BACKENDS = ("auto", "reference", "flydsl")
@@ -59,17 +63,12 @@ class BackendError(RuntimeError):
 
 
 def _env_backend() -> str:
-    backend = os.environ.get("FLYQUANT_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"FLYQUANT_BACKEND={backend!r}: expected one of {BACKENDS}")
-    return backend
+    env.warn_unknown()  # a misspelt FLYQUANT_* variable would otherwise be ignored silently
+    return env.choice("FLYQUANT_BACKEND", BACKENDS, "auto")
 
 
 def _env_arch() -> str | None:
-    arch = os.environ.get("FLYQUANT_ARCH", "").strip().lower() or None
-    if arch is not None and arch not in ARCHS:
-        raise ValueError(f"FLYQUANT_ARCH={arch!r}: expected one of {sorted(ARCHS)}")
-    return arch
+    return env.choice("FLYQUANT_ARCH", sorted(ARCHS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,35 +137,110 @@ def _refuse(backend: str, target: Target) -> Target:
     return target
 
 
-def config_overrides() -> dict[str, Any]:
-    """FLYQUANT_CONFIG: a JSON object of configuration fields forced for debugging."""
-    raw = os.environ.get("FLYQUANT_CONFIG", "").strip()
-    if not raw:
-        return {}
-    value = json.loads(raw)
+MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch", "waves")
+MOE_SHAPE_FIELDS = ("tokens", "topk", "experts", "model_dim", "inter_dim")
+# The ops a tuning table may hold: op -> (its shape fields, all required; its config fields).
+TUNED_OPS = {"moe_gemm2_a16w4": (MOE_SHAPE_FIELDS, MOE_CONFIG_FIELDS)}
+TUNING_TABLE_KEYS = ("entries",)
+TUNING_ENTRY_KEYS = ("op", "arch", "shape", "config")
+TUNING_ENTRY_NOTES = ("median_us",)  # what bench/ records beside an entry; read and ignored
+
+
+def _keys(where: str, value: dict, known, required=()) -> None:
+    """`value`'s keys are among `known` (and include `required`), else an EnvError listing them."""
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise env.EnvError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise env.EnvError(f"{where}: missing key(s) {', '.join(map(repr, missing))} (required: {', '.join(required)})")
+
+
+def _positive_ints(where: str, fields: dict) -> dict[str, int]:
+    for k, v in fields.items():
+        if type(v) is not int or v <= 0:  # bool is an int subclass: refused too
+            raise env.EnvError(f"{where}: {k} = {json.dumps(v)}: expected a positive integer")
+    return dict(fields)
+
+
+def _object(where: str, value, example: str) -> dict:
     if not isinstance(value, dict):
-        raise ValueError(f"FLYQUANT_CONFIG must be a JSON object, got {raw!r}")
+        raise env.EnvError(f"{where} = {json.dumps(value)}: expected a JSON object, e.g. {example}")
     return value
+
+
+def config_overrides() -> dict[str, Any]:
+    """FLYQUANT_CONFIG: a JSON object of MoE configuration fields (MOE_CONFIG_FIELDS, positive
+    integers) forced for debugging; {} when unset. Anything else is an EnvError naming it."""
+    raw = env.raw("FLYQUANT_CONFIG")
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise env.error("FLYQUANT_CONFIG", raw, f"{env.VARIABLES['FLYQUANT_CONFIG']} ({exc})") from None
+    if not isinstance(value, dict):
+        raise env.error("FLYQUANT_CONFIG", raw, env.VARIABLES["FLYQUANT_CONFIG"])
+    _keys(f"FLYQUANT_CONFIG={raw!r}", value, MOE_CONFIG_FIELDS)
+    return _positive_ints(f"FLYQUANT_CONFIG={raw!r}", value)
+
+
+def _tuning_entry(where: str, e) -> tuple[tuple, dict]:
+    """One checked table entry -> ((op, arch, sorted shape items), config)."""
+    _object(where, e, '{"op": ..., "arch": ..., "shape": {...}, "config": {...}}')
+    _keys(where, e, TUNING_ENTRY_KEYS + TUNING_ENTRY_NOTES, TUNING_ENTRY_KEYS)
+    if e["op"] not in TUNED_OPS:
+        raise env.EnvError(f"{where}.op = {json.dumps(e['op'])}: expected one of {', '.join(TUNED_OPS)}")
+    if e["arch"] not in ARCHS:
+        raise env.EnvError(f"{where}.arch = {json.dumps(e['arch'])}: expected one of {', '.join(sorted(ARCHS))}")
+    shape_fields, config_fields = TUNED_OPS[e["op"]]
+    shape = _object(f"{where}.shape", e["shape"], "{" + ", ".join(f'"{f}": ...' for f in shape_fields) + "}")
+    _keys(f"{where}.shape", shape, shape_fields, shape_fields)
+    config = _object(f"{where}.config", e["config"], '{"tile_n": 128}')
+    _keys(f"{where}.config", config, config_fields)
+    key = (e["op"], e["arch"], tuple(sorted(_positive_ints(f"{where}.shape", shape).items())))
+    return key, _positive_ints(f"{where}.config", config)
 
 
 @functools.lru_cache(maxsize=8)
 def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
-    with open(path) as f:
-        table = json.load(f)
-    entries = {}
-    for e in table.get("entries", []):
-        key = (e["op"], e["arch"], tuple(sorted((k, v) for k, v in e["shape"].items())))
-        entries[key] = dict(e["config"])
+    """The table at `path` (FLYQUANT_TUNING), checked whole: {"entries": [entry, ...]}, each entry
+    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key."""
+    where = f"FLYQUANT_TUNING={path!r}"
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except OSError as exc:
+        raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']}; reading it failed: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise env.EnvError(f"{where}: the file is not JSON ({exc})") from None
+    _object(where, table, '{"entries": [...]}')
+    _keys(where, table, TUNING_TABLE_KEYS, TUNING_TABLE_KEYS)
+    if not isinstance(table["entries"], list):
+        raise env.EnvError(f"{where}: entries must be a JSON list, got {type(table['entries']).__name__}")
+    entries: dict[tuple, dict] = {}
+    first: dict[tuple, int] = {}
+    for i, e in enumerate(table["entries"]):
+        key, config = _tuning_entry(f"{where}: entries[{i}]", e)
+        if key in first:
+            raise env.EnvError(f"{where}: entries[{first[key]}] and entries[{i}] are both for {key}: keep one")
+        first[key], entries[key] = i, config
     return entries
 
 
 def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
-    """The tuning table's configuration for exactly this (op, arch, shape), or {}."""
-    path = os.environ.get("FLYQUANT_TUNING", "").strip()
-    if not path:
+    """The tuning table's configuration for exactly this (op, arch, shape), or {}. The whole
+    table is checked when it is first read (and again when the file changes)."""
+    path = env.raw("FLYQUANT_TUNING")
+    if path is None:
         return {}
-    table = _load_tuning(path, os.path.getmtime(path))
-    return table.get((op, arch, tuple(sorted(shape.items()))), {})
+    path = os.path.expanduser(path)
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError as exc:
+        raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']} ({exc.strerror})") from None
+    table = _load_tuning(path, mtime)
+    return dict(table.get((op, arch, tuple(sorted(shape.items()))), {}))
 
 
 def reference_plan(op: str, target: Target, *reasons: str) -> Plan:
@@ -247,7 +321,15 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 
-MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch", "waves")
+def _moe_config_values(config: dict, source: str) -> None:
+    """Values from the tuning table or FLYQUANT_CONFIG are among the kernel's (k_batch's range
+    depends on the shape: the launcher checks it)."""
+    from .kernels import moe_gemm2_a16w4 as k
+
+    allowed = {"tile_m": k.TILE_MS, "tile_n": k.TILE_NS, "waves": k.WAVE_COUNTS}
+    for f, values in allowed.items():
+        if f in config and config[f] not in values:
+            raise env.EnvError(f"{source}: {f} = {config[f]}: expected one of {', '.join(map(str, values))}")
 
 
 def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
@@ -259,8 +341,12 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
     tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n, "k_batch": k_batch}
     shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
-    config.update(tuned_config("moe_gemm2_a16w4", target.arch, shape))
-    config.update({f: v for f, v in config_overrides().items() if f in MOE_CONFIG_FIELDS})
+    tuned = tuned_config("moe_gemm2_a16w4", target.arch, shape)
+    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
+    forced = config_overrides()
+    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
+    config.update(tuned)
+    config.update(forced)
     if block_m is not None and block_m % config["tile_m"]:
         fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
         config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation

@@ -72,15 +72,19 @@ def test_bad_environment_values(monkeypatch, var, value):
         select.resolve_target(torch.device("cpu"))
 
 
+TUNED_SHAPE = {"tokens": 4, "topk": 4, "experts": 128, "model_dim": 2880, "inter_dim": 2880}
+
+
 def test_tuning_table_and_overrides(tmp_path, monkeypatch):
     table = {"entries": [{"op": "moe_gemm2_a16w4", "arch": "gfx950",
-                          "shape": {"tokens": 4, "topk": 4}, "config": {"tile_n": 256, "k_batch": 4}}]}
+                          "shape": TUNED_SHAPE, "config": {"tile_n": 256, "k_batch": 4}}]}
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {"topk": 4, "tokens": 4}) == {"tile_n": 256, "k_batch": 4}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", {"topk": 4, "tokens": 4}) == {}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {"topk": 4, "tokens": 8}) == {}
+    shuffled = dict(reversed(TUNED_SHAPE.items()))  # the key does not depend on the order
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", shuffled) == {"tile_n": 256, "k_batch": 4}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", TUNED_SHAPE) == {}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "tokens": 8}) == {}
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_n": 64}')
     assert select.config_overrides() == {"tile_n": 64}
     monkeypatch.setenv("FLYQUANT_CONFIG", "[1]")
