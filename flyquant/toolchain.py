@@ -8,6 +8,17 @@ device-library math, so no ROCm bitcode is needed.
 
 A FlyDSL ``@flyc.jit`` function freezes its target at its first call, so kernel families build
 one jit function per arch (a cached builder) and call it inside ``target(arch)``.
+
+FlyDSL takes its target and cache directory only from ``os.environ`` (its ``env`` options are
+re-read on every access; there is no per-call argument), so ``target`` sets them and holds
+``launch_lock``, a process-wide re-entrant lock, for the whole block: threads compile and
+launch one at a time, and every variable is restored when the block ends.
+
+The cache (``$FLYQUANT_CACHE_DIR``, default ``~/.cache/flyquant``) holds code this process
+loads: FlyDSL's pickled kernels, the emulator's HIP stand-in (a shared object) and the linker
+script. So it must be private: every directory flyquant reads code from is owned by the user
+and writable by no one else, directories flyquant creates are 0700, and a directory that
+fails the check is a ``CacheDirError`` naming it and the fix, never used.
 """
 
 from __future__ import annotations
@@ -18,11 +29,14 @@ import hashlib
 import io
 import os
 import re
+import stat
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import env
 from .arch import arch_info, occupancy
 
 
@@ -30,10 +44,124 @@ class ToolchainError(RuntimeError):
     """Something needed to compile kernels is missing."""
 
 
+class CacheDirError(ToolchainError):
+    """A cache directory (or a file in it) that other users could write: code loaded from it
+    could be theirs."""
+
+
+launch_lock = threading.RLock()
+"""Held for the whole of a ``target()`` block and by ``flyquant.emu.enable``: FlyDSL reads its
+target and cache directory from os.environ, which all threads share."""
+
+_GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_CACHE_WHY = (
+    "flyquant loads code from its cache (FlyDSL's pickled kernels, the emulator's HIP library, the linker "
+    "script), so every directory in it must be owned by you (uid {uid}) and writable by no one else"
+)
+
+
+def _unsafe(path, problem: str, fix: str, source: str) -> CacheDirError:
+    return CacheDirError(f"unsafe cache directory {path} ({source}): {problem}. {_CACHE_WHY.format(uid=os.geteuid())}. Fix: {fix}")
+
+
+def _check_private(path: Path, st: os.stat_result, source: str, fix_root: str) -> None:
+    """`path` (stat `st`) is owned by us and not writable by group or others."""
+    if st.st_uid != os.geteuid():
+        raise _unsafe(path, f"it is owned by uid {st.st_uid}", f"point {fix_root} at a new directory (flyquant creates it 0700)", source)
+    if st.st_mode & _GROUP_OTHER_WRITE:
+        raise _unsafe(
+            path, f"group or others can write it (mode {stat.S_IMODE(st.st_mode):#o})",
+            f"chmod go-w {path} (or chmod 700), or point {fix_root} at a new directory", source,
+        )  # fmt: skip
+
+
+def _check_ancestor(path: Path, source: str, fix_root: str) -> None:
+    """A directory above the cache: others may write it only with the sticky bit (as /tmp), else
+    they could rename the cache away and put their own in its place."""
+    st = os.stat(path)
+    if st.st_mode & _GROUP_OTHER_WRITE and not st.st_mode & stat.S_ISVTX:
+        raise _unsafe(
+            path, f"group or others can write it (mode {stat.S_IMODE(st.st_mode):#o}, no sticky bit), so they could "
+            "replace the cache directory inside it", f"chmod go-w {path}, or point {fix_root} at a directory elsewhere", source,
+        )  # fmt: skip
+
+
+# Directories already checked in this process: path -> (st_dev, st_ino, st_uid, st_mode) at the
+# check; a later call only stats the directory itself and checks again if anything changed.
+_checked: dict[str, tuple[int, int, int, int]] = {}
+_checked_lock = threading.Lock()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_uid, st.st_mode
+
+
+def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: bool = False) -> Path:
+    """``root/parts``, created if missing (every directory created 0700) and checked: `root` and
+    every directory below it up to the result exist as directories owned by this user and not
+    writable by group or others; directories above `root` are not writable by group or others
+    unless sticky. With `tree`, every entry inside the result is checked the same way (FlyDSL
+    creates its own subdirectories and pickles there). Symlinks are resolved first. Raises
+    CacheDirError naming the directory, the problem and the fix; `source` says where `root`
+    came from (the variable that names it)."""
+    fix_root = source if source.isupper() else "FLYQUANT_CACHE_DIR"
+    path = Path(root, *parts)
+    key = str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and _checked.get(key) == _identity(st):
+        return path
+    real_root = Path(os.path.realpath(root))
+    levels = [real_root, *(real_root.joinpath(*parts[: i + 1]) for i in range(len(parts)))]
+    for ancestor in reversed(real_root.parents):
+        if ancestor.exists():
+            _check_ancestor(ancestor, source, fix_root)
+        else:
+            levels.insert(0, ancestor)  # created by us below, so checked as ours
+    levels = sorted(set(levels), key=lambda p: len(p.parts))
+    for level in levels:
+        try:
+            os.mkdir(level, 0o700)
+            os.chmod(level, 0o700)  # whatever the umask
+        except FileExistsError:
+            pass
+        st = os.stat(level)
+        if not stat.S_ISDIR(st.st_mode):
+            raise _unsafe(level, "it is not a directory", f"remove it, or point {fix_root} elsewhere", source)
+        _check_private(level, st, source, fix_root)
+    if tree:
+        for entry in _walk(levels[-1]):
+            _check_private(entry, os.stat(entry), source, fix_root)
+    with _checked_lock:
+        _checked[key] = _identity(os.stat(path))
+    return path
+
+
+def _walk(top: Path):
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in (*dirnames, *filenames):
+            yield Path(dirpath, name)
+
+
+def private_file(path: Path, source: str = "FLYQUANT_CACHE_DIR") -> Path:
+    """A file flyquant is about to load or run: a regular file owned by this user that group and
+    others cannot write (its directory was checked by private_dir)."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _unsafe(path, "it is not a regular file", "remove it (flyquant rebuilds it)", source)
+    _check_private(path, st, source, source if source.isupper() else "FLYQUANT_CACHE_DIR")
+    return path
+
+
 def cache_dir() -> Path:
-    """flyquant's own cache (emulator runtime, linker shim): $FLYQUANT_CACHE_DIR or ~/.cache/flyquant."""
-    root = os.environ.get("FLYQUANT_CACHE_DIR") or Path.home() / ".cache" / "flyquant"
-    return Path(root)
+    """flyquant's own cache: $FLYQUANT_CACHE_DIR (an absolute path) or ~/.cache/flyquant, created
+    0700 if missing and checked private (see private_dir) on every call."""
+    configured = env.absolute_path("FLYQUANT_CACHE_DIR")
+    if configured is None:
+        return private_dir(Path.home() / ".cache" / "flyquant", source="the default; FLYQUANT_CACHE_DIR is unset")
+    return private_dir(configured)
 
 
 def _lld_works(lld: Path) -> bool:
@@ -53,15 +181,16 @@ def rocm_path() -> str:
             "no ld.lld to link gfx942/gfx950 code objects: install ROCm, or the 'ziglang' package "
             "(pip install 'flyquant[cpu]')"
         ) from None
-    shim = cache_dir() / "rocm-shim"
-    lld = shim / "llvm" / "bin" / "ld.lld"
+    root = cache_dir()
+    shim = root / "rocm-shim"
+    lld = private_dir(root, "rocm-shim", "llvm", "bin") / "ld.lld"
     script = f'#!/bin/sh\nexec "{sys.executable}" -m ziglang ld.lld "$@"\n'
     if not lld.exists() or lld.read_text() != script:
-        lld.parent.mkdir(parents=True, exist_ok=True)
         tmp = lld.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(script)
-        tmp.chmod(0o755)
+        tmp.chmod(0o700)
         tmp.replace(lld)  # atomic: concurrent first uses never see a half-written script
+    private_file(lld)  # FlyDSL runs it to link every kernel
     return str(shim)
 
 
@@ -84,13 +213,7 @@ def _environ(**values: str | None):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_cache_dir() -> str:
-    """FlyDSL's disk cache for our kernels, one directory per version of their sources.
-
-    FlyDSL's cache key does not cover every helper a kernel reaches (module attributes, closure
-    objects), so an edited kernel could be served stale bytes: keying the directory on a hash of
-    the kernel sources and the FlyDSL version rules that out.
-    """
+def _kernel_sources_digest() -> str:
     import flydsl
 
     from . import kernels
@@ -98,17 +221,38 @@ def kernel_cache_dir() -> str:
     digest = hashlib.sha256(flydsl.__version__.encode())
     for path in sorted(Path(kernels.__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + path.read_bytes())
-    return str(cache_dir() / "flydsl" / digest.hexdigest()[:16])
+    return digest.hexdigest()[:16]
+
+
+def kernel_cache_dir() -> str:
+    """FlyDSL's disk cache for our kernels, one directory per version of their sources, checked
+    private with everything in it (FlyDSL unpickles its entries) on every call.
+
+    FlyDSL's cache key does not cover every helper a kernel reaches (module attributes, closure
+    objects), so an edited kernel could be served stale bytes: keying the directory on a hash of
+    the kernel sources and the FlyDSL version rules that out.
+    """
+    return str(private_dir(cache_dir(), "flydsl", _kernel_sources_digest(), tree=True))
 
 
 @contextlib.contextmanager
 def target(arch: str):
-    """Compile (and launch) FlyDSL kernels for `arch` inside this block (a cache directory of
-    the user's own, FLYDSL_RUNTIME_CACHE_DIR, is respected)."""
+    """Compile (and launch) FlyDSL kernels for `arch` inside this block.
+
+    Holds ``launch_lock`` for the whole block (threads compile and launch one at a time; the
+    lock is re-entrant, so blocks nest) and sets ``ARCH``, ``FLYDSL_GPU_ARCH``, ``ROCM_PATH`` and
+    ``FLYDSL_RUNTIME_CACHE_DIR``, each restored (or removed) when the block ends. The cache is
+    ``kernel_cache_dir()``, or a directory of the user's own in FLYDSL_RUNTIME_CACHE_DIR, checked
+    private the same way (CacheDirError otherwise)."""
     arch_info(arch)
-    cache = os.environ.get("FLYDSL_RUNTIME_CACHE_DIR") or kernel_cache_dir()
-    with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache):
-        yield
+    with launch_lock:
+        user_cache = os.environ.get("FLYDSL_RUNTIME_CACHE_DIR")
+        if user_cache:
+            cache = str(private_dir(user_cache, source="FLYDSL_RUNTIME_CACHE_DIR", tree=True))
+        else:
+            cache = kernel_cache_dir()
+        with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache):
+            yield
 
 
 @dataclass(frozen=True)
@@ -195,4 +339,17 @@ def compile_only(arch: str, launch, *args, **kwargs) -> list[KernelReport]:
     return reports
 
 
-__all__ = ["ToolchainError", "KernelReport", "cache_dir", "rocm_path", "target", "compile_only", "parse_isa"]
+__all__ = [
+    "CacheDirError",
+    "KernelReport",
+    "ToolchainError",
+    "cache_dir",
+    "compile_only",
+    "kernel_cache_dir",
+    "launch_lock",
+    "parse_isa",
+    "private_dir",
+    "private_file",
+    "rocm_path",
+    "target",
+]

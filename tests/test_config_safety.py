@@ -6,13 +6,19 @@ expected form; the kernel cache is private to its user; launching is thread-safe
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
 import flyquant as fq
-from flyquant import env, reference, select
+import flyquant.emu as emu
+from flyquant import env, reference, select, toolchain
+from flyquant.emu import interp, runtime
 
 # --- offs ------------------------------------------------------------------------------------
 
@@ -155,3 +161,253 @@ def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, mo
     assert select.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE) == {"tile_n": 512}  # well-formed
     with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*' for \{'tokens': 4, .*\}: tile_n = 512: expected one of 64, 128, 256"):
         _moe_plan()
+
+
+# --- FLYQUANT_EMU / FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS ----------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5", "1e6"])
+def test_max_wave_instructions_must_be_a_positive_integer(monkeypatch, value):
+    monkeypatch.setenv("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS", value)
+    with pytest.raises(env.EnvError, match=re.escape(f"FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS={value!r}: expected a positive integer")):
+        interp.max_wave_instructions()
+    monkeypatch.setenv("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS", " 1000 ")
+    assert interp.max_wave_instructions() == 1000
+    monkeypatch.delenv("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS")
+    assert interp.max_wave_instructions() == interp.DEFAULT_MAX_WAVE_INSTRUCTIONS
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS": "abc"}, "FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS='abc': expected a positive integer"),
+    ({"FLYQUANT_EMU": "gfx951"}, "FLYQUANT_EMU='gfx951': expected one of gfx942|gfx950"),
+    ({"FLYQUANT_EMU": "1"}, "FLYQUANT_EMU='1': expected one of gfx942|gfx950"),
+])
+def test_emulator_variables_fail_when_the_emulator_is_enabled(variables, message):
+    """A bad value stops `import flyquant` (FLYQUANT_EMU enables the emulator there) with the
+    variable's name, before any launch (the wave limit used to fail inside the first launch)."""
+    code = "import flyquant; print('imported')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "FLYQUANT_EMU": "gfx950", **variables})
+    assert result.returncode != 0 and "imported" not in result.stdout
+    assert f"flyquant.env.EnvError: {message}" in result.stderr, result.stderr[-2000:]
+
+
+def test_execute_refuses_a_non_positive_wave_budget():
+    for budget in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=re.escape(f"max_wave_instructions must be a positive int, got {budget!r}")):
+            interp.execute(_NoKernels(), "k", (1, 1, 1), (64, 1, 1), 0, 0, None, max_wave_instructions=budget)
+
+
+class _NoKernels:
+    """A stand-in code object: execute checks its budget before it looks at the kernel."""
+
+    arch = "gfx950"
+    kernels = {"k": None}
+
+
+# --- the kernel cache is private (finding 12) ---------------------------------------------------
+
+
+def _mode(path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+def test_new_cache_directories_are_created_0700(tmp_path, monkeypatch):
+    """Every directory flyquant creates, missing parents of FLYQUANT_CACHE_DIR included, is 0700,
+    whatever the umask (they used to be 0755)."""
+    root = tmp_path / "new" / "cache"
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(root))
+    old_umask = os.umask(0o002)
+    try:
+        assert toolchain.cache_dir() == root
+        kernels = toolchain.kernel_cache_dir()
+        stub = runtime.stub_path()
+    finally:
+        os.umask(old_umask)
+    created = [tmp_path / "new", root, root / "flydsl", kernels, root / "emu", stub.parent]
+    assert [oct(_mode(p)) for p in created] == [oct(0o700)] * len(created)
+    assert kernels.startswith(str(root / "flydsl"))
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757, 0o722])
+def test_cache_directory_writable_by_others_is_refused(tmp_path, monkeypatch, mode):
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(mode)
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(root))
+    with pytest.raises(toolchain.CacheDirError) as info:
+        toolchain.cache_dir()
+    message = str(info.value)
+    assert f"unsafe cache directory {root} (FLYQUANT_CACHE_DIR): group or others can write it (mode {mode:#o})" in message
+    assert f"Fix: chmod go-w {root} (or chmod 700), or point FLYQUANT_CACHE_DIR at a new directory" in message
+    root.chmod(0o755)  # writable by its owner only: accepted as it is
+    assert toolchain.cache_dir() == root and _mode(root) == 0o755
+
+
+def test_cache_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    """We run as root and cannot chown to a real other user: the directory is ours, and we
+    pretend to be uid 4242."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(root))
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    with pytest.raises(toolchain.CacheDirError, match=re.escape(
+            f"unsafe cache directory {root} (FLYQUANT_CACHE_DIR): it is owned by uid {os.stat(root).st_uid}")) as info:
+        toolchain.cache_dir()
+    assert "owned by you (uid 4242)" in str(info.value)
+
+
+def test_cache_below_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    """Others could rename the cache away and put theirs in its place; with the sticky bit (as
+    /tmp) they cannot."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(shared / "cache"))
+    with pytest.raises(toolchain.CacheDirError, match=re.escape(f"unsafe cache directory {shared} (FLYQUANT_CACHE_DIR): "
+                                                                "group or others can write it (mode 0o777, no sticky bit)")):
+        toolchain.cache_dir()
+    assert not (shared / "cache").exists()  # nothing created under it
+    shared.chmod(0o1777)
+    assert toolchain.cache_dir() == shared / "cache" and _mode(shared / "cache") == 0o700
+
+
+def test_cache_dir_must_be_absolute(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", "cache")
+    with pytest.raises(env.EnvError, match=r"FLYQUANT_CACHE_DIR='cache': expected an absolute path"):
+        toolchain.cache_dir()
+
+
+def test_kernel_cache_with_an_entry_others_can_write_is_refused(tmp_path, monkeypatch):
+    """FlyDSL unpickles every entry under the kernel cache: one that others can write is refused."""
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    kernels = toolchain.kernel_cache_dir()
+    entry = os.path.join(kernels, "launch_0123", "deadbeef.pkl")
+    os.makedirs(os.path.dirname(entry))
+    with open(entry, "wb") as f:
+        f.write(b"not a pickle")
+    os.chmod(entry, 0o666)
+    toolchain._checked.clear()  # a new process: the directory is checked anew
+    with pytest.raises(toolchain.CacheDirError, match=re.escape(f"unsafe cache directory {entry} (FLYQUANT_CACHE_DIR): "
+                                                                "group or others can write it (mode 0o666)")):
+        toolchain.kernel_cache_dir()
+
+
+def test_emulator_library_others_can_write_is_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    stub = runtime.stub_path()
+    stub.write_bytes(b"\x7fELF planted")
+    stub.chmod(0o666)
+    with pytest.raises(toolchain.CacheDirError, match=re.escape(f"unsafe cache directory {stub} (FLYQUANT_CACHE_DIR): "
+                                                                "group or others can write it (mode 0o666)")):
+        runtime.build_stub()
+
+
+def test_launch_refuses_an_unsafe_flydsl_cache_dir(tmp_path, monkeypatch):
+    """A FLYDSL_RUNTIME_CACHE_DIR of the user's own is used for our kernels only if private too."""
+    shared = tmp_path / "flydsl-cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("FLYDSL_RUNTIME_CACHE_DIR", str(shared))
+    before = dict(os.environ)
+    with pytest.raises(toolchain.CacheDirError, match=re.escape(f"unsafe cache directory {shared} (FLYDSL_RUNTIME_CACHE_DIR)")):
+        with toolchain.target("gfx950"):
+            pass
+    assert dict(os.environ) == before
+    shared.chmod(0o700)
+    with toolchain.target("gfx950"):
+        assert os.environ["FLYDSL_RUNTIME_CACHE_DIR"] == str(shared)
+    assert dict(os.environ) == before
+
+
+# --- launching is thread-safe (finding 11) --------------------------------------------------------
+
+TARGET_VARIABLES = ("ARCH", "FLYDSL_GPU_ARCH", "ROCM_PATH", "FLYDSL_RUNTIME_CACHE_DIR")
+
+
+def test_target_blocks_are_one_thread_at_a_time():
+    """While one thread is inside target("gfx942"), another thread's target("gfx950") waits, so
+    FlyDSL sees one arch and one cache throughout a block; afterwards os.environ is as before
+    (FLYDSL_RUNTIME_CACHE_DIR used to stay set when two blocks interleaved)."""
+    before = dict(os.environ)
+    inside_a, release_a, inside_b = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with toolchain.target("gfx942"):
+            inside_a.set()
+            release_a.wait(60)
+            seen["a"] = {k: os.environ.get(k) for k in TARGET_VARIABLES}
+
+    def b():
+        inside_a.wait(60)
+        with toolchain.target("gfx950"):
+            inside_b.set()
+            seen["b"] = {k: os.environ.get(k) for k in TARGET_VARIABLES}
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    try:
+        assert inside_a.wait(60)
+        assert not inside_b.wait(0.5), "a second thread entered target() while the first was inside"
+    finally:
+        release_a.set()
+        for t in threads:
+            t.join(60)
+    assert inside_b.is_set()
+    assert seen["a"]["ARCH"] == seen["a"]["FLYDSL_GPU_ARCH"] == "gfx942"
+    assert seen["b"]["ARCH"] == seen["b"]["FLYDSL_GPU_ARCH"] == "gfx950"
+    assert seen["a"]["FLYDSL_RUNTIME_CACHE_DIR"] == seen["b"]["FLYDSL_RUNTIME_CACHE_DIR"] == toolchain.kernel_cache_dir()
+    assert dict(os.environ) == before
+
+
+def test_target_nests_and_restores_every_variable(monkeypatch):
+    for k in TARGET_VARIABLES:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ARCH", "gfx950")
+    before = dict(os.environ)
+    with toolchain.target("gfx942"):
+        with toolchain.target("gfx950"):  # re-entrant: the same thread may nest blocks
+            assert os.environ["ARCH"] == "gfx950"
+        assert os.environ["ARCH"] == "gfx942"
+    assert dict(os.environ) == before and "FLYDSL_RUNTIME_CACHE_DIR" not in os.environ
+
+
+@pytest.mark.skipif(not emu.enabled(), reason="launches kernels under flyquant.emu")
+def test_two_threads_launch_different_arches_concurrently():
+    """An MXFP8 1x32 quantize on gfx942 and one on gfx950 from two threads at once, three each:
+    every result is bit-exact against the reference, each launch ran the code object of its
+    own arch, and os.environ is unchanged afterwards."""
+    from flyquant.kernels import mxfp8_quantize_2d as k
+
+    before = dict(os.environ)
+    x = {arch: torch.randn(64, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+         for i, arch in enumerate(("gfx942", "gfx950"))}
+    expected = {arch: reference.mxfp8_quantize(v, -1, "rceil") for arch, v in x.items()}
+    results, errors = {arch: [] for arch in x}, []
+    start = threading.Barrier(2)
+
+    def run(arch):
+        try:
+            start.wait(60)
+            for _ in range(3):
+                results[arch].append(k.quantize_1x32(x[arch], arch=arch))
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with emu.record() as launches:
+        threads = [threading.Thread(target=run, args=(arch,)) for arch in x]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    assert not errors, errors
+    for arch, outs in results.items():
+        assert len(outs) == 3
+        for data, scales in outs:
+            torch.testing.assert_close(data.view(torch.uint8), expected[arch][0].view(torch.uint8), rtol=0, atol=0)
+            torch.testing.assert_close(scales.view(torch.uint8), expected[arch][1].view(torch.uint8), rtol=0, atol=0)
+    assert sorted(r.arch for r in launches) == ["gfx942"] * 3 + ["gfx950"] * 3
+    assert all(f"_{r.arch}_" in r.kernel for r in launches), [(r.kernel, r.arch) for r in launches]
+    assert dict(os.environ) == before

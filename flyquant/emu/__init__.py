@@ -69,21 +69,26 @@ def enable(arch: str = "gfx950") -> None:
 
     Must run before FlyDSL's runtime library is first loaded (before the first launch in the
     process). Calling it again only changes the default compile target. Sets ``ARCH``,
-    ``FLYDSL_GPU_ARCH`` and ``ROCM_PATH`` (a linker for code object v6) for FlyDSL.
-    Raises EmuError on a machine with a ROCm device and when FlyDSL already bound to a real HIP.
+    ``FLYDSL_GPU_ARCH`` and ``ROCM_PATH`` (a linker for code object v6) for FlyDSL, under
+    ``toolchain``'s launch lock (so never in the middle of another thread's launch).
+    Raises EmuError on a machine with a ROCm device and when FlyDSL already bound to a real HIP;
+    an EnvError when FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS is not a positive integer (the
+    interpreter is imported here, so the variable is checked now, not in the first launch).
     """
     global _runtime, _arch
     from .. import toolchain
     from ..arch import arch_info
+    from . import interp  # noqa: F401  (reads and checks FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS)
 
     arch_info(arch)  # ValueError for anything but gfx942/gfx950
-    if _runtime is None:
-        if rocm_device_present():
-            raise EmuError("a ROCm GPU is present: kernels run on it, flyquant.emu stays off")
-        _runtime = Runtime(EmuLaunchError)
-    # The single place that points FlyDSL's compiler at the target (see flyquant.toolchain).
-    os.environ.update(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=toolchain.rocm_path())
-    _arch = arch
+    with toolchain.launch_lock:
+        if _runtime is None:
+            if rocm_device_present():
+                raise EmuError("a ROCm GPU is present: kernels run on it, flyquant.emu stays off")
+            _runtime = Runtime(EmuLaunchError)
+        # The single place that points FlyDSL's compiler at the target (see flyquant.toolchain).
+        os.environ.update(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=toolchain.rocm_path())
+        _arch = arch
 
 
 def enabled() -> bool:
@@ -153,8 +158,11 @@ def record():
 
 
 def _enable_from_environment() -> None:
-    value = os.environ.get(ENV_VAR, "").strip()
-    if not value:
+    from .. import env
+    from ..arch import ARCHS
+
+    value = env.choice(ENV_VAR, sorted(ARCHS))  # EnvError naming FLYQUANT_EMU for anything else
+    if value is None:
         return
     if rocm_device_present():
         warnings.warn(f"{ENV_VAR}={value} ignored: a ROCm GPU is present", RuntimeWarning, stacklevel=3)

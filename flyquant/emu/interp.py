@@ -18,12 +18,12 @@ naming the instruction, its offset from the kernel entry and the kernel.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections import OrderedDict
 
 import numpy as np
 
+from .. import env
 from . import decode as D
 from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu
 from .isa_base import END, F32, LANES, Ctx, EmuError, Wave, sext
@@ -31,9 +31,19 @@ from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
 
-# A wave that executes more instructions than this is taken to never end (override with the
-# environment variable or execute(max_wave_instructions=...)).
-MAX_WAVE_INSTRUCTIONS = int(os.environ.get("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS", 5_000_000))
+DEFAULT_MAX_WAVE_INSTRUCTIONS = 5_000_000
+
+
+def max_wave_instructions() -> int:
+    """FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS (a positive integer), or the default; an EnvError
+    naming the variable and its value otherwise."""
+    return env.positive_int("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS", DEFAULT_MAX_WAVE_INSTRUCTIONS)
+
+
+# A wave that executes more instructions than this is taken to never end: read once, when the
+# interpreter is imported (flyquant.emu.enable imports it, so a bad value fails there, not in
+# the first launch); execute(max_wave_instructions=...) overrides it per launch.
+MAX_WAVE_INSTRUCTIONS = max_wave_instructions()
 LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 MAX_WORKGROUP_THREADS = 1024
 WORKITEM_ID_BITS = 10  # gfx90a+: v0 = x | y << 10 | z << 20
@@ -302,6 +312,9 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
             max_wave_instructions: int | None = None) -> LaunchStats:
     """Run `kernel` of code object `co` over `grid` workgroups of `block` threads; returns its counters."""
     t0, cpu0 = time.perf_counter(), time.process_time()
+    budget = MAX_WAVE_INSTRUCTIONS if max_wave_instructions is None else max_wave_instructions
+    if type(budget) is not int or budget <= 0:
+        raise ValueError(f"max_wave_instructions must be a positive int, got {budget!r}")
     if kernel not in co.kernels:
         raise EmuError(f"kernel {kernel!r} is not in the code object (it has {sorted(co.kernels)})")
     grid, block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
@@ -310,7 +323,6 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
     _check_host_float_mode()
     prog = program(co, kernel)
     layout = info.kd.sgpr_layout()
-    budget = max_wave_instructions or MAX_WAVE_INSTRUCTIONS
     nwaves = -(-(block[0] * block[1] * block[2]) // LANES)
     stats = LaunchStats(kernel=kernel, arch=co.arch, grid=grid, block=block, waves_per_workgroup=nwaves)
     launch = _Launch(memory)

@@ -65,23 +65,26 @@ def _compiler() -> str:
 
 
 def stub_path() -> Path:
-    """Where the stub for the current sources lives: <cache>/emu/<hash of sources>/libamdhip64.so.7."""
-    from ..toolchain import cache_dir
+    """Where the stub for the current sources lives: <cache>/emu/<hash of sources>/libamdhip64.so.7,
+    its directory created 0700 if missing and checked private (toolchain.private_dir)."""
+    from ..toolchain import cache_dir, private_dir
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
-    return cache_dir() / "emu" / digest.hexdigest()[:16] / SONAME
+    return private_dir(cache_dir(), "emu", digest.hexdigest()[:16]) / SONAME
 
 
 def build_stub() -> Path:
-    """Compile the stub if this version of its sources was not built yet; returns its path."""
+    """Compile the stub if this version of its sources was not built yet; returns its path, a
+    file of this user's that no one else can write (toolchain.private_file: it is loaded next)."""
+    from ..toolchain import private_file
+
     target = stub_path()
     if target.exists():
-        return target
+        return private_file(target)
     here = Path(__file__).resolve().parent
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / SONAME
         cmd = [
@@ -93,7 +96,7 @@ def build_stub() -> Path:
         if result.returncode != 0:
             raise EmuError(f"building the HIP stand-in failed ({' '.join(cmd)}):\n{result.stderr}")
         out.replace(target)  # atomic: a concurrent first use never loads a half-written library
-    return target
+    return private_file(target)
 
 
 def loaded_libraries() -> list[str]:
