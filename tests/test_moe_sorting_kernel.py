@@ -1,0 +1,232 @@
+"""The moe_sorting FlyDSL kernel (kernels/moe_sorting.py), executed under flyquant.emu for gfx950
+and gfx942: every output bit-identical to flyquant.reference.moe_sorting, under strict memory
+with every tensor of the call (outputs included) tracked, so an access outside any of them fails
+the test. Plus compile checks and the launcher's refusals.
+
+Dropped pairs. The kernel drops a pair whose id is outside [0, E); the reference refuses such
+input. The expected result is the reference on the same routing with those ids replaced by an
+extra expert E that the mask leaves out: a masked-out expert's pairs are dropped, it is the last
+expert (local ids of the others unchanged), and the E + 1 worst-case arrays only add padding rows
+and -1 blocks at their end (rows in use <= P + E * (block_m - 1) <= the E-expert length, as
+topk <= E), so the E-expert outputs are their prefixes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flyquant.emu as emu
+from flyquant import toolchain
+from flyquant.kernels import moe_sorting as K
+from flyquant.moe import moe_sorting as reference
+
+ARCHS = ("gfx950", "gfx942")
+
+
+def routing(tokens, topk, experts, seed, skew=False, repeats=False, skip=None):
+    """Distinct experts per token (as a top-k router gives). skew: half the tokens pick experts
+    0..topk-1 (uneven counts, several blocks for one expert); repeats: some tokens route two
+    slots to one expert (allowed by the contract: slot order then decides); skip: an expert no
+    token picks (an expert with no tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([e for e in range(experts) if e != skip])
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:topk]] for _ in range(tokens)])
+    if skew:
+        ids[: tokens // 2] = pool[:topk]
+    if repeats and topk > 1:
+        ids[::3, 1] = ids[::3, 0]
+    weights = torch.rand(tokens, topk, generator=gen)
+    return ids.to(torch.int32), weights
+
+
+def run_kernel(arch, ids, weights, experts, block_m, mask=None, moe_buf=None, waves=None):
+    """The kernel with every tensor tracked and strict memory on (outputs pre-filled with junk, so
+    an element the kernel failed to write shows)."""
+    rows, blocks = K.sorted_shapes(*ids.shape, experts, block_m)
+    out = (torch.full((rows,), 0x5A5A5A5A, dtype=torch.int32), torch.full((rows,), float("nan")),
+           torch.full((blocks,), 0x5A5A5A5A, dtype=torch.int32), torch.full((2,), -7, dtype=torch.int32))
+    tensors = [t for t in (ids, weights, mask, moe_buf, *out) if t is not None]
+    emu.track(*tensors)
+    with emu.strict_memory(), emu.record() as launches:
+        got = K.moe_sorting(ids, weights, experts, block_m, mask, arch=arch, moe_buf=moe_buf, out=out, waves=waves)
+    assert len(launches) == 1 and all(g is o for g, o in zip(got, out))
+    return got, launches[0]
+
+
+def assert_identical(got, expected):
+    names = ("sorted_ids", "sorted_weights", "sorted_expert_ids", "num_valid_ids")
+    for name, g, e in zip(names, got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape, (name, g.dtype, e.dtype, g.shape, e.shape)
+        if g.dtype == torch.float32:  # on the bits: -0.0, NaN payloads
+            g, e = g.view(torch.int32), e.view(torch.int32)
+        bad = (g != e).nonzero().flatten()
+        assert bad.numel() == 0, f"{name}: {bad.numel()} differ, first at {bad[:8].tolist()}: {g[bad[:8]].tolist()} vs {e[bad[:8]].tolist()}"
+
+
+def expected_dropping(ids, weights, experts, block_m, mask=None):
+    """The reference with out-of-range ids routed to an extra masked-out expert (module doc)."""
+    ids_ext = ids.to(torch.int64).clone()
+    ids_ext[(ids_ext < 0) | (ids_ext >= experts)] = experts
+    served = torch.ones(experts, dtype=torch.bool) if mask is None else mask != 0
+    full = reference(ids_ext, weights, experts + 1, block_m, torch.cat([served, torch.tensor([False])]))
+    rows, blocks = K.sorted_shapes(*ids.shape, experts, block_m)
+    return full[0][:rows], full[1][:rows], full[2][:blocks], full[3]
+
+
+# (T, topk, E, block_m, waves): T 1 / 3 / 17 / 130 x topk 1 / 4 / 8 x E 1 / 8 / 128 x block_m 16 / 32 / 64;
+# waves None = the launcher's choice (1 wave up to 1023 pairs), 4 and 8 split the pairs over waves
+# in slices (130 x 8 = 1040 pairs: 4 waves of 260; 17 x 4 over 8 waves: most slices empty)
+CASES = [
+    (1, 1, 1, 16, None),  # one pair, one expert
+    (1, 4, 128, 16, None),  # decode: 4 blocks in use of 128 + padding
+    (3, 1, 8, 64, None),
+    (3, 4, 8, 32, None),
+    (17, 8, 8, 16, None),  # every expert, several blocks each
+    (17, 4, 128, 64, 8),
+    (130, 1, 1, 32, None),  # all pairs on one expert: 5 blocks
+    (130, 4, 128, 32, None),
+    (130, 8, 128, 16, 4),
+    (130, 8, 8, 64, 8),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-m{c[3]}-w{c[4]}" for c in CASES])
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_bit_identical_to_reference(arch, case, masked):
+    tokens, topk, experts, block_m, waves = case
+    ids, weights = routing(tokens, topk, experts, seed=tokens * 131 + experts, skew=tokens > 3,
+                           repeats=tokens > 3, skip=1 if experts > topk else None)
+    mask = None
+    if masked:
+        mask = torch.arange(experts) % 3 != 1  # serve two experts in three
+        mask[0] = True
+    got, _ = run_kernel(arch, ids, weights, experts, block_m, mask, waves=waves)
+    assert_identical(got, reference(ids, weights, experts, block_m, mask))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("waves", [1, 4])
+def test_out_of_range_ids_are_dropped(arch, waves):
+    """ids E, E + 1000, -1 and INT32_MIN (int32) / 2^32 + 1 and -2^40 (int64: a low dword in range)
+    contribute nothing, and nothing outside the tensors is touched (strict memory)."""
+    tokens, topk, experts, block_m = 17, 4, 8, 16
+    ids, weights = routing(tokens, topk, experts, seed=3, skew=True)
+    ids[0, 0], ids[2, 3], ids[5, 1], ids[16, 2] = experts, experts + 1000, -1, -(2**31)
+    mask = torch.ones(experts, dtype=torch.int32)
+    mask[5] = 0
+    got, _ = run_kernel(arch, ids, weights, experts, block_m, mask, waves=waves)
+    assert_identical(got, expected_dropping(ids, weights, experts, block_m, mask))
+    ids64 = ids.to(torch.int64)
+    ids64[3, 0], ids64[4, 2] = 2**32 + 1, -(2**40)
+    got, _ = run_kernel(arch, ids64, weights, experts, block_m, waves=waves)
+    assert_identical(got, expected_dropping(ids64, weights, experts, block_m))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_id_out_of_range(arch):
+    """No pair left: no rows in use, every row padding, every block -1."""
+    ids = torch.full((3, 2), 9, dtype=torch.int32)
+    weights = torch.rand(3, 2)
+    got, _ = run_kernel(arch, ids, weights, 4, 16)
+    assert got[3].tolist() == [0, 3]
+    assert_identical(got, expected_dropping(ids, weights, 4, 16))
+
+
+# id, weight and mask dtypes the kernel reads itself (no conversion on the host)
+DTYPE_CASES = [
+    (torch.int64, torch.bfloat16, torch.bool),
+    (torch.int32, torch.float16, torch.uint8),
+    (torch.int64, torch.float32, torch.int64),
+    (torch.int32, torch.bfloat16, torch.int16),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("id_dtype,weight_dtype,mask_dtype", DTYPE_CASES)
+def test_input_dtypes(arch, id_dtype, weight_dtype, mask_dtype):
+    ids, weights = routing(9, 4, 16, seed=11, skew=True)
+    ids, weights = ids.to(id_dtype), weights.to(weight_dtype)
+    weights[0, 0] = -0.0  # its bits must survive the f32 conversion
+    mask = torch.zeros(16, dtype=mask_dtype)
+    mask[::2] = 1
+    mask[3] = 1
+    got, _ = run_kernel(arch, ids, weights, 16, 32, mask)
+    assert_identical(got, reference(ids, weights, 16, 32, mask))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zeroes_moe_buf_in_the_same_launch(arch):
+    """moe_buf (a bf16 (T, 2880) stage-2 output, 4 zeroing workgroups of 8 KiB with a partial last
+    one) is zeroed up to its last byte and not one byte past it: it is the head of a larger
+    tensor whose tail must keep its canary."""
+    ids, weights = routing(5, 4, 8, seed=2)
+    big = torch.full((5 * 2880 + 64,), 3.0, dtype=torch.bfloat16)
+    moe_buf = big[: 5 * 2880].view(5, 2880)
+    got, launch = run_kernel(arch, ids, weights, 8, 16, moe_buf=moe_buf)
+    assert launch.stats.workgroups_launched == 1 + 4  # 28800 bytes in 8 KiB per workgroup
+    assert_identical(got, reference(ids, weights, 8, 16))
+    assert (moe_buf == 0).all()
+    assert (big[5 * 2880:] == 3.0).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_largest_launch(arch):
+    """MAX_PAIRS routed pairs would take long under the emulator; 2^16 (the issue's 64k) in one
+    launch of 8 waves, skewed so that one expert holds half the pairs."""
+    ids, weights = routing(16384, 4, 128, seed=7, skew=True)
+    got, launch = run_kernel(arch, ids, weights, 128, 32)
+    assert launch.stats.waves_per_workgroup == 8
+    assert_identical(got, reference(ids, weights, 128, 32))
+
+
+def test_launcher_refusals():
+    ids, weights = routing(4, 2, 8, seed=1)
+    with pytest.raises(ValueError, match=r"num_experts must be an int in \[1, 1024\]"):
+        K.moe_sorting(ids, weights, 2000, 16, arch="gfx950")
+    with pytest.raises(ValueError, match=r"block_m must be an int in \[1, 1024\]"):
+        K.moe_sorting(ids, weights, 8, 0, arch="gfx950")
+    with pytest.raises(ValueError, match="routed pairs: one sorting launch takes at most"):
+        many = torch.zeros(K.MAX_PAIRS // 2 + 1, 2, dtype=torch.int32)
+        K.moe_sorting(many, torch.zeros(many.shape), 8, 16, arch="gfx950")
+    with pytest.raises(TypeError, match="expert_mask must have dtype"):
+        K.moe_sorting(ids, weights, 8, 16, torch.ones(8), arch="gfx950")
+    with pytest.raises(ValueError, match="topk_ids must be contiguous"):
+        K.moe_sorting(ids.t().contiguous().t(), weights, 8, 16, arch="gfx950")
+    with pytest.raises(ValueError, match="moe_buf must span a multiple of 4 bytes"):
+        K.moe_sorting(ids, weights, 8, 16, arch="gfx950", moe_buf=torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="sorted_ids must have shape"):
+        K.moe_sorting(ids, weights, 8, 16, arch="gfx950", out=(torch.zeros(5, dtype=torch.int32),) * 4)
+
+
+def test_wave_choice_fits_the_lds():
+    assert K.choose_waves(4, 128, "gfx942") == 1
+    assert K.choose_waves(2048, 128, "gfx942") == 4
+    assert K.choose_waves(1 << 16, 128, "gfx942") == 8
+    # 8 waves with 1024 experts need 55 KiB of LDS: above the budget, so 4
+    assert K.SortSpec("gfx942", 1024, 8, 32, 4, "f32", 0, 8).lds_bytes > K.LDS_BUDGET
+    assert K.choose_waves(1 << 16, 1024, "gfx942") == 4
+
+
+# compile checks: the largest expert count with each wave count, int64 ids, bf16 weights, a mask
+COMPILE_CASES = [(arch, waves) for arch in ARCHS for waves in K.WAVE_COUNTS]
+
+
+@pytest.mark.parametrize("arch,waves", COMPILE_CASES)
+def test_compiles_without_spills(arch, waves):
+    experts = K.MAX_EXPERTS if waves < 8 else 256
+    spec = K.SortSpec(arch, experts, 8, 32, 8, "bf16", 1, waves)
+    z = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype)  # noqa: E731  (shapes only)
+    (rep,) = toolchain.compile_only(
+        arch, K.build_moe_sorting(spec), z(4, 8, dtype=torch.int64), z(4, 8, dtype=torch.bfloat16),
+        z(experts, dtype=torch.uint8), z(64), z(64, dtype=torch.float32), z(4), z(2), z(16, dtype=torch.uint8),
+        4, 0, 1, stream=0,
+    )
+    assert rep.name == spec.name
+    assert rep.spills == 0
+    assert rep.lds_bytes == spec.lds_bytes <= K.LDS_BUDGET
+    assert rep.vgprs <= 64  # room for 8 waves per SIMD: the sort is latency-bound, not register-bound
+    assert rep.count("ds_add_u32") > 0 and rep.count("v_bcnt_u32_b32") > 0
+    assert rep.count("buffer_store_dwordx4") > 0  # padding rows and moe_buf zeroing, 16 bytes per lane
+    assert "ocml" not in rep.isa
