@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import statistics
 import sys
@@ -478,13 +477,19 @@ def warn_if_sources_changed(before: dict[str, float], file=sys.stdout) -> list[s
 
 
 def environment() -> dict:
-    """Versions and settings that a reader of the JSON needs to reproduce it."""
+    """Versions and settings that a reader of the JSON needs to reproduce it. FLYQUANT_CONFIG and
+    the FLYQUANT_TUNING table are read as flyquant reads them (an EnvError names a bad one), so
+    the JSON never records a setting the run could not have used."""
     import flydsl
 
+    from flyquant import env, select
+
+    select.config_overrides()
+    select.tuning_table()
     return {
         "torch": torch.__version__,
         "flydsl": getattr(flydsl, "__version__", "?"),
         "hip": torch.version.hip,
-        "FLYQUANT_CONFIG": os.environ.get("FLYQUANT_CONFIG"),
-        "FLYQUANT_TUNING": os.environ.get("FLYQUANT_TUNING"),
+        "FLYQUANT_CONFIG": env.raw("FLYQUANT_CONFIG"),
+        "FLYQUANT_TUNING": env.raw("FLYQUANT_TUNING"),
     }

@@ -228,9 +228,9 @@ def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
     return entries
 
 
-def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
-    """The tuning table's configuration for exactly this (op, arch, shape), or {}. The whole
-    table is checked when it is first read (and again when the file changes)."""
+def tuning_table() -> dict[tuple, dict]:
+    """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
+    whole table is checked when it is first read (and again when the file changes)."""
     path = env.raw("FLYQUANT_TUNING")
     if path is None:
         return {}
@@ -239,8 +239,12 @@ def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
         mtime = os.path.getmtime(path)
     except OSError as exc:
         raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']} ({exc.strerror})") from None
-    table = _load_tuning(path, mtime)
-    return dict(table.get((op, arch, tuple(sorted(shape.items()))), {}))
+    return _load_tuning(path, mtime)
+
+
+def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """The tuning table's configuration for exactly this (op, arch, shape), or {}."""
+    return dict(tuning_table().get((op, arch, tuple(sorted(shape.items()))), {}))
 
 
 def reference_plan(op: str, target: Target, *reasons: str) -> Plan:
@@ -371,6 +375,36 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
             f"_{config['waves']}w{'_bias' if has_bias else ''}_{target.arch}")
     conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
     return _kernel_plan(op, target, name, config, conversion)
+
+
+def plan_moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask) -> Plan:
+    """moe_sorting (arguments already checked): the one-launch sorting kernel with its wave count,
+    or the reference for what the kernel does not take (its limits, kernels.moe_sorting)."""
+    op = "moe_sorting"
+    target = _kernel_target(op, topk_ids.device)
+    if isinstance(target, Plan):
+        return target
+    from .kernels import moe_sorting as k
+
+    tokens, topk = topk_ids.shape
+    pairs = tokens * topk
+    reason = None
+    if num_experts > k.MAX_EXPERTS:
+        reason = f"num_experts = {num_experts} is above the kernel's {k.MAX_EXPERTS}"
+    elif block_m > k.MAX_BLOCK_M:
+        reason = f"block_m = {block_m} is above the kernel's {k.MAX_BLOCK_M}"
+    elif pairs > k.MAX_PAIRS:
+        reason = f"T * topk = {pairs} routed pairs: one sorting launch takes at most {k.MAX_PAIRS}"
+    if reason:
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    waves = k.choose_waves(pairs, num_experts, target.arch)
+    mask_bytes = 0 if expert_mask is None else (expert_mask.element_size() if expert_mask.dtype in k.MASK_DTYPES else 1)
+    spec = k.SortSpec(target.arch, num_experts, topk, block_m, k.ID_DTYPES[topk_ids.dtype],
+                      k.WEIGHT_DTYPES[topk_weights.dtype], mask_bytes, waves)
+    return _kernel_plan(op, target, spec.name, {"waves": waves},
+                        "one workgroup sorts, extra ones zero moe_buf: one launch, no host synchronisation",
+                        "ids outside [0, num_experts) are dropped (checked only with FLYQUANT_DEBUG=1)")
 
 
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device: torch.device) -> int:

@@ -61,13 +61,15 @@ _CACHE_WHY = (
 
 
 def _unsafe(path, problem: str, fix: str, source: str) -> CacheDirError:
-    return CacheDirError(f"unsafe cache directory {path} ({source}): {problem}. {_CACHE_WHY.format(uid=os.geteuid())}. Fix: {fix}")
+    why = _CACHE_WHY.format(uid=os.geteuid())
+    return CacheDirError(f"unsafe cache directory {path} ({source}): {problem}. {why}. Fix: {fix}")
 
 
 def _check_private(path: Path, st: os.stat_result, source: str, fix_root: str) -> None:
     """`path` (stat `st`) is owned by us and not writable by group or others."""
     if st.st_uid != os.geteuid():
-        raise _unsafe(path, f"it is owned by uid {st.st_uid}", f"point {fix_root} at a new directory (flyquant creates it 0700)", source)
+        fix = f"point {fix_root} at a new directory (flyquant creates it 0700)"
+        raise _unsafe(path, f"it is owned by uid {st.st_uid}", fix, source)
     if st.st_mode & _GROUP_OTHER_WRITE:
         raise _unsafe(
             path, f"group or others can write it (mode {stat.S_IMODE(st.st_mode):#o})",

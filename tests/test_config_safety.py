@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -411,3 +412,28 @@ def test_two_threads_launch_different_arches_concurrently():
     assert sorted(r.arch for r in launches) == ["gfx942"] * 3 + ["gfx950"] * 3
     assert all(f"_{r.arch}_" in r.kernel for r in launches), [(r.kernel, r.arch) for r in launches]
     assert dict(os.environ) == before
+
+
+def test_env_flag_and_unknown_names(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_DEBUG", "yes")
+    with pytest.raises(env.EnvError, match=r"FLYQUANT_DEBUG='yes': expected one of 0\|1"):
+        env.flag("FLYQUANT_DEBUG")
+    monkeypatch.setenv("FLYQUANT_DEBUG", "1")
+    assert env.flag("FLYQUANT_DEBUG")
+    with pytest.raises(KeyError, match="FLYQUANT_NOPE is not a flyquant environment variable"):
+        env.raw("FLYQUANT_NOPE")
+
+
+def test_bench_records_only_settings_flyquant_accepts(monkeypatch):
+    """bench/ writes FLYQUANT_CONFIG / FLYQUANT_TUNING into its JSON: it reads them as flyquant
+    does, so a bad one is the same named error, not a silently recorded setting."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("FLYQUANT_CONFIG", ' {"waves": 2} ')
+    assert common.environment()["FLYQUANT_CONFIG"] == '{"waves": 2}'
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"wave": 2}')
+    with pytest.raises(env.EnvError, match=rf"unknown key\(s\) 'wave'; {KNOWN_CONFIG}"):
+        common.environment()
