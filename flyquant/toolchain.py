@@ -234,7 +234,20 @@ def kernel_cache_dir() -> str:
     objects), so an edited kernel could be served stale bytes: keying the directory on a hash of
     the kernel sources and the FlyDSL version rules that out.
     """
-    return str(private_dir(cache_dir(), "flydsl", _kernel_sources_digest(), tree=True))
+    key = (os.environ.get("FLYQUANT_CACHE_DIR"), os.environ.get("HOME"))
+    path = _kernel_dirs.get(key)
+    if path is not None:  # the launch path: one stat when nothing changed since the full check
+        try:
+            if _checked.get(path) == _identity(os.stat(path)):
+                return path
+        except OSError:
+            pass
+    path = str(private_dir(cache_dir(), "flydsl", _kernel_sources_digest(), tree=True))
+    _kernel_dirs[key] = path
+    return path
+
+
+_kernel_dirs: dict[tuple, str] = {}  # (FLYQUANT_CACHE_DIR, HOME) -> kernel_cache_dir() checked
 
 
 @contextlib.contextmanager
