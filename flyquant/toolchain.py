@@ -129,6 +129,11 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
             os.chmod(level, 0o700)  # whatever the umask
         except FileExistsError:
             pass
+        except OSError as exc:
+            raise CacheDirError(
+                f"cannot create cache directory {level} ({source}): {exc.strerror}. "
+                f"Fix: point {fix_root} at a directory you can create"
+            ) from None
         st = os.stat(level)
         if not stat.S_ISDIR(st.st_mode):
             raise _unsafe(level, "it is not a directory", f"remove it, or point {fix_root} elsewhere", source)
