@@ -5,11 +5,12 @@ reference. The kernel-backed ops are ``torch.library`` custom ops with fake impl
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 
-from . import layouts, moe, reference, select, validate
+from . import env, layouts, moe, reference, select, validate
 from .select import Plan
 
 # ---------------------------------------------------------------------------------------------
@@ -151,18 +152,22 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     and num_valid_ids: moe_sorting's outputs for `block_m` (use moe_block_m() to choose it).
     out given: results are added into it; None: a zeroed out_dtype (bf16 or fp32) output.
     model_dim / inter_dim: the true sizes when the weights are padded (default: their shapes).
+
+    Rows in use (below num_valid_ids[0], token < T) whose slot is not below topk, and blocks whose
+    expert id is outside [0, E), are dropped on the kernel path (nothing is read for them); with
+    FLYQUANT_DEBUG=1 they raise a ValueError (a host synchronisation), as the reference always does.
+    A negative num_valid_ids[0] means no rows. out must not overlap an input, and no input may
+    require grad (the op has no backward).
     """
-    reference.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-                              topk, block_m)
-    model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
-    tokens = a2.shape[0] // topk
+    model_dim, inter_dim, tokens = reference.check_moe_gemm2_call(
+        a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
+        bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    if env.flag("FLYQUANT_DEBUG"):
+        reference.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
+                                         w2.shape[0])
     if out is None:
         validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
-    else:
-        validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
-        validate.same_device("a2", a2, "out", out)
-        validate.shape(out, "out", (tokens, model_dim))
     _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
                   block_m, bias, apply_weights, model_dim, inter_dim)
     return out
@@ -170,7 +175,20 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
 
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
+    _check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
     return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, torch.device(device or "cpu"))
+
+
+def _check_moe_sizes(**sizes) -> None:
+    """MoE shape arguments: ints, tokens >= 0 and the others >= 1 (they divide)."""
+    for name, value in sizes.items():
+        low = 0 if name == "tokens" else 1
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= low
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
@@ -178,8 +196,10 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     """From routing (topk_ids, topk_weights (tokens, topk)) and the stage-1 output a2 to the layer
     output: moe_sorting with the selector's block size, then moe_gemm2_a16w4."""
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
+    validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
+    _check_moe_sizes(topk=topk, experts=experts)
     model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
     sorted_ = moe.moe_sorting(topk_ids, topk_weights, experts, block_m)
@@ -193,6 +213,9 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
     the weights padded as the shuffles require), and the 1x32, 32x1 and dual
     MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
+    _check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
+    for t in tokens:
+        _check_moe_sizes(tokens=t)
     device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.

@@ -15,6 +15,8 @@ TOKEN_BITS = 24  # sorted id = (slot << 24) | token
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
 MAX_TOPK = (1 << (31 - TOKEN_BITS)) - 1  # 127: slot << 24 (and topk << 24, the padding id) stays a positive int32
 ID_DTYPES = (torch.int32, torch.int64)
+# int32 rows addressed with 32-bit byte offsets by the stage-2 kernel (a buffer of < 2^32 bytes)
+MAX_SORTED_ROWS = ((1 << 32) - 1) // 4
 
 
 def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
@@ -48,6 +50,10 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
         raise ValueError(f"topk = topk_ids.shape[1] = {topk} must be in [1, min(num_experts, {MAX_TOPK})]")
     if tokens > TOKEN_MASK:
         raise ValueError(f"T = topk_ids.shape[0] = {tokens} must be below 2^{TOKEN_BITS} (ids pack the token in 24 bits)")
+    # checked before anything is allocated: the outputs' length grows with num_experts * block_m
+    if tokens * topk + num_experts * block_m - topk > MAX_SORTED_ROWS:
+        raise ValueError(f"T * topk + num_experts * block_m - topk = {tokens} * {topk} + {num_experts} * {block_m} - "
+                         f"{topk} sorted rows must be at most {MAX_SORTED_ROWS} (int32 rows, 32-bit byte offsets)")
     if topk_ids.numel() and (topk_ids.min().item() < 0 or topk_ids.max().item() >= num_experts):
         raise ValueError(f"topk_ids must lie in [0, num_experts = {num_experts}), got [{topk_ids.min().item()}, {topk_ids.max().item()}]")
     device = topk_ids.device

@@ -274,7 +274,8 @@ def check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     if not isinstance(block_m, int) or block_m <= 0:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    validate.multiple_of(a2.shape[0], topk, "a2.shape[0] (tokens * topk rows)")
+    if a2.shape[0] % topk:  # 0 rows (an expert-parallel rank with no tokens) is an empty batch
+        raise ValueError(f"a2.shape[0] (tokens * topk rows) = {a2.shape[0]} must be a multiple of topk = {topk}")
     validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
     blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
     if sorted_expert_ids.shape[0] < blocks:
@@ -284,6 +285,62 @@ def check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     if w2_scale.dim() == 2:
         expected = (experts * n_pad, expected[2])
     validate.shape(w2_scale, "w2_scale", expected)
+
+
+MOE_TOKEN_BITS = 24  # sorted id = (slot << 24) | token
+MOE_TOKEN_MASK = (1 << MOE_TOKEN_BITS) - 1
+OUT_ALIGN_BYTES = 4  # the kernel adds bf16 column pairs with packed 4-byte atomics
+
+
+def check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
+                         block_m, out=None, bias=None, model_dim=None, inter_dim=None) -> tuple[int, int, int]:
+    """Everything both backends check before running the stage-2 GEMM (so they accept and refuse
+    the same calls): types, shapes, devices, the true sizes, bias (E, >= model_dim), out (T,
+    model_dim) 4-byte aligned and sharing no memory with an input, no input requiring grad.
+    Reads no tensor's values (no host synchronisation). Returns (model_dim, inter_dim, tokens)."""
+    check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m)
+    model_dim, inter_dim = moe_true_dims(a2, w2, model_dim, inter_dim)
+    experts = w2.shape[0]
+    tokens = a2.shape[0] // topk
+    inputs = dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids, sorted_weights=sorted_weights,
+                  sorted_expert_ids=sorted_expert_ids, num_valid_ids=num_valid_ids, bias=bias)
+    if bias is not None:
+        validate.high_precision(bias, "bias", ndim=2)
+        validate.same_device("a2", a2, "bias", bias)
+        if bias.shape[0] != experts or bias.shape[1] < model_dim:
+            raise ValueError(f"bias must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
+    if out is not None:
+        validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
+        validate.same_device("a2", a2, "out", out)
+        validate.shape(out, "out", (tokens, model_dim))
+        if out.data_ptr() % OUT_ALIGN_BYTES:
+            raise ValueError(f"out must start at a {OUT_ALIGN_BYTES}-byte aligned address (a bf16 out at an even "
+                             f"element offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
+        validate.no_overlap(out, "out", inputs)
+    validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
+    return model_dim, inter_dim, tokens
+
+
+def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts) -> None:
+    """The checks that read the sorted arrays (a host synchronisation on a GPU): every row in use
+    (below num_valid_ids[0], token < T) has a slot below topk and lies in a block whose expert id
+    is in [0, E). The device path drops such rows and blocks instead (checked with FLYQUANT_DEBUG=1)."""
+    used = max(0, min(int(num_valid_ids[0]), sorted_ids.shape[0]))
+    ids = sorted_ids[:used].to("cpu", torch.int64)
+    live = (ids & MOE_TOKEN_MASK) < tokens
+    slot = torch.bitwise_right_shift(ids, MOE_TOKEN_BITS)
+    bad = live & ((slot < 0) | (slot >= topk))
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"sorted_ids[{row}] = {int(ids[row]):#x} has slot {int(slot[row])}: a row in use (below "
+                         f"num_valid_ids[0], token < T = {tokens}) must have a slot in [0, topk = {topk})")
+    blocks = torch.unique(torch.arange(used)[live] // block_m)
+    expert = sorted_expert_ids.to("cpu", torch.int64)[blocks]
+    bad = (expert < 0) | (expert >= experts)
+    if bad.any():
+        block = int(blocks[bad.nonzero()[0]])
+        raise ValueError(f"sorted_expert_ids[{block}] = {int(expert[bad][0])} must be in [0, E = w2.shape[0] = "
+                         f"{experts}) (block {block} holds rows in use)")
 
 
 def moe_true_dims(a2, w2, model_dim=None, inter_dim=None) -> tuple[int, int]:
@@ -316,27 +373,19 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     model_dim), added into in its own dtype (out_dtype is then not used); None: a new out_dtype
     tensor. model_dim / inter_dim default to N and a2.shape[1].
     """
-    check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m)
+    model_dim, inter_dim, tokens = check_moe_gemm2_call(
+        a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
+        bias=bias, model_dim=model_dim, inter_dim=inter_dim)
     experts, n_pad, _ = w2.shape
-    model_dim, inter_dim = moe_true_dims(a2, w2, model_dim, inter_dim)
-    tokens = a2.shape[0] // topk
-    if bias is not None:
-        validate.high_precision(bias, "bias", ndim=2)
-        validate.same_device("a2", a2, "bias", bias)
-        if bias.shape[0] != experts or bias.shape[1] < model_dim:
-            raise ValueError(f"bias must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
-    if out is not None:
-        validate.high_precision(out, "out", ndim=2)
-        validate.same_device("a2", a2, "out", out)
-        validate.shape(out, "out", (tokens, model_dim))
+    check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
 
     w = layouts.unshuffle_weight_a16w4(w2, nlane)
     s = layouts.unshuffle_scale_a16w4(w2_scale, experts).reshape(experts, n_pad, -1)
     weight = dequantize_mxfp4(w, s)[:, :model_dim, :inter_dim]  # (E, model_dim, inter_dim) FP32
 
     rows = torch.arange(sorted_ids.shape[0], device=a2.device)
-    token = sorted_ids & 0xFFFFFF
-    slot = torch.bitwise_right_shift(sorted_ids, 24)
+    token = sorted_ids & MOE_TOKEN_MASK
+    slot = torch.bitwise_right_shift(sorted_ids, MOE_TOKEN_BITS)
     valid = (rows < num_valid_ids[0]) & (token < tokens)
     expert = sorted_expert_ids[rows // block_m]
     acc = torch.zeros(tokens, model_dim, dtype=torch.float32, device=a2.device)

@@ -140,7 +140,11 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
         _check_private(level, st, source, fix_root)
     if tree:
         for entry in _walk(levels[-1]):
-            _check_private(entry, os.stat(entry), source, fix_root)
+            try:
+                entry_stat = os.stat(entry)
+            except FileNotFoundError:  # a temporary file another process just renamed
+                continue
+            _check_private(entry, entry_stat, source, fix_root)
     with _checked_lock:
         _checked[key] = _identity(os.stat(path))
     return path

@@ -114,3 +114,38 @@ def offs(group_offs, x: torch.Tensor, rows: int) -> None:
             f"every token group size must be a multiple of {OFFS_GROUP_MULTIPLE}; "
             f"offs {ends.tolist()} gives sizes {sizes.tolist()}"
         )
+
+
+def byte_extent(x: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) byte addresses of x's elements (strides of any sign), None when empty."""
+    if x.numel() == 0:
+        return None
+    lo = sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s > 0)
+    start = x.data_ptr() + lo * x.element_size()
+    return start, x.data_ptr() + (hi + 1) * x.element_size()
+
+
+def no_overlap(out: torch.Tensor, out_name: str, inputs: dict) -> None:
+    """The output `out` shares no memory with any input (name -> tensor or None), as torch's out=
+    ops require: an input read after the output was written to would give a wrong result.
+    Conservative: byte ranges that interleave without sharing an element count as overlapping."""
+    span = byte_extent(out)
+    if span is None:
+        return
+    for name, t in inputs.items():
+        other = None if t is None or t.device != out.device else byte_extent(t)
+        if other is not None and other[0] < span[1] and span[0] < other[1]:
+            raise ValueError(f"{out_name} must not overlap the input {name} (the same memory would be read and "
+                             f"written); pass a separate {out_name} tensor")
+
+
+def no_autograd(op: str, inputs: dict) -> None:
+    """None of the inputs (name -> tensor or None) requires grad while grad mode is on: `op` has no
+    backward, and returning an output detached from the graph would lose the gradient silently."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in inputs.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{op} does not support autograd: {name} requires grad; detach {name} (or run "
+                             f"under torch.no_grad()) if no gradient should flow through {op}")

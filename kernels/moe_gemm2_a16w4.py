@@ -408,6 +408,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
     def gemm2_kernel(
         a2: fx.Int64,  # (T * topk, a_stride) bf16, row t * topk + slot
+        a2_bytes: fx.Int64,  # the bytes a2's elements span (< 2^32)
         w2: fx.Int64,  # (E, w_n, w_k / 2) FP4, shuffle_weight_a16w4
         w2_scale: fx.Int64,  # (E * w_n, w_k / 32) E8M0, shuffle_scale_a16w4
         sorted_ids: fx.Int64,  # (R,) int32 (slot << 24) | token
@@ -415,10 +416,11 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         sorted_expert_ids: fx.Int64,  # (R / block_m,) int32
         num_valid_ids: fx.Int64,  # (2,) int32: [rows in use, T]
         out: fx.Int64,  # (T, model_dim) bf16/f32
-        bias: fx.Int64,  # (E, bias_stride) or unused
+        bias: fx.Int64,  # (E, bias_stride) or unused; bias_stride >= model_dim
         bias_stride: fx.Int32,
         tokens: fx.Int32,  # T
         n_rows: fx.Int32,  # R
+        n_experts: fx.Int32,  # E: blocks of another expert id are dropped
         compact: fx.Int32,  # 1: m-slot s = the s-th tile with work (scan); 0: m-tile s
     ):
         tid = fx.Int32(gpu.thread_id("x"))
@@ -430,7 +432,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
 
         ids_bytes = _zext(n_rows << 2)
         ids_rsrc = _rsrc(sorted_ids, ids_bytes)
-        rows_used = fx.min(_scalar_load(num_valid_ids), n_rows)
+        # clamped to [0, R]: a negative count means no rows (as in the reference)
+        rows_used = fx.max(fx.min(_scalar_load(num_valid_ids), n_rows), fx.Int32(0))
         n_used = rows_used.shrui(fx.Int32(LOG_TILE_M))  # m-tiles in use (block_m is a multiple of tile_m)
 
         # ---- which m-tile: direct, or the m_slot-th tile with work -------------------------
@@ -461,14 +464,16 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         if fx.Uint32(tile) < fx.Uint32(n_used):
             row0 = tile << LOG_TILE_M
             tok0 = _scalar_load(sorted_ids + _zext(row0 << 2)) & TOKEN_MASK
-            if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
-                expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
+            # a tile of padding rows (CK-style empty-expert block) has no work, nor one of an
+            # expert id outside [0, E) (dropped: nothing of w2 or its scales is read)
+            expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
+            if (tok0 < tokens) & (fx.Uint32(expert) < fx.Uint32(n_experts)):
                 # the buffer ends at the first 16-row block past model_dim: loads of the padding
                 # rows read 0 without a per-block select (the range check leaves out the scalar
                 # offset, i.e. the K iteration: it sees the block's offset and the step's only)
                 w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, MODEL_DIM // MFMA_MN * NBLK_BYTES)
                 s_rsrc = _rsrc(w2_scale + fx.Int64(expert) * EXPERT_S_BYTES, EXPERT_S_BYTES)
-                a_rsrc = _rsrc(a2, fx.Int64(tokens) * (TOPK * A_ROW_BYTES))
+                a_rsrc = _rsrc(a2, a2_bytes)
                 wn_i = wave & (WN - 1)
                 wk_i = wave.shrui(fx.Int32(LOG_WN))
                 kl = lane.shrui(fx.Int32(LOG_MFMA))
@@ -484,11 +489,12 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     n_iters = kt_end - _udiv(worker * N_KT, K_SPLIT)
 
                 # A: per 16-row block, this lane's row (l16) at its k-chunk (kl); padding rows OOB.
+                # A row whose slot is not below topk is dropped like padding (its token taken as T).
                 a_off = []
                 toks = []  # this lane's token per 16-row block (the epilogue's too)
                 for mb in range_constexpr(MB):
                     rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
-                    tok = rid & TOKEN_MASK
+                    tok = (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)).select(rid & TOKEN_MASK, tokens)
                     toks.append(tok)
                     a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
                     a_off.append((tok < tokens).select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
@@ -701,11 +707,14 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     lane_col = col_wave + kl * 4
                     if const_expr(HAS_BIAS):
                         # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
-                        b_row = bias + fx.Int64(expert) * fx.Int64(bias_stride) * BIAS_BYTES
-                        b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(bias_stride) * BIAS_BYTES, fx.Int64(0)))
+                        # (expert's row: model_dim elements, the columns past it read 0)
+                        b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
+                        b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
                         bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
                         for nb in range_constexpr(NB):
-                            words = _load(b_rsrc, lane_col * BIAS_BYTES, nb * MFMA_MN * BIAS_BYTES, BIAS_BYTES)  # 4 columns: BIAS_BYTES dwords
+                            # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
+                            # instruction offset, not the scalar offset, which the check leaves out
+                            words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
                             if const_expr(BIAS_BYTES == 4):
                                 bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
                             else:  # bf16 = the high half of an f32
@@ -728,7 +737,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                                 v = [x * wt for x in v]
                             vals.append(v)
                         if tok < tokens:
-                            row_addr = out + fx.Int64(tok * MODEL_DIM + lane_col) * OUT_ELEM
+                            # 64-bit: T * model_dim may pass 2^31 elements
+                            row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
                             for nb in range_constexpr(NB):
 
                                 def add_block(nb=nb):
@@ -752,6 +762,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     @flyc.jit
     def launch(
         a2: fx.Int64,
+        a2_bytes: fx.Int64,
         w2: fx.Int64,
         w2_scale: fx.Int64,
         sorted_ids: fx.Int64,
@@ -763,13 +774,14 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         bias_stride: fx.Int32,
         tokens: fx.Int32,
         n_rows: fx.Int32,
+        n_experts: fx.Int32,
         grid_m: fx.Int32,
         compact: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         gemm2_kernel(
-            a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-            out, bias, bias_stride, tokens, n_rows, compact,
+            a2, a2_bytes, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+            out, bias, bias_stride, tokens, n_rows, n_experts, compact,
         ).launch(grid=(grid_m, cfg.n_tiles, cfg.k_batch), block=(cfg.waves * WAVE, 1, 1), stream=stream)
 
     return launch
@@ -817,6 +829,9 @@ def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) 
 # ---- torch-facing launcher ---------------------------------------------------------------------
 
 W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+OUT_ALIGN = 4  # bf16 results are added in column pairs by 4-byte packed atomics
+MAX_BUFFER_BYTES = (1 << 32) - 1  # a buffer resource's num_records is 32 bits
+MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
@@ -890,11 +905,28 @@ def moe_gemm2_a16w4(
         validate.shape(out, "out", (tokens, model_dim))
         validate.contiguous(out, "out")
         validate.same_device("a2", a2, "out", out)
+        if out.data_ptr() % OUT_ALIGN:
+            raise ValueError(f"out must start at a {OUT_ALIGN}-byte aligned address (a bf16 out at an even element "
+                             f"offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
+        validate.no_overlap(out, "out", dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids,
+                                             sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                             num_valid_ids=num_valid_ids, bias=bias))
+    validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
     if bias is not None:
-        validate.tensor(bias, "bias", BIAS_DTYPES, ndim=2)
+        validate.tensor(bias, "bias", ndim=2)
         validate.same_device("a2", a2, "bias", bias)
-        if bias.shape[0] != experts or bias.shape[1] < model_dim or bias.stride(1) != 1:
-            raise ValueError(f"bias must be (E = {experts}, >= model_dim = {model_dim}) with unit column stride, got {tuple(bias.shape)}")
+        if bias.shape[0] != experts or bias.shape[1] < model_dim:
+            raise ValueError(f"bias must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
+        # the kernel reads model_dim elements per expert row at bias + e * stride(0): any other
+        # layout (a stride-0 expand shared by the experts, a column stride) or dtype is copied (small)
+        if bias.dtype not in BIAS_DTYPES or bias.stride(1) != 1 or not model_dim <= bias.stride(0) < 1 << 31:
+            bias = bias[:, :model_dim].to(torch.float32 if bias.dtype not in BIAS_DTYPES else bias.dtype).contiguous()
+    a2_bytes = validate.byte_extent(a2)
+    if a2_bytes is not None and a2_bytes[1] - a2.data_ptr() > MAX_BUFFER_BYTES:
+        raise ValueError(f"a2 spans {a2_bytes[1] - a2.data_ptr()} bytes (tokens * topk rows of a2.stride(0) = "
+                         f"{a2.stride(0)} bf16): the kernel reads it through one buffer of at most {MAX_BUFFER_BYTES} bytes")
+    if rows > MAX_SORTED_ROWS:
+        raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
 
     auto_m, auto_n, auto_kb = choose_config(tokens, topk, experts, model_dim, inter_dim, arch)
     if tile_m is None:
@@ -928,9 +960,9 @@ def moe_gemm2_a16w4(
     stream = torch.cuda.current_stream(a2.device) if a2.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(
-            a2.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
+            a2.data_ptr(), 0 if a2_bytes is None else a2_bytes[1] - a2.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
             sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(),
             0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-            tokens, rows, grid_m, int(compact), stream=stream,
+            tokens, rows, experts, grid_m, int(compact), stream=stream,
         )
     return out
