@@ -6,6 +6,7 @@ reference. The kernel-backed ops are ``torch.library`` custom ops with fake impl
 from __future__ import annotations
 
 import operator
+import functools
 from typing import Optional
 
 import torch
@@ -242,6 +243,60 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
 
 
 # ---------------------------------------------------------------------------------------------
+# MoE sorting
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_sorting", mutates_args=("moe_buf",))
+def _moe_sorting_op(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_mask: Optional[torch.Tensor],
+    moe_buf: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
+    if plan.backend == "reference":
+        if moe_buf is not None:
+            moe_buf.zero_()
+        return tuple(t.clone() for t in moe.moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask))
+    from .kernels import moe_sorting as k
+
+    if expert_mask is not None:
+        expert_mask = (expert_mask if expert_mask.dtype in k.MASK_DTYPES else expert_mask != 0).contiguous()
+    if moe_buf is not None and not (moe_buf.is_contiguous() and moe_buf.nbytes % 4 == 0
+                                    and moe_buf.nbytes < k.MAX_MOE_BUF_BYTES):
+        moe_buf.zero_()  # the kernel zeroes whole dwords of a contiguous buffer
+        moe_buf = None
+    return k.moe_sorting(topk_ids.contiguous(), topk_weights.contiguous(), num_experts, block_m, expert_mask,
+                         arch=plan.arch, moe_buf=moe_buf, waves=plan.config["waves"])
+
+
+@_moe_sorting_op.register_fake
+def _(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf):
+    rows = topk_ids.shape[0] * topk_ids.shape[1] + num_experts * block_m - topk_ids.shape[1]
+    new = functools.partial(topk_ids.new_empty, dtype=torch.int32)
+    return new(rows), topk_ids.new_empty(rows, dtype=torch.float32), new(-(-rows // block_m)), new(2)
+
+
+def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
+    """Group the routing pairs by expert into blocks of block_m rows (flyquant.moe.moe_sorting's
+    contract and outputs): on the kernel path one launch with no host synchronisation, where
+    ids outside [0, num_experts) are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference
+    always does). moe_buf: a tensor zeroed in the same launch (the stage-2 output, as aiter's
+    moe_sorting zeroes moe_buf)."""
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
+                          check_ids=env.flag("FLYQUANT_DEBUG"))
+    if moe_buf is not None:
+        validate.tensor(moe_buf, "moe_buf")
+        validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
+        validate.no_overlap(moe_buf, "moe_buf", {"topk_ids": topk_ids, "topk_weights": topk_weights,
+                                                 "expert_mask": expert_mask})
+    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
+
+
+# ---------------------------------------------------------------------------------------------
 # Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
 # ---------------------------------------------------------------------------------------------
 
@@ -250,7 +305,6 @@ mxfp8_dequantize = reference.mxfp8_dequantize
 dequantize_mxfp4 = reference.dequantize_mxfp4
 shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
 shuffle_scale_a16w4 = layouts.shuffle_scale_a16w4
-moe_sorting = moe.moe_sorting
 
 
 def explain(fn, *args, **kwargs) -> Plan:
@@ -260,6 +314,7 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp8_quantize_dual: _explain_dual,
         mxfp8_quantize_3d: _explain_3d,
         moe_gemm2_a16w4: _explain_moe,
+        moe_sorting: _explain_sorting,
     }
     planner = planners.get(fn)
     if planner is None:
@@ -293,3 +348,8 @@ def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids
     model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
     dtype = out.dtype if out is not None else out_dtype
     return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
+
+
+def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)

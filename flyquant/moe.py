@@ -19,6 +19,35 @@ ID_DTYPES = (torch.int32, torch.int64)
 MAX_SORTED_ROWS = ((1 << 32) - 1) // 4
 
 
+def check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, *, check_ids=True):
+    """moe_sorting's argument checks: a TypeError/ValueError naming the argument. check_ids: also
+    the range of the ids' values, which reads them (a host synchronisation; the kernel path does
+    it only with FLYQUANT_DEBUG=1 and drops out-of-range ids otherwise)."""
+    validate.tensor(topk_ids, "topk_ids", ID_DTYPES, ndim=2)
+    validate.tensor(topk_weights, "topk_weights", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
+    validate.shape(topk_weights, "topk_weights", tuple(topk_ids.shape))
+    validate.same_device("topk_ids", topk_ids, "topk_weights", topk_weights)
+    tokens, topk = topk_ids.shape
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if not isinstance(block_m, int) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    if not 0 < topk <= min(num_experts, MAX_TOPK):
+        raise ValueError(f"topk = topk_ids.shape[1] = {topk} must be in [1, min(num_experts, {MAX_TOPK})]")
+    if tokens > TOKEN_MASK:
+        raise ValueError(f"T = topk_ids.shape[0] = {tokens} must be below 2^{TOKEN_BITS} (ids pack the token in 24 bits)")
+    # checked before anything is allocated: the outputs' length grows with num_experts * block_m
+    if tokens * topk + num_experts * block_m - topk > MAX_SORTED_ROWS:
+        raise ValueError(f"T * topk + num_experts * block_m - topk = {tokens} * {topk} + {num_experts} * {block_m} - "
+                         f"{topk} sorted rows must be at most {MAX_SORTED_ROWS} (int32 rows, 32-bit byte offsets)")
+    if expert_mask is not None:
+        validate.tensor(expert_mask, "expert_mask", ndim=1)
+        validate.shape(expert_mask, "expert_mask", (num_experts,))
+        validate.same_device("topk_ids", topk_ids, "expert_mask", expert_mask)
+    if check_ids and topk_ids.numel() and (topk_ids.min().item() < 0 or topk_ids.max().item() >= num_experts):
+        raise ValueError(f"topk_ids must lie in [0, num_experts = {num_experts}), got [{topk_ids.min().item()}, {topk_ids.max().item()}]")
+
+
 def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
     """Group the (token, slot) routing pairs by expert into blocks of `block_m` rows.
 
@@ -37,32 +66,10 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
     - num_valid_ids int32 (2,): [rows in use (a multiple of block_m), T].
     With expert_mask, pairs routed to masked-out experts are dropped (another rank serves them).
     """
-    validate.tensor(topk_ids, "topk_ids", ID_DTYPES, ndim=2)
-    validate.tensor(topk_weights, "topk_weights", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
-    validate.shape(topk_weights, "topk_weights", tuple(topk_ids.shape))
-    validate.same_device("topk_ids", topk_ids, "topk_weights", topk_weights)
+    check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
     tokens, topk = topk_ids.shape
-    if not isinstance(num_experts, int) or num_experts <= 0:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if not isinstance(block_m, int) or block_m <= 0:
-        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    if not 0 < topk <= min(num_experts, MAX_TOPK):
-        raise ValueError(f"topk = topk_ids.shape[1] = {topk} must be in [1, min(num_experts, {MAX_TOPK})]")
-    if tokens > TOKEN_MASK:
-        raise ValueError(f"T = topk_ids.shape[0] = {tokens} must be below 2^{TOKEN_BITS} (ids pack the token in 24 bits)")
-    # checked before anything is allocated: the outputs' length grows with num_experts * block_m
-    if tokens * topk + num_experts * block_m - topk > MAX_SORTED_ROWS:
-        raise ValueError(f"T * topk + num_experts * block_m - topk = {tokens} * {topk} + {num_experts} * {block_m} - "
-                         f"{topk} sorted rows must be at most {MAX_SORTED_ROWS} (int32 rows, 32-bit byte offsets)")
-    if topk_ids.numel() and (topk_ids.min().item() < 0 or topk_ids.max().item() >= num_experts):
-        raise ValueError(f"topk_ids must lie in [0, num_experts = {num_experts}), got [{topk_ids.min().item()}, {topk_ids.max().item()}]")
     device = topk_ids.device
-    served = torch.ones(num_experts, dtype=torch.bool, device=device)
-    if expert_mask is not None:
-        validate.tensor(expert_mask, "expert_mask", ndim=1)
-        validate.shape(expert_mask, "expert_mask", (num_experts,))
-        validate.same_device("topk_ids", topk_ids, "expert_mask", expert_mask)
-        served = expert_mask != 0
+    served = torch.ones(num_experts, dtype=torch.bool, device=device) if expert_mask is None else expert_mask != 0
 
     rows = tokens * topk + num_experts * block_m - topk
     blocks = (rows + block_m - 1) // block_m

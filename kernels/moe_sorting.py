@@ -76,6 +76,7 @@ WAVE_COUNTS = (1, 4, 8)
 LDS_BUDGET = 48 * 1024  # histograms + scan: leaves the GEMM's workgroups room on gfx942
 ZERO_BYTES_PER_LANE = 16  # moe_buf zeroing: one dwordx4 store per lane
 ZERO_ROUNDS = 8  # stores per lane and zeroing workgroup
+MAX_MOE_BUF_BYTES = mx.MAX_LAUNCH_BYTES  # moe_buf byte offsets are non-negative i32
 ID_DTYPES = {torch.int32: 4, torch.int64: 8}
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -492,8 +493,10 @@ def check_supported(topk_ids, topk_weights, num_experts, block_m, expert_mask=No
         validate.tensor(moe_buf, "moe_buf")
         validate.contiguous(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
-        if moe_buf.nbytes % 4 or moe_buf.nbytes >= mx.MAX_LAUNCH_BYTES:
-            raise ValueError(f"moe_buf must span a multiple of 4 bytes below {mx.MAX_LAUNCH_BYTES}, got {moe_buf.nbytes}")
+        validate.no_overlap(moe_buf, "moe_buf", {"topk_ids": topk_ids, "topk_weights": topk_weights,
+                                                 "expert_mask": expert_mask})
+        if moe_buf.nbytes % 4 or moe_buf.nbytes >= MAX_MOE_BUF_BYTES:
+            raise ValueError(f"moe_buf must span a multiple of 4 bytes below {MAX_MOE_BUF_BYTES}, got {moe_buf.nbytes}")
 
 
 def moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask=None, *, arch: str,
