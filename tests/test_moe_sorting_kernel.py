@@ -1,7 +1,8 @@
 """The moe_sorting FlyDSL kernel (kernels/moe_sorting.py), executed under flyquant.emu for gfx950
 and gfx942: every output bit-identical to flyquant.reference.moe_sorting, under strict memory
 with every tensor of the call (outputs included) tracked, so an access outside any of them fails
-the test. Plus compile checks and the launcher's refusals.
+the test. Plus compile checks, the launcher's refusals, and fq.moe_sorting on the kernel path
+(one launch, no device work but the output allocations, ids checked only with FLYQUANT_DEBUG=1).
 
 Dropped pairs. The kernel drops a pair whose id is outside [0, E); the reference refuses such
 input. The expected result is the reference on the same routing with those ids replaced by an
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import flyquant as fq
 import flyquant.emu as emu
-from flyquant import toolchain
+from flyquant import api, toolchain
 from flyquant.kernels import moe_sorting as K
 from flyquant.moe import moe_sorting as reference
 
@@ -230,3 +233,73 @@ def test_compiles_without_spills(arch, waves):
     assert rep.count("ds_add_u32") > 0 and rep.count("v_bcnt_u32_b32") > 0
     assert rep.count("buffer_store_dwordx4") > 0  # padding rows and moe_buf zeroing, 16 bytes per lane
     assert "ocml" not in rep.isa
+
+
+# ------------------------------------------------------------------------------------------------
+# fq.moe_sorting: the selector routes CPU tensors under the emulator to the kernel
+# ------------------------------------------------------------------------------------------------
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops a block runs (a custom op shows as itself: its body is traced by calling the
+    op's Python function directly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_api_runs_one_launch_and_no_device_work_besides_allocation(arch, monkeypatch):
+    """fq.moe_sorting on the kernel path: one launch (the sort and moe_buf's zeroing), and the op's
+    body runs no aten op but the four output allocations (no host synchronisation, no
+    `_local_scalar_dense`); the reference's body reads the ids (a host sync), so the check can fail."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    ids, weights = routing(6, 4, 16, seed=5, skew=True)
+    moe_buf = torch.ones(6, 256, dtype=torch.bfloat16)
+    plan = fq.explain(fq.moe_sorting, ids, weights, 16, 32)
+    assert plan.backend == "flydsl" and plan.arch == arch and plan.kernel.startswith("moe_sorting_e16_k4_m32")
+    with emu.record() as launches, AtenOps() as seen:
+        got = fq.moe_sorting(ids, weights, 16, 32, moe_buf=moe_buf)
+    assert [str(op) for op in seen.ops] == ["flyquant.moe_sorting.default"]
+    assert len(launches) == 1 and launches[0].kernel == plan.kernel
+    assert_identical(got, reference(ids, weights, 16, 32))
+    assert (moe_buf == 0).all()
+    with AtenOps() as body:
+        api._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
+    assert body.ops == ["aten.empty.memory_format"] * 4
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    with AtenOps() as body:
+        api._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
+    assert "aten._local_scalar_dense.default" in body.ops
+
+
+def test_api_drops_out_of_range_ids_unless_debugging(monkeypatch):
+    ids, weights = routing(9, 2, 8, seed=4)
+    ids[3, 1] = 8
+    ids[7, 0] = -3
+    mask = torch.ones(8, dtype=torch.float32)  # a float mask: compared with 0 on the host
+    mask[2] = -0.0
+    assert_identical(fq.moe_sorting(ids, weights, 8, 16, mask), expected_dropping(ids, weights, 8, 16, mask))
+    monkeypatch.setenv("FLYQUANT_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, num_experts = 8\), got \[-3, 8\]"):
+        fq.moe_sorting(ids, weights, 8, 16, mask)
+
+
+def test_api_takes_non_contiguous_inputs_and_refuses_an_overlapping_moe_buf():
+    ids, weights = routing(7, 4, 8, seed=6)
+    ids_t, weights_t = ids.t().contiguous().t(), weights.t().contiguous().t()
+    assert_identical(fq.moe_sorting(ids_t, weights_t, 8, 16), reference(ids, weights, 8, 16))
+    with pytest.raises(ValueError, match="moe_buf must not overlap the input topk_weights"):
+        fq.moe_sorting(ids, weights, 8, 16, moe_buf=weights)
+
+
+def test_api_falls_back_to_the_reference_above_the_kernel_limits():
+    ids, weights = routing(3, 2, 8, seed=8)
+    plan = fq.explain(fq.moe_sorting, ids, weights, 8, K.MAX_BLOCK_M + 1)
+    assert plan.backend == "reference" and any("block_m" in r for r in plan.reasons)
+    assert_identical(fq.moe_sorting(ids, weights, 8, 2048), reference(ids, weights, 8, 2048))
