@@ -464,300 +464,302 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         if fx.Uint32(tile) < fx.Uint32(n_used):
             row0 = tile << LOG_TILE_M
             tok0 = _scalar_load(sorted_ids + _zext(row0 << 2)) & TOKEN_MASK
-            # a tile of padding rows (CK-style empty-expert block) has no work, nor one of an
-            # expert id outside [0, E) (dropped: nothing of w2 or its scales is read)
-            expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
-            if (tok0 < tokens) & (fx.Uint32(expert) < fx.Uint32(n_experts)):
-                # the buffer ends at the first 16-row block past model_dim: loads of the padding
-                # rows read 0 without a per-block select (the range check leaves out the scalar
-                # offset, i.e. the K iteration: it sees the block's offset and the step's only)
-                w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, MODEL_DIM // MFMA_MN * NBLK_BYTES)
-                s_rsrc = _rsrc(w2_scale + fx.Int64(expert) * EXPERT_S_BYTES, EXPERT_S_BYTES)
-                a_rsrc = _rsrc(a2, a2_bytes)
-                wn_i = wave & (WN - 1)
-                wk_i = wave.shrui(fx.Int32(LOG_WN))
-                kl = lane.shrui(fx.Int32(LOG_MFMA))
-                l16 = lane & (MFMA_MN - 1)
-                col_wave = n_tile * TILE_N + wn_i * WAVE_N
-                blk_wave = col_wave.shrui(fx.Int32(LOG_MFMA))  # first 16-column block of the wave
-                worker = k_split * WK + wk_i
-                if const_expr(UNIFORM_ITERS):
-                    n_iters = N_KT // K_SPLIT  # compile-time: no branch on it, a loop only when needed
-                    kt_end = (worker + 1) * n_iters
-                else:
-                    kt_end = _udiv((worker + 1) * N_KT, K_SPLIT)
-                    n_iters = kt_end - _udiv(worker * N_KT, K_SPLIT)
+            if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
+                expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
+                # nor one of an expert id outside [0, E): dropped, nothing of w2 or its scales is read
+                if fx.Uint32(expert) < fx.Uint32(n_experts):
+                    # the buffer ends at the first 16-row block past model_dim: loads of the padding
+                    # rows read 0 without a per-block select (the range check leaves out the scalar
+                    # offset, i.e. the K iteration: it sees the block's offset and the step's only)
+                    w_rsrc = _rsrc(w2 + fx.Int64(expert) * EXPERT_W_BYTES, MODEL_DIM // MFMA_MN * NBLK_BYTES)
+                    s_rsrc = _rsrc(w2_scale + fx.Int64(expert) * EXPERT_S_BYTES, EXPERT_S_BYTES)
+                    a_rsrc = _rsrc(a2, a2_bytes)
+                    wn_i = wave & (WN - 1)
+                    wk_i = wave.shrui(fx.Int32(LOG_WN))
+                    kl = lane.shrui(fx.Int32(LOG_MFMA))
+                    l16 = lane & (MFMA_MN - 1)
+                    col_wave = n_tile * TILE_N + wn_i * WAVE_N
+                    blk_wave = col_wave.shrui(fx.Int32(LOG_MFMA))  # first 16-column block of the wave
+                    worker = k_split * WK + wk_i
+                    if const_expr(UNIFORM_ITERS):
+                        n_iters = N_KT // K_SPLIT  # compile-time: no branch on it, a loop only when needed
+                        kt_end = (worker + 1) * n_iters
+                    else:
+                        kt_end = _udiv((worker + 1) * N_KT, K_SPLIT)
+                        n_iters = kt_end - _udiv(worker * N_KT, K_SPLIT)
 
-                # A: per 16-row block, this lane's row (l16) at its k-chunk (kl); padding rows OOB.
-                # A row whose slot is not below topk is dropped like padding (its token taken as T).
-                a_off = []
-                toks = []  # this lane's token per 16-row block (the epilogue's too)
-                for mb in range_constexpr(MB):
-                    rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
-                    tok = (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)).select(rid & TOKEN_MASK, tokens)
-                    toks.append(tok)
-                    a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
-                    a_off.append((tok < tokens).select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
-                # B: per 16-column block; blocks past model_dim are past w_rsrc's end (read as 0).
-                b_off = [(blk_wave + nb) * NBLK_BYTES + lane * 16 for nb in range_constexpr(NB)]
-                s_off = [(blk_wave.shrui(fx.Int32(1)) + p) * NPAIR_BYTES + lane * 4 for p in range_constexpr(NP)]
-                # A wave of one 16-column block may start at the odd half of a 32-row scale group:
-                # shift its scale dwords so that byte 2 * step is always its own.
-                half_shift = (blk_wave & 1) << 3
+                    # A: per 16-row block, this lane's row (l16) at its k-chunk (kl); padding rows OOB.
+                    # A row whose slot is not below topk is dropped like padding (its token taken as T).
+                    a_off = []
+                    toks = []  # this lane's token per 16-row block (the epilogue's too)
+                    live = []  # ... and whether its row holds a pair (token < T, slot < topk)
+                    for mb in range_constexpr(MB):
+                        rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
+                        tok = rid & TOKEN_MASK
+                        toks.append(tok)
+                        live.append((tok < tokens) & (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)))
+                        a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
+                        a_off.append(live[mb].select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
+                    # B: per 16-column block; blocks past model_dim are past w_rsrc's end (read as 0).
+                    b_off = [(blk_wave + nb) * NBLK_BYTES + lane * 16 for nb in range_constexpr(NB)]
+                    s_off = [(blk_wave.shrui(fx.Int32(1)) + p) * NPAIR_BYTES + lane * 4 for p in range_constexpr(NP)]
+                    # A wave of one 16-column block may start at the odd half of a 32-row scale group:
+                    # shift its scale dwords so that byte 2 * step is always its own.
+                    half_shift = (blk_wave & 1) << 3
 
-                def chunk_ok(kt, sub):
-                    """This lane's 32-wide k-chunk of step `sub` of iteration kt lies below inter_dim."""
-                    return kt * KT + sub * K_STEP + kl * K_CHUNK < INTER_DIM
+                    def chunk_ok(kt, sub):
+                        """This lane's 32-wide k-chunk of step `sub` of iteration kt lies below inter_dim."""
+                        return kt * KT + sub * K_STEP + kl * K_CHUNK < INTER_DIM
 
-                # Per-lane offsets stay fixed: the iteration's offset is wave-uniform (the scalar
-                # offset), the step and 16-byte piece offsets are constants (the instruction's
-                # immediate offset), so loads need no per-iteration VALU address math.
-                ITER_BYTES = (2 * W_TILE_BYTES, S_TILE_BYTES, KT * 2)  # weights, scales, a2 per iteration
+                    # Per-lane offsets stay fixed: the iteration's offset is wave-uniform (the scalar
+                    # offset), the step and 16-byte piece offsets are constants (the instruction's
+                    # immediate offset), so loads need no per-iteration VALU address math.
+                    ITER_BYTES = (2 * W_TILE_BYTES, S_TILE_BYTES, KT * 2)  # weights, scales, a2 per iteration
 
-                def at_iter(kt):
-                    """Iteration kt: (kt, its scalar byte offsets in the weights, scales and a2)."""
-                    return (kt,) + tuple(kt * b for b in ITER_BYTES)
+                    def at_iter(kt):
+                        """Iteration kt: (kt, its scalar byte offsets in the weights, scales and a2)."""
+                        return (kt,) + tuple(kt * b for b in ITER_BYTES)
 
-                def prev_iter(it):
-                    """The iteration before `it`, by three adds (no kt: only unmasked ones use it)."""
-                    return (None,) + tuple(o - b for o, b in zip(it[1:], ITER_BYTES))
+                    def prev_iter(it):
+                        """The iteration before `it`, by three adds (no kt: only unmasked ones use it)."""
+                        return (None,) + tuple(o - b for o, b in zip(it[1:], ITER_BYTES))
 
-                def load_a(it, sub, masked):
-                    voff = a_off
-                    if const_expr(masked):
-                        voff = [chunk_ok(it[0], sub).select(v, OOB) for v in voff]
-                    return [[_load(a_rsrc, voff[mb] + (sub * (K_STEP * 2) + j * 16), it[3], 4) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
-
-                def load_step(it, sub, masked):
-                    """Issue the prefetched loads of one 128-wide K step of iteration `it`: the B
-                    chunks, with sub 0 the iteration's scale dwords, and A when PREFETCH_A. `masked`:
-                    chunks at k >= inter_dim read as 0 (offset past the buffer end), scales as 0."""
-                    kt = it[0]
-                    voff = b_off
-                    if const_expr(masked):
-                        past = chunk_ok(kt, sub).select(fx.Int32(0), fx.Int32(W_PAST_END))
-                        voff = [v | past for v in voff]
-                    b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, it[1], 4) for nb in range_constexpr(NB)]
-                    sc = []
-                    if const_expr(sub == 0):
-                        sc = [_load(s_rsrc, s_off[p], it[2], 1) for p in range_constexpr(NP)]
+                    def load_a(it, sub, masked):
+                        voff = a_off
                         if const_expr(masked):
-                            keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(_s32(0xFFFF0000)), fx.Int32(0))
-                            sc = [v & keep for v in sc]
-                        if const_expr(NB == 1):
-                            sc = [v.shrui(half_shift) for v in sc]
-                    a = load_a(it, sub, masked) if const_expr(PREFETCH_A) else []
-                    return a, b, sc
+                            voff = [chunk_ok(it[0], sub).select(v, OOB) for v in voff]
+                        return [[_load(a_rsrc, voff[mb] + (sub * (K_STEP * 2) + j * 16), it[3], 4) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
 
-                def step_a(it, sub, masked, a):
-                    """A of a step: prefetched with its B, or (larger tiles) loaded now."""
-                    return a if const_expr(PREFETCH_A) else load_a(it, sub, masked)
+                    def load_step(it, sub, masked):
+                        """Issue the prefetched loads of one 128-wide K step of iteration `it`: the B
+                        chunks, with sub 0 the iteration's scale dwords, and A when PREFETCH_A. `masked`:
+                        chunks at k >= inter_dim read as 0 (offset past the buffer end), scales as 0."""
+                        kt = it[0]
+                        voff = b_off
+                        if const_expr(masked):
+                            past = chunk_ok(kt, sub).select(fx.Int32(0), fx.Int32(W_PAST_END))
+                            voff = [v | past for v in voff]
+                        b = [_load(w_rsrc, voff[nb] + sub * W_TILE_BYTES, it[1], 4) for nb in range_constexpr(NB)]
+                        sc = []
+                        if const_expr(sub == 0):
+                            sc = [_load(s_rsrc, s_off[p], it[2], 1) for p in range_constexpr(NP)]
+                            if const_expr(masked):
+                                keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(_s32(0xFFFF0000)), fx.Int32(0))
+                                sc = [v & keep for v in sc]
+                            if const_expr(NB == 1):
+                                sc = [v.shrui(half_shift) for v in sc]
+                        a = load_a(it, sub, masked) if const_expr(PREFETCH_A) else []
+                        return a, b, sc
 
-                def scale_operands(sc):
-                    """Per step of an iteration, what its blocks' unpack needs from the scale dwords:
-                    gfx950: the NB scale operands, all computed as soon as the dwords arrive (they are
-                    then dead, so the next iteration's scale loads reuse their registers, and no
-                    conversion reads a scale just written: no hazard wait states); gfx942: the dwords
-                    themselves (each block's 4 table registers are built at use)."""
-                    if const_expr(hw_unpack):
-                        return [[_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)] for sub in range_constexpr(2)]
-                    return [sc, sc]
+                    def step_a(it, sub, masked, a):
+                        """A of a step: prefetched with its B, or (larger tiles) loaded now."""
+                        return a if const_expr(PREFETCH_A) else load_a(it, sub, masked)
 
-                def unpack_block(b, ops, sub, nb):
-                    """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of step sub."""
-                    if const_expr(hw_unpack):
-                        return [_unpack_hw(b[nb][j], ops[nb]) for j in range_constexpr(4)]
-                    tables = _sw_tables(ops[nb // 2], 2 * sub + nb % 2)
-                    return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
+                    def scale_operands(sc):
+                        """Per step of an iteration, what its blocks' unpack needs from the scale dwords:
+                        gfx950: the NB scale operands, all computed as soon as the dwords arrive (they are
+                        then dead, so the next iteration's scale loads reuse their registers, and no
+                        conversion reads a scale just written: no hazard wait states); gfx942: the dwords
+                        themselves (each block's 4 table registers are built at use)."""
+                        if const_expr(hw_unpack):
+                            return [[_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)] for sub in range_constexpr(2)]
+                        return [sc, sc]
 
-                def compute_step(a, b, ops, sub, accs):
-                    """Unpack the B chunks of one K step and issue its MFMAs into accs (ops: the step's
-                    scale_operands). Instruction order, pinned by scheduling barriers: unpack block
-                    0; then unpack block nb + 1 before the MFMAs of block nb, so an MFMA never reads a
-                    conversion just issued (no hazard wait states) and at most two blocks of BF16 are
-                    live. Each accumulator's MFMAs of a block run back to back (a chain on one
-                    accumulator needs no wait states; alternating two chains made the register
-                    allocator swap them through a temporary, with hazard nops)."""
-                    accs = list(accs)
-                    if const_expr(not hw_unpack):
-                        a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
-                    words = unpack_block(b, ops, sub, 0)
-                    for nb in range_constexpr(NB):
-                        rocdl.sched_barrier(0)
-                        nxt = unpack_block(b, ops, sub, nb + 1) if const_expr(nb + 1 < NB) else None
-                        rocdl.sched_barrier(0)
-                        for mb in range_constexpr(MB):
-                            for j in range_constexpr(4):
-                                i = mb * NB + nb
-                                if const_expr(hw_unpack):
-                                    accs[i] = mfma(accs[i], [a[mb][j][q] for q in range_constexpr(4)], words[j])
-                                else:
-                                    even, odd = a_ops[mb][j]
-                                    accs[i] = mfma(accs[i], even, words[j][0:2])
-                                    accs[i] = mfma(accs[i], odd, words[j][2:4])
-                        words = nxt
-                    return accs
+                    def unpack_block(b, ops, sub, nb):
+                        """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of step sub."""
+                        if const_expr(hw_unpack):
+                            return [_unpack_hw(b[nb][j], ops[nb]) for j in range_constexpr(4)]
+                        tables = _sw_tables(ops[nb // 2], 2 * sub + nb % 2)
+                        return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
 
-                def flat(a, b, sc):
-                    return [v.ir_value() for row in a for v in row] + [v.ir_value() for v in b] + [v.ir_value() for v in sc]
+                    def compute_step(a, b, ops, sub, accs):
+                        """Unpack the B chunks of one K step and issue its MFMAs into accs (ops: the step's
+                        scale_operands). Instruction order, pinned by scheduling barriers: unpack block
+                        0; then unpack block nb + 1 before the MFMAs of block nb, so an MFMA never reads a
+                        conversion just issued (no hazard wait states) and at most two blocks of BF16 are
+                        live. Each accumulator's MFMAs of a block run back to back (a chain on one
+                        accumulator needs no wait states; alternating two chains made the register
+                        allocator swap them through a temporary, with hazard nops)."""
+                        accs = list(accs)
+                        if const_expr(not hw_unpack):
+                            a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
+                        words = unpack_block(b, ops, sub, 0)
+                        for nb in range_constexpr(NB):
+                            rocdl.sched_barrier(0)
+                            nxt = unpack_block(b, ops, sub, nb + 1) if const_expr(nb + 1 < NB) else None
+                            rocdl.sched_barrier(0)
+                            for mb in range_constexpr(MB):
+                                for j in range_constexpr(4):
+                                    i = mb * NB + nb
+                                    if const_expr(hw_unpack):
+                                        accs[i] = mfma(accs[i], [a[mb][j][q] for q in range_constexpr(4)], words[j])
+                                    else:
+                                        even, odd = a_ops[mb][j]
+                                        accs[i] = mfma(accs[i], even, words[j][0:2])
+                                        accs[i] = mfma(accs[i], odd, words[j][2:4])
+                            words = nxt
+                        return accs
 
-                def unflat(vals):
-                    n_a = 4 * MB if PREFETCH_A else 0
-                    a = [[Vec(vals[mb * 4 + j]) for j in range_constexpr(4)] for mb in range_constexpr(n_a // 4)]
-                    b = [Vec(vals[n_a + nb]) for nb in range_constexpr(NB)]
-                    sc = [fx.Int32(v) for v in vals[n_a + NB:]]
-                    return a, b, sc
+                    def flat(a, b, sc):
+                        return [v.ir_value() for row in a for v in row] + [v.ir_value() for v in b] + [v.ir_value() for v in sc]
 
-                # Software pipeline over this worker's iterations, last one first: loads of one
-                # 128-wide step are in flight while the previous step computes. Only the global last
-                # iteration can reach past inter_dim, and it comes first here (peeled, masked when
-                # TAIL, its first MFMAs starting from a constant 0), so the other iterations never
-                # need masking; the final iteration prefetches nothing. Scheduling barriers keep
-                # the compiler from sinking the loads into the math.
-                n_acc = MB * NB
-                zero = Vec.filled(4, 0.0, fx.Float32).ir_value()
-                kt_first = kt_end - 1
-                it = at_iter(kt_first)
-                a0, b0, sc = load_step(it, 0, masked=TAIL)
-                # without a next iteration nothing reads the prefetch: poison, not a copy of live registers
-                pre = [mx.poison(v.type) for v in flat(a0, b0, sc)]
-                a0 = step_a(it, 0, TAIL, a0)
-                rocdl.sched_barrier(0)  # step 0's loads issue first: the wait below counts on it
-                a1, b1, _ = load_step(it, 1, masked=TAIL)
-                rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
-                ops = scale_operands(sc)
-                rocdl.sched_barrier(0)
-                accs = compute_step(a0, b0, ops[0], 0, [zero] * n_acc)
-                rocdl.sched_barrier(0)
-                a1 = step_a(it, 1, TAIL, a1)
-                more = n_iters > 1
-                it = prev_iter(it)
-                # step 1 in each branch, after its own wait: past a join the compiler waits per use
-                if more:
-                    pre = flat(*load_step(it, 0, masked=False))
-                    rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
-                    rocdl.sched_barrier(0)
-                    accs = compute_step(a1, b1, ops[1], 1, accs)
-                else:
-                    rocdl.s_waitcnt(vmcnt=0)
-                    accs = compute_step(a1, b1, ops[1], 1, accs)
-                rocdl.sched_barrier(0)
-                def iterate(cur, a0, b0, sc, accs, prefetch):
-                    """One unmasked iteration `cur` from its prefetched step 0 (a0, b0, sc): its accs,
-                    and with `prefetch` the next iteration and its step 0, issued while step 1
-                    computes. One wait per step for everything issued before its successor's
-                    prefetch group (in issue order, that group may stay in flight), not one per use."""
-                    a0 = step_a(cur, 0, False, a0)
-                    rocdl.sched_barrier(0)
-                    a1, b1, _ = load_step(cur, 1, masked=False)
+                    def unflat(vals):
+                        n_a = 4 * MB if PREFETCH_A else 0
+                        a = [[Vec(vals[mb * 4 + j]) for j in range_constexpr(4)] for mb in range_constexpr(n_a // 4)]
+                        b = [Vec(vals[n_a + nb]) for nb in range_constexpr(NB)]
+                        sc = [fx.Int32(v) for v in vals[n_a + NB:]]
+                        return a, b, sc
+
+                    # Software pipeline over this worker's iterations, last one first: loads of one
+                    # 128-wide step are in flight while the previous step computes. Only the global last
+                    # iteration can reach past inter_dim, and it comes first here (peeled, masked when
+                    # TAIL, its first MFMAs starting from a constant 0), so the other iterations never
+                    # need masking; the final iteration prefetches nothing. Scheduling barriers keep
+                    # the compiler from sinking the loads into the math.
+                    n_acc = MB * NB
+                    zero = Vec.filled(4, 0.0, fx.Float32).ir_value()
+                    kt_first = kt_end - 1
+                    it = at_iter(kt_first)
+                    a0, b0, sc = load_step(it, 0, masked=TAIL)
+                    # without a next iteration nothing reads the prefetch: poison, not a copy of live registers
+                    pre = [mx.poison(v.type) for v in flat(a0, b0, sc)]
+                    a0 = step_a(it, 0, TAIL, a0)
+                    rocdl.sched_barrier(0)  # step 0's loads issue first: the wait below counts on it
+                    a1, b1, _ = load_step(it, 1, masked=TAIL)
                     rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
                     ops = scale_operands(sc)
                     rocdl.sched_barrier(0)
-                    accs = compute_step(a0, b0, ops[0], 0, accs)
-                    if const_expr(not prefetch):
-                        a1 = step_a(cur, 1, False, a1)
+                    accs = compute_step(a0, b0, ops[0], 0, [zero] * n_acc)
+                    rocdl.sched_barrier(0)
+                    a1 = step_a(it, 1, TAIL, a1)
+                    more = n_iters > 1
+                    it = prev_iter(it)
+                    # step 1 in each branch, after its own wait: past a join the compiler waits per use
+                    if more:
+                        pre = flat(*load_step(it, 0, masked=False))
+                        rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
+                        rocdl.sched_barrier(0)
+                        accs = compute_step(a1, b1, ops[1], 1, accs)
+                    else:
                         rocdl.s_waitcnt(vmcnt=0)
-                        return compute_step(a1, b1, ops[1], 1, accs), None, None
+                        accs = compute_step(a1, b1, ops[1], 1, accs)
                     rocdl.sched_barrier(0)
-                    a1 = step_a(cur, 1, False, a1)
-                    rocdl.sched_barrier(0)  # in issue order before the prefetch group it waits behind
-                    nxt = prev_iter(cur)
-                    pre = load_step(nxt, 0, masked=False)
-                    rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
-                    rocdl.sched_barrier(0)
-                    accs = compute_step(a1, b1, ops[1], 1, accs)
-                    rocdl.sched_barrier(0)
-                    return accs, pre, nxt
+                    def iterate(cur, a0, b0, sc, accs, prefetch):
+                        """One unmasked iteration `cur` from its prefetched step 0 (a0, b0, sc): its accs,
+                        and with `prefetch` the next iteration and its step 0, issued while step 1
+                        computes. One wait per step for everything issued before its successor's
+                        prefetch group (in issue order, that group may stay in flight), not one per use."""
+                        a0 = step_a(cur, 0, False, a0)
+                        rocdl.sched_barrier(0)
+                        a1, b1, _ = load_step(cur, 1, masked=False)
+                        rocdl.s_waitcnt(vmcnt=LOADS_SUB1)
+                        ops = scale_operands(sc)
+                        rocdl.sched_barrier(0)
+                        accs = compute_step(a0, b0, ops[0], 0, accs)
+                        if const_expr(not prefetch):
+                            a1 = step_a(cur, 1, False, a1)
+                            rocdl.s_waitcnt(vmcnt=0)
+                            return compute_step(a1, b1, ops[1], 1, accs), None, None
+                        rocdl.sched_barrier(0)
+                        a1 = step_a(cur, 1, False, a1)
+                        rocdl.sched_barrier(0)  # in issue order before the prefetch group it waits behind
+                        nxt = prev_iter(cur)
+                        pre = load_step(nxt, 0, masked=False)
+                        rocdl.s_waitcnt(vmcnt=LOADS_SUB0)
+                        rocdl.sched_barrier(0)
+                        accs = compute_step(a1, b1, ops[1], 1, accs)
+                        rocdl.sched_barrier(0)
+                        return accs, pre, nxt
 
-                if more:
-                    # the loop carries the iteration's scalar offsets (three adds per iteration)
-                    for i, state in range(0, n_iters - 2, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
-                        cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
-                        accs, pre_next, nxt = iterate(cur, *unflat(list(state[n_acc:-3])), list(state[:n_acc]), True)
-                        results = yield accs + flat(*pre_next) + [v.ir_value() for v in nxt[1:]]
-                    last = (None,) + tuple(fx.Int32(v) for v in results[-3:])
-                    accs, _, _ = iterate(last, *unflat(list(results[n_acc:-3])), list(results[:n_acc]), False)
+                    if more:
+                        # the loop carries the iteration's scalar offsets (three adds per iteration)
+                        for i, state in range(0, n_iters - 2, 1, init=accs + pre + [v.ir_value() for v in it[1:]]):
+                            cur = (None,) + tuple(fx.Int32(v) for v in state[-3:])
+                            accs, pre_next, nxt = iterate(cur, *unflat(list(state[n_acc:-3])), list(state[:n_acc]), True)
+                            results = yield accs + flat(*pre_next) + [v.ir_value() for v in nxt[1:]]
+                        last = (None,) + tuple(fx.Int32(v) for v in results[-3:])
+                        accs, _, _ = iterate(last, *unflat(list(results[n_acc:-3])), list(results[:n_acc]), False)
 
-                # ---- reduce the wk partial sums in LDS ---------------------------------------
-                if const_expr(WK > 1):
-                    lds = fx.SharedAllocator().allocate(LDS_BYTES, alignment=16)
-                    lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
-                    p3 = ir.Type.parse("!llvm.ptr<3>")
+                    # ---- reduce the wk partial sums in LDS ---------------------------------------
+                    if const_expr(WK > 1):
+                        lds = fx.SharedAllocator().allocate(LDS_BYTES, alignment=16)
+                        lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
+                        p3 = ir.Type.parse("!llvm.ptr<3>")
 
-                    def lds_ptr(group, i):
-                        # a constant GEP per block off one base: the offset folds into ds_read/ds_write
-                        base = llvm.inttoptr(p3, (lds_base + ((group * WN + wn_i) * (MB * NB * WAVE) + lane) * 16).ir_value())
-                        return llvm.GEPOp(p3, base, [], [i * WAVE * 16], T.i8, None).result
+                        def lds_ptr(group, i):
+                            # a constant GEP per block off one base: the offset folds into ds_read/ds_write
+                            base = llvm.inttoptr(p3, (lds_base + ((group * WN + wn_i) * (MB * NB * WAVE) + lane) * 16).ir_value())
+                            return llvm.GEPOp(p3, base, [], [i * WAVE * 16], T.i8, None).result
 
-                    if wk_i > 0:
-                        for i in range_constexpr(MB * NB):
-                            llvm.StoreOp(accs[i], lds_ptr(wk_i - 1, i), alignment=16)
-                    gpu.barrier()
-                    if wk_i == 0:
-                        for g in range_constexpr(WK - 1):
+                        if wk_i > 0:
                             for i in range_constexpr(MB * NB):
-                                part = llvm.load(T.vec(4, T.f32), lds_ptr(g, i), alignment=16)
-                                accs[i] = (Vec(accs[i]) + Vec(part)).ir_value()
+                                llvm.StoreOp(accs[i], lds_ptr(wk_i - 1, i), alignment=16)
+                        gpu.barrier()
+                        if wk_i == 0:
+                            for g in range_constexpr(WK - 1):
+                                for i in range_constexpr(MB * NB):
+                                    part = llvm.load(T.vec(4, T.f32), lds_ptr(g, i), alignment=16)
+                                    accs[i] = (Vec(accs[i]) + Vec(part)).ir_value()
 
-                # ---- epilogue: bias, routing weight, atomic add into out ---------------------
-                # Lane (kl, l16) holds token row l16 of each 16-row block and columns 4 kl .. 4 kl + 3
-                # of each 16-column block (see mfma): one row predicate per block row covers all the
-                # wave's atomics, and a 16-column block is wholly inside or outside model_dim.
-                if wk_i == 0:
-                    lane_col = col_wave + kl * 4
-                    if const_expr(HAS_BIAS):
-                        # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
-                        # (expert's row: model_dim elements, the columns past it read 0)
-                        b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
-                        b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
-                        bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
-                        for nb in range_constexpr(NB):
-                            # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
-                            # instruction offset, not the scalar offset, which the check leaves out
-                            words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
-                            if const_expr(BIAS_BYTES == 4):
-                                bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
-                            else:  # bf16 = the high half of an f32
-                                bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
-                                               for i in range_constexpr(4)])
-                    if const_expr(cfg.apply_weights):
-                        w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
-                    p1 = ir.Type.parse("!llvm.ptr<1>")
-                    for mb in range_constexpr(MB):
-                        tok = toks[mb]
-                        if const_expr(cfg.apply_weights):
-                            wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
-                        vals = []  # vals[nb][i]: column 4 kl + i of block nb
-                        for nb in range_constexpr(NB):
-                            acc = Vec(accs[mb * NB + nb])
-                            v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
-                            if const_expr(HAS_BIAS):
-                                v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
-                            if const_expr(cfg.apply_weights):
-                                v = [x * wt for x in v]
-                            vals.append(v)
-                        if tok < tokens:
-                            # 64-bit: T * model_dim may pass 2^31 elements
-                            row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
+                    # ---- epilogue: bias, routing weight, atomic add into out ---------------------
+                    # Lane (kl, l16) holds token row l16 of each 16-row block and columns 4 kl .. 4 kl + 3
+                    # of each 16-column block (see mfma): one row predicate per block row covers all the
+                    # wave's atomics, and a 16-column block is wholly inside or outside model_dim.
+                    if wk_i == 0:
+                        lane_col = col_wave + kl * 4
+                        if const_expr(HAS_BIAS):
+                            # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
+                            # (expert's row: model_dim elements, the columns past it read 0)
+                            b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
+                            b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
+                            bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
                             for nb in range_constexpr(NB):
+                                # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
+                                # instruction offset, not the scalar offset, which the check leaves out
+                                words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
+                                if const_expr(BIAS_BYTES == 4):
+                                    bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
+                                else:  # bf16 = the high half of an f32
+                                    bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+                                                   for i in range_constexpr(4)])
+                        if const_expr(cfg.apply_weights):
+                            w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
+                        p1 = ir.Type.parse("!llvm.ptr<1>")
+                        for mb in range_constexpr(MB):
+                            tok = toks[mb]
+                            if const_expr(cfg.apply_weights):
+                                wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
+                            vals = []  # vals[nb][i]: column 4 kl + i of block nb
+                            for nb in range_constexpr(NB):
+                                acc = Vec(accs[mb * NB + nb])
+                                v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
+                                if const_expr(HAS_BIAS):
+                                    v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
+                                if const_expr(cfg.apply_weights):
+                                    v = [x * wt for x in v]
+                                vals.append(v)
+                            if live[mb]:
+                                # 64-bit: T * model_dim may pass 2^31 elements
+                                row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
+                                for nb in range_constexpr(NB):
 
-                                def add_block(nb=nb):
-                                    """out[tok, block nb's 4 columns] += vals[nb] (agent scope): fp32 one
-                                    element per atomic, bf16 a column pair per atomic."""
-                                    if const_expr(OUT_F32):
-                                        parts = [(i, vals[nb][i]) for i in range_constexpr(4)]
+                                    def add_block(nb=nb):
+                                        """out[tok, block nb's 4 columns] += vals[nb] (agent scope): fp32 one
+                                        element per atomic, bf16 a column pair per atomic."""
+                                        if const_expr(OUT_F32):
+                                            parts = [(i, vals[nb][i]) for i in range_constexpr(4)]
+                                        else:
+                                            parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
+                                                     for h in range_constexpr(2)]
+                                        for i, value in parts:
+                                            addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
+                                            fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
+
+                                    if const_expr(N_TAIL):
+                                        if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
+                                            add_block()
                                     else:
-                                        parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
-                                                 for h in range_constexpr(2)]
-                                    for i, value in parts:
-                                        addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
-                                        fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
-
-                                if const_expr(N_TAIL):
-                                    if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
                                         add_block()
-                                else:
-                                    add_block()
 
     @flyc.jit
     def launch(
