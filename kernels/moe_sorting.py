@@ -161,8 +161,18 @@ def _ballot(pred):
     return rocdl.ballot(_i64(), pred)
 
 
-def _popcount64(x):
-    return arith.trunci(mx.i32_t(), llvm.intr_ctpop(x))
+def _popcount(x):
+    return llvm.intr_ctpop(val(x))
+
+
+def _opaque_vgpr(x):
+    """x, hidden from LLVM's combines by an empty inline asm (no instruction)."""
+    return llvm.inline_asm(mx.i32_t(), [val(x)], "", "=v,0")
+
+
+def _sign_extended_bit(x, bit: int):
+    """0 or -1: bit `bit` of x copied into every bit (v_bfe_i32 x, bit, 1)."""
+    return arith.shrsi(shl(x, 31 - bit), const(31))
 
 
 def _udiv(x, d: int):
@@ -382,15 +392,27 @@ def build_moe_sorting(spec: SortSpec):
             p = add(add(p0, shl(r, 6)), lane)
             key = load_key(r_ids, p, mx.cmp_ult(p, p_end))
             weight = load_weight(r_w, p)
-            peers = _c64(-1)
+            # peers: lanes whose key agrees with this lane's on every bit. Per bit b, clear = all
+            # ones where the lane's bit b is 0 (a sign-extended bit of ~key), and votes ^ clear
+            # is the ballot of the lanes whose bit b equals this lane's.
+            # (32-bit halves: the mask applies to both; `clear` is opaque so that the ballot
+            # compares it, one v_cmp, instead of re-deriving the bit.)
+            not_key = arith.xori(val(key), const(-1))
+            peers_lo, peers_hi = const(-1), const(-1)
             for bit in range(KEY_BITS):
-                has = mx.cmp_ne(band(key, 1 << bit), 0)
-                votes = _ballot(has)
-                peers = arith.andi(peers, arith.select(has, votes, arith.xori(votes, _c64(-1))))
-            rank = _popcount64(arith.andi(peers, lanes_below))
+                clear = _opaque_vgpr(_sign_extended_bit(not_key, bit))
+                votes = _ballot(mx.cmp_eq(clear, const(0)))
+                votes_lo = arith.trunci(mx.i32_t(), votes)
+                votes_hi = arith.trunci(mx.i32_t(), arith.shrui(votes, _c64(32)))
+                peers_lo = band(peers_lo, arith.xori(votes_lo, clear))
+                peers_hi = band(peers_hi, arith.xori(votes_hi, clear))
+            below_lo = arith.trunci(mx.i32_t(), lanes_below)
+            below_hi = arith.trunci(mx.i32_t(), arith.shrui(lanes_below, _c64(32)))
+            rank = add(_popcount(band(peers_lo, below_lo)), _popcount(band(peers_hi, below_hi)))
+            peer_count = add(_popcount(peers_lo), _popcount(peers_hi))
             addr = _lds_addr(hist_wave, key)
             cursor = mx.lds_load(1, addr)
-            mx.lds_store(add(cursor, _popcount64(peers)), addr)
+            mx.lds_store(add(cursor, peer_count), addr)
             row = add(cursor, rank)
             off = select(mx.cmp_ult(row, rows), shl(row, 2), OOB)  # DROP rows are negative: >= rows unsigned
             token = _udiv(p, TOPK)
