@@ -109,6 +109,21 @@ def test_bit_identical_to_reference(arch, case, masked):
     assert_identical(got, reference(ids, weights, experts, block_m, mask))
 
 
+# the kernel's largest expert count (11 key bits, 17 keys per lane with one wave) with a block
+# size that is no power of two; 1000 experts and block_m 1 (every pair its own block) over 8 waves
+WIDE_CASES = [(300, 8, 1024, 7, None), (200, 6, 1000, 1, 8)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", WIDE_CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-m{c[3]}-w{c[4]}" for c in WIDE_CASES])
+def test_many_experts_and_odd_block_sizes(arch, case):
+    tokens, topk, experts, block_m, waves = case
+    ids, weights = routing(tokens, topk, experts, seed=experts + block_m, skew=True)
+    mask = torch.rand(experts, generator=torch.Generator().manual_seed(1)) > 0.3
+    got, _ = run_kernel(arch, ids, weights, experts, block_m, mask, waves=waves)
+    assert_identical(got, reference(ids, weights, experts, block_m, mask))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("waves", [1, 4])
 def test_out_of_range_ids_are_dropped(arch, waves):
