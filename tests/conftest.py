@@ -1,11 +1,24 @@
-"""Session setup: without a ROCm GPU, FlyDSL kernels run under flyquant.emu.
+"""Session setup: without a ROCm GPU, FlyDSL kernels run under flyquant.emu, in strict memory.
 
 The emulator must be enabled before FlyDSL's runtime library is first loaded (the first
 launch), so it is done once, when pytest starts. Tests marked ``gpu`` (marker registered in
 pyproject.toml) need a real MI300X/MI355X and are skipped here.
+
+Every test runs in the emulator's strict memory mode (fixture ``strict_launch_memory``): a
+kernel launch may touch only the bytes of the tensors handed to that launch (each tensor's own
+extent, not its whole storage), hipMalloc'd memory, its kernarg segment and tensors a test
+tracked itself. An access anywhere else, past a tensor's end included, fails the launch and so
+the test that made it. A test that must see the loose mode opts out with
+``@pytest.mark.loose_memory("why")``.
 """
 
+import contextlib
+import functools
+import importlib
+
 import pytest
+import torch
+from flydsl.compiler.jit_function import JitFunction
 
 import flyquant.emu as emu
 
@@ -24,3 +37,96 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_DATA_PTR = torch.Tensor.data_ptr  # the real one (raw-address launchers get a recording one)
+
+
+def tensor_extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """(first byte address, byte count) a tensor's elements span, None when it has none."""
+    if t.numel() == 0:
+        return None
+    item = t.element_size()
+    lo = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0)
+    return _DATA_PTR(t) + lo * item, (hi - lo + 1) * item
+
+
+# Torch-facing launchers that hand FlyDSL raw addresses instead of tensors: while one runs,
+# every tensor whose address it takes (data_ptr) is valid memory, outputs it allocates included.
+RAW_ADDRESS_LAUNCHERS = (("flyquant.kernels.moe_gemm2_a16w4", "moe_gemm2_a16w4"),)
+
+
+class _Extents:
+    """Tensor extents registered as valid memory, unregistered together."""
+
+    def __init__(self, memory):
+        self.memory, self.keys = memory, []
+
+    def add(self, t):
+        extent = tensor_extent(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
+        if extent is not None:
+            self.keys.append(self.memory.register(*extent))
+
+    def release(self):
+        for key in self.keys:
+            self.memory.unregister(key)
+
+
+def _jit_call_tracked(call, memory):
+    """A FlyDSL JIT call with its tensor arguments valid memory while it runs."""
+
+    @functools.wraps(call)
+    def tracked(self, *args, **kwargs):
+        extents = _Extents(memory)
+        try:
+            for a in (*args, *kwargs.values()):
+                extents.add(a)
+            return call(self, *args, **kwargs)
+        finally:
+            extents.release()
+
+    return tracked
+
+
+def _raw_launcher_tracked(fn, memory):
+    """A raw-address launcher with every tensor whose data_ptr it reads valid memory while it runs."""
+
+    @functools.wraps(fn)
+    def tracked(*args, **kwargs):
+        extents = _Extents(memory)
+
+        def recorded_data_ptr(t):
+            extents.add(t)
+            return _DATA_PTR(t)
+
+        torch.Tensor.data_ptr = recorded_data_ptr
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.data_ptr = _DATA_PTR
+            extents.release()
+
+    return tracked
+
+
+@contextlib.contextmanager
+def _launch_arguments_tracked(monkeypatch):
+    """Register each launch's tensors (their extents) as valid memory for the duration of that
+    launch: FlyDSL JIT calls' tensor arguments, and the raw-address launchers' tensors."""
+    memory = emu.global_memory()
+    monkeypatch.setattr(JitFunction, "__call__", _jit_call_tracked(JitFunction.__call__, memory))
+    for module, name in RAW_ADDRESS_LAUNCHERS:
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, name, _raw_launcher_tracked(getattr(mod, name), memory))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def strict_launch_memory(request, monkeypatch):
+    """Strict memory for every test (see the module docstring); ``loose_memory`` opts out."""
+    if emu.rocm_device_present() or not emu.enabled() or request.node.get_closest_marker("loose_memory"):
+        yield
+        return
+    with emu.strict_memory(), _launch_arguments_tracked(monkeypatch):
+        yield

@@ -255,6 +255,7 @@ def test_memory_sees_allocations_made_after_it_was_created():
     assert mem.read(fresh.data_ptr() + fresh.nbytes - 4, 4).view(np.int32)[0] == 7
 
 
+@pytest.mark.loose_memory("checks that the loose mode (outside strict_memory()) sees the heap")
 def test_strict_memory_catches_reads_past_a_tracked_tensor():
     x = torch.zeros(LANES, dtype=torch.float32)
     emu.track(x)
