@@ -54,7 +54,7 @@ def _layout_scales_2d(scales: torch.Tensor, scale_layout: Optional[str], flat: b
         blocked = layouts.tcgen05_blocked(scales)
         if flat:
             return blocked
-        return blocked.view(_ceil_to(scales.shape[0], layouts.TCGEN05_TILE_ROWS), -1)
+        return blocked.view(_scale_shape_2d(*scales.shape, scale_layout, flat=False))
     return scales
 
 
@@ -77,6 +77,7 @@ def check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs) -> int:
         validate.block_dim(x, 0, "x", "M")
     if offs is not None:
         validate.offs(offs, x, x.shape[0])
+    validate.contiguous(x, "x")  # the kernels' layout; refused on every backend alike
     return axis
 
 
@@ -130,6 +131,7 @@ def check_mxfp8_dual(x, scaling_mode):
     validate.scaling_mode(scaling_mode)
     validate.block_dim(x, 1, "x", "K")
     validate.block_dim(x, 0, "x", "M")
+    validate.contiguous(x, "x")
 
 
 def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
@@ -141,6 +143,7 @@ def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
+    validate.contiguous(w, "w")
 
 
 def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Optional[str]) -> torch.Tensor:
@@ -150,6 +153,9 @@ def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Op
     per_k_row = scales.transpose(1, 2)  # (E, K or K/32, N/32)
     if scale_block_k != 1:
         per_k_row = per_k_row.repeat_interleave(scale_block_k, dim=1)
+    if per_k_row.shape[0] == 0:  # no experts: the layout's per-expert shape, 0 of them
+        shape = _scale_shape_2d(*per_k_row.shape[1:], scale_layout, flat=scale_layout == "tcgen05")
+        return scales.new_empty((0, *shape))
     if scale_layout == "tcgen05":
         return torch.stack([layouts.tcgen05_blocked(s) for s in per_k_row])
     return torch.stack([layouts.mfma_shuffle_scales(s) for s in per_k_row])
@@ -220,11 +226,21 @@ def dequantize_mxfp4(packed, scales):
     return (values.view(*s.shape, MX_BLOCK) * s.unsqueeze(-1)).view(*packed.shape[:-1], k)
 
 
+def _check_orientation(data, strides, axis, quantize) -> None:
+    """The data's strides are those `quantize` gives for `axis` (dims of size 1 aside): on a
+    square matrix the strides are all that tells a 1x32 result from a 32x1 one."""
+    if any(n > 1 and st != want for n, st, want in zip(data.shape, data.stride(), strides)):
+        raise ValueError(
+            f"data with axis={axis} must have the strides {quantize} returns, {strides} for shape "
+            f"{tuple(data.shape)}; got {data.stride()} (the other orientation's output? pass its axis)")
+
+
 def mxfp8_dequantize(data, scales, axis=-1):
     """MXFP8 data + plain-layout scales -> FP32 with data's shape (row-major).
 
-    2D axis=-1: scales (M, K/32). 2D axis=0: scales (K, M/32). 3D (E, N, K) data, axis=1 (or -2):
-    scales (E, N/32, K), or (E, N/32, K/32) for 32x32 blocks.
+    2D axis=-1: data row-major, scales (M, K/32). 2D axis=0: data stride (1, M), scales (K,
+    M/32). 3D (E, N, K) data stride (N*K, 1, N), axis=1 (or -2): scales (E, N/32, K), or (E,
+    N/32, K/32) for 32x32 blocks. The data's strides must be the quantize output's for that axis.
     """
     validate.tensor(data, "data", (MXFP8_DTYPE, torch.uint8), ndim=(2, 3))
     _check_scales(scales)
@@ -235,10 +251,12 @@ def mxfp8_dequantize(data, scales, axis=-1):
         if axis in (-1, 1):
             validate.block_dim(data, 1, "data", "K")
             validate.shape(scales, "scales", (m, k // MX_BLOCK))
+            _check_orientation(data, (k, 1), axis, "mxfp8_quantize(x, axis=-1)")
             return (values.view(m, k // MX_BLOCK, MX_BLOCK) * s.unsqueeze(-1)).view(m, k)
         if axis in (0, -2):
             validate.block_dim(data, 0, "data", "M")
             validate.shape(scales, "scales", (k, m // MX_BLOCK))
+            _check_orientation(data, (1, m), axis, "mxfp8_quantize(x, axis=0)")
             per_elem = s.repeat_interleave(MX_BLOCK, dim=1)  # (K, M)
             return (values * per_elem.t()).contiguous()
         raise ValueError(f"axis must be -1 or 0 for 2D data, got {axis!r}")
@@ -246,6 +264,7 @@ def mxfp8_dequantize(data, scales, axis=-1):
         raise ValueError(f"axis must be 1 (N) for 3D (E, N, K) data, got {axis!r}")
     e, n, k = data.shape
     validate.block_dim(data, 1, "data", "N")
+    _check_orientation(data, (n * k, 1, n), axis, "mxfp8_quantize_3d")
     if tuple(scales.shape) == (e, n // MX_BLOCK, k):
         per_elem = s.repeat_interleave(MX_BLOCK, dim=1)
     else:

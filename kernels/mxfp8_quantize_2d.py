@@ -213,10 +213,12 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
         """One tile of tile_blocks blocks starting at block t0 (wave-uniform)."""
         rx = bufs[0]
         # Offsets: lane + tile in the VGPR, the load's 1 KiB step as the 12-bit immediate (it
-        # reaches 4 KiB: loads 4.. add 4 KiB as the scalar offset).
+        # reaches 4 KiB: loads 4.. start from a second VGPR 4 KiB on; not the scalar offset,
+        # which the range check does not cover, so a tail tile would read past the input).
         v_in = add(lane[2], mul(t0, in_block))
+        v_in4 = add(v_in, 4 * LOAD_BYTES)
         regs = [
-            mx.load(rx, add(v_in, (group(k) % 4) * LOAD_BYTES), soffset=0 if group(k) < 4 else 4 * LOAD_BYTES)
+            mx.load(rx, add(v_in if group(k) < 4 else v_in4, (group(k) % 4) * LOAD_BYTES))
             for k in range(regs_n)
         ]
         words = [mx.dwords_of(r) for r in regs]
@@ -348,6 +350,8 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
     dims = mx.layout_dims(scale_layout, pcols) if scale_layout else 0
     if m * nkb >= MAX_LAUNCH_BYTES:
         raise ValueError(f"x has {m * nkb} blocks of 32; at most {MAX_LAUNCH_BYTES - 1} are supported")
+    if m == 0:  # an empty batch: empty data, the layout's (all padding) scales
+        return data, scales.view(torch.float8_e8m0fnu)
     with toolchain.target(arch):
         for r0 in range(0, m, rows_per_launch):
             rows = min(rows_per_launch, m - r0)

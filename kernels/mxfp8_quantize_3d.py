@@ -709,8 +709,10 @@ def _flush_rows(ctx):
 def _store_codes_fast(kind, half, sc, ctx, column_code):
     """Plain layouts, 32 x 1 blocks (rows past N are masked off by the caller). 32x1: the codes
     of column c are at c * N/32: a buffer from the tile's first code to the end of the scales
-    drops columns past K, and a lane's next column is N/32 bytes on (the scalar offset). 3D: a
-    lane's codes are consecutive bytes of a row of K codes; columns past K are skipped."""
+    drops columns past K, and a lane's next column is N/32 bytes on (in the VGPR offset: the
+    range check does not cover the scalar offset, and the last column tile's columns past K
+    must be dropped). 3D: a lane's codes are consecutive bytes of a row of K codes; columns
+    past K are skipped."""
     hp = mx.cmp_ne(ctx["hpair"], 0)
     b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))
     first = add(ctx["lane_cols"], mx.select(hp, half, 0))  # within the tile
@@ -720,7 +722,7 @@ def _store_codes_fast(kind, half, sc, ctx, column_code):
         rs = mx.buffer(ctx["s"], tile, sub(mul(ctx["k"], ctx["nb"]), tile))
         base = add(mul(first, ctx["nb"]), lshr(ctx["g"], 1))
         for jj in range(half):
-            mx.store_byte(codes[jj], rs, base, mul(jj, ctx["nb"]) if jj else 0)
+            mx.store_byte(codes[jj], rs, add(base, mul(jj, ctx["nb"])) if jj else base)
         return
     col = add(ctx["c0"], first)
     base = add(mul(add(mul(ctx["e"], ctx["nb"]), b), ctx["k"]), col)

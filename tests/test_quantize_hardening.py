@@ -1,0 +1,147 @@
+"""Issue 21's MXFP8 quantize memory findings as regression tests, both arches, under the strict
+memory of tests/conftest.py (every launch may touch only its tensor arguments' bytes).
+
+- Finding 1: 32x1 with K % 4 != 0 stored (4 - K % 4) * M/32 scale bytes past the scales (the
+  column offset sat in the scalar offset, which the buffer range check does not cover); an
+  allocator canary after the scales proves nothing was written there, even in loose mode.
+- Finding 7: 1x32 on tail shapes loaded up to 4 KiB past its input (the scalar offset of loads
+  4..7 of a tile), and the scale layouts read past their inputs too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flyquant as fq
+from flyquant import reference
+from flyquant.kernels import mxfp8_quantize_2d as q2
+
+ARCHS = ("gfx950", "gfx942")
+CANARY = 0xA5
+
+
+def _assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape) and g.stride() == w.stride(), f"{what} {i}"
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), f"{what} output {i} differs"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_32x1_scales_stay_inside_for_every_k_tail(arch, monkeypatch):
+    # Finding 1's reproducer shapes: M in 32..128, K = 1 + 4 j (K % 4 == 1), plus K % 4 == 2, 3;
+    # the flyquant.emu strict memory fails any store past the scales tensor.
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    g = torch.Generator().manual_seed(21)
+    for m, k in ((32, 1), (64, 5), (96, 9), (128, 33), (32, 2), (64, 3), (32, 6), (96, 7), (32, 67)):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        _assert_same(fq.mxfp8_quantize(x, axis=0), reference.mxfp8_quantize(x, 0), f"32x1 {(m, k)}")
+
+
+@pytest.mark.loose_memory("checks the bytes after the scales with a canary, as the heap would see them")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_32x1_leaves_the_bytes_after_the_scales(arch):
+    # The kernel writes into a slice of a larger buffer; the bytes after the slice keep their
+    # canary value (before the fix: (4 - K % 4) * M/32 of them were overwritten).
+    m, k = 96, 5
+    x = torch.randn(m, k).to(torch.bfloat16)
+    data = torch.empty_strided((m, k), (1, m), dtype=torch.float8_e4m3fn)
+    backing = torch.full((k * m // 32 + 64,), CANARY, dtype=torch.uint8)
+    scales = backing[: k * m // 32].view(k, m // 32)
+    q2.launch_col(x, data, scales, arch=arch, scaling_mode="rceil", kind="32x1", scale_layout=None)
+    assert bool((backing[k * m // 32 :] == CANARY).all()), "32x1 wrote past its scales"
+    want = reference.mxfp8_quantize(x, 0)
+    _assert_same((data, scales.view(torch.float8_e8m0fnu)), want, "32x1 into a slice")
+
+
+TAILS_1X32 = ((1, 32), (31, 32), (37, 32), (97, 64), (33, 96), (1, 3200))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_1x32_tails_read_only_their_input(arch, dtype):
+    # Finding 7's shapes, every dtype, plain scales and both layouts.
+    g = torch.Generator().manual_seed(7)
+    for m, k in TAILS_1X32:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        for layout in (None, "tcgen05", "mfma"):
+            got = q2.quantize_1x32(x, arch=arch, scaling_mode="floor", scale_layout=layout)
+            _assert_same(got, reference.mxfp8_quantize(x, -1, "floor", layout), f"1x32 {(m, k)} {dtype} {layout}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_column_layouts_tails(arch):
+    # 32x1 and 3D with the padded scale layouts on tails (K not a multiple of the tile).
+    x = torch.randn(64, 37).to(torch.bfloat16)
+    for layout in ("tcgen05", "mfma"):
+        got = q2.quantize_32x1(x, arch=arch, scaling_mode="rceil", scale_layout=layout)
+        _assert_same(got, reference.mxfp8_quantize(x, 0, "rceil", layout), f"32x1 {layout}")
+    w = torch.randn(2, 32, 37).to(torch.float32)
+    got = fq.kernels.mxfp8_quantize_3d.quantize_3d(w, arch=arch, scaling_mode="floor", scale_layout="mfma")
+    _assert_same(got, reference.mxfp8_quantize_3d(w, "floor", 1, "mfma"), "3d mfma")
+
+
+# ------------------------------------------------------------------------------------------------
+# Findings 9-11: the same answer or the same error on every backend
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_zero_rows_give_empty_outputs(backend, monkeypatch):
+    # Finding 10: 1x32 of a (0, K) tensor raised "range() arg 3 must not be zero" on the kernel
+    # path; an empty batch is empty data and (all padding) scales, in every layout.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    for layout, scale_shape in ((None, (0, 2)), ("tcgen05", (0, 4)), ("mfma", (0, 8))):
+        data, scales = fq.mxfp8_quantize(x, scale_layout=layout)
+        assert tuple(data.shape) == (0, 64) and tuple(scales.shape) == scale_shape, layout
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_non_contiguous_input_is_refused_on_every_backend(backend, monkeypatch):
+    # Finding 11: views worked on the reference and raised on the kernel path.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    for call in (lambda: fq.mxfp8_quantize(x.t()), lambda: fq.mxfp8_quantize(x[:, ::2][:, :32], axis=0),
+                 lambda: fq.mxfp8_quantize_dual(x.t()), lambda: fq.mxfp8_quantize_3d(x[None].expand(2, 64, 64))):
+        with pytest.raises(ValueError, match=r"must be contiguous \(row-major\), got strides"):
+            call()
+
+
+def test_dequantize_checks_the_orientation_of_square_data():
+    # Finding 9: on a square matrix only the strides tell 1x32 data from 32x1 data; the wrong
+    # axis used to dequantize silently wrong.
+    x = torch.randn(64, 64)
+    rows, cols = reference.mxfp8_quantize(x, -1, "floor"), reference.mxfp8_quantize(x, 0, "floor")
+    with pytest.raises(ValueError, match=r"axis=0 must have the strides .* \(1, 64\)"):
+        fq.mxfp8_dequantize(rows[0], cols[1], axis=0)
+    with pytest.raises(ValueError, match=r"axis=-1 must have the strides .* \(64, 1\)"):
+        fq.mxfp8_dequantize(cols[0], rows[1], axis=-1)
+    # the right axes round-trip to the same values both ways (within E4M3's rounding)
+    back_rows, back_cols = fq.mxfp8_dequantize(*rows, axis=-1), fq.mxfp8_dequantize(*cols, axis=0)
+    torch.testing.assert_close(back_rows, x, rtol=2**-3, atol=2**-6)
+    torch.testing.assert_close(back_cols, x, rtol=2**-3, atol=2**-6)
+    w = torch.randn(2, 32, 32)
+    data3, scales3 = reference.mxfp8_quantize_3d(w, "floor")
+    with pytest.raises(ValueError, match="strides"):
+        fq.mxfp8_dequantize(data3.contiguous(), scales3, axis=1)
+
+
+def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
+    # The conftest fixture's own check: a 1x32 launch told its input holds twice the blocks it
+    # has reads past the tensor's extent, which strict memory turns into a launch error.
+    import flyquant.emu as emu
+    from flyquant import toolchain
+
+    assert emu.global_memory().strict
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    q = torch.empty(8, 64, dtype=torch.uint8)
+    s = torch.empty(8, 2, dtype=torch.uint8)
+    nblocks = 2 * x.numel() // 32
+    cfg = q2.plan_1x32((8, 64), x.dtype, "gfx950")
+    with toolchain.target("gfx950"), pytest.raises(emu.EmuLaunchError, match="outside every known memory region"):
+        q2._cached_1x32("gfx950", "bf16", "floor", None, cfg.waves)(
+            x, q, s, nblocks, cfg.tiles_per_wave, 0, 2, 0, 0, 0, s.numel(), cfg.workgroups, stream=0)
