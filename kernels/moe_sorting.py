@@ -56,7 +56,7 @@ import torch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl._mlir import ir
-from flydsl._mlir.dialects import arith, llvm, rocdl
+from flydsl._mlir.dialects import arith, llvm, rocdl, scf
 
 from flyquant import toolchain, validate
 from flyquant.arch import arch_info
@@ -175,6 +175,14 @@ def _sign_extended_bit(x, bit: int):
     return arith.shrsi(shl(x, 31 - bit), const(31))
 
 
+def _for_range_from(start: int, stop, body):
+    """Emit `for i in range(start, stop): body(i)` as a runtime loop (none when stop <= start)."""
+    loop = scf.ForOp(const(start), val(stop), const(1))
+    with ir.InsertionPoint(loop.body):
+        body(loop.induction_variable)
+        scf.YieldOp([])
+
+
 def _udiv(x, d: int):
     return arith.divui(val(x), const(d))
 
@@ -284,6 +292,18 @@ def build_moe_sorting(spec: SortSpec):
         p_end = arith.minui(add(p0, slice_len), pairs)
         n_rounds = lshr(add(mx.usub_sat(p_end, p0), WAVE - 1), 6)
 
+        def pair_of(r):
+            p = add(add(p0, shl(r, 6)), lane)
+            return p, load_key(r_ids, p, mx.cmp_ult(p, p_end))
+
+        # Loads with no dependence, issued first: round 0's pairs (counted in phase 1 and placed
+        # in phase 4, whatever n_rounds: a wave without pairs sees only dead lanes, key E) and
+        # the served flags of this thread's keys (phase 2).
+        p_first, key_first = pair_of(const(0))
+        weight_first = load_weight(r_w, p_first)
+        key0 = mul(tid, G)
+        served_flags = [served(r_mask, add(key0, g)) for g in range(G)]
+
         # ---- 1. histograms -----------------------------------------------------------------
         def zero_hist(i):
             mx.lds_store(const(0), _lds_addr(lds_base, add(mul(i, N), tid)))
@@ -291,16 +311,14 @@ def build_moe_sorting(spec: SortSpec):
         mx.for_range(const(W * STRIDE // N), zero_hist)
         _barrier()
 
-        def count_round(r):
-            p = add(add(p0, shl(r, 6)), lane)
-            key = load_key(r_ids, p, mx.cmp_ult(p, p_end))
+        def count(key):
             _lds_add(_lds_addr(hist_wave, key), const(1))
 
-        mx.for_range(n_rounds, count_round)
+        count(key_first)
+        _for_range_from(1, n_rounds, lambda r: count(pair_of(r)[1]))
         _barrier()
 
         # ---- 2. counts, blocks, local ids, first rows ----------------------------------------
-        key0 = mul(tid, G)
         packed = []  # per owned key: blocks << SERVED_BITS | served
         for g in range(G):
             e = add(key0, g)
@@ -310,7 +328,7 @@ def build_moe_sorting(spec: SortSpec):
                 h = mx.lds_load(1, addr)
                 mx.lds_store(cum, addr)
                 cum = add(cum, h)
-            s = served(r_mask, e)
+            s = served_flags[g]
             count = select(mx.cmp_ne(s, 0), cum, 0)
             packed.append(bor(shl(_udiv(add(count, BM - 1), BM), SERVED_BITS), s))
         inclusive = []
@@ -388,10 +406,7 @@ def build_moe_sorting(spec: SortSpec):
         # ---- 4. place the pairs ----------------------------------------------------------------
         lanes_below = sub(shl(_c64(1), arith.extui(_i64(), lane)), _c64(1))
 
-        def place_round(r):
-            p = add(add(p0, shl(r, 6)), lane)
-            key = load_key(r_ids, p, mx.cmp_ult(p, p_end))
-            weight = load_weight(r_w, p)
+        def place(p, key, weight):
             # peers: lanes whose key agrees with this lane's on every bit. Per bit b, clear = all
             # ones where the lane's bit b is 0 (a sign-extended bit of ~key), and votes ^ clear
             # is the ballot of the lanes whose bit b equals this lane's.
@@ -420,7 +435,12 @@ def build_moe_sorting(spec: SortSpec):
             mx.store(bor(shl(slot, TOKEN_BITS), token), r_sid, off)
             mx.store(weight, r_sw, off)
 
-        mx.for_range(n_rounds, place_round)
+        def place_round(r):
+            p, key = pair_of(r)
+            place(p, key, load_weight(r_w, p))
+
+        place(p_first, key_first, weight_first)
+        _for_range_from(1, n_rounds, place_round)
 
     @flyc.kernel(name=name, known_block_size=[N, 1, 1])
     def kernel(
