@@ -33,7 +33,9 @@ rounds of 64 (lane = pair):
      (the same value from every peer). Dropped pairs (cursor DROP, sign bit set) store at an
      offset past the buffers' ends, which the buffer range check drops.
 Ordering is exact: waves own contiguous slices in order, rounds go in order inside a wave and
-ranks in lane order inside a round, so equal keys keep ascending p.
+ranks in lane order inside a round, so equal keys keep ascending p. Round 0's ids and weights
+and the mask flags are loaded before phase 1 and kept in registers (at decode, one round, the
+kernel makes one round of dependent global loads, not three).
 
 Optional moe_buf (the stage-2 output, any dtype, contiguous): zeroed by extra workgroups of the
 same launch (workgroup 0 sorts), as aiter's moe_sorting zeroes moe_buf.
