@@ -153,3 +153,49 @@ def test_mxfp8_quantize_3d(arch, data, mode, block_k, layout):
     shape = (data.draw(st.sampled_from([0, 1, 2, 3])), data.draw(BLOCK_DIM), data.draw(FREE_DIM))
     w = data.draw(tensors(shape))
     both_paths(arch, fq.mxfp8_quantize_3d, w, scaling_mode=mode, scale_block_k=block_k, scale_layout=layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE sorting: routings with empty experts, repeated ids, out-of-range ids, masks, topk 1..8
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def routings(draw):
+    """(topk_ids, topk_weights, experts, block_m, expert_mask) as routers and EP ranks give them."""
+    tokens = draw(st.sampled_from([0, 1, 2, 3, 5, 17, 40]))
+    experts = draw(st.sampled_from([1, 2, 3, 8, 33]))
+    topk = draw(st.integers(1, min(8, experts)))  # the contract: topk <= num_experts
+    block_m = draw(st.sampled_from([1, 16, 32, 64]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    low, high = (-2, experts + 3) if draw(st.booleans()) else (0, experts)  # out-of-range ids sometimes
+    ids = torch.randint(low, high, (tokens, topk), generator=g, dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+    weights = torch.rand(tokens, topk, generator=g)
+    if draw(st.booleans()) and tokens:  # a transposed view (column-major routing tensors)
+        ids, weights = ids.t().contiguous().t(), weights.t().contiguous().t()
+    mask = (torch.rand(experts, generator=g) < 0.6).to(torch.int32) if draw(st.booleans()) else None
+    return ids, weights, experts, block_m, mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**{**PROFILE, "max_examples": 40})  # one launch each, no compile per example
+@given(routing=routings())
+def test_moe_sorting(arch, routing):
+    from test_moe_sorting_kernel import assert_identical, expected_dropping
+
+    ids, weights, experts, block_m, mask = routing
+    with backend("flydsl", arch):
+        got = outcome(lambda: fq.moe_sorting(ids, weights, experts, block_m, expert_mask=mask))
+    in_range = bool(((ids >= 0) & (ids < experts)).all())
+    if not in_range:  # the kernel path drops those pairs; the reference (and FLYQUANT_DEBUG=1) refuse
+        with backend("reference"):
+            ref = outcome(lambda: fq.moe_sorting(ids, weights, experts, block_m, expert_mask=mask))
+        assert ref[0] == "error" and ref[1] is ValueError and "expert" in ref[2], ref
+        assert got[0] == "ok", got
+        assert_identical(got[1], expected_dropping(ids, weights, experts, block_m, mask))
+        return
+    with backend("reference"):
+        ref = outcome(lambda: fq.moe_sorting(ids, weights, experts, block_m, expert_mask=mask))
+    assert got[0] == ref[0] and (got[0] == "ok" or got[1:] == ref[1:]), (got, ref)
+    if got[0] == "ok":
+        assert_identical(got[1], ref[1])
