@@ -53,7 +53,11 @@ first step straight-line, a loop only past 64 tiles in use) for the s-th m-tile 
 holds a pair (pairs come first in every block, so such a tile is exactly one with work).
 Otherwise m-slot s is m-tile s. Either way a workgroup without work (no such tile, a tile past
 num_valid_ids[0], or a tile of padding rows) exits after a few scalar instructions;
-num_valid_ids is read on the device.
+num_valid_ids is read on the device (a negative count is 0 rows, one past R is R).
+
+Untrusted routing values (defined behaviour, never a read outside a tensor): a block whose expert
+id is outside [0, E) is dropped (its workgroups exit before building a weight buffer); a row whose
+slot is not below topk is dropped like a padding row (no a2 read, no output).
 
 Output. The MFMAs compute out^T blocks (weights as the A operand), so after the K loop lane
 (kl, l16) holds token row l16 and the four consecutive columns 4 kl .. 4 kl + 3 of every 16x16
@@ -61,10 +65,22 @@ block. The waves of K group 0 add the bias (once per contribution: only the k-sp
 workgroup adds it), multiply by the routing weight and atomically add into out: fp32 by
 global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 per column pair, straight
 from registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
+The output address is formed in 64 bits (T * model_dim may pass 2^31 elements).
+
+Memory safety. Every load goes through a buffer resource sized to its tensor (a2: its bytes;
+each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays; the
+bias row of model_dim elements), with the offsets the range check sees (VGPR + instruction
+offset) covering every per-lane and per-block part; only the K iteration sits in the unchecked
+scalar offset, and it stays below the tensor's K by construction. A buffer addresses < 2^32
+bytes: an a2 larger than that is computed in token windows (token_windows: one launch each,
+a2's and out's base moved to the window on the host in 64 bits, tokens outside the window
+skipped), so tokens * topk * a2.stride(0) has no limit but the 2^24 tokens of the sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
-block_m a multiple of tile_m; k_batch * wk <= ceil(inter_dim / 256). Weight bytes beyond the true
+block_m a multiple of tile_m; k_batch * wk <= ceil(inter_dim / 256); one expert's weights below
+1 GiB; at most 2^30 - 1 sorted rows; out 4-byte aligned (bf16 pairs) and disjoint from every
+input. Not detectable: weights that were not shuffled (shuffle_weight_a16w4) give wrong values. Weight bytes beyond the true
 inter_dim are never read as data (masked in the last K step); columns beyond model_dim are not
 loaded. gfx942's software unpack is exact for scale codes 2..252 (scales 2^-125 .. 2^125); codes
 0, 1, 253, 254 give wrong values for nonzero elements there (zeros stay zero).
@@ -198,6 +214,7 @@ class Gemm2Config:
     block_m: int
     apply_weights: bool
     bias_dtype: torch.dtype | None  # None: no bias
+    windowed: bool = False  # a2 past one 32-bit buffer: one launch per window of tokens (token_windows)
 
     @property
     def waves(self) -> int:
@@ -219,7 +236,7 @@ class Gemm2Config:
     def name(self) -> str:
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
         bias = "" if self.bias_dtype is None else "_bias"
-        wts = "_w" if self.apply_weights else ""
+        wts = ("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
         return (
             f"moe_gemm2_a16w4_{out}_{self.tile_m}x{self.tile_n}_kb{self.k_batch}_w{self.wn}x{self.wk}{wts}{bias}"
             f"_n{self.model_dim}_k{self.inter_dim}_{self.arch}"
@@ -377,6 +394,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     EXPERT_W_BYTES = cfg.w_n * cfg.w_k // 2
     EXPERT_S_BYTES = cfg.w_n * cfg.w_k // K_CHUNK
     HAS_BIAS = cfg.bias_dtype is not None
+    WINDOWED = cfg.windowed
     BIAS_BYTES = 0 if not HAS_BIAS else (2 if cfg.bias_dtype == torch.bfloat16 else 4)
     OUT_F32 = cfg.out_dtype == torch.float32
     OUT_ELEM = 4 if OUT_F32 else 2
@@ -418,13 +436,16 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         out: fx.Int64,  # (T, model_dim) bf16/f32
         bias: fx.Int64,  # (E, bias_stride) or unused; bias_stride >= model_dim
         bias_stride: fx.Int32,
-        tokens: fx.Int32,  # T
+        tokens: fx.Int32,  # T (windowed: the tokens of this launch's window)
         n_rows: fx.Int32,  # R
         n_experts: fx.Int32,  # E: blocks of another expert id are dropped
         compact: fx.Int32,  # 1: m-slot s = the s-th tile with work (scan); 0: m-tile s
+        tok_base: fx.Int32,  # windowed: the window's first token (a2, out start at its rows)
+        tokens_all: fx.Int32,  # windowed: T
     ):
         tid = fx.Int32(gpu.thread_id("x"))
         lane = tid & (WAVE - 1)
+        t_all = tokens_all if const_expr(WINDOWED) else tokens  # which tiles have work at all
         wave = fx.Int32(rocdl.readfirstlane(T.i32, tid.shrui(fx.Int32(LOG_WAVE)).ir_value()))
         m_slot = fx.Int32(gpu.block_id("x"))
         n_tile = fx.Int32(gpu.block_id("y"))
@@ -444,7 +465,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
             first = _load(ids_rsrc, idx << (LOG_TILE_M + 2), 0, 1)  # OOB past R reads 0
             # ballots of single compares, and-ed as scalars: a ballot of an and costs a select
             # and a compare per lane
-            mask = _ballot(idx < n_used) & _ballot((first & TOKEN_MASK) < tokens)
+            mask = _ballot(idx < n_used) & _ballot((first & TOKEN_MASK) < t_all)
             hit = mask & _ballot(_lanes_below(mask) == target)
             count = fx.Int32(fx.math.ctpop(mask))
             first_hit = fx.Int32(llvm.intr_cttz(hit.ir_value(), True))  # used only when hit != 0
@@ -464,10 +485,15 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         if fx.Uint32(tile) < fx.Uint32(n_used):
             row0 = tile << LOG_TILE_M
             tok0 = _scalar_load(sorted_ids + _zext(row0 << 2)) & TOKEN_MASK
-            if tok0 < tokens:  # a tile of padding rows (CK-style empty-expert block) has no work
+            if tok0 < t_all:  # a tile of padding rows (CK-style empty-expert block) has no work
                 expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
                 # nor one of an expert id outside [0, E): dropped, nothing of w2 or its scales is read
-                if fx.Uint32(expert) < fx.Uint32(n_experts):
+                work = fx.Uint32(expert) < fx.Uint32(n_experts)
+                if const_expr(WINDOWED):  # nor, in this launch, a tile without a token in the window
+                    row_id = _load(ids_rsrc, (row0 + lane) << 2, 0, 1)  # lanes past the tile: masked below
+                    in_window = fx.Uint32((row_id & TOKEN_MASK) - tok_base) < fx.Uint32(tokens)
+                    work = work & (_ballot(in_window) & ((1 << TILE_M) - 1 if TILE_M < WAVE else -1) != 0)
+                if work:
                     # the buffer ends at the first 16-row block past model_dim: loads of the padding
                     # rows read 0 without a per-block select (the range check leaves out the scalar
                     # offset, i.e. the K iteration: it sees the block's offset and the step's only)
@@ -496,8 +522,12 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     for mb in range_constexpr(MB):
                         rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
                         tok = rid & TOKEN_MASK
+                        if const_expr(WINDOWED):  # relative to the window (a2 and out start there)
+                            tok = tok - tok_base
+                            live.append((fx.Uint32(tok) < fx.Uint32(tokens)) & (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)))
+                        else:
+                            live.append((tok < tokens) & (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)))
                         toks.append(tok)
-                        live.append((tok < tokens) & (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)))
                         a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
                         a_off.append(live[mb].select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
                     # B: per 16-column block; blocks past model_dim are past w_rsrc's end (read as 0).
@@ -779,11 +809,13 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         n_experts: fx.Int32,
         grid_m: fx.Int32,
         compact: fx.Int32,
+        tok_base: fx.Int32,
+        tokens_all: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         gemm2_kernel(
             a2, a2_bytes, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-            out, bias, bias_stride, tokens, n_rows, n_experts, compact,
+            out, bias, bias_stride, tokens, n_rows, n_experts, compact, tok_base, tokens_all,
         ).launch(grid=(grid_m, cfg.n_tiles, cfg.k_batch), block=(cfg.waves * WAVE, 1, 1), stream=stream)
 
     return launch
@@ -869,13 +901,9 @@ def moe_gemm2_a16w4(
     for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
                         ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
         validate.tensor(t, name, (dt,), ndim=1)
-        validate.contiguous(t, name)
         validate.same_device("a2", a2, name, t)
     for name, t in (("w2", w2), ("w2_scale", w2_scale)):
-        validate.contiguous(t, name)
         validate.same_device("a2", a2, name, t)
-    if a2.stride(1) != 1:
-        raise ValueError(f"a2 must have unit stride along K, got strides {a2.stride()}")
     if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
         raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
     if a2.shape[0] % topk:
@@ -905,7 +933,6 @@ def moe_gemm2_a16w4(
     if out is not None:
         validate.tensor(out, "out", OUT_DTYPES, ndim=2)
         validate.shape(out, "out", (tokens, model_dim))
-        validate.contiguous(out, "out")
         validate.same_device("a2", a2, "out", out)
         if out.data_ptr() % OUT_ALIGN:
             raise ValueError(f"out must start at a {OUT_ALIGN}-byte aligned address (a bf16 out at an even element "
@@ -923,10 +950,20 @@ def moe_gemm2_a16w4(
         # layout (a stride-0 expand shared by the experts, a column stride) or dtype is copied (small)
         if bias.dtype not in BIAS_DTYPES or bias.stride(1) != 1 or not model_dim <= bias.stride(0) < 1 << 31:
             bias = bias[:, :model_dim].to(torch.float32 if bias.dtype not in BIAS_DTYPES else bias.dtype).contiguous()
-    a2_bytes = validate.byte_extent(a2)
-    if a2_bytes is not None and a2_bytes[1] - a2.data_ptr() > MAX_BUFFER_BYTES:
-        raise ValueError(f"a2 spans {a2_bytes[1] - a2.data_ptr()} bytes (tokens * topk rows of a2.stride(0) = "
-                         f"{a2.stride(0)} bf16): the kernel reads it through one buffer of at most {MAX_BUFFER_BYTES} bytes")
+    # Layouts the kernel does not address (as the reference takes them): copies, in the kernel's
+    # layout (weights: a one-time cost better paid by passing them contiguous)
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w2, w2_scale = (
+        t.contiguous() for t in (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w2, w2_scale))
+    if a2.stride(1) != 1:
+        a2 = a2[:, :inter_dim].contiguous()
+    if out is not None and not out.is_contiguous():
+        result = out
+        out = moe_gemm2_a16w4(
+            a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, arch=arch, topk=topk,
+            block_m=block_m, out=out.contiguous(), bias=bias, apply_weights=apply_weights, out_dtype=out_dtype,
+            model_dim=model_dim, inter_dim=inter_dim, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, waves=waves)
+        return result.copy_(out)
+    windows = token_windows(tokens, topk, a2.shape[1], a2.stride(0))
     if rows > MAX_SORTED_ROWS:
         raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
 
@@ -955,16 +992,35 @@ def moe_gemm2_a16w4(
         arch=info.name, out_dtype=out.dtype, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, wn=wn, wk=wk,
         model_dim=model_dim, inter_dim=inter_dim, w_n=w_n, w_k=w_k, a_stride=a2.stride(0), topk=topk,
         block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
+        windowed=len(windows) > 1,
     )
     grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
     if grid_m == 0:
         return out
     stream = torch.cuda.current_stream(a2.device) if a2.is_cuda else 0
+    a2_row_bytes, out_row_bytes = a2.stride(0) * a2.element_size(), model_dim * out.element_size()
     with toolchain.target(info.name):
-        _cached_launcher(cfg)(
-            a2.data_ptr(), 0 if a2_bytes is None else a2_bytes[1] - a2.data_ptr(), w2.data_ptr(), w2_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
-            sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(),
-            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0),
-            tokens, rows, experts, grid_m, int(compact), stream=stream,
-        )
+        for t0, n in windows:
+            # the window's a2 rows and out rows start at 64-bit host-computed addresses
+            a2_bytes = ((n * topk - 1) * a2.stride(0) + a2.shape[1]) * a2.element_size()
+            _cached_launcher(cfg)(
+                a2.data_ptr() + t0 * topk * a2_row_bytes, a2_bytes, w2.data_ptr(), w2_scale.data_ptr(),
+                sorted_ids.data_ptr(), sorted_weights.data_ptr(), sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(),
+                out.data_ptr() + t0 * out_row_bytes, 0 if bias is None else bias.data_ptr(),
+                0 if bias is None else bias.stride(0), n, rows, experts, grid_m, int(compact), t0, tokens, stream=stream,
+            )
     return out
+
+
+def token_windows(tokens: int, topk: int, width: int, row_stride: int) -> list[tuple[int, int]]:
+    """(first token, tokens) of each launch: the whole batch when a2 (tokens * topk rows of
+    `width` bf16 at `row_stride` elements) fits one buffer (< 2^32 bytes, the 32-bit range a
+    buffer load addresses), else windows of as many tokens as fit, one launch each (every launch
+    scans the same sorted rows and computes those whose token is in its window)."""
+    if tokens == 0 or ((tokens * topk - 1) * row_stride + width) * 2 <= MAX_BUFFER_BYTES:
+        return [(0, tokens)]
+    per = ((MAX_BUFFER_BYTES // 2 - width) // row_stride + 1) // topk
+    if per == 0:
+        raise ValueError(f"a2's rows of one token (topk = {topk} rows of stride {row_stride}) span more than "
+                         f"{MAX_BUFFER_BYTES} bytes, the range one buffer addresses")
+    return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]

@@ -389,8 +389,10 @@ def test_compiles_without_spills_at_two_workgroups_per_cu(arch, case):
         model_dim=md, inter_dim=kd, w_n=w_n, w_k=w_k, a_stride=w_k, topk=topk, block_m=tile_m,
         apply_weights=True, bias_dtype=torch.bfloat16,
     )
-    # pointers and a2's size (10 zeros), bias stride, tokens, sorted rows, experts, m-slots, compact
-    (rep,) = toolchain.compile_only(arch, K.build_moe_gemm2_a16w4(cfg), *([0] * 10), md, 1, 64, experts, 4, 1, stream=0)
+    # pointers and a2's size (10 zeros), bias stride, tokens, sorted rows, experts, m-slots, compact,
+    # first token and all tokens (token windows)
+    (rep,) = toolchain.compile_only(arch, K.build_moe_gemm2_a16w4(cfg), *([0] * 10), md, 1, 64, experts, 4, 1, 0, 1,
+                                    stream=0)
     assert rep.spills == 0
     assert rep.workgroups_per_cu() >= 2, (rep.vgprs, rep.agprs, rep.lds_bytes)
     if arch == "gfx950":

@@ -170,17 +170,53 @@ def test_output_rows_past_2_31_elements(arch):
     assert (out[canary] == 7).all()
 
 
-def test_a2_beyond_one_buffer_is_refused_up_front():
-    """Finding 3: a2 spanning 4 GiB or more (here 33000 rows of a 128 KiB stride, as the issue's
-    reproducer, never touched) cannot be addressed by the kernel's one 32-bit buffer: a clear
-    error before anything is launched, rather than another row's data."""
-    p = make_problem(4, 2, 4, 64, 256, 16, seed=2)
-    a2 = torch.empty(33000, 65536, dtype=torch.bfloat16)[:, :256]
-    assert validate.byte_extent(a2)[1] - a2.data_ptr() >= 1 << 32
-    ids, sw, eids, nvalid = p["sorting"]
-    with only_tensors(), pytest.raises(ValueError, match="a2 spans .* bytes"):
-        K.moe_gemm2_a16w4(a2, p["w2"], p["w2_scale"], ids, sw, eids, nvalid, arch="gfx950", topk=3, block_m=16,
-                          model_dim=64, inter_dim=256)
+def _big_a2_problem(seed=3):
+    """The issue's reproducer: a2 of 33000 rows of a 128 KiB stride (4.3 GB of address space, only
+    the used rows touched), where the 32-bit row offset of token 32999 wraps to row 231's. Blocks of
+    three experts: one with tokens on both sides of the first 4 GiB (the two launches' windows),
+    one past it only, one below it only; then padding."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, topk, block_m, model_dim, inter_dim, rows = 4, 1, 16, 64, 256, 33000
+    w = torch.randn(experts, model_dim, inter_dim, generator=gen)
+    packed, scales = quantize_mxfp4(w)
+    w2 = layouts.shuffle_weight_a16w4(packed)
+    w2_scale = layouts.shuffle_scale_a16w4(scales.reshape(experts * model_dim, -1), experts)
+    a2 = torch.empty(rows, 65536, dtype=torch.bfloat16)[:, :inter_dim]
+    blocks = [(2, [5, 231, 32767, 32768, 32999]), (0, [32998]), (1, [0, 7])]
+    pad = (topk << 24) | rows
+    ids, eids = [], []
+    for e, toks in blocks:
+        ids += toks + [pad] * (block_m - len(toks))
+        eids.append(e)
+        a2[toks] = torch.randn(len(toks), inter_dim, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor(ids + [pad] * block_m, dtype=torch.int32)
+    weights = torch.where(ids == pad, 0.0, torch.rand(ids.numel(), generator=gen) + 0.25)
+    eids = torch.tensor(eids + [-1], dtype=torch.int32)
+    nvalid = torch.tensor([3 * block_m, rows], dtype=torch.int32)
+    dense = reference.dequantize_mxfp4(packed, scales).double()
+    used = [r for r in range(ids.numel()) if int(ids[r]) != pad]
+    return dict(a2=a2, w2=w2, w2_scale=w2_scale, sorting=(ids, weights, eids, nvalid), topk=topk, block_m=block_m,
+                model_dim=model_dim, inter_dim=inter_dim, dense=dense, used=used)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a2_rows_past_4_gib(arch):
+    """Finding 3: a2 spanning more than one 32-bit buffer is computed in token windows, one launch
+    each with a2's and out's base at the window (64-bit, on the host): every token gets its own
+    row's product (token 32999 got row 231's), nothing outside the tensors is touched."""
+    p = _big_a2_problem()
+    assert validate.byte_extent(p["a2"])[1] - p["a2"].data_ptr() > 1 << 32
+    assert len(K.token_windows(33000, 1, 256, 65536)) == 2
+    out = torch.zeros(33000, 64, dtype=torch.float32)
+    run_strict(arch, p, out=out, bias=None)
+    ids = p["sorting"][0]
+    tokens = torch.tensor([int(ids[r]) & 0xFFFFFF for r in p["used"]])
+    exact, bound = _expected_rows(p, p["used"])
+    err = (out[tokens].double() - exact).abs()
+    assert (err <= U_F32 * (exact.abs() + bound) + bound).all(), err.max()
+    untouched = torch.ones(33000, dtype=torch.bool)
+    untouched[tokens] = False
+    assert (out[untouched] == 0).all()
 
 
 # ---- routing values out of range ---------------------------------------------------------------
@@ -390,3 +426,28 @@ def test_zero_experts_and_huge_sorting_are_clear_errors():
     for experts, block_m in ((1 << 31, 16), (4, 1 << 40)):
         with pytest.raises(ValueError, match="sorted rows must be at most"):
             fq.moe_sorting(ids, weights, experts, block_m)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_non_contiguous_inputs_and_out_work_on_the_kernel_path(arch, monkeypatch):
+    """Finding 11 (backends agree): a2 with a column stride, non-contiguous weights, scales and
+    sorted arrays, and an out with transposed strides give the kernel path the reference's result
+    (the launcher copies them into its layout; out gets the sum back), as the reference takes them.
+    The copies are the launcher's own tensors: the suite's launch tracking covers them."""
+    set_backend(monkeypatch, "flydsl", arch)
+    p = make_problem(5, 2, 4, 64, 256, 16, seed=14, bias_dtype=torch.float32)
+    ids, sw, eids, nvalid = p["sorting"]
+
+    def strided(t):
+        """The same values in a view with a gap after every element of the last dim."""
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    args = [strided(t) for t in (p["a2"], p["w2"], p["w2_scale"], ids, sw, eids, nvalid)]
+    assert not any(t.is_contiguous() for t in args)
+    base = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    out = base.t().contiguous().t()
+    assert not out.is_contiguous()
+    fq.moe_gemm2_a16w4(*args, topk=2, block_m=16, out=out, bias=p["bias"])
+    check(p, out, base, torch.float32, 1, True)
