@@ -120,8 +120,9 @@ def _moe_gemm2_op(
     model_dim: int,
     inter_dim: int,
 ) -> None:
-    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None)
     args = (a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    reference.check_moe_gemm2_memory(out, *args, bias)  # addresses: on real tensors, both backends
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None)
     if plan.backend == "reference":
         reference.moe_gemm2_a16w4(
             *args, topk, block_m, out=out, bias=bias, apply_weights=apply_weights, model_dim=model_dim,

@@ -315,14 +315,13 @@ def check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_ex
                          block_m, out=None, bias=None, model_dim=None, inter_dim=None) -> tuple[int, int, int]:
     """Everything both backends check before running the stage-2 GEMM (so they accept and refuse
     the same calls): types, shapes, devices, the true sizes, bias (E, >= model_dim), out (T,
-    model_dim) 4-byte aligned and sharing no memory with an input, no input requiring grad.
-    Reads no tensor's values (no host synchronisation). Returns (model_dim, inter_dim, tokens)."""
+    model_dim), no input requiring grad. Reads no tensor's values nor addresses (no host
+    synchronisation; torch.compile traces it); check_moe_gemm2_memory is the part on addresses.
+    Returns (model_dim, inter_dim, tokens)."""
     check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m)
     model_dim, inter_dim = moe_true_dims(a2, w2, model_dim, inter_dim)
     experts = w2.shape[0]
     tokens = a2.shape[0] // topk
-    inputs = dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids, sorted_weights=sorted_weights,
-                  sorted_expert_ids=sorted_expert_ids, num_valid_ids=num_valid_ids, bias=bias)
     if bias is not None:
         validate.high_precision(bias, "bias", ndim=2)
         validate.same_device("a2", a2, "bias", bias)
@@ -332,12 +331,21 @@ def check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_ex
         validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
         validate.same_device("a2", a2, "out", out)
         validate.shape(out, "out", (tokens, model_dim))
-        if out.data_ptr() % OUT_ALIGN_BYTES:
-            raise ValueError(f"out must start at a {OUT_ALIGN_BYTES}-byte aligned address (a bf16 out at an even "
-                             f"element offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
-        validate.no_overlap(out, "out", inputs)
     validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
     return model_dim, inter_dim, tokens
+
+
+def check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                           bias=None) -> None:
+    """The checks on addresses, made on real tensors (inside the op, not while tracing): out is
+    4-byte aligned (the kernel adds bf16 column pairs with 4-byte atomics; both backends refuse
+    alike) and shares no memory with any input."""
+    if out.data_ptr() % OUT_ALIGN_BYTES:
+        raise ValueError(f"out must start at a {OUT_ALIGN_BYTES}-byte aligned address (a bf16 out at an even "
+                         f"element offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
+    validate.no_overlap(out, "out", dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids,
+                                         sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                         num_valid_ids=num_valid_ids, bias=bias))
 
 
 def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts) -> None:
@@ -395,6 +403,9 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     model_dim, inter_dim, tokens = check_moe_gemm2_call(
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
         bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    if out is not None:
+        check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                               bias)
     experts, n_pad, _ = w2.shape
     check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
 

@@ -451,3 +451,20 @@ def test_non_contiguous_inputs_and_out_work_on_the_kernel_path(arch, monkeypatch
     assert not out.is_contiguous()
     fq.moe_gemm2_a16w4(*args, topk=2, block_m=16, out=out, bias=p["bias"])
     check(p, out, base, torch.float32, 1, True)
+
+
+def test_torch_compile_traces_the_checks_with_out_and_bias(monkeypatch):
+    """The address checks (alignment, overlap) run inside the op on real tensors, so torch.compile
+    still traces a call with out= and bias= without graph breaks, and an aliasing out is still
+    refused in the compiled call."""
+    set_backend(monkeypatch, "reference")
+    p = make_problem(3, 2, 4, 64, 256, 16, seed=15)
+    bias = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+
+    def step(a2, out):
+        return fq.moe_gemm2_a16w4(a2, p["w2"], p["w2_scale"], *p["sorting"], topk=2, block_m=16, out=out, bias=bias)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(p["a2"], torch.zeros(3, 64)), step(p["a2"], torch.zeros(3, 64)))
+    with pytest.raises(ValueError, match="out must not overlap the input bias"):
+        compiled(p["a2"], bias[1:])
