@@ -67,11 +67,14 @@ global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 per column 
 from registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
 The output address is formed in 64 bits (T * model_dim may pass 2^31 elements).
 
-Memory safety. Every load goes through a buffer resource sized to its tensor (a2: its bytes;
-each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays; the
-bias row of model_dim elements), with the offsets the range check sees (VGPR + instruction
+Memory safety. Every vector load goes through a buffer resource sized to its tensor (a2: its
+bytes; each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays;
+the bias row of model_dim elements), with the offsets the range check sees (VGPR + instruction
 offset) covering every per-lane and per-block part; only the K iteration sits in the unchecked
-scalar offset, and it stays below the tensor's K by construction. A buffer addresses < 2^32
+scalar offset, and it stays below the tensor's K by construction. The three scalar loads
+(num_valid_ids, a tile's first id and its expert id) index below min(num_valid_ids[0], R) by
+construction. The output atomics are global, at a 64-bit address, only for live rows (token in
+range, slot below topk) and 16-column blocks below model_dim. A buffer addresses < 2^32
 bytes: an a2 larger than that is computed in token windows (token_windows: one launch each,
 a2's and out's base moved to the window on the host in 64 bits, tokens outside the window
 skipped), so tokens * topk * a2.stride(0) has no limit but the 2^24 tokens of the sorted ids.
