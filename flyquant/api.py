@@ -159,7 +159,8 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     expert id is outside [0, E), are dropped on the kernel path (nothing is read for them); with
     FLYQUANT_DEBUG=1 they raise a ValueError (a host synchronisation), as the reference always does.
     A negative num_valid_ids[0] means no rows. out must not overlap an input, and no input may
-    require grad (the op has no backward).
+    require grad (the op has no backward). Weights that were not shuffled cannot be told from
+    shuffled ones (a permutation of the same bytes): they give wrong values, no error.
     """
     model_dim, inter_dim, tokens = reference.check_moe_gemm2_call(
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,

@@ -20,7 +20,7 @@ from flyquant import layouts, reference, toolchain, validate
 from flyquant.kernels import moe_gemm2_a16w4 as K
 from flyquant.reference import quantize_mxfp4
 
-from test_moe_gemm2_kernel import check, make_problem, run_case
+from test_moe_gemm2_kernel import check, make_problem
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
