@@ -74,10 +74,11 @@ offset) covering every per-lane and per-block part; only the K iteration sits in
 scalar offset, and it stays below the tensor's K by construction. The three scalar loads
 (num_valid_ids, a tile's first id and its expert id) index below min(num_valid_ids[0], R) by
 construction. The output atomics are global, at a 64-bit address, only for live rows (token in
-range, slot below topk) and 16-column blocks below model_dim. A buffer addresses < 2^32
-bytes: an a2 larger than that is computed in token windows (token_windows: one launch each,
-a2's and out's base moved to the window on the host in 64 bits, tokens outside the window
-skipped), so tokens * topk * a2.stride(0) has no limit but the 2^24 tokens of the sorted ids.
+range, slot below topk) and 16-column blocks below model_dim. A buffer addresses < 2^32 bytes,
+and a2's must end below OOB (2 GiB - 16, so that masked lanes read 0): a larger a2 is computed
+in token windows (token_windows: one launch each, a2's and out's base moved to the window on
+the host in 64 bits, tokens outside the window skipped), so tokens * topk * a2.stride(0) has no
+limit but the 2^24 tokens of the sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
@@ -122,7 +123,11 @@ S_TILE_BYTES = 256  # one 32 (N) x 256 (K) scale tile: 64 lanes x 4 bytes
 A_BYTES_PER_LANE = 64  # 32 bf16 per lane per step
 TOKEN_BITS = 24
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
-OOB = 0x7FFFFFF0  # a buffer offset past every num_records: the load returns 0, a store is dropped
+# A buffer offset past every num_records: the load returns 0, a store is dropped. Past a2's too:
+# a2's buffer (one per token window) is at most A2_MAX_BYTES = OOB bytes, so that OOB plus any
+# instruction offset stays out of range (a masked K chunk must read 0, never a2's bytes there,
+# which may be NaN: NaN x a masked weight of 0 is NaN)
+OOB = 0x7FFFFFF0
 # An offset bit past every expert's weights (below 1 GiB, checked by the launcher): or-ed into a
 # weight offset it makes the load read 0, and the step's constant offset still folds into the
 # instruction (a select of OOB would take an add per load)
@@ -869,6 +874,7 @@ W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
 OUT_ALIGN = 4  # bf16 results are added in column pairs by 4-byte packed atomics
 MAX_BUFFER_BYTES = (1 << 32) - 1  # a buffer resource's num_records is 32 bits
 MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
+A2_MAX_BYTES = OOB  # one a2 buffer (token window): below the OOB offset
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
@@ -1017,13 +1023,14 @@ def moe_gemm2_a16w4(
 
 def token_windows(tokens: int, topk: int, width: int, row_stride: int) -> list[tuple[int, int]]:
     """(first token, tokens) of each launch: the whole batch when a2 (tokens * topk rows of
-    `width` bf16 at `row_stride` elements) fits one buffer (< 2^32 bytes, the 32-bit range a
-    buffer load addresses), else windows of as many tokens as fit, one launch each (every launch
-    scans the same sorted rows and computes those whose token is in its window)."""
-    if tokens == 0 or ((tokens * topk - 1) * row_stride + width) * 2 <= MAX_BUFFER_BYTES:
+    `width` bf16 at `row_stride` elements) fits one buffer of A2_MAX_BYTES (just under 2 GiB:
+    buffer offsets are 32-bit and OOB must stay past the end), else windows of as many tokens as
+    fit, one launch each (every launch scans the same sorted rows and computes those whose token
+    is in its window)."""
+    if tokens == 0 or ((tokens * topk - 1) * row_stride + width) * 2 <= A2_MAX_BYTES:
         return [(0, tokens)]
-    per = ((MAX_BUFFER_BYTES // 2 - width) // row_stride + 1) // topk
+    per = ((A2_MAX_BYTES // 2 - width) // row_stride + 1) // topk
     if per == 0:
         raise ValueError(f"a2's rows of one token (topk = {topk} rows of stride {row_stride}) span more than "
-                         f"{MAX_BUFFER_BYTES} bytes, the range one buffer addresses")
+                         f"{A2_MAX_BYTES} bytes, the range one a2 buffer addresses")
     return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]

@@ -206,7 +206,7 @@ def test_a2_rows_past_4_gib(arch):
     row's product (token 32999 got row 231's), nothing outside the tensors is touched."""
     p = _big_a2_problem()
     assert validate.byte_extent(p["a2"])[1] - p["a2"].data_ptr() > 1 << 32
-    assert len(K.token_windows(33000, 1, 256, 65536)) == 2
+    assert len(K.token_windows(33000, 1, 256, 65536)) == 3
     out = torch.zeros(33000, 64, dtype=torch.float32)
     run_strict(arch, p, out=out, bias=None)
     ids = p["sorting"][0]
@@ -217,6 +217,38 @@ def test_a2_rows_past_4_gib(arch):
     untouched = torch.ones(33000, dtype=torch.bool)
     untouched[tokens] = False
     assert (out[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_masked_k_chunks_read_zero_in_an_a2_past_2_gib(arch):
+    """An a2 of 2.2 GB (one 32-bit buffer would do): the lanes of the K tail past inter_dim load at
+    the out-of-range offset OOB (2 GiB - 16), which lies inside a buffer that large, where a2 holds
+    NaN here; NaN times the masked weight 0 is NaN. a2 buffers end below OOB (token windows), so
+    those loads read 0 and every result is finite and right."""
+    gen = torch.Generator().manual_seed(16)
+    experts, model_dim, inter_dim, w_k, rows = 2, 64, 224, 256, 17000
+    w = torch.randn(experts, model_dim, w_k, generator=gen)
+    packed, scales = quantize_mxfp4(w)
+    big = torch.empty(rows, 65536, dtype=torch.bfloat16)  # 2.2 GB of address space
+    flat = big.view(-1)
+    flat[K.OOB // 2 : K.OOB // 2 + 1024] = float("nan")  # what a lane reading at OOB would see
+    a2 = big[:, :w_k]
+    toks = [0, 5, rows - 1]
+    a2[toks] = torch.randn(3, w_k, generator=gen).to(torch.bfloat16)
+    a2[toks, inter_dim:] = float("nan")  # past inter_dim: never data
+    pad = (1 << 24) | rows
+    ids = torch.tensor(toks + [pad] * 13, dtype=torch.int32)
+    weights = torch.tensor([0.5, 1.25, 2.0] + [0.0] * 13)
+    p = dict(a2=a2, w2=layouts.shuffle_weight_a16w4(packed), topk=1, block_m=16, model_dim=model_dim,
+             w2_scale=layouts.shuffle_scale_a16w4(scales.reshape(experts * model_dim, -1), experts),
+             inter_dim=inter_dim, sorting=(ids, weights, torch.tensor([1], dtype=torch.int32),
+                                           torch.tensor([16, rows], dtype=torch.int32)),
+             dense=reference.dequantize_mxfp4(packed, scales).double()[:, :, :inter_dim])
+    out = torch.zeros(rows, model_dim, dtype=torch.float32)
+    run_strict(arch, p, out=out, bias=None)
+    exact, bound = _expected_rows(p, [0, 1, 2])
+    err = (out[toks].double() - exact).abs()
+    assert (err <= U_F32 * (exact.abs() + bound) + bound).all(), err.max()
 
 
 # ---- routing values out of range ---------------------------------------------------------------
