@@ -145,3 +145,14 @@ def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
     with toolchain.target("gfx950"), pytest.raises(emu.EmuLaunchError, match="outside every known memory region"):
         q2._cached_1x32("gfx950", "bf16", "floor", None, cfg.waves)(
             x, q, s, nblocks, cfg.tiles_per_wave, 0, 2, 0, 0, 0, s.numel(), cfg.workgroups, stream=0)
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_backward_through_a_quantize_is_a_clear_error(backend, monkeypatch):
+    # Deliverable 5: quantize has no gradient; backward names the op instead of a silent zero.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    x = torch.randn(64, 64, requires_grad=True)
+    data, _ = fq.mxfp8_quantize(x, axis=0)
+    with pytest.raises(RuntimeError, match="flyquant.mxfp8_quantize.*no autograd formula"):
+        data.float().sum().backward()
