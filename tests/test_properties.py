@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flyquant as fq  # noqa: E402
+import flyquant.emu as emu  # noqa: E402
 
 ARCHS = ("gfx950", "gfx942")
 PROFILE = dict(max_examples=16, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -199,3 +201,51 @@ def test_moe_sorting(arch, routing):
     assert got[0] == ref[0] and (got[0] == "ok" or got[1:] == ref[1:]), (got, ref)
     if got[0] == "ok":
         assert_identical(got[1], ref[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE stage 2: routings, padded dims, biases (incl. stride-0 expands), out given or not
+# ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def moe_problems(draw):
+    from test_moe_gemm2_kernel import make_problem
+
+    experts = draw(st.sampled_from([1, 2, 3, 5]))
+    topk = draw(st.integers(1, min(4, experts)))
+    tokens = draw(st.sampled_from([1, 2, 3, 7, 33]))
+    model_dim = draw(st.sampled_from([32, 64]))
+    inter_dim = draw(st.sampled_from([256, 224]))  # 224: the weights' K padded to 256
+    block_m = fq.moe_block_m(tokens, topk, experts, model_dim, 256)
+    bias_dtype = draw(st.sampled_from([None, torch.bfloat16, torch.float32]))
+    p = make_problem(tokens, topk, experts, model_dim, inter_dim, block_m, seed=draw(st.integers(0, 2**16)),
+                     w_k=256, bias_dtype=bias_dtype, skip_expert=draw(st.sampled_from([None, 0])) if experts > topk else None, skew=draw(st.booleans()))
+    if bias_dtype is not None and draw(st.booleans()):  # one bias shared by every expert (finding 5)
+        p["bias"] = p["bias"][:1].expand(experts, -1)
+    return p
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**{**PROFILE, "max_examples": 10})
+@given(p=moe_problems(), out_dtype=st.sampled_from([torch.bfloat16, torch.float32]), apply_weights=st.booleans(),
+       given_out=st.booleans())
+def test_moe_gemm2_a16w4(arch, p, out_dtype, apply_weights, given_out):
+    from test_moe_gemm2_kernel import check
+
+    ids, sw, eids, nvalid = p["sorting"]
+    tokens = p["a2"].shape[0] // p["topk"]
+    out0 = torch.randn(tokens, p["model_dim"]).to(out_dtype) if given_out else torch.zeros(tokens, p["model_dim"],
+                                                                                            dtype=out_dtype)
+
+    def call():
+        return fq.moe_gemm2_a16w4(p["a2"], p["w2"], p["w2_scale"], ids, sw, eids, nvalid, topk=p["topk"],
+                                  block_m=p["block_m"], out=out0.clone() if given_out else None, bias=p["bias"],
+                                  apply_weights=apply_weights, out_dtype=out_dtype, model_dim=p["model_dim"],
+                                  inter_dim=p["inter_dim"])
+
+    with backend("flydsl", arch), emu.record() as launches:
+        got = call()
+    (launch,) = [r for r in launches if "moe_gemm2" in r.kernel]
+    k_batch = int(re.search(r"_kb(\d+)_", launch.kernel).group(1))  # the bound depends on the split
+    check(p, got, out0, out_dtype, k_batch, apply_weights)
