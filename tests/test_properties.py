@@ -249,3 +249,42 @@ def test_moe_gemm2_a16w4(arch, p, out_dtype, apply_weights, given_out):
     (launch,) = [r for r in launches if "moe_gemm2" in r.kernel]
     k_batch = int(re.search(r"_kb(\d+)_", launch.kernel).group(1))  # the bound depends on the split
     check(p, got, out0, out_dtype, k_batch, apply_weights)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure-PyTorch ops (MXFP4 weights, shuffles, dequantize): any input is a result or a clear error
+# ------------------------------------------------------------------------------------------------
+
+
+@settings(**{**PROFILE, "max_examples": 40})
+@given(data=st.data(), mode=st.sampled_from(["floor", "rceil"]), gate_up=st.booleans())
+def test_mxfp4_weights_round_trip_or_refuse(data, mode, gate_up):
+    # quantize_mxfp4 -> shuffles -> unshuffles -> dequantize: the shuffles are permutations (the
+    # unshuffle restores every byte), dequantize is within 2 x the block scale of finite input
+    # (E2M1's widest gap, 4 -> 6, is 2; floor's clamp of up to 8 -> 6 is 2), and a shape they
+    # cannot take is a ValueError/TypeError naming it, never another exception.
+    from flyquant import layouts
+
+    shape = (data.draw(st.sampled_from([1, 2, 3])), data.draw(st.sampled_from([1, 32, 48, 64])),
+             data.draw(st.sampled_from([0, 32, 64, 256, 96, 512])))
+    w = data.draw(tensors(shape))
+    try:
+        packed, scales = fq.quantize_mxfp4(w, scaling_mode=mode)
+    except (ValueError, TypeError) as exc:
+        assert "w" in str(exc)
+        return
+    assert packed.shape == (*shape[:-1], shape[-1] // 2) and scales.shape == (*shape[:-1], shape[-1] // 32)
+    back = fq.dequantize_mxfp4(packed, scales)
+    finite = torch.isfinite(w.float()).view(*shape[:-1], -1, 32).all(-1, keepdim=True).expand(*shape[:-1], -1, 32)
+    finite = finite.reshape(shape)
+    step = fq.dequantize_mxfp4(torch.full_like(packed, 0x22), scales)  # 1.0 x the block scale per element
+    err = (back - w.float()).abs()[finite]
+    assert bool((err <= 2 * step[finite]).all())
+    try:
+        sw = layouts.shuffle_weight_a16w4(packed, gate_up=gate_up)
+        ss = layouts.shuffle_scale_a16w4(scales, shape[0], gate_up=gate_up)
+    except (ValueError, TypeError):
+        return
+    assert torch.equal(layouts.unshuffle_weight_a16w4(sw, gate_up=gate_up), packed)
+    back_scales = layouts.unshuffle_scale_a16w4(ss, shape[0], gate_up=gate_up)
+    assert torch.equal(back_scales.view(torch.uint8), scales.view(torch.uint8))
