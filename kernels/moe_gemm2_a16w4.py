@@ -63,9 +63,9 @@ Output. The MFMAs compute out^T blocks (weights as the A operand), so after the 
 (kl, l16) holds token row l16 and the four consecutive columns 4 kl .. 4 kl + 3 of every 16x16
 block. The waves of K group 0 add the bias (once per contribution: only the k-split 0
 workgroup adds it), multiply by the routing weight and atomically add into out: fp32 by
-global_atomic_add_f32 per element, bf16 by global_atomic_pk_add_bf16 per column pair, straight
-from registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
-The output address is formed in 64 bits (T * model_dim may pass 2^31 elements).
+buffer_atomic_add_f32 per element, bf16 by buffer_atomic_pk_add_bf16 per column pair (gfx942,
+which has no buffer form: global_atomic_pk_add_bf16 at a 64-bit address), straight from
+registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
 
 Memory safety. Every vector load goes through a buffer resource sized to its tensor (a2: its
 bytes; each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays;
@@ -73,12 +73,12 @@ the bias row of model_dim elements), with the offsets the range check sees (VGPR
 offset) covering every per-lane and per-block part; only the K iteration sits in the unchecked
 scalar offset, and it stays below the tensor's K by construction. The three scalar loads
 (num_valid_ids, a tile's first id and its expert id) index below min(num_valid_ids[0], R) by
-construction. The output atomics are global, at a 64-bit address, only for live rows (token in
-range, slot below topk) and 16-column blocks below model_dim. A buffer addresses < 2^32 bytes,
-and a2's must end below OOB (2 GiB - 16, so that masked lanes read 0): a larger a2 is computed
-in token windows (token_windows: one launch each, a2's and out's base moved to the window on
-the host in 64 bits, tokens outside the window skipped), so tokens * topk * a2.stride(0) has no
-limit but the 2^24 tokens of the sorted ids.
+construction. The output atomics go through a buffer sized to out's rows too (gfx942 bf16:
+global atomics), only for live rows (token in range, slot below topk) and 16-column blocks below
+model_dim. A buffer addresses < 2^32 bytes, and a2's and out's must end below OOB (2 GiB - 16,
+so that masked lanes read 0): a larger a2 or out is computed in token windows (token_windows:
+one launch each, a2's and out's base moved to the window on the host in 64 bits, tokens outside
+the window skipped), so sizes have no limit but the 2^24 tokens of the sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
@@ -124,7 +124,7 @@ A_BYTES_PER_LANE = 64  # 32 bf16 per lane per step
 TOKEN_BITS = 24
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
 # A buffer offset past every num_records: the load returns 0, a store is dropped. Past a2's too:
-# a2's buffer (one per token window) is at most A2_MAX_BYTES = OOB bytes, so that OOB plus any
+# a2's buffer (one per token window) is at most BUFFER_MAX_BYTES = OOB bytes, so that OOB plus any
 # instruction offset stays out of range (a masked K chunk must read 0, never a2's bytes there,
 # which may be NaN: NaN x a masked weight of 0 is NaN)
 OOB = 0x7FFFFFF0
@@ -406,6 +406,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     BIAS_BYTES = 0 if not HAS_BIAS else (2 if cfg.bias_dtype == torch.bfloat16 else 4)
     OUT_F32 = cfg.out_dtype == torch.float32
     OUT_ELEM = 4 if OUT_F32 else 2
+    # out through a buffer sized to it (range-checked atomics), but for bf16 on an arch without
+    # buffer_atomic_pk_add_bf16 (gfx942): global atomics at a 64-bit address
+    BUFFER_OUT = OUT_F32 or info.buffer_pk_add_bf16
     TAIL = INTER_DIM % KT != 0  # the last K iteration is partly past inter_dim
     N_TAIL = MODEL_DIM % TILE_N != 0  # the last n-tile is partly past model_dim
     LDS_BYTES = cfg.lds_bytes
@@ -442,6 +445,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         sorted_expert_ids: fx.Int64,  # (R / block_m,) int32
         num_valid_ids: fx.Int64,  # (2,) int32: [rows in use, T]
         out: fx.Int64,  # (T, model_dim) bf16/f32
+        out_bytes: fx.Int64,  # the bytes of out's rows of this launch (< 2^31)
         bias: fx.Int64,  # (E, bias_stride) or unused; bias_stride >= model_dim
         bias_stride: fx.Int32,
         tokens: fx.Int32,  # T (windowed: the tokens of this launch's window)
@@ -763,6 +767,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         if const_expr(cfg.apply_weights):
                             w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
                         p1 = ir.Type.parse("!llvm.ptr<1>")
+                        if const_expr(BUFFER_OUT):
+                            out_rsrc = _rsrc(out, out_bytes)
                         for mb in range_constexpr(MB):
                             tok = toks[mb]
                             if const_expr(cfg.apply_weights):
@@ -777,8 +783,10 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                                     v = [x * wt for x in v]
                                 vals.append(v)
                             if live[mb]:
-                                # 64-bit: T * model_dim may pass 2^31 elements
-                                row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
+                                if const_expr(BUFFER_OUT):  # a launch's out rows fit its buffer (< 2^31 bytes)
+                                    row_off = tok * (MODEL_DIM * OUT_ELEM) + lane_col * OUT_ELEM
+                                else:  # 64-bit: T * model_dim may pass 2^31 elements
+                                    row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
                                 for nb in range_constexpr(NB):
 
                                     def add_block(nb=nb):
@@ -790,8 +798,12 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                                             parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
                                                      for h in range_constexpr(2)]
                                         for i, value in parts:
-                                            addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
-                                            fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
+                                            if const_expr(BUFFER_OUT):  # the column's offset in the instruction's
+                                                rocdl.raw_ptr_buffer_atomic_fadd(value, out_rsrc, row_off + (nb * MFMA_MN + i) * OUT_ELEM,
+                                                                                 fx.Int32(0), 0)
+                                            else:
+                                                addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
+                                                fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
 
                                     if const_expr(N_TAIL):
                                         if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
@@ -810,6 +822,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         sorted_expert_ids: fx.Int64,
         num_valid_ids: fx.Int64,
         out: fx.Int64,
+        out_bytes: fx.Int64,
         bias: fx.Int64,
         bias_stride: fx.Int32,
         tokens: fx.Int32,
@@ -823,7 +836,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     ):
         gemm2_kernel(
             a2, a2_bytes, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-            out, bias, bias_stride, tokens, n_rows, n_experts, compact, tok_base, tokens_all,
+            out, out_bytes, bias, bias_stride, tokens, n_rows, n_experts, compact, tok_base, tokens_all,
         ).launch(grid=(grid_m, cfg.n_tiles, cfg.k_batch), block=(cfg.waves * WAVE, 1, 1), stream=stream)
 
     return launch
@@ -874,7 +887,8 @@ W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
 OUT_ALIGN = 4  # bf16 results are added in column pairs by 4-byte packed atomics
 MAX_BUFFER_BYTES = (1 << 32) - 1  # a buffer resource's num_records is 32 bits
 MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
-A2_MAX_BYTES = OOB  # one a2 buffer (token window): below the OOB offset
+BUFFER_MAX_BYTES = OOB  # one a2 or out buffer (token window): below the OOB offset
+OUT_ELEM_BYTES = {torch.bfloat16: 2, torch.float32: 4}
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
@@ -972,7 +986,8 @@ def moe_gemm2_a16w4(
             block_m=block_m, out=out.contiguous(), bias=bias, apply_weights=apply_weights, out_dtype=out_dtype,
             model_dim=model_dim, inter_dim=inter_dim, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, waves=waves)
         return result.copy_(out)
-    windows = token_windows(tokens, topk, a2.shape[1], a2.stride(0))
+    out_elem = OUT_ELEM_BYTES[out_dtype if out is None else out.dtype]
+    windows = token_windows(tokens, topk, a2.shape[1], a2.stride(0), model_dim * out_elem)
     if rows > MAX_SORTED_ROWS:
         raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
 
@@ -1015,22 +1030,24 @@ def moe_gemm2_a16w4(
             _cached_launcher(cfg)(
                 a2.data_ptr() + t0 * topk * a2_row_bytes, a2_bytes, w2.data_ptr(), w2_scale.data_ptr(),
                 sorted_ids.data_ptr(), sorted_weights.data_ptr(), sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(),
-                out.data_ptr() + t0 * out_row_bytes, 0 if bias is None else bias.data_ptr(),
+                out.data_ptr() + t0 * out_row_bytes, n * out_row_bytes, 0 if bias is None else bias.data_ptr(),
                 0 if bias is None else bias.stride(0), n, rows, experts, grid_m, int(compact), t0, tokens, stream=stream,
             )
     return out
 
 
-def token_windows(tokens: int, topk: int, width: int, row_stride: int) -> list[tuple[int, int]]:
+def token_windows(tokens: int, topk: int, width: int, row_stride: int, out_row_bytes: int) -> list[tuple[int, int]]:
     """(first token, tokens) of each launch: the whole batch when a2 (tokens * topk rows of
-    `width` bf16 at `row_stride` elements) fits one buffer of A2_MAX_BYTES (just under 2 GiB:
-    buffer offsets are 32-bit and OOB must stay past the end), else windows of as many tokens as
-    fit, one launch each (every launch scans the same sorted rows and computes those whose token
-    is in its window)."""
-    if tokens == 0 or ((tokens * topk - 1) * row_stride + width) * 2 <= A2_MAX_BYTES:
+    `width` bf16 at `row_stride` elements) and out (tokens rows of out_row_bytes) each fit one
+    buffer of BUFFER_MAX_BYTES (just under 2 GiB: buffer offsets are 32-bit and OOB must stay
+    past the end), else windows of as many tokens as fit, one launch each (every launch scans the
+    same sorted rows and computes those whose token is in its window)."""
+    if tokens == 0 or (((tokens * topk - 1) * row_stride + width) * 2 <= BUFFER_MAX_BYTES
+                       and tokens * out_row_bytes <= BUFFER_MAX_BYTES):
         return [(0, tokens)]
-    per = ((A2_MAX_BYTES // 2 - width) // row_stride + 1) // topk
+    per = min(((BUFFER_MAX_BYTES // 2 - width) // row_stride + 1) // topk if row_stride else tokens,
+              BUFFER_MAX_BYTES // out_row_bytes)
     if per == 0:
         raise ValueError(f"a2's rows of one token (topk = {topk} rows of stride {row_stride}) span more than "
-                         f"{A2_MAX_BYTES} bytes, the range one a2 buffer addresses")
+                         f"{BUFFER_MAX_BYTES} bytes, the range one a2 buffer addresses")
     return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]

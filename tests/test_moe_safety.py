@@ -45,7 +45,7 @@ def only_tensors(*tensors):
             memory.unregister(key)
 
 
-BIAS_ARG, BIAS_STRIDE_ARG, EXPERTS_ARG = 9, 10, 13  # positions in the launcher's arguments
+BIAS_ARG, BIAS_STRIDE_ARG, EXPERTS_ARG = 10, 11, 14  # positions in the launcher's arguments
 
 
 @contextlib.contextmanager
@@ -206,7 +206,7 @@ def test_a2_rows_past_4_gib(arch):
     row's product (token 32999 got row 231's), nothing outside the tensors is touched."""
     p = _big_a2_problem()
     assert validate.byte_extent(p["a2"])[1] - p["a2"].data_ptr() > 1 << 32
-    assert len(K.token_windows(33000, 1, 256, 65536)) == 3
+    assert len(K.token_windows(33000, 1, 256, 65536, 64 * 4)) == 3
     out = torch.zeros(33000, 64, dtype=torch.float32)
     run_strict(arch, p, out=out, bias=None)
     ids = p["sorting"][0]
