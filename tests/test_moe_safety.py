@@ -151,8 +151,9 @@ def _expected_rows(p, rows):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_output_rows_past_2_31_elements(arch):
-    """Finding 2: out[t, n] at element t * model_dim + n >= 2^31 lands in its row (64-bit index),
-    and nothing outside out is written. Each token has one contribution, added into zeros: the
+    """Finding 2: out[t, n] at element t * model_dim + n >= 2^31 lands in its row (token windows:
+    each launch's out rows in one buffer, based on the host in 64 bits; gfx942's bf16 atomics are
+    global, at a 64-bit address), and nothing outside out is written. Each token has one contribution, added into zeros: the
     bf16 result is the FP32 sum rounded once."""
     p = _big_out_problem()
     out = torch.empty(BIG_TOKENS, BIG_MODEL_DIM, dtype=torch.bfloat16)  # 4 GiB of address space
