@@ -349,10 +349,15 @@ def check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, so
 
 
 def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts) -> None:
-    """The checks that read the sorted arrays (a host synchronisation on a GPU): every row in use
-    (below num_valid_ids[0], token < T) has a slot below topk and lies in a block whose expert id
-    is in [0, E). The device path drops such rows and blocks instead (checked with FLYQUANT_DEBUG=1)."""
+    """The checks that read the sorted arrays (a host synchronisation on a GPU): num_valid_ids[0]
+    counts whole blocks (or all rows; negative: none), and every row in use (below it, token < T)
+    has a slot below topk and lies in a block whose expert id is in [0, E). The device path drops
+    such rows and blocks instead (checked with FLYQUANT_DEBUG=1; the rows of a partial block may
+    be dropped too: the kernel counts whole tiles)."""
     used = max(0, min(int(num_valid_ids[0]), sorted_ids.shape[0]))
+    if used % block_m and used < sorted_ids.shape[0]:
+        raise ValueError(f"num_valid_ids[0] = {int(num_valid_ids[0])} must be a multiple of block_m = {block_m} "
+                         f"(whole blocks, as moe_sorting gives), at least len(sorted_ids), or negative (no rows)")
     ids = sorted_ids[:used].to("cpu", torch.int64)
     live = (ids & MOE_TOKEN_MASK) < tokens
     slot = torch.bitwise_right_shift(ids, MOE_TOKEN_BITS)

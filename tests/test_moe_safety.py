@@ -307,6 +307,19 @@ def test_negative_valid_row_count_means_no_rows(arch):
     assert (ref == 0).all()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_partial_block_count_drops_the_partial_tile(arch):
+    """num_valid_ids[0] not a multiple of block_m (moe_sorting never gives one; the reference and
+    FLYQUANT_DEBUG refuse it): the device counts whole tiles below it, so the result is that of the
+    count rounded down to a multiple of tile_m (= block_m here), and nothing past is read."""
+    p = make_problem(9, 2, 4, 64, 256, 16, seed=17)
+    ids, sw, eids, nvalid = p["sorting"]
+    assert int(nvalid[0]) >= 48
+    got = run_strict(arch, p, sorting=(ids, sw, eids, torch.tensor([40, 9], dtype=torch.int32)), tile_m=16)
+    whole = (ids, sw, eids, torch.tensor([32, 9], dtype=torch.int32))
+    check(dict(p, sorting=whole), got, torch.zeros_like(got), torch.float32, 1, True)
+
+
 BAD_VALUES = [
     ("expert E", lambda s: (s[0], s[1], torch.where(torch.arange(s[2].numel()) == 0, 4, s[2]).int(), s[3]),
      r"sorted_expert_ids\[0\] = 4 must be in \[0, E"),
@@ -314,6 +327,8 @@ BAD_VALUES = [
      r"sorted_expert_ids\[1\] = -1"),
     ("slot topk", lambda s: (torch.where(torch.arange(s[0].numel()) == 0, (2 << 24) | (s[0] & 0xFFFFFF), s[0]).int(),
                              *s[1:]), r"sorted_ids\[0\] .* slot 2"),
+    ("partial block", lambda s: (*s[:3], s[3] - torch.tensor([1, 0], dtype=torch.int32)),
+     r"num_valid_ids\[0\] = \d+ must be a multiple of block_m = 16"),
 ]
 
 
