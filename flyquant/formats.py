@@ -9,11 +9,20 @@ Formats (OCP Microscaling spec v1.0):
 - FP4 E2M1: values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives in 4 bits (sign in bit 3),
   no NaN or Inf. Two per byte, the even element in the low nibble.
 
-The MX block scale (one E8M0 per block of 32 elements) follows torchao 0.18 ``to_mx`` bit for
-bit on finite input, including the places where its float arithmetic departs from an exact
-bitwise rule; each departure is a named quirk below. Non-finite input follows torchao's refined
-semantics (pytorch/ao PR 4725): a NaN or Inf anywhere in a block gives the scale 0xFF and every
-element the element format's NaN pattern (0x7F for E4M3; E2M1 has none, see E2M1_NAN_BLOCK_CODE).
+The MX block scale (one E8M0 per block of 32 elements) of MXFP8 (E4M3) follows torchao main's
+shared MXFP8 bitwise contract (pytorch/ao PR 4725; `to_mx` and torchao/testing/_mxfp8_test_utils.py
+at main), exact bit rules with no float rounding quirks:
+- amax = max |x| over the block, in FP32 (BF16/FP16 upcast exactly); a NaN or Inf anywhere in the
+  block gives the scale 0xFF and every element the NaN pattern 0x7F.
+- floor: code = max(fp32 exponent field of amax - 8, 0) (8: 2^8 = 256 <= 448 < 2^9).
+- rceil: descale = amax * fl32(1/448) (an FP32 multiply, rounded to nearest even), then rounded
+  up to a power of two from its own FP32 bits (e8m0_rceil): a normal rounds up when any mantissa
+  bit is set; a subnormal is code 0 up to 2^-127 and code 1 above.
+- elements: e4m3(x * 2^(127 - code)) in FP32, round to nearest even, saturating to +-448; code
+  0 means 2^-127 and is used (the multiplier is then 2^127).
+MXFP4 (E2M1) still follows torchao 0.18's to_mx bit for bit on finite input, including its float
+arithmetic quirks (named below; E2M1 has torchao_018_scale set), until the MXFP4 issue moves it
+to the same contract; its non-finite blocks follow the rule above with the E2M1 NaN-block code.
 """
 
 from __future__ import annotations
@@ -71,10 +80,11 @@ class ElementFormat:
     name: str
     max_value: float  # largest finite magnitude
     max_pow2: int  # exponent of the largest power of two <= max_value (torchao's *_MAX_POW2)
+    torchao_018_scale: bool = False  # torchao 0.18's scale arithmetic (quirks) instead of main's contract
 
 
 E4M3 = ElementFormat("e4m3", E4M3_MAX, E4M3_MAX_POW2)
-E2M1 = ElementFormat("e2m1", E2M1_MAX, E2M1_MAX_POW2)
+E2M1 = ElementFormat("e2m1", E2M1_MAX, E2M1_MAX_POW2, torchao_018_scale=True)
 
 SCALING_MODES = ("floor", "rceil")
 
@@ -181,7 +191,52 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# MX block scale (torchao 0.18 to_mx on finite input)
+# MX block scale: torchao main's MXFP8 contract
+# ------------------------------------------------------------------------------------------------
+
+F32_MANT_MASK = (1 << F32_MANT_BITS) - 1
+F32_SUBNORMAL_HALF = 1 << (F32_MANT_BITS - 1)  # the mantissa of 2^-127, E8M0 code 0, as an FP32 subnormal
+
+
+def f32_reciprocal(value: float) -> torch.Tensor:
+    """fl32(1 / value): the FP32 constant the rceil descale is multiplied by."""
+    return torch.tensor(1.0 / value, dtype=torch.float32)
+
+
+def e8m0_rceil(value: torch.Tensor) -> torch.Tensor:
+    """FP32 -> the E8M0 code (uint8) of the smallest power of two >= value, from value's bits.
+
+    value >= 0 (or -0). Normal: the exponent field, plus one when any mantissa bit is set (254
+    plus one is 0xFF: 2^127 < value overflows to NaN). Subnormal and zero: code 0 (2^-127) up to
+    2^-127 inclusive, code 1 above it. NaN and Inf: 0xFF."""
+    bits = _f32_bits(value) & F32_ABS_MASK
+    exp_field = torch.bitwise_right_shift(bits, F32_MANT_BITS)
+    mant = bits & F32_MANT_MASK
+    up = torch.where(exp_field == 0, mant > F32_SUBNORMAL_HALF, mant != 0)
+    code = exp_field + up.to(torch.int32)
+    return torch.where(exp_field == F32_EXP_MASK, E8M0_NAN, code).to(torch.uint8)
+
+
+def e8m0_reciprocal(codes: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes -> FP32 2^(127 - code), exact (code 0: 2^127; code 254: the subnormal 2^-127;
+    0xFF: NaN)."""
+    c = codes.view(torch.uint8).to(torch.int32)
+    return torch.where(c == E8M0_NAN, float("nan"), e8m0_decode((2 * E8M0_BIAS - c).clamp(min=0).to(torch.uint8)))
+
+
+def _mx_scale_contract(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    finite = torch.isfinite(amax)
+    if scaling_mode == "floor":
+        exp_field = torch.bitwise_right_shift(_f32_bits(amax), F32_MANT_BITS) & F32_EXP_MASK
+        code = (exp_field - fmt.max_pow2).clamp(min=0).to(torch.uint8)
+    else:
+        code = e8m0_rceil(amax * f32_reciprocal(fmt.max_value).to(amax.device))
+    code = torch.where(finite, code, E8M0_NAN).to(torch.uint8)
+    return code, e8m0_reciprocal(code)
+
+
+# ------------------------------------------------------------------------------------------------
+# MX block scale as torchao 0.18 computes it (MXFP4 only, until it moves to the contract above)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -238,6 +293,9 @@ def mx_scale(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat = E4M3) -
 
     The elements are then encoded from clamp(x * multiplier, -max, max).
 
+    E4M3 (and any format without torchao_018_scale): torchao main's contract (module docstring):
+    the multiplier is exactly 2^(127 - code), code 0 included. E2M1 (torchao_018_scale) as follows:
+
     floor (OCP MX): scale exponent = floor(log2(amax)) - fmt.max_pow2, read from amax's FP32
     exponent field (an FP32-subnormal amax counts as exponent -127), clamped at -127.
     rceil: scale exponent = ceil(log2(amax / fmt.max_value)), the smallest power of two that keeps
@@ -257,6 +315,8 @@ def mx_scale(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat = E4M3) -
     if scaling_mode not in SCALING_MODES:
         raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {scaling_mode!r}")
     amax = amax.to(torch.float32)
+    if not fmt.torchao_018_scale:
+        return _mx_scale_contract(amax, scaling_mode, fmt)
     finite = torch.isfinite(amax)
     safe = torch.where(finite, amax, 0.0)
     if scaling_mode == "floor":

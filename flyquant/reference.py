@@ -1,8 +1,11 @@
 """Pure-PyTorch reference for every flyquant op: the numerical contract the kernels match.
 
-Quantize ops are bit-exact with torchao 0.18 ``to_mx`` on finite input (see formats.py for the
-scale rule and its named quirks) and follow torchao's refined NaN/Inf semantics. Everything runs
-on any device; nothing here imports a kernel.
+MXFP8 quantize ops follow torchao main's MXFP8 bitwise contract (pytorch/ao PR 4725; formats.py
+states it): E8M0 code 0 is 2^-127 and used, rceil rounds amax * fl32(1/448) up from its FP32
+bits, floor takes amax's FP32 exponent, a NaN/Inf block is scale 0xFF with NaN elements. They
+equal torchao 0.18's to_mx except on the blocks listed in tests/test_reference_mxfp8.py
+(DIFFERS_FROM_018). MXFP4 still follows 0.18 (formats.py). Everything runs on any device;
+nothing here imports a kernel.
 
 Layouts (DESIGN.md):
 - 1x32 (axis=-1): data (M, K) row-major, scales (M, K/32).

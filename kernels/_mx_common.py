@@ -2,7 +2,8 @@
 cross-lane exchanges, buffer access and scale-layout addressing (emitted into FlyDSL kernels).
 
 Every kernel quantizes blocks of 32 elements: amax = max |x| over the block, an E8M0 code c
-and elements fp8(clamp(x * m, -448, 448)) with the multiplier m of flyquant.formats.mx_scale.
+and elements fp8(clamp(x * 2^(127 - c), -448, 448)), torchao main's MXFP8 contract as
+flyquant.formats.mx_scale states it (code 0 means 2^-127 and is used like any other).
 All of it is integer bit arithmetic on the input's bit patterns (no device math library):
 
 amax. |x| of a 16-bit value is its pattern with the sign cleared, and patterns of non-negative
@@ -14,25 +15,31 @@ pattern below 0x7C00 (|x| < 2^121) correctly; a block at or above that is "suspi
 tile is redone with the exact integer max (rare: only huge, Inf or NaN values). FP32 on gfx950
 uses v_maximum3_f32 with |.| modifiers (NaN-propagating); elsewhere v_max3_u32 on masked bits.
 
-Scale rule (the E8M0 code c and the exponent e of the conversion scale 2^(e-127); eb = the
-FP32 exponent field of amax, j = its mantissa field):
-  floor: c = max(eb - 8, 0)                         e = max(c, 1)   (torchao: scale >= 2^-126)
-  rceil: c = max(eb - 8 + [j > 0x600000 + J], 0)    e = c, or 127 when c == 0 (multiplier 1.0)
-j > 0x600000 means amax / 448 > 2^(eb - 135), i.e. ceil(log2(amax / 448)) steps up (448 =
-1.75 * 2^8). J is torchao's FP32 log2 rounding (formats.py, quirk TORCHAO_RCEIL_LOG2) mapped to
-amax mantissas: 0 for BF16/FP16 (their mantissas never come that close to 1.75), a table for
-FP32 (RCEIL_LOG2_J). BF16 works on its own pattern (eb = p >> 7, 7 mantissa bits), FP16 is
-widened to FP32 first (exact; FP16 subnormals become normal FP32). The NaN code 0xFF and the
-element pattern 0x7F are written for non-finite blocks by a rare pass after the common one.
+Scale rule (the E8M0 code c, which is also the exponent field of the conversion scale; eb =
+the FP32 exponent field of amax, j = its mantissa field):
+  floor: c = max(eb - 8, 0)
+  rceil: c = max(eb - 8 + [j > 0x600000], 0), except c = 0 for the FP32 amax 0x04600001
+j > 0x600000 means amax / 448 > 2^(eb - 135), i.e. the descale amax * fl32(1/448) rounds up
+to the next power of two (448 = 1.75 * 2^8). This is the contract's rule (descale rounded to
+FP32, then rounded up from its bits) for every amax: fl32(1/448) is above 1/448 by less than
+half an ulp, so the rounded product is a power of two only where amax / 448 is one, checked
+exhaustively per binade in tests; the one exception is eb = 8, where the descale is an FP32
+subnormal (grid 2^-149): amax = 1.75 * 2^-119 * (1 + 2^-23) gives a descale within half a
+step of 2^-127, which rounds to 2^-127 (code 0) (RCEIL_SUBNORMAL_TIE). BF16 works on its own
+pattern (eb = p >> 7, 7 mantissa bits), FP16 is widened to FP32 first (exact; FP16 subnormals
+become normal FP32); neither can hold that amax. The NaN code 0xFF and the element pattern 0x7F
+are written for non-finite blocks by a rare pass after the common one.
 
-Elements. gfx950: v_cvt_scalef32_pk_fp8_{bf16,f16,f32} compute fp8(x / 2^(e-127)) (exact
-scaling, round to nearest even, OCP bits) but give NaN on overflow, so floor mode (where x / s
-reaches [448, 512)) first clamps |x| to L = 448 * 2^(e-127): on 16-bit patterns with an
-unsigned min (negative patterns) then a signed min (positive patterns). rceil never overflows:
-amax / s <= 448, or at most 448 * (1 + 2^-18) for torchao's log2 quirk, which rounds to 448.
+Elements. gfx950: v_cvt_scalef32_pk_fp8_{bf16,f16,f32} compute fp8(x / 2^(c-127)) (exact
+scaling, round to nearest even, OCP bits; the scale operand's exponent field is read as an E8M0
+code, so field 0 is 2^-127) but give NaN on overflow, so floor mode (where x / s reaches
+[448, 512)) first clamps |x| to L = 448 * 2^(c-127) = 1.75 * 2^(c-119), a normal number for
+every c: on 16-bit patterns with an unsigned min (negative patterns) then a signed min
+(positive patterns). rceil never overflows: amax / s <= 448, or 448 * (1 + 2^-23) for the
+subnormal-descale tie, which rounds to 448.
 gfx942's converter v_cvt_pk_fp8_f32 is FNUZ E4M3 (bias 8): the OCP code of v is the FNUZ code
 of v / 2 for every finite v (both grids scale by exactly 2, subnormals included), so the
-multiplier carries an extra 0.5, floor clamps to +-224, and the FNUZ +0 of a negative input
+multiplier 2^(126 - c) carries an extra 0.5, floor clamps to +-224, and the FNUZ +0 of a negative input
 (FNUZ has no -0) gets the sign bit OR-ed back from the input's sign (OCP -0 = 0x80; nonzero
 FNUZ results already carry it).
 
@@ -89,19 +96,12 @@ F32_MANT_BITS = 23
 F32_MANT_175 = 0x600000  # mantissa field of 1.75
 BF16_MANT_175 = 0x60
 FNUZ_HALF_MAX = 224.0  # 448 / 2: the OCP maximum, in FNUZ units
-# E8M0 exponent used when torchao's rceil multiplier is 1.0 (code 0): 2^(127-127).
-UNSCALED_EXP = 127
 # gfx942 multiplier 2^(126 - e) = 0.5 * 2^(127 - e) has FP32 exponent field 253 - e.
 FNUZ_MULT_FIELD = 253
 
-# torchao's rceil (formats.py quirk TORCHAO_RCEIL_LOG2), as the largest amax mantissa offset
-# j = mant - 0x600000 that does not step the scale up, per binade b of L (L = eb - 135 when
-# positive, 134 - eb otherwise): J = 0 for b < 2, else RCEIL_LOG2_J[b]. FP32 amax only.
-# eb = 8 (descale an FP32 subnormal, counted in units of 2^-22) allows one more.
-RCEIL_LOG2_J = (0, 0, 2, 4, 9, 20, 39, 40)
-RCEIL_SUBNORMAL_EB = 8
-RCEIL_DESCALE_EB = E4M3_MAX_POW2 + 127  # eb at which descale = amax / 448 has exponent 0
-RCEIL_TINY_TOP = 253 << 7  # bf16_scale_pair: top half giving exponent 254 for code-0 blocks
+# The FP32 amax 1.75 * 2^-119 * (1 + 2^-23): its rceil descale, an FP32 subnormal, rounds down
+# to 2^-127 (code 0) although amax / 448 > 2^-127 (module docstring); one ulp more gives code 1.
+RCEIL_SUBNORMAL_TIE = ((E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175) + 1
 
 
 @dataclass(frozen=True)
@@ -667,20 +667,6 @@ def amax_halves(spec: Spec, x):
 # ------------------------------------------------------------------------------------------------
 
 
-def _rceil_log2_j(eb):
-    """torchao's log2 slack J(eb) for FP32 amax (RCEIL_LOG2_J), from the binade of L."""
-    over = sub(eb, RCEIL_DESCALE_EB)
-    under = sub(RCEIL_DESCALE_EB - 1, eb)
-    mag = select(cmp_ult(eb, RCEIL_DESCALE_EB), under, over)
-    # leading-zero count of (mag | 1) is 31 - binade; the table byte is picked by (clz & 7) =
-    # 7 - binade for binades 0..7 (mag <= 134 < 256).
-    clz = llvm.intr_ctlz(bor(mag, 1), False)
-    table_lo = sum(RCEIL_LOG2_J[7 - i] << (8 * i) for i in range(4))
-    table_hi = sum(RCEIL_LOG2_J[3 - i] << (8 * i) for i in range(4))
-    j = band(perm(table_hi, table_lo, band(clz, 7)), 0xFF)
-    return select(cmp_eq(eb, RCEIL_SUBNORMAL_EB), RCEIL_LOG2_J[7], j)
-
-
 def block_scale(spec: Spec, amax):
     """(E8M0 code, conversion scale as FP32) for a block amax pattern (finite; non-finite
     blocks get arbitrary values here and are overwritten by the NaN pass).
@@ -702,16 +688,12 @@ def block_scale(spec: Spec, amax):
             code = lshr(usub_sat(bits, E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
         else:
             step = (1 << F32_MANT_BITS) - 1 - F32_MANT_175
-            if spec.dtype == "fp32":
-                step = sub(step, _rceil_log2_j(lshr(bits, F32_MANT_BITS)))
             code = lshr(usub_sat(add(bits, step), E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
-    if spec.mode == "floor":
-        exp = umax(code, 1)
-    else:
-        exp = select(cmp_eq(code, 0), UNSCALED_EXP, code)
+            if spec.dtype == "fp32":
+                code = select(cmp_eq(bits, RCEIL_SUBNORMAL_TIE), 0, code)
     if spec.scaled_cvt:
-        return code, as_f32(shl(exp, F32_MANT_BITS))
-    return code, as_f32(shl(sub(FNUZ_MULT_FIELD, exp), F32_MANT_BITS))
+        return code, as_f32(shl(code, F32_MANT_BITS))
+    return code, as_f32(shl(sub(FNUZ_MULT_FIELD, code), F32_MANT_BITS))
 
 
 def pack_pair(hi, lo):
@@ -749,24 +731,20 @@ def bf16_scale_pair(spec: Spec, pair):
     """block_scale for two BF16 amax patterns in one dword (gfx950), with v_pk_* ops:
     (codes (c_hi << 16 | c_lo), top_halves of the two conversion scales).
 
-    rceil: c = sat(p - 0x3E1) >> 7 (see block_scale). The conversion exponent is c, except 127
-    for c == 0; any exponent >= 19 converts a code-0 block (|x| <= 448 * 2^-127) to the same
-    +-0 bytes as torchao's unscaled code-0 multiplier, so the tops are ((p - 0x461) wrapped,
-    min 0x7E80) + 0x80: (c - 1) << 7 + 0x80 for p >= 0x461, exponent 254 below. The low 7 bits
-    of each half are left over from p (mantissa bits of the scale: ignored by the conversion).
-    floor: c = sat(p - 0x400) >> 7 and exponent max(c, 1), kept clean (the clamp bound uses it).
+    w = sat(p - low) with low = 0x400 (floor) or 0x3E1 (rceil, see block_scale) holds c in its
+    bits 14:7, where a top half holds the exponent field, so w is the tops. rceil leaves p's low
+    7 bits in each half (mantissa bits of the scale: ignored by the conversion); floor clears
+    them (the clamp bound is computed from the tops).
     """
     if spec.mode == "floor":
-        w = pk(llvm.intr_usub_sat, pair, splat16(E4M3_MAX_POW2 << BF16_MANT_BITS))
-        codes = pk(arith.shrui, w, splat16(BF16_MANT_BITS))
-        tops = pk_umax(band(w, splat16(0xFF80)), splat16(1 << BF16_MANT_BITS))
-        return codes, tops
-    step = (1 << BF16_MANT_BITS) - 1 - BF16_MANT_175
-    low = (E4M3_MAX_POW2 << BF16_MANT_BITS) - step  # 0x3E1: p below it has code 0
-    codes = pk(arith.shrui, pk(llvm.intr_usub_sat, pair, splat16(low)), splat16(BF16_MANT_BITS))
-    tiny = low + (1 << BF16_MANT_BITS)  # 0x461: code >= 1 from here
-    wrapped = pk_umin(pk(arith.subi, pair, splat16(tiny)), splat16(RCEIL_TINY_TOP))
-    return codes, pk(arith.addi, wrapped, splat16(1 << BF16_MANT_BITS))
+        low = E4M3_MAX_POW2 << BF16_MANT_BITS
+    else:
+        low = (E4M3_MAX_POW2 << BF16_MANT_BITS) - ((1 << BF16_MANT_BITS) - 1 - BF16_MANT_175)  # 0x3E1
+    w = pk(llvm.intr_usub_sat, pair, splat16(low))
+    codes = pk(arith.shrui, w, splat16(BF16_MANT_BITS))
+    if spec.mode == "floor":
+        return codes, band(w, splat16(0xFF80))
+    return codes, w
 
 
 def pair_scales(spec: Spec, pair):

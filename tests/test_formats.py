@@ -147,8 +147,47 @@ def _near_powers_of_two() -> torch.Tensor:
     return torch.cat((normal, subnormal, rand)).to(torch.int32).view(torch.float32)
 
 
+def test_e8m0_reciprocal_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = F.e8m0_reciprocal(codes)
+    for c in range(255):  # 2^(127 - c): code 0 -> 2^127, code 254 -> the FP32 subnormal 2^-127
+        assert got[c].item() == math.ldexp(1.0, 127 - c), c
+    assert math.isnan(got[255].item())
+
+
+E4M3_RCEIL_TIE = 0x04600001  # 1.75 * 2^-119 * (1 + 2^-23): kernels/_mx_common.RCEIL_SUBNORMAL_TIE
+
+
+@pytest.mark.parametrize("exp_field", list(range(0, 12)) + [100, 127, 135, 136, 200, 254])
+def test_rceil_is_an_amax_mantissa_threshold(exp_field):
+    """The kernels' rceil rule on amax's FP32 bits, code = max(eb - 8 + [mantissa > 0x600000], 0)
+    except code 0 for amax 0x04600001, equals the contract's e8m0_rceil(amax * fl32(1/448)) for
+    every amax with this exponent field (all 2^23 mantissas). Normal descales (eb >= 10) scale
+    exactly by powers of two, so the binades listed stand for all; eb <= 9 are the subnormal
+    descales (eb = 8 holds the one exception)."""
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    bits = (exp_field << 23) | mant
+    amax = bits.view(torch.float32)
+    want = F.e8m0_rceil(amax * F.f32_reciprocal(F.E4M3_MAX)).to(torch.int32)
+    rule = (exp_field - 8 + (mant > 0x600000).to(torch.int32)).clamp(min=0)
+    rule = torch.where(bits == E4M3_RCEIL_TIE, 0, rule)
+    assert torch.equal(rule, want)
+
+
+@pytest.mark.parametrize("mode,amax,code,mult", [
+    ("floor", 2.0**-120, 0, 2.0**127),  # eb 7: code 0 is 2^-127, the multiplier 2^127
+    ("floor", 0.0, 0, 2.0**127),
+    ("rceil", 448 * 2.0**-127, 0, 2.0**127),  # descale exactly 2^-127
+    ("rceil", 449 * 2.0**-127, 1, 2.0**126),  # just above: code 1
+    ("rceil", 3.0 * 2.0**126, 246, 2.0**-119),
+])
+def test_mx_scale_contract_codes_and_multipliers(mode, amax, code, mult):
+    c, m = F.mx_scale(torch.tensor([amax]), mode)
+    assert c.item() == code and m.item() == mult
+
+
 def test_rceil_exponent_is_torchaos_fp32_log2_ceil():
-    """Quirk TORCHAO_RCEIL_LOG2: torchao 0.18 takes ceil(log2(descale)) in FP32. Our bitwise rule
+    """(MXFP4 only: E2M1 still follows 0.18.) Quirk TORCHAO_RCEIL_LOG2: torchao 0.18 takes ceil(log2(descale)) in FP32. Our bitwise rule
     (with its table of mantissas for which log2 rounds down to the integer) reproduces it. The
     same comparison over all 2^31 positive FP32 values passed during development (2.5 min)."""
     d = _near_powers_of_two()

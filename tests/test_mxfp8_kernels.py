@@ -34,9 +34,9 @@ E4M3_MAX = 448.0
 HUGE = {torch.bfloat16: 2.0**125, torch.float16: 6.0e4, torch.float32: 2.0**127}
 # A magnitude below the smallest normal: subnormal inputs (FP16 and BF16 subnormals differ).
 TINY = {torch.bfloat16: 2.0**-127, torch.float16: 2.0**-15, torch.float32: 2.0**-140}
-# torchao's FP32 rceil rounds log2 just above powers of two down (formats.py, quirk
-# TORCHAO_RCEIL_LOG2): amax mantissas 0x600000 + j around the per-binade limit, for exponent
-# fields eb whose descale binade changes there (and eb = 8: descale an FP32 subnormal).
+# FP32 rceil just above the scale's step: amax mantissas 0x600000 + j (the descale amax *
+# fl32(1/448) a few ulps above a power of two: the scale rounds up), in binades across the range,
+# and eb = 8, where the descale is an FP32 subnormal and j = 1 rounds down to 2^-127 (code 0).
 RCEIL_LOG2_EBS = (8, 9, 70, 71, 102, 103, 127, 131, 139, 143, 151, 167, 199, 230)
 RCEIL_LOG2_JS = (1, 2, 3, 4, 5, 9, 10, 20, 21, 39, 40, 41)
 
@@ -59,7 +59,7 @@ def special_blocks(dtype) -> list[tuple[str, torch.Tensor]]:
         return v
 
     blocks = {
-        "zeros": torch.zeros(32),  # code 0; rceil multiplier 1.0, floor 2^126: all 0x00
+        "zeros": torch.zeros(32),  # code 0 (2^-127): all 0x00
         "neg_zeros": -torch.zeros(32),  # 0x80 elements (gfx942: FNUZ has no -0)
         "nan": with_value(noise(3.0), 5, float("nan")),  # code 0xFF, elements 0x7F
         "inf": with_value(noise(3.0), 31, float("inf")),  # the same for Inf
