@@ -780,19 +780,25 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
 
 
 def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_block_k: int = 1, scale_layout=None):
-    """MXFP8 quantize of contiguous expert weights (E, N, K) along N on `arch`, as
+    """MXFP8 quantize of expert weights (E, N, K) along N on `arch`, as
     flyquant.reference.mxfp8_quantize_3d: data (E, N, K) float8_e4m3fn with stride (N*K, 1, N);
     scales float8_e8m0fnu (E, N/32, K) (scale_block_k=32: (E, N/32, K/32)), or per expert the
-    "tcgen05" (flat) / "mfma" layout of the (K, N/32) matrix, zero padded."""
+    "tcgen05" (flat) / "mfma" layout of the (K, N/32) matrix, zero padded.
+
+    w contiguous: the column kernel. w the transpose of a contiguous (E, K, N) (strides (N*K, 1,
+    N), scale_block_k=1): N is contiguous, so this is the 1x32 kernel on that (E*K, N) matrix,
+    read in place; its row-major data is the (N*K, 1, N) layout and its (E*K, N/32) scales the
+    per-expert (K, N/32) matrices the layouts start from (_transposed_3d)."""
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
     if scale_block_k not in (1, MX_BLOCK):
         raise ValueError(f"scale_block_k must be 1 or {MX_BLOCK}, got {scale_block_k!r}")
-    validate.contiguous(w, "w")
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
+    if validate.mxfp8_3d_transposed(w, scale_block_k):
+        return _transposed_3d(w, arch, scaling_mode, scale_layout)
     e, n, k = w.shape
     data = torch.empty_strided((e, n, k), (n * k, 1, n), dtype=torch.float8_e4m3fn, device=w.device)
     nb = n // MX_BLOCK
@@ -807,3 +813,33 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
     launch_col(w, data, scales, arch=arch, scaling_mode=scaling_mode, kind="3d", scale_layout=scale_layout,
                block_k=scale_block_k, dims=dims, expert_bytes=expert_bytes)
     return data, scales.view(torch.float8_e8m0fnu)
+
+
+def _transposed_3d(w, arch, scaling_mode, scale_layout):
+    """quantize_3d of w (E, N, K) with strides (N*K, 1, N), through the 1x32 kernel on the
+    contiguous (E*K, N) matrix w.transpose(1, 2) is. Plain scales (E, N/32, K) are the transpose
+    of its (E, K, N/32) scales, made contiguous like those of a contiguous w (one pass over the
+    scales, 1/32 of the data; the input is never copied). A layout of the per-expert (K, N/32) matrices is the 1x32
+    kernel's own layout of the (E*K, N/32) matrix when K fills whole layout row tiles (128 rows
+    for tcgen05, 256 for mfma: each expert then owns its tiles, as models' K do); otherwise the
+    plain scales are laid out per expert afterwards (flyquant.reference's layout, torch ops on
+    the scales, 1/32 of the data)."""
+    from flyquant import reference
+    from .mxfp8_quantize_2d import quantize_1x32
+
+    e, n, k = w.shape
+    rows = w.transpose(1, 2).reshape(e * k, n)  # a view: w's storage, row-major
+    row_tile = {None: 1, "tcgen05": mx.TCGEN05_TILE_ROWS, "mfma": mx.MFMA_ROW_PAD}[scale_layout]
+    direct = k % row_tile == 0 and e * k > 0
+    data, scales = quantize_1x32(rows, arch=arch, scaling_mode=scaling_mode,
+                                 scale_layout=scale_layout if direct else None)
+    data = data.view(e, k, n).transpose(1, 2)
+    if scale_layout is None:
+        return data, scales.view(e, k, n // MX_BLOCK).transpose(1, 2).contiguous()
+    if direct:
+        per_expert = scales.numel() // e
+        if scale_layout == "tcgen05":
+            return data, scales.reshape(e, per_expert)
+        return data, scales.reshape(e, per_expert // scales.shape[1], scales.shape[1])
+    plain = scales.view(e, k, n // MX_BLOCK).transpose(1, 2)
+    return data, reference._layout_scales_3d(plain, 1, scale_layout)
