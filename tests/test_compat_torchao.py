@@ -2,6 +2,7 @@
 
 import ast
 import inspect
+import re
 
 import pytest
 import torch
@@ -58,12 +59,63 @@ def test_outputs_follow_torchao_contract():
     assert s.shape == (2, 128 * 4)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"block_size": 16}, "block_size must be 32"),
-    ({"scaling_mode": "even"}, "scaling_mode"),
+BF16 = torch.bfloat16
+ONE_X32, COL, THREE_D = compat.mxfp8_quantize_2d_1x32_flydsl, compat.mxfp8_quantize_2d_32x1_flydsl, compat.mxfp8_quantize_3d_flydsl
+_t = torch.zeros(2, 64, 64, dtype=BF16)
+# (call, torchao's words, our words after them or None): each bad input to a compat function.
+BAD_INPUTS = [
+    (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), block_size=16), r"Only block_size=32 is supported", "got 16"),
+    (lambda: ONE_X32(torch.zeros(4, 40, dtype=BF16)), r"K must be a multiple of 32", "got K = 40"),
+    (lambda: ONE_X32(torch.zeros(64, 64, dtype=BF16).t()), r"Input tensor must be contiguous \(row-major\)",
+     r"got strides \(1, 64\)"),
+    (lambda: ONE_X32(torch.zeros(32, 32, dtype=torch.int32)), r"Input tensor must be float32 or bfloat16", "float16"),
+    (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), scaling_mode="even"), r"scaling_mode must be one of", None),
+    (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), offs=torch.tensor([64], dtype=torch.int32)), r"offs", None),
+    (lambda: COL(torch.zeros(40, 32, dtype=BF16)), r"M \(40\) must be a multiple of block_size \(32\)", None),
+    (lambda: COL(torch.zeros(32, dtype=BF16)), r"input tensor must be 2D", None),
+    (lambda: THREE_D(torch.zeros(1, 40, 32, dtype=BF16)), r"N must be divisible by block_size", "got N = 40"),
+    (lambda: THREE_D(torch.zeros(1, 32, 40, dtype=BF16), scale_block_dim2=32),
+     r"K \(40\) must be divisible by BLOCK_SIZE \(32\)", None),
+    (lambda: THREE_D(_t[:, :, ::2]), r"Input tensor must be contiguous \(row-major\)", None),
+    (lambda: THREE_D(_t.transpose(1, 2), scale_block_dim2=32), r"Input tensor must be contiguous \(row-major\)", None),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_INPUTS)))
+def test_errors_are_torchaos_assertion_and_our_value_error(i):
+    call, words, ours = BAD_INPUTS[i]
+    with pytest.raises(AssertionError, match="^" + words) as caught:  # as torchao raises it, its words first
+        call()
+    assert isinstance(caught.value, ValueError)  # and as flyquant's native API raises it
+    if ours:
+        assert re.search(ours, str(caught.value)), str(caught.value)
+
+
+def test_bad_dtype_is_also_our_type_error():
+    with pytest.raises(TypeError):  # the native API's class for a dtype
+        ONE_X32(torch.zeros(32, 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"scale_block_dim1": 16}, "scale_block_dim1 must be 32 (got 16)"),
+    ({"scale_block_dim2": 16}, "scale_block_dim2 must be 1 or 32 (got 16)"),
 ])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        compat.mxfp8_quantize_2d_1x32_flydsl(torch.zeros(32, 32, dtype=torch.bfloat16), **kwargs)
-    with pytest.raises(ValueError, match="scale_block_dim1 must be 32"):
-        compat.mxfp8_quantize_3d_flydsl(torch.zeros(1, 32, 32), scale_block_dim1=16)
+def test_3d_scale_blocks_are_torchaos_not_implemented_and_our_value_error(kwargs, words):
+    with pytest.raises(NotImplementedError, match=words.replace("(", r"\(").replace(")", r"\)")) as caught:
+        THREE_D(torch.zeros(1, 32, 32), **kwargs)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_native_api_keeps_value_error():
+    import flyquant as fq
+    with pytest.raises(ValueError) as caught:
+        fq.mxfp8_quantize(torch.zeros(40, 32, dtype=BF16), axis=0)
+    assert not isinstance(caught.value, AssertionError)
+
+
+def test_3d_takes_torchaos_transposed_weights():
+    w = torch.randn(2, 96, 64, dtype=BF16).transpose(1, 2)  # (E, N=64, K=96), strides (N*K, 1, N)
+    d, s = THREE_D(w)
+    rd, rs = reference.mxfp8_quantize_3d(w.contiguous(), "rceil")
+    assert d.stride() == rd.stride() == (64 * 96, 1, 64)
+    assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))

@@ -7,9 +7,19 @@ in the direction of doing more: both scale modes on gfx942 and gfx950, ``offs`` 
 ``blocked_scale_output`` are implemented (torchao 0.18 raises NotImplementedError), no M % 32
 requirement beyond the quantized dimension, and CPU tensors work (reference or emulator).
 ``stage_count`` has no meaning on AMD (no TMA pipeline) and is accepted for parity.
+
+Errors: bad input raises TorchaoInputError, which is both an AssertionError (what torchao's
+FlyDSL wrappers raise for what they assert, with their wording first, e.g. "Only block_size=32
+is supported", "M (40) must be a multiple of block_size (32)") and a ValueError (what flyquant's
+native API raises; our own explanation follows torchao's words). torchao's NotImplementedError
+for 3D scale block sizes is TorchaoUnsupportedError (NotImplementedError and ValueError).
+The 3D function also takes the transposed view torchao's grouped GEMM passes (see
+flyquant.reference.mxfp8_quantize_3d); other non-contiguous inputs are refused.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -17,14 +27,52 @@ from .. import api
 from ..formats import MX_BLOCK
 
 
+class TorchaoInputError(ValueError, AssertionError):
+    """Bad input to a torchao-compatible function: catchable as torchao's AssertionError and as
+    flyquant's ValueError."""
+
+
+class TorchaoDtypeError(TorchaoInputError, TypeError):
+    """An input dtype neither torchao (BF16, FP32) nor flyquant (also FP16) takes; flyquant's
+    native API raises TypeError for it."""
+
+
+class TorchaoUnsupportedError(ValueError, NotImplementedError):
+    """A parameter value torchao's FlyDSL wrappers reject with NotImplementedError."""
+
+
+def _fail(torchao_words: str, detail: str = "") -> None:
+    raise TorchaoInputError(torchao_words + (f" ({detail})" if detail else ""))
+
+
+@contextlib.contextmanager
+def _as_torchao_errors():
+    """Any ValueError of the native API below becomes a TorchaoInputError (same message)."""
+    try:
+        yield
+    except TorchaoInputError:
+        raise
+    except ValueError as exc:
+        raise TorchaoInputError(str(exc)) from exc
+
+
+def _check_input(x: torch.Tensor, ndim: int, block_size: int, allow_transposed_3d: bool = False) -> None:
+    """torchao's assertions, in its order and words (except that flyquant takes CPU tensors and
+    FP16 too)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != ndim:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        _fail(f"input tensor must be {ndim}D", f"got {got}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TorchaoDtypeError(f"Input tensor must be float32 or bfloat16 (flyquant also takes float16; got {x.dtype})")
+    if not x.is_contiguous() and not (allow_transposed_3d and x.transpose(1, 2).is_contiguous()):
+        _fail("Input tensor must be contiguous (row-major)", f"got strides {x.stride()} for shape {tuple(x.shape)}")
+    if block_size != MX_BLOCK:
+        _fail(f"Only block_size={MX_BLOCK} is supported", f"got {block_size}")
+
+
 def _mode(scaling_mode) -> str:
     # torchao passes strings; accept its ScaleCalculationMode enum too.
     return str(getattr(scaling_mode, "value", scaling_mode)).lower()
-
-
-def _block(block_size: int) -> None:
-    if block_size != MX_BLOCK:
-        raise ValueError(f"block_size must be {MX_BLOCK} (the MX block), got {block_size}")
 
 
 def mxfp8_quantize_2d_1x32_flydsl(
@@ -35,8 +83,11 @@ def mxfp8_quantize_2d_1x32_flydsl(
     offs: torch.Tensor = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> e4m3fn data (M, K) row-major, e8m0 scales (M, K/32)."""
-    _block(block_size)
-    return api.mxfp8_quantize(x, axis=-1, scaling_mode=_mode(scaling_mode), offs=offs)
+    _check_input(x, 2, block_size)
+    if x.shape[1] % MX_BLOCK:
+        _fail(f"K must be a multiple of {MX_BLOCK}", f"got K = {x.shape[1]}")
+    with _as_torchao_errors():
+        return api.mxfp8_quantize(x, axis=-1, scaling_mode=_mode(scaling_mode), offs=offs)
 
 
 def mxfp8_quantize_2d_32x1_flydsl(
@@ -49,9 +100,12 @@ def mxfp8_quantize_2d_32x1_flydsl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> e4m3fn data (M, K) with stride (1, M), e8m0 scales (K, M/32), or torchao's
     blocked (tcgen05) scales with blocked_scale_output=True (per token group when offs is given)."""
-    _block(block_size)
+    _check_input(x, 2, block_size)
+    if x.shape[0] % MX_BLOCK:
+        _fail(f"M ({x.shape[0]}) must be a multiple of block_size ({MX_BLOCK})")
     layout = "tcgen05" if blocked_scale_output else None
-    return api.mxfp8_quantize(x, axis=0, scaling_mode=_mode(scaling_mode), scale_layout=layout, offs=offs)
+    with _as_torchao_errors():
+        return api.mxfp8_quantize(x, axis=0, scaling_mode=_mode(scaling_mode), scale_layout=layout, offs=offs)
 
 
 def mxfp8_quantize_3d_flydsl(
@@ -64,10 +118,20 @@ def mxfp8_quantize_3d_flydsl(
     blocked_scale_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E, N, K) along N -> data stride (N*K, 1, N), scales (E, N/32, K) (or K/32 with
-    scale_block_dim2=32), or torchao's blocked scales (E, rows * cols) with blocked_scale_output."""
-    _block(block_size)
+    scale_block_dim2=32), or torchao's blocked scales (E, rows * cols) with blocked_scale_output.
+    x contiguous, or (scale_block_dim2=1) the transpose of a contiguous (E, K, N) tensor."""
     if scale_block_dim1 != MX_BLOCK:
-        raise ValueError(f"scale_block_dim1 must be {MX_BLOCK}, got {scale_block_dim1}")
+        raise TorchaoUnsupportedError(
+            f"mxfp8_quantize_3d_flydsl: scale_block_dim1 must be {MX_BLOCK} (got {scale_block_dim1}).")
+    if scale_block_dim2 not in (1, MX_BLOCK):
+        raise TorchaoUnsupportedError(
+            f"mxfp8_quantize_3d_flydsl: scale_block_dim2 must be 1 or {MX_BLOCK} (got {scale_block_dim2}).")
+    _check_input(x, 3, block_size, allow_transposed_3d=scale_block_dim2 == 1)
+    if x.shape[1] % MX_BLOCK:
+        _fail("N must be divisible by block_size", f"got N = {x.shape[1]}")
+    if scale_block_dim2 == MX_BLOCK and x.shape[2] % MX_BLOCK:
+        _fail(f"K ({x.shape[2]}) must be divisible by BLOCK_SIZE ({MX_BLOCK})")
     layout = "tcgen05" if blocked_scale_output else None
-    return api.mxfp8_quantize_3d(x, scaling_mode=_mode(scaling_mode), scale_block_k=scale_block_dim2,
-                                 scale_layout=layout)
+    with _as_torchao_errors():
+        return api.mxfp8_quantize_3d(x, scaling_mode=_mode(scaling_mode), scale_block_k=scale_block_dim2,
+                                     scale_layout=layout)
