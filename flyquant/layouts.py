@@ -204,3 +204,37 @@ def unshuffle_scale_a16w4(s: torch.Tensor, experts: int, gate_up: bool = False) 
     shuffled_shape = tuple(split[p] for p in perm)
     out = _bytes(s.contiguous()).view(shuffled_shape).permute(_inverse(perm)).contiguous().view(s.shape)
     return out.view(s.dtype)
+
+
+def gate_up_rows_from_interleaved(gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                                  inter_pad: int | None = None):
+    """GPT-OSS expert weights as transformers stores them -> the gate-then-up rows moe_gemm1_a16w4 takes.
+
+    transformers' GptOssExperts keeps gate_up_proj as (E, hidden, 2 * inter) applied as
+    x @ gate_up_proj, with the gate in the even output columns and the up projection in the odd
+    ones (gate_up[..., ::2], gate_up[..., 1::2]); its bias (E, 2 * inter) interleaves the same way.
+    Returns (w, bias): w (E, 2 * P, hidden) with rows [0, inter) the gate rows and [P, P + inter)
+    the up rows (row j of each half = output column j), zero rows in between when P = inter_pad
+    > inter (aiter's shuffles want P a multiple of 16 and the MXFP4 quantize K a multiple of 32);
+    bias (E, 2 * P) in the same order, or None. Any float dtype; the result keeps it."""
+    validate.tensor(gate_up_proj, "gate_up_proj", ndim=3)
+    experts, hidden, two_inter = gate_up_proj.shape
+    if two_inter % 2:
+        raise ValueError(f"gate_up_proj.shape[2] = {two_inter} must be even (interleaved gate and up columns)")
+    inter = two_inter // 2
+    pad = inter if inter_pad is None else inter_pad
+    if not isinstance(pad, int) or pad < inter:
+        raise ValueError(f"inter_pad must be an int >= inter = {inter}, got {inter_pad!r}")
+    w = gate_up_proj.new_zeros(experts, 2, pad, hidden)
+    w[:, 0, :inter] = gate_up_proj[..., 0::2].transpose(1, 2)
+    w[:, 1, :inter] = gate_up_proj[..., 1::2].transpose(1, 2)
+    b = None
+    if gate_up_bias is not None:
+        validate.tensor(gate_up_bias, "gate_up_bias", ndim=2)
+        if tuple(gate_up_bias.shape) != (experts, two_inter):
+            raise ValueError(f"gate_up_bias must have shape (E, 2 * inter) = {(experts, two_inter)}, got {tuple(gate_up_bias.shape)}")
+        b = gate_up_bias.new_zeros(experts, 2, pad)
+        b[:, 0, :inter] = gate_up_bias[:, 0::2]
+        b[:, 1, :inter] = gate_up_bias[:, 1::2]
+        b = b.view(experts, 2 * pad)
+    return w.view(experts, 2 * pad, hidden), b

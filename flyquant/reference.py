@@ -30,7 +30,7 @@ import torch
 
 from . import formats, layouts, validate
 from .formats import E2M1, E4M3, MX_BLOCK
-from .layouts import shuffle_scale_a16w4, shuffle_weight_a16w4  # noqa: F401  (reference names)
+from .layouts import gate_up_rows_from_interleaved, shuffle_scale_a16w4, shuffle_weight_a16w4  # noqa: F401  (reference names)
 from .moe import moe_sorting  # noqa: F401  (reference name)
 
 MXFP8_DTYPE = torch.float8_e4m3fn
@@ -444,4 +444,150 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     if out is None:
         return acc.to(out_dtype)
     out.copy_(out.to(torch.float32) + acc)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# A16W4 MoE stage 1: gate/up projection with the activation fused
+# ------------------------------------------------------------------------------------------------
+
+MOE_ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+def moe_activation(g: torch.Tensor, u: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0):
+    """act(gate, up) in the tensors' dtype (the contract: FP32), elementwise:
+
+    - "silu":  silu(g) * u = g * sigmoid(g) * u (the SwiGLU of Mixtral / DeepSeek / Qwen MoE).
+    - "gelu":  gelu_tanh(g) * u, gelu_tanh(g) = g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))).
+    - "swiglu_oai" (GPT-OSS): g' = min(g, limit), u' = clamp(u, -limit, limit),
+      (u' + 1) * g' * sigmoid(alpha * g'). This is what transformers' GPT-OSS experts compute in
+      `_apply_gate` (there on the even/odd interleaved columns of gate_up_proj) and what aiter's
+      torch_moe_stage1 reference computes with its `swiglu` helper (there on gate rows then up
+      rows, as here). The clamps are torch.clamp: a NaN stays NaN.
+    NaN and Inf propagate as these formulas do in IEEE arithmetic (e.g. silu(-inf) * u is NaN)."""
+    if activation == "silu":
+        return g * torch.sigmoid(g) * u
+    if activation == "gelu":
+        return 0.5 * g * (1 + torch.tanh(GELU_TANH_C * (g + GELU_TANH_CUBIC * g * g * g))) * u
+    if activation == "swiglu_oai":
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(alpha * g))
+    raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+
+
+def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, int]:
+    """The true (model_dim, inter_dim): given, or x's width and half the weights' rows."""
+    _, n2, k_half = w1.shape
+    model_dim = x.shape[1] if model_dim is None else model_dim
+    inter_dim = n2 // 2 if inter_dim is None else inter_dim
+    if not isinstance(model_dim, int) or not 0 < model_dim <= min(2 * k_half, x.shape[1]):
+        raise ValueError(f"model_dim = {model_dim} must be in [1, min(K = 2 * w1.shape[2] = {2 * k_half}, x.shape[1] = {x.shape[1]})]")
+    if not isinstance(inter_dim, int) or not 0 < inter_dim <= n2 // 2:
+        raise ValueError(f"inter_dim = {inter_dim} must be in [1, w1.shape[1] / 2 = {n2 // 2}]")
+    return model_dim, inter_dim
+
+
+def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
+                         block_m, bias=None, activation="silu", out=None, model_dim=None,
+                         inter_dim=None) -> tuple[int, int, int]:
+    """Everything both backends check before running stage 1 (no tensor values or addresses read):
+    types, shapes, devices, the true sizes, bias (E, w1.shape[1]) in w1's row order, out
+    (T * topk, >= inter_dim) bf16, the activation name. Returns (model_dim, inter_dim, tokens)."""
+    validate.high_precision(x, "x", ndim=2)
+    validate.tensor(w1, "w1", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
+    validate.tensor(w1_scale, "w1_scale", (SCALE_DTYPE, torch.uint8), ndim=(2, 3))
+    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
+                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
+        validate.tensor(t, name, (dt,), ndim=1)
+        validate.same_device("x", x, name, t)
+    for name, t in (("w1", w1), ("w1_scale", w1_scale)):
+        validate.same_device("x", x, name, t)
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if not isinstance(block_m, int) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
+    blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
+    if sorted_expert_ids.shape[0] < blocks:
+        raise ValueError(f"sorted_expert_ids must have ceil(len(sorted_ids) / block_m) = {blocks} entries, got {sorted_expert_ids.shape[0]}")
+    experts, n2, k_half = w1.shape
+    if n2 % 2:
+        raise ValueError(f"w1.shape[1] = {n2} must be even (gate rows then up rows)")
+    expected = (experts, n2, 2 * k_half // MX_BLOCK)
+    if w1_scale.dim() == 2:
+        expected = (experts * n2, expected[2])
+    validate.shape(w1_scale, "w1_scale", expected)
+    model_dim, inter_dim = moe_stage1_true_dims(x, w1, model_dim, inter_dim)
+    tokens = x.shape[0]
+    if bias is not None:
+        validate.high_precision(bias, "bias", ndim=2)
+        validate.same_device("x", x, "bias", bias)
+        validate.shape(bias, "bias", (experts, n2))
+    if out is not None:
+        validate.tensor(out, "out", (torch.bfloat16,), ndim=2)
+        validate.same_device("x", x, "out", out)
+        if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
+            raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+    validate.no_autograd("moe_gemm1_a16w4", dict(x=x, sorted_weights=sorted_weights, bias=bias, out=out))
+    return model_dim, inter_dim, tokens
+
+
+def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    bias=None, activation="silu", alpha=1.702, limit=7.0, apply_weights=False, out=None,
+                    model_dim=None, inter_dim=None, nlane=16):
+    """FP32 reference of the A16W4 MoE stage 1 (gate/up projection, activation fused).
+
+    For every sorted row below num_valid_ids[0] with token t < T (slot k, expert e of its block):
+        g = x[t, :model_dim] @ Wg[e]^T + bg[e],   u = x[t, :model_dim] @ Wu[e]^T + bu[e]
+        out[t * topk + k, :inter_dim] = bf16(act(g, u) * (w_r if apply_weights else 1))
+    in FP32, rounded once to bf16 (moe_activation gives act; the bias enters before it, as in
+    aiter's torch_moe_stage1 and transformers' GPT-OSS experts). Wg[e] and Wu[e] are rows
+    [0, inter_dim) and [P, P + inter_dim) of the dequantized w1[e], P = w1.shape[1] / 2.
+
+    x: (T, >= model_dim) BF16/FP16/FP32. w1: (E, 2 * P, K / 2) packed FP4 and w1_scale:
+    (E * 2P, K / 32) or (E, 2P, K / 32) E8M0, shuffled with gate_up=True (shuffle_weight_a16w4
+    with `nlane`, shuffle_scale_a16w4); P >= inter_dim and K >= model_dim may be padding.
+    bias: (E, 2 * P) in w1's row order (gate_up_rows_from_interleaved gives it from GPT-OSS's).
+    out: (T * topk, >= inter_dim) bf16: rows that no routed pair maps to, and columns past
+    inter_dim, keep their values; None: a zeroed (T * topk, inter_dim) bf16 tensor. Returns out.
+    """
+    model_dim, inter_dim, tokens = check_moe_gemm1_call(
+        x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+    experts, n2, _ = w1.shape
+    check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
+    if out is None:
+        out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    else:
+        validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
+                                             sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                             num_valid_ids=num_valid_ids, bias=bias))
+    half = n2 // 2
+    w = layouts.unshuffle_weight_a16w4(w1, nlane, gate_up=True)
+    s = layouts.unshuffle_scale_a16w4(w1_scale, experts, gate_up=True).reshape(experts, n2, -1)
+    weight = dequantize_mxfp4(w, s)[:, :, :model_dim]  # (E, 2P, model_dim) FP32
+
+    rows = torch.arange(sorted_ids.shape[0], device=x.device)
+    token = sorted_ids & MOE_TOKEN_MASK
+    slot = torch.bitwise_right_shift(sorted_ids, MOE_TOKEN_BITS)
+    valid = (rows < num_valid_ids[0]) & (token < tokens)
+    expert = sorted_expert_ids[rows // block_m]
+    for e in torch.unique(expert[valid]).tolist():
+        sel = valid & (expert == e)
+        t, k = token[sel].long(), slot[sel].long()
+        xe = x[t, :model_dim].to(torch.float32)
+        g = xe @ weight[e, :inter_dim].t()
+        u = xe @ weight[e, half:half + inter_dim].t()
+        if bias is not None:
+            g = g + bias[e, :inter_dim].to(torch.float32)
+            u = u + bias[e, half:half + inter_dim].to(torch.float32)
+        a = moe_activation(g, u, activation, alpha, limit)
+        if apply_weights:
+            a = a * sorted_weights[sel].unsqueeze(1)
+        out[t * topk + k, :inter_dim] = a.to(torch.bfloat16)
     return out
