@@ -197,7 +197,9 @@ def _check_moe_sizes(**sizes) -> None:
 def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
                inter_dim=None):
     """From routing (topk_ids, topk_weights (tokens, topk)) and the stage-1 output a2 to the layer
-    output: moe_sorting with the selector's block size, then moe_gemm2_a16w4."""
+    output: moe_sorting with the selector's block size (which also zeroes the output), then
+    moe_gemm2_a16w4 adding into it. Two launches on the kernel path and no host synchronisation:
+    routing ids outside [0, E) are dropped there (FLYQUANT_DEBUG=1 and the reference refuse them)."""
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
@@ -205,8 +207,10 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     _check_moe_sizes(topk=topk, experts=experts)
     model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
-    sorted_ = moe.moe_sorting(topk_ids, topk_weights, experts, block_m)
-    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, bias=bias, out_dtype=out_dtype,
+    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
                            model_dim=model_dim, inter_dim=inter_dim)
 
 
@@ -230,7 +234,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
         a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
         block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
-        sorted_ = moe.moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
+        sorted_ = moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
         plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))
         moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, model_dim=model_dim,
                         inter_dim=inter_dim)

@@ -127,3 +127,45 @@ def test_warmup_runs_the_kernels_a_model_uses():
     kernels = [rec.stats.kernel for rec in launches]
     assert sum(k.startswith("moe_gemm2_a16w4") for k in kernels) == 2
     assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
+    # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding
+    # into it; nothing reads the ids on the host (no _local_scalar_dense), so a graph can hold it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    g = torch.Generator().manual_seed(3)
+    tokens, topk, experts, model_dim, inter_dim = 5, 2, 4, 64, 256
+    w = torch.randn(experts, model_dim, inter_dim, generator=g)
+    packed, scales = fq.quantize_mxfp4(w)
+    w2, s2 = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, experts)
+    ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, topk, generator=g)
+    a2 = torch.randn(tokens * topk, inter_dim, generator=g).to(torch.bfloat16)
+    with fq.emu.record() as launches, Ops() as seen:
+        out = fq.moe_stage2(a2, ids, weights, w2, s2, out_dtype=torch.float32)
+    assert [r.kernel.split("_")[:2] for r in launches] == [["moe", "sorting"], ["moe", "gemm2"]]
+    assert "aten._local_scalar_dense.default" not in seen.ops and "aten.zero_.default" not in seen.ops
+    block_m = fq.moe_block_m(tokens, topk, experts, model_dim, inter_dim)
+    want = fq.reference.moe_gemm2_a16w4(a2, w2, s2, *fq.reference.moe_sorting(ids, weights, experts, block_m),
+                                        topk=topk, block_m=block_m, out=torch.zeros(tokens, model_dim))
+    # fp32 out: the two differ only in summation order, each within (K + 2) u |a| . |w| per
+    # contribution (K products and the two adds into out), u = 2^-24
+    deq = fq.dequantize_mxfp4(packed, scales).abs()
+    bound = torch.zeros(tokens, model_dim)
+    for t in range(tokens):
+        for k in range(topk):
+            bound[t] += weights[t, k] * (a2[t * topk + k].float().abs() @ deq[ids[t, k]].t())
+    assert bool(((out - want).abs() <= 2 * (inter_dim + 2) * 2.0**-24 * bound).all())
