@@ -22,6 +22,7 @@ from .api import (
     shuffle_weight_a16w4,
     warmup,
 )
+from .moe import moe_routing
 from .select import Plan
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "explain",
     "moe_block_m",
     "moe_gemm2_a16w4",
+    "moe_routing",
     "moe_sorting",
     "moe_stage2",
     "mxfp8_dequantize",

@@ -103,3 +103,31 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
 
     num_valid = torch.stack((padded.sum(), torch.tensor(tokens, device=device))).to(torch.int32)
     return ids[:rows], weights[:rows], expert_ids, num_valid
+
+
+def moe_routing(router_logits, topk, renormalize=True, softmax_after_topk=False):
+    """Router logits (T, E) -> (topk_weights (T, topk) float32, topk_ids (T, topk) int32), the
+    two conventions MoE models use, in FP32 and on the logits' device:
+
+    - softmax_after_topk=False (Mixtral, Qwen3-MoE, DeepSeek-V2 style): softmax over all E
+      experts, the topk largest probabilities; renormalize=True divides them by their sum
+      (Mixtral; Qwen3's norm_topk_prob), False keeps them as they are.
+    - softmax_after_topk=True (GPT-OSS): the topk largest logits, then a softmax over those
+      (already summing to 1: renormalize changes nothing).
+
+    Ties keep torch.topk's order. The pair (topk_weights, topk_ids) is what fused_moe /
+    moe_sorting take: `fused_moe(x, ..., *moe_routing(logits, topk))`.
+    """
+    validate.tensor(router_logits, "router_logits", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
+    experts = router_logits.shape[1]
+    if not isinstance(topk, int) or not 0 < topk <= min(experts, MAX_TOPK):
+        raise ValueError(f"topk must be an int in [1, min(E = router_logits.shape[1] = {experts}, {MAX_TOPK})], got {topk!r}")
+    logits = router_logits.float()
+    if softmax_after_topk:
+        top, ids = logits.topk(topk, dim=-1)
+        weights = top.softmax(dim=-1)
+    else:
+        weights, ids = logits.softmax(dim=-1).topk(topk, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
