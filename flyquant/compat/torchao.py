@@ -135,3 +135,67 @@ def mxfp8_quantize_3d_flydsl(
     with _as_torchao_errors():
         return api.mxfp8_quantize_3d(x, scaling_mode=_mode(scaling_mode), scale_block_k=scale_block_dim2,
                                      scale_layout=layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# install(): torchao's MXFP8 MoE training importable beside flydsl 0.4.2, its FlyDSL entry points
+# served by flyquant
+# ------------------------------------------------------------------------------------------------
+
+# torchao's modules that bind the FlyDSL entry points by name (the MX dim1 cast imports the 32x1
+# one from `quant` at call time, so patching the module attribute routes it).
+TORCHAO_FLYDSL_MODULES = (
+    "torchao.prototype.moe_training.kernels.mxfp8.quant",
+    "torchao.prototype.moe_training.kernels.mxfp8",
+)
+ENTRY_POINTS = ("mxfp8_quantize_2d_1x32_flydsl", "mxfp8_quantize_2d_32x1_flydsl", "mxfp8_quantize_3d_flydsl")
+
+
+def _flydsl_vector_shim():
+    """flydsl.expr.vector as torchao imports it (flydsl 0.4.2 has none): the MLIR vector dialect's
+    ops plus flydsl.expr.ReductionOp. torchao's kernels built on it are never run once its entry
+    points are routed to flyquant; the module only has to import."""
+    import types
+
+    import flydsl.expr as fx
+    from flydsl._mlir.dialects import vector as mlir_vector
+
+    shim = types.ModuleType("flydsl.expr.vector", "flyquant shim: torchao's view of flydsl.expr.vector")
+    shim.__dict__.update({k: v for k, v in vars(mlir_vector).items() if not k.startswith("__")})
+    shim.ReductionOp = fx.ReductionOp
+    shim.__flyquant_shim__ = True
+    return shim
+
+
+def install() -> list[str]:
+    """Make torchao's MXFP8 training (torchao.prototype.moe_training, its kernels.mxfp8 package,
+    the MX linear's FLYDSL dim1 cast) importable with flydsl 0.4.2 and route torchao's FlyDSL
+    MXFP8 quantize entry points to this module's functions (flyquant's kernels or reference).
+
+    Returns what it changed, one line each; a second call changes nothing and returns []. Nothing
+    happens at import of flyquant: only this call patches. Raises ImportError when torchao or
+    flydsl is not installed.
+    """
+    import importlib
+    import sys
+
+    import flydsl.expr as fx
+
+    changed = []
+    if "flydsl.expr.vector" not in sys.modules:
+        try:
+            importlib.import_module("flydsl.expr.vector")
+        except ImportError:
+            shim = _flydsl_vector_shim()
+            sys.modules["flydsl.expr.vector"] = shim
+            fx.vector = shim
+            changed.append("flydsl.expr.vector: shim (flydsl 0.4.2 has none; torchao imports it)")
+    here = sys.modules[__name__]
+    for module_name in TORCHAO_FLYDSL_MODULES:
+        module = importlib.import_module(module_name)
+        for name in ENTRY_POINTS:
+            ours = getattr(here, name)
+            if getattr(module, name, None) is not ours:
+                setattr(module, name, ours)
+                changed.append(f"{module_name}.{name} -> flyquant.compat.torchao.{name}")
+    return changed
