@@ -293,7 +293,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _SHORT_DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
 
 
-def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, **extra) -> Plan:
+def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, *why: str, **extra) -> Plan:
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
@@ -308,7 +308,7 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
     name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     layout = f"scales written in the {scale_layout} layout by the kernel" if scale_layout else "plain scales"
-    return _kernel_plan(op, target, name, config, conversion, layout)
+    return _kernel_plan(op, target, name, config, *why, conversion, layout)
 
 
 def plan_mxfp8_quantize(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout, offs) -> Plan:
@@ -322,6 +322,11 @@ def plan_mxfp8_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
 
 
 def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout) -> Plan:
+    if scale_block_k == 1 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+        e, n, k = w.shape
+        rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
+        return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
+                           "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows")
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 
@@ -375,6 +380,37 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
             f"_{config['waves']}w{'_bias' if has_bias else ''}_{target.arch}")
     conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
     return _kernel_plan(op, target, name, config, conversion)
+
+
+def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation) -> Plan:
+    """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K); block_m is the
+    caller's sort. FLYQUANT_CONFIG's tile_m / tile_n / waves apply here too (k_batch does not)."""
+    op = "moe_gemm1_a16w4"
+    target = _kernel_target(op, x.device)
+    if isinstance(target, Plan):
+        return target
+    if x.dtype != torch.bfloat16:
+        reason = f"the kernel takes bf16 activations, x is {_dtype_name(x.dtype)}"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    from .kernels import moe_gemm2_a16w4 as k
+
+    tokens, experts = x.shape[0], w1.shape[0]
+    tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
+    config = {"tile_m": tile_m, "tile_n": tile_n}
+    forced = {f: v for f, v in config_overrides().items() if f != "k_batch"}
+    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
+    config.update(forced)
+    if block_m % config["tile_m"]:
+        fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
+        config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
+    if "waves" not in config:
+        config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
+    name = (f"moe_gemm1_a16w4_{activation}_{config['tile_m']}x{config['tile_n']}_{config['waves']}w"
+            f"{'_bias' if has_bias else ''}_{target.arch}")
+    conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
+    return _kernel_plan(op, target, name, config, conversion,
+                        "gate and up columns in one workgroup: the activation in registers (exp2/rcp), no split K")
 
 
 def plan_moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask) -> Plan:

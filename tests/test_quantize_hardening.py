@@ -156,3 +156,20 @@ def test_backward_through_a_quantize_is_a_clear_error(backend, monkeypatch):
     data, _ = fq.mxfp8_quantize(x, axis=0)
     with pytest.raises(RuntimeError, match="flyquant.mxfp8_quantize.*no autograd formula"):
         data.float().sum().backward()
+
+
+def test_explain_names_the_kernel_the_transposed_3d_view_runs(monkeypatch):
+    # torchao's transposed expert weights (strides (N*K, 1, N)) run the 1x32 kernel on the (E*K, N)
+    # rows the view is: explain says so (it named the column kernel), and that launch is what runs.
+    import flyquant.emu as emu
+
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    w = torch.randn(2, 64, 32).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    plan = fq.explain(fq.mxfp8_quantize_3d, w)
+    assert plan.backend == "flydsl" and plan.kernel.startswith("mxfp8_1x32_rceil_bf16_gfx942")
+    assert any("transpose" in r for r in plan.reasons)
+    with emu.record() as launches:
+        fq.mxfp8_quantize_3d(w)
+    assert [r.kernel.startswith("mxfp8_1x32_rceil_bf16_gfx942") for r in launches] == [True]
+    plan = fq.explain(fq.mxfp8_quantize_3d, w.contiguous())
+    assert plan.kernel.startswith("mxfp8_3d_rceil_bf16_gfx942")
