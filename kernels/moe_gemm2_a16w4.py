@@ -1,4 +1,7 @@
 """A16W4 MoE stage 2 (down projection): BF16 activations x pre-shuffled MXFP4 expert weights.
+Stage 1 (gate/up projection, activation fused) is the same builder and main loop with
+Gemm2Config.stage = 1: other A rows (x[token]), (gate, up) block pairs per wave and its own
+epilogue (STAGE1_DOC, stage1_epilogue, moe_gemm1_a16w4 at the end of this file).
 
 Math. For every sorted row r that holds a routing pair (token t, top-k slot k) of expert e
 (moe_sorting's output: ids (k << 24) | t, one expert per block of block_m rows):
@@ -168,36 +171,40 @@ def k_iterations(inter_dim: int) -> int:
     return -(-inter_dim // KT)
 
 
-def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int) -> bool:
+def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int, pair: bool = False) -> bool:
     """Whether wn x wk waves can split a tile_m x tile_n tile (wn along N, wk along K): whole
     16-column blocks per wave, at most MAX_WAVE_N columns and MAX_ACC_PER_LANE accumulators per
-    wave, the LDS reduction of the wk partial tiles within LDS_REDUCE_BUDGET."""
+    wave, the LDS reduction of the wk partial tiles within LDS_REDUCE_BUDGET. pair (stage 1):
+    whole 32-column (gate block, up block) pairs per wave."""
     wave_n = tile_n // wn
+    if pair and tile_n % (wn * 2 * MFMA_MN):
+        return False
     acc = tile_m * wave_n // WAVE
     lds = (wk - 1) * tile_m * tile_n * 4
     return (tile_n % (wn * MFMA_MN) == 0 and wave_n <= MAX_WAVE_N and acc <= MAX_ACC_PER_LANE
             and lds <= LDS_REDUCE_BUDGET)
 
 
-def default_waves(tile_m: int, tile_n: int, n_kt: int, k_batch: int) -> int:
+def default_waves(tile_m: int, tile_n: int, n_kt: int, k_batch: int, pair: bool = False) -> int:
     """2 waves per workgroup when a 2-wave split fits, else 4. Fewer, longer waves spend fewer
     instructions on per-wave setup and epilogue (wave-instructions per MFMA, measured under the
     emulator, drop ~10-20% from 4 waves to 2 at 1-5 tokens); 2 waves with split K still keep
     many loads in flight at small token counts (at 1 token, GPT-OSS-like: 276 workgroups x 2
     waves x 2 steps of 8 KiB of weights)."""
     try:
-        default_layout(tile_m, tile_n, n_kt, k_batch, 2)
+        default_layout(tile_m, tile_n, n_kt, k_batch, 2, pair)
         return 2
     except ValueError:
         return WAVES
 
 
-def default_layout(tile_m: int, tile_n: int, n_kt: int, k_batch: int, waves: int = WAVES) -> tuple[int, int]:
+def default_layout(tile_m: int, tile_n: int, n_kt: int, k_batch: int, waves: int = WAVES,
+                   pair: bool = False) -> tuple[int, int]:
     """(wn, wk) for `waves` waves per workgroup: the most K-parallel split that fits (more waves
     along K = more columns per wave = fewer A loads per MFMA) and leaves every wave at least one
     256-wide K step."""
     for wk in (4, 2, 1):
-        if waves % wk == 0 and wave_fits(tile_m, tile_n, waves // wk, wk) and k_batch * wk <= n_kt:
+        if waves % wk == 0 and wave_fits(tile_m, tile_n, waves // wk, wk, pair) and k_batch * wk <= n_kt:
             return waves // wk, wk
     raise ValueError(f"tile {tile_m}x{tile_n}, {waves} waves, k_batch {k_batch} over {n_kt} K steps of {KT}: no wave split fits")
 
@@ -223,6 +230,13 @@ class Gemm2Config:
     apply_weights: bool
     bias_dtype: torch.dtype | None  # None: no bias
     windowed: bool = False  # a2 past one 32-bit buffer: one launch per window of tokens (token_windows)
+    # Stage 1 (stage=1, see STAGE1_DOC): the same GEMM on the gate_up weights read as one (w_n, w_k)
+    # matrix, model_dim = 2 * inter_dim (its N), inter_dim = the hidden size (its K), a_stride x's
+    stage: int = 2
+    activation: str = ""
+    alpha: float = 1.702
+    limit: float = 7.0
+    out_stride: int = 0  # stage 1: a2 row stride (elements)
 
     @property
     def waves(self) -> int:
@@ -242,6 +256,13 @@ class Gemm2Config:
 
     @property
     def name(self) -> str:
+        if self.stage == 1:
+            act = self.activation
+            if act == "swiglu_oai":
+                act += f"_a{self.alpha!r}_l{self.limit!r}".replace(".", "p").replace("-", "m")
+            opt = ("_w" if self.apply_weights else "") + ("" if self.bias_dtype is None else "_bias")
+            return (f"moe_gemm1_a16w4_{act}_{self.tile_m}x{self.tile_n}_w{self.wn}x{self.wk}{opt}"
+                    f"_i{self.model_dim // 2}_k{self.inter_dim}_{self.arch}")
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
         bias = "" if self.bias_dtype is None else "_bias"
         wts = ("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
@@ -379,6 +400,35 @@ def _vec_i32(words):
     return Vec.from_elements([_i32(w) for w in words], fx.Int32)
 
 
+# ---- stage-1 activations from the hardware exp2 and reciprocal (no device library) ----------
+
+LOG2E = 1.4426950408889634
+GELU_2C = 2 * 0.7978845608028654  # 1 + tanh(y) = 2 sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
+GELU_CUBIC = 0.044715
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+
+
+def _sigmoid(z):
+    """1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32: +-inf give 1 / 0 exactly, NaN stays NaN."""
+    e = fx.Float32(rocdl.exp2(T.f32, (z * fx.Float32(-LOG2E)).ir_value()))
+    return fx.Float32(rocdl.rcp(T.f32, (e + fx.Float32(1.0)).ir_value()))
+
+
+def _activation(kind: str, g, u, alpha: float, limit: float):
+    """act(g, u) in FP32 (flyquant.reference.moe_activation's formulas). The GPT-OSS clamps are
+    compare-and-select, not v_min/v_max (those return the other operand for a NaN): NaN propagates."""
+    if kind == "silu":
+        return g * _sigmoid(g) * u
+    if kind == "gelu":
+        return g * _sigmoid((g + g * g * g * fx.Float32(GELU_CUBIC)) * fx.Float32(GELU_2C)) * u
+    if kind == "swiglu_oai":
+        lim = fx.Float32(limit)
+        g = (g > lim).select(lim, g)
+        u = (u > lim).select(lim, (u < fx.Float32(-limit)).select(fx.Float32(-limit), u))
+        return (u + fx.Float32(1.0)) * (g * _sigmoid(g * fx.Float32(alpha)))
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+
+
 # ---- kernel builder ----------------------------------------------------------------------------
 
 
@@ -387,6 +437,9 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     info = arch_info(cfg.arch)
     hw_unpack = info.hw_fp4_to_bf16
     WN, WK = cfg.wn, cfg.wk
+    STAGE1 = cfg.stage == 1  # A rows x[token], activation epilogue (STAGE1_DOC)
+    # stage 1's specialisation as scalar closure values: FlyDSL's disk cache keys on those (not on cfg)
+    ACT, ALPHA, LIMIT, APPLY_W1, W_N = cfg.activation, cfg.alpha, cfg.limit, cfg.apply_weights, cfg.w_n
     TILE_M, TILE_N = cfg.tile_m, cfg.tile_n
     WAVE_N = TILE_N // WN
     MB = TILE_M // MFMA_MN  # 16-row blocks per tile
@@ -412,6 +465,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     TAIL = INTER_DIM % KT != 0  # the last K iteration is partly past inter_dim
     N_TAIL = MODEL_DIM % TILE_N != 0  # the last n-tile is partly past model_dim
     LDS_BYTES = cfg.lds_bytes
+    OUT_ROW_BYTES = cfg.out_stride * 2  # stage 1: a2's row pitch
     LOG_WAVE, LOG_MFMA = WAVE.bit_length() - 1, MFMA_MN.bit_length() - 1
     LOG_TILE_M, LOG_WN = TILE_M.bit_length() - 1, WN.bit_length() - 1
     # Larger tiles load a step's A just before the next step's prefetch (not a step ahead with B):
@@ -420,7 +474,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     LOADS_SUB1 = NB + (4 * MB if PREFETCH_A else 0)  # vector loads of a step's prefetch group
     LOADS_SUB0 = LOADS_SUB1 + NP  # ... plus the scale dwords with step 0
     UNIFORM_ITERS = cfg.n_kt % (cfg.k_batch * WK) == 0  # every K worker walks the same number of iterations
-    if K_SPLIT > N_KT or not wave_fits(TILE_M, TILE_N, WN, WK):
+    if K_SPLIT > N_KT or not wave_fits(TILE_M, TILE_N, WN, WK, STAGE1) or (STAGE1 and cfg.k_batch != 1):
         raise ValueError(f"{cfg}: no valid wave split (k_batch * wk must be <= {N_KT} K steps of {KT})")
 
     def mfma(acc, a_words, b_words):
@@ -433,6 +487,55 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         a16 = _vec_i32(a_words).bitcast(fx.Int16)
         b16 = _vec_i32(b_words).bitcast(fx.Int16)
         return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [b16, a16, acc])
+
+    def stage1_epilogue(accs, toks, rids, live, row0, expert, col_wave, kl, l16, bias, bias_stride, sorted_weights,
+                        ids_bytes, out, out_bytes):
+        """Stage 1: a2[t * topk + slot, j] = bf16(act(g_j + bg_j, u_j + bu_j) (* w_r)) from registers.
+
+        The wave's 16-column blocks come in (gate, up) pairs (virtual blocks 2j, 2j + 1 of the
+        gate_up shuffle are gate rows and up rows 16j .. 16j + 15), so lane (kl, l16) holds g and u
+        of the same four output columns 16j + 4kl .. + 3 of token row l16: the activation needs no
+        exchange. Stores are 8 bytes (4 bf16) per lane and pair, through a buffer over a2; a row
+        without a pair and a pair past inter_dim get the OOB offset (the store is dropped)."""
+        gcol = col_wave.shrui(fx.Int32(1)) + kl * 4  # this lane's first output column of the wave's pair 0
+        n_pairs = NB // 2
+        bias_g, bias_u = [], []
+        if const_expr(HAS_BIAS):
+            # (E, w_n) row of the expert: gate columns [0, P), up columns [P, 2P), P = w_n / 2
+            b_rsrc = _rsrc(bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES, fx.Int64(W_N * BIAS_BYTES))
+            for p in range_constexpr(n_pairs):
+                for half, dst in ((0, bias_g), (W_N // 2, bias_u)):
+                    words = _load(b_rsrc, gcol * BIAS_BYTES + (half + p * MFMA_MN) * BIAS_BYTES, 0, BIAS_BYTES)
+                    if const_expr(BIAS_BYTES == 4):
+                        dst.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
+                    else:  # bf16 = the high half of an f32
+                        dst.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+                                    for i in range_constexpr(4)])
+        if const_expr(APPLY_W1):
+            w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
+        out_rsrc = _rsrc(out, out_bytes)
+        for mb in range_constexpr(MB):
+            if const_expr(APPLY_W1):
+                wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
+            a2_row = toks[mb] * TOPK + rids[mb].shrui(fx.Int32(TOKEN_BITS))
+            row_off = live[mb].select(a2_row * OUT_ROW_BYTES + gcol * 2, fx.Int32(OOB))
+            for p in range_constexpr(n_pairs):
+                g = Vec(accs[mb * NB + 2 * p])
+                u = Vec(accs[mb * NB + 2 * p + 1])
+                vals = []
+                for i in range_constexpr(4):
+                    gi, ui = fx.Float32(g[i]), fx.Float32(u[i])
+                    if const_expr(HAS_BIAS):
+                        gi, ui = gi + bias_g[p][i], ui + bias_u[p][i]
+                    v = _activation(ACT, gi, ui, ALPHA, LIMIT)
+                    if const_expr(APPLY_W1):
+                        v = v * wt
+                    vals.append(v)
+                packed = Vec.from_elements(vals, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
+                off = row_off
+                if const_expr(N_TAIL):  # a pair past inter_dim (wave-uniform): dropped
+                    off = (col_wave + 2 * p * MFMA_MN < MODEL_DIM).select(row_off, fx.Int32(OOB))
+                mx.store(packed, out_rsrc, off + p * MFMA_MN * 2)
 
     @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
     def gemm2_kernel(
@@ -530,6 +633,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     # A row whose slot is not below topk is dropped like padding (its token taken as T).
                     a_off = []
                     toks = []  # this lane's token per 16-row block (the epilogue's too)
+                    rids = []  # ... and its sorted id (stage 1's epilogue takes the slot from it)
                     live = []  # ... and whether its row holds a pair (token < T, slot < topk)
                     for mb in range_constexpr(MB):
                         rid = _load(ids_rsrc, (row0 + mb * MFMA_MN + l16) << 2, 0, 1)
@@ -540,7 +644,11 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         else:
                             live.append((tok < tokens) & (fx.Uint32(rid) < fx.Uint32(TOPK << TOKEN_BITS)))
                         toks.append(tok)
-                        a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
+                        rids.append(rid)
+                        if const_expr(STAGE1):  # the token's x row
+                            a_row = tok
+                        else:
+                            a_row = tok * TOPK + rid.shrui(fx.Int32(TOKEN_BITS))
                         a_off.append(live[mb].select(a_row * A_ROW_BYTES + kl * A_BYTES_PER_LANE, OOB))
                     # B: per 16-column block; blocks past model_dim are past w_rsrc's end (read as 0).
                     b_off = [(blk_wave + nb) * NBLK_BYTES + lane * 16 for nb in range_constexpr(NB)]
@@ -747,69 +855,74 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     # Lane (kl, l16) holds token row l16 of each 16-row block and columns 4 kl .. 4 kl + 3
                     # of each 16-column block (see mfma): one row predicate per block row covers all the
                     # wave's atomics, and a 16-column block is wholly inside or outside model_dim.
-                    if wk_i == 0:
-                        lane_col = col_wave + kl * 4
-                        if const_expr(HAS_BIAS):
-                            # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
-                            # (expert's row: model_dim elements, the columns past it read 0)
-                            b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
-                            b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
-                            bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
-                            for nb in range_constexpr(NB):
-                                # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
-                                # instruction offset, not the scalar offset, which the check leaves out
-                                words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
-                                if const_expr(BIAS_BYTES == 4):
-                                    bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
-                                else:  # bf16 = the high half of an f32
-                                    bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
-                                                   for i in range_constexpr(4)])
-                        if const_expr(cfg.apply_weights):
-                            w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
-                        p1 = ir.Type.parse("!llvm.ptr<1>")
-                        if const_expr(BUFFER_OUT):
-                            out_rsrc = _rsrc(out, out_bytes)
-                        for mb in range_constexpr(MB):
-                            tok = toks[mb]
-                            if const_expr(cfg.apply_weights):
-                                wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
-                            vals = []  # vals[nb][i]: column 4 kl + i of block nb
-                            for nb in range_constexpr(NB):
-                                acc = Vec(accs[mb * NB + nb])
-                                v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
-                                if const_expr(HAS_BIAS):
-                                    v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
-                                if const_expr(cfg.apply_weights):
-                                    v = [x * wt for x in v]
-                                vals.append(v)
-                            if live[mb]:
-                                if const_expr(BUFFER_OUT):  # a launch's out rows fit its buffer (< 2^31 bytes)
-                                    row_off = tok * (MODEL_DIM * OUT_ELEM) + lane_col * OUT_ELEM
-                                else:  # 64-bit: T * model_dim may pass 2^31 elements
-                                    row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
+                    if const_expr(STAGE1):
+                        if wk_i == 0:
+                            stage1_epilogue(accs, toks, rids, live, row0, expert, col_wave, kl, l16, bias, bias_stride,
+                                            sorted_weights, ids_bytes, out, out_bytes)
+                    else:
+                        if wk_i == 0:
+                            lane_col = col_wave + kl * 4
+                            if const_expr(HAS_BIAS):
+                                # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
+                                # (expert's row: model_dim elements, the columns past it read 0)
+                                b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
+                                b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
+                                bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
                                 for nb in range_constexpr(NB):
+                                    # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
+                                    # instruction offset, not the scalar offset, which the check leaves out
+                                    words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
+                                    if const_expr(BIAS_BYTES == 4):
+                                        bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
+                                    else:  # bf16 = the high half of an f32
+                                        bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+                                                       for i in range_constexpr(4)])
+                            if const_expr(cfg.apply_weights):
+                                w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
+                            p1 = ir.Type.parse("!llvm.ptr<1>")
+                            if const_expr(BUFFER_OUT):
+                                out_rsrc = _rsrc(out, out_bytes)
+                            for mb in range_constexpr(MB):
+                                tok = toks[mb]
+                                if const_expr(cfg.apply_weights):
+                                    wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
+                                vals = []  # vals[nb][i]: column 4 kl + i of block nb
+                                for nb in range_constexpr(NB):
+                                    acc = Vec(accs[mb * NB + nb])
+                                    v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
+                                    if const_expr(HAS_BIAS):
+                                        v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
+                                    if const_expr(cfg.apply_weights):
+                                        v = [x * wt for x in v]
+                                    vals.append(v)
+                                if live[mb]:
+                                    if const_expr(BUFFER_OUT):  # a launch's out rows fit its buffer (< 2^31 bytes)
+                                        row_off = tok * (MODEL_DIM * OUT_ELEM) + lane_col * OUT_ELEM
+                                    else:  # 64-bit: T * model_dim may pass 2^31 elements
+                                        row_addr = out + (_zext(tok) * MODEL_DIM + _zext(lane_col)) * OUT_ELEM
+                                    for nb in range_constexpr(NB):
 
-                                    def add_block(nb=nb):
-                                        """out[tok, block nb's 4 columns] += vals[nb] (agent scope): fp32 one
-                                        element per atomic, bf16 a column pair per atomic."""
-                                        if const_expr(OUT_F32):
-                                            parts = [(i, vals[nb][i]) for i in range_constexpr(4)]
-                                        else:
-                                            parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
-                                                     for h in range_constexpr(2)]
-                                        for i, value in parts:
-                                            if const_expr(BUFFER_OUT):  # the column's offset in the instruction's
-                                                rocdl.raw_ptr_buffer_atomic_fadd(value, out_rsrc, row_off + (nb * MFMA_MN + i) * OUT_ELEM,
-                                                                                 fx.Int32(0), 0)
+                                        def add_block(nb=nb):
+                                            """out[tok, block nb's 4 columns] += vals[nb] (agent scope): fp32 one
+                                            element per atomic, bf16 a column pair per atomic."""
+                                            if const_expr(OUT_F32):
+                                                parts = [(i, vals[nb][i]) for i in range_constexpr(4)]
                                             else:
-                                                addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
-                                                fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
+                                                parts = [(2 * h, Vec.from_elements(vals[nb][2 * h : 2 * h + 2], fx.Float32).to(fx.BFloat16))
+                                                         for h in range_constexpr(2)]
+                                            for i, value in parts:
+                                                if const_expr(BUFFER_OUT):  # the column's offset in the instruction's
+                                                    rocdl.raw_ptr_buffer_atomic_fadd(value, out_rsrc, row_off + (nb * MFMA_MN + i) * OUT_ELEM,
+                                                                                     fx.Int32(0), 0)
+                                                else:
+                                                    addr = row_addr + fx.Int64((nb * MFMA_MN + i) * OUT_ELEM)
+                                                    fx.atomic_add(llvm.inttoptr(p1, addr.ir_value()), value, syncscope=rocdl.SyncScope.Agent)
 
-                                    if const_expr(N_TAIL):
-                                        if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
+                                        if const_expr(N_TAIL):
+                                            if col_wave + nb * MFMA_MN < MODEL_DIM:  # wave-uniform
+                                                add_block()
+                                        else:
                                             add_block()
-                                    else:
-                                        add_block()
 
     @flyc.jit
     def launch(
@@ -1051,3 +1164,164 @@ def token_windows(tokens: int, topk: int, width: int, row_stride: int, out_row_b
         raise ValueError(f"a2's rows of one token (topk = {topk} rows of stride {row_stride}) span more than "
                          f"{BUFFER_MAX_BYTES} bytes, the range one a2 buffer addresses")
     return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]
+
+
+# ---- stage 1 (same builder, stage=1) -----------------------------------------------------------
+
+STAGE1_DOC = """Stage 1 (gate/up projection, activation fused) runs the same kernel with stage=1:
+
+    a2[t * topk + k, j] = bf16(act(x[t] @ Wg[e][j]^T + bg[e, j], x[t] @ Wu[e][j]^T + bu[e, j]) (* w_r))
+
+w1 shuffled with gate_up=True is, byte for byte, a plain shuffled (2P, K) matrix whose 16-row block
+2j holds gate rows 16j.. and block 2j + 1 up rows 16j.. (its 32-row scale group j: gate half, up
+half), so the main loop is stage 2's on N = 2 * inter_dim (true), K = the hidden size; A's rows
+are x[token]; waves own whole (gate, up) block pairs, so the epilogue applies the activation in
+registers (stage1_epilogue) and stores bf16 to a2 (no atomics, no split K: k_batch is 1).
+sigmoid = 1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32 (1 ulp each on hardware): with the
+roundings of z * log2 e, of 1 + e and of the final products, the activation's relative error is
+at most (|z| + 8) * 2^-24 (z the sigmoid's argument; gelu adds 4 * 2^-24 * 2c(|g| + 0.044715|g|^3)
+for computing z), plus 2^-126 * |g u| absolute where the hardware flushes a denormal sigmoid to 0.
+NaN and Inf propagate as in the reference's formulas. x and a2 must each fit one buffer
+(< 2 GiB; no token windows for stage 1)."""
+
+
+def choose_config1(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, arch: str) -> tuple[int, int]:
+    """(tile_m, tile_n) for stage 1: tile_m as stage 2; tile_n (over N = 2 * inter_dim) the largest
+    that still gives every CU a workgroup streaming weights (no split K here), else the smallest."""
+    info = arch_info(arch)
+    pairs = max(1, tokens * topk)
+    active = min(experts, pairs)
+    rows_per_expert = -(-pairs // active)
+    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
+    m_tiles = active * -(-rows_per_expert // tile_m)
+    n = 2 * inter_dim
+    fitting = [t for t in TILE_NS if m_tiles * -(-n // t) >= info.compute_units]
+    return tile_m, max(fitting) if fitting else TILE_NS[0]
+
+
+def moe_gemm1_a16w4(
+    x,  # (T, >= model_dim) bf16, unit stride along K
+    w1,  # (E, 2P, w_k / 2) uint8 / float4_e2m1fn_x2, shuffle_weight_a16w4(gate_up=True)
+    w1_scale,  # (E * 2P, w_k / 32) or (E, 2P, w_k / 32) e8m0 / uint8, shuffle_scale_a16w4(gate_up=True)
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,  # moe_sorting's outputs
+    *,
+    arch: str,
+    topk: int,
+    block_m: int,
+    out=None,  # (T * topk, >= inter_dim) bf16, unit column stride: rows of routed pairs written
+    bias=None,  # (E, 2P) bf16 / f32, w1's row order
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    apply_weights: bool = False,
+    model_dim: int | None = None,
+    inter_dim: int | None = None,
+    tile_m: int | None = None,
+    tile_n: int | None = None,
+    waves: int | None = None,
+):
+    """Launch the A16W4 stage-1 GEMM (STAGE1_DOC) on the tensors' device, on torch's current stream,
+    without a host synchronisation. Returns out (a new zeroed (T * topk, inter_dim) bf16 when None)."""
+    info = arch_info(arch)
+    validate.tensor(x, "x", (torch.bfloat16,), ndim=2)
+    validate.tensor(w1, "w1", W2_DTYPES, ndim=3)
+    validate.tensor(w1_scale, "w1_scale", SCALE_DTYPES, ndim=(2, 3))
+    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
+                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
+        validate.tensor(t, name, (dt,), ndim=1)
+        validate.same_device("x", x, name, t)
+    for name, t in (("w1", w1), ("w1_scale", w1_scale)):
+        validate.same_device("x", x, name, t)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
+        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
+    experts, w_n, w_k_half = w1.shape
+    w_k = 2 * w_k_half
+    validate.multiple_of(w_k, KT, "w1's K = 2 * w1.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
+    validate.multiple_of(w_n, 4 * MFMA_MN, "w1.shape[1] (2P: gate and up halves of 32-row scale groups)")
+    if w_n * w_k // 2 >= W_PAST_END:
+        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
+    scale_shape = (experts * w_n, w_k // K_CHUNK) if w1_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
+    validate.shape(w1_scale, "w1_scale", scale_shape)
+    model_dim = x.shape[1] if model_dim is None else model_dim
+    inter_dim = w_n // 2 if inter_dim is None else inter_dim
+    if not (0 < inter_dim <= w_n // 2 and inter_dim % MFMA_MN == 0):
+        raise ValueError(f"inter_dim = {inter_dim} must be a multiple of {MFMA_MN} in [1, w1.shape[1] / 2 = {w_n // 2}]")
+    if not (0 < model_dim <= min(w_k, x.shape[1]) and model_dim % K_CHUNK == 0):
+        raise ValueError(f"model_dim = {model_dim} must be a multiple of {K_CHUNK} in [1, min(K = {w_k}, x.shape[1] = {x.shape[1]})]")
+    tokens = x.shape[0]
+    rows = sorted_ids.shape[0]
+    validate.shape(sorted_weights, "sorted_weights", (rows,))
+    if sorted_expert_ids.shape[0] < -(-rows // block_m):
+        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
+    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    if rows > MAX_SORTED_ROWS:
+        raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
+    if out is not None:
+        validate.tensor(out, "out", (torch.bfloat16,), ndim=2)
+        validate.same_device("x", x, "out", out)
+        if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
+            raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+        validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
+                                             sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                             num_valid_ids=num_valid_ids, bias=bias))
+    validate.no_autograd("moe_gemm1_a16w4", dict(x=x, sorted_weights=sorted_weights, bias=bias, out=out))
+    if bias is not None:
+        validate.tensor(bias, "bias", ndim=2)
+        validate.same_device("x", x, "bias", bias)
+        validate.shape(bias, "bias", (experts, w_n))
+        if bias.dtype not in BIAS_DTYPES or bias.stride(1) != 1 or not w_n <= bias.stride(0) < 1 << 31:
+            bias = bias.to(torch.float32 if bias.dtype not in BIAS_DTYPES else bias.dtype).contiguous()
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w1, w1_scale = (
+        t.contiguous() for t in (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w1, w1_scale))
+    if x.stride(1) != 1:
+        x = x[:, :model_dim].contiguous()
+    if out is not None and out.stride(1) != 1:
+        result = out
+        fresh = moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, arch=arch,
+                                topk=topk, block_m=block_m, out=out.contiguous(), bias=bias, activation=activation,
+                                alpha=alpha, limit=limit, apply_weights=apply_weights, model_dim=model_dim,
+                                inter_dim=inter_dim, tile_m=tile_m, tile_n=tile_n, waves=waves)
+        return result.copy_(fresh)
+    if out is None:
+        out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    x_bytes = 0 if tokens == 0 else ((tokens - 1) * x.stride(0) + x.shape[1]) * 2
+    out_bytes = 0 if tokens == 0 else ((tokens * topk - 1) * out.stride(0) + out.shape[1]) * 2
+    if max(x_bytes, out_bytes) > BUFFER_MAX_BYTES:
+        raise ValueError(f"x ({x_bytes} bytes) and out ({out_bytes} bytes) must each span at most {BUFFER_MAX_BYTES} "
+                         f"bytes (one 32-bit buffer; stage 1 has no token windows)")
+
+    auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
+    if tile_m is None:
+        fitting = [m for m in TILE_MS if block_m % m == 0]
+        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
+    if tile_m not in TILE_MS or block_m % tile_m:
+        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
+    tile_n = auto_n if tile_n is None else tile_n
+    if tile_n not in TILE_NS:
+        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    n_kt = k_iterations(model_dim)
+    if waves is None:
+        waves = default_waves(tile_m, tile_n, n_kt, 1, pair=True)
+    if waves not in WAVE_COUNTS:
+        raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
+    wn, wk = default_layout(tile_m, tile_n, n_kt, 1, waves, pair=True)
+    cfg = Gemm2Config(
+        arch=info.name, out_dtype=torch.bfloat16, tile_m=tile_m, tile_n=tile_n, k_batch=1, wn=wn, wk=wk,
+        model_dim=2 * inter_dim, inter_dim=model_dim, w_n=w_n, w_k=w_k, a_stride=x.stride(0), topk=topk,
+        block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
+        stage=1, activation=activation, alpha=float(alpha), limit=float(limit), out_stride=out.stride(0),
+    )
+    grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
+    if grid_m == 0:
+        return out
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(
+            x.data_ptr(), x_bytes, w1.data_ptr(), w1_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
+            sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(), out_bytes,
+            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0), tokens, rows, experts,
+            grid_m, int(compact), 0, tokens, stream=stream,
+        )
+    return out

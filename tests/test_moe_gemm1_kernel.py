@@ -1,0 +1,220 @@
+"""The A16W4 MoE stage-1 FlyDSL kernel (kernels/moe_gemm2_a16w4.py, stage=1: STAGE1_DOC) under
+flyquant.emu for gfx950 and gfx942, against float64 recomputation and the reference
+(flyquant.reference.moe_gemm1_a16w4), plus compile checks at GPT-OSS-like shapes.
+
+Tolerance (per element, derived; e = exact value of act(g, u) (* w) in float64 from the
+dequantized weights). Both the kernel and the reference compute g and u in FP32 (K exact
+products, FP32 sums in any order, one bias add): |dg| <= (K + 1) 2^-24 (|x| @ |Wg|^T + |bg|),
+likewise du. The activation's partial derivatives are bounded (|d/dg| <= 1.2 (|u| + 1),
+|d/du| <= |g| + 1; tests/test_reference_moe1.py), so the FP32 inputs move it by at most
+P = 1.2 (|u| + 1) dg + (|g| + 1) du. The activation itself: torch's FP32 formula within
+2^-20 (|g| + 1)(|u| + 1); the kernel's, built from v_exp_f32 / v_rcp_f32 (1 ulp each on hardware;
+correctly rounded in the emulator), within (|z| + 8) 2^-24 |e| + 4 2^-24 |dz| |e| + 2^-126 |g u|
+with z the sigmoid's argument (STAGE1_DOC), at most 2^-20 (|g| + 1)(|u| + 1) for the |z| < 100
+these inputs give. Each side then rounds once to bf16 (2^-8 relative). So each side is within
+    T = 2^-8 |e| + (1 + 2^-8) |w| (P + 2^-20 (|g| + 1)(|u| + 1))
+of e, and the kernel within 2T of the reference. A swapped gate/up, a wrong expert, row or column,
+a missing bias or routing weight moves elements by O(|e|), far outside T (asserted: T < 5% of max |e|).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flyquant import layouts, reference, toolchain
+from flyquant.moe import moe_sorting
+from flyquant.reference import quantize_mxfp4
+from flyquant.kernels import moe_gemm2_a16w4 as K
+
+from test_moe_gemm2_kernel import GFX950_ONLY, _routing
+
+ARCHS = ("gfx950", "gfx942")
+U_BF16 = 2.0**-8
+U_F32 = 2.0**-24
+DERIV_G = 1.2
+ACT_ERR = 2.0**-20
+SENTINEL = 1234.0
+
+
+def make_problem(tokens, topk, experts, model_dim, inter_dim, half, w_k, block_m, seed, bias_dtype=None,
+                 skip_expert=1):
+    """w1 (E, 2 * half, w_k) gate rows then up rows (half >= inter_dim, w_k >= model_dim: padding),
+    quantized and shuffled with gate_up=True; x bf16 with NaN past model_dim (the kernel must not
+    read it as data); routing skewed with `skip_expert` never chosen (an expert with no rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(experts, 2 * half, w_k, generator=gen) * 0.1
+    packed, scales = quantize_mxfp4(w)
+    x = torch.randn(tokens, w_k, generator=gen).to(torch.bfloat16)
+    x[:, model_dim:] = float("nan")
+    ids, weights = _routing(tokens, topk, experts, seed, skip_expert, skew=True)
+    bias = None if bias_dtype is None else torch.randn(experts, 2 * half, generator=gen).to(bias_dtype)
+    return dict(x=x, packed=packed, scales=scales, ids=ids, weights=weights, bias=bias, topk=topk, block_m=block_m,
+                model_dim=model_dim, inter_dim=inter_dim, half=half, experts=experts,
+                w1=layouts.shuffle_weight_a16w4(packed, gate_up=True),
+                w1_scale=layouts.shuffle_scale_a16w4(scales, experts, gate_up=True),
+                sorting=moe_sorting(ids, weights, experts, block_m))
+
+
+def exact_and_tolerance(p, activation, apply_weights):
+    """(e, T) of the module docstring, (T * topk, inter_dim) float64; rows without a pair: NaN, 0."""
+    md, idim, half, topk = p["model_dim"], p["inter_dim"], p["half"], p["topk"]
+    weight = reference.dequantize_mxfp4(p["packed"], p["scales"]).double()
+    x = p["x"][:, :md].double()
+    tokens = x.shape[0]
+    exact = torch.full((tokens * topk, idim), float("nan"), dtype=torch.float64)
+    tol = torch.zeros_like(exact)
+    for t in range(tokens):
+        for s in range(topk):
+            e = int(p["ids"][t, s])
+            wg, wu = weight[e, :idim, :md], weight[e, half:half + idim, :md]
+            b = p["bias"].double() if p["bias"] is not None else torch.zeros(p["experts"], 2 * half, dtype=torch.float64)
+            bg, bu = b[e, :idim], b[e, half:half + idim]
+            g, u = wg @ x[t] + bg, wu @ x[t] + bu
+            dg = (md + 1) * U_F32 * (wg.abs() @ x[t].abs() + bg.abs())
+            du = (md + 1) * U_F32 * (wu.abs() @ x[t].abs() + bu.abs())
+            w = float(p["weights"][t, s]) if apply_weights else 1.0
+            a = reference.moe_activation(g, u, activation) * w
+            prop = DERIV_G * (u.abs() + 1) * dg + (g.abs() + 1) * du + ACT_ERR * (g.abs() + 1) * (u.abs() + 1)
+            exact[t * topk + s] = a
+            tol[t * topk + s] = U_BF16 * a.abs() + (1 + U_BF16) * abs(w) * prop
+    return exact, tol
+
+
+def run(arch, p, activation="silu", apply_weights=False, out=None, **kw):
+    with toolchain.target(arch):
+        return K.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], arch=arch, topk=p["topk"],
+                                 block_m=p["block_m"], bias=p["bias"], activation=activation,
+                                 apply_weights=apply_weights, out=out, model_dim=p["model_dim"],
+                                 inter_dim=p["inter_dim"], **kw)
+
+
+def check(arch, p, activation, apply_weights, **kw):
+    """Kernel within T of exact and 2T of the reference on every routed row; a given out's other rows
+    and its columns past inter_dim untouched."""
+    rows = p["x"].shape[0] * p["topk"]
+    out = torch.full((rows, p["inter_dim"] + 16), SENTINEL, dtype=torch.bfloat16)
+    got = run(arch, p, activation, apply_weights, out=out, **kw)
+    assert got is out
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=p["topk"],
+                                    block_m=p["block_m"], bias=p["bias"], activation=activation,
+                                    apply_weights=apply_weights, out=torch.full_like(out, SENTINEL),
+                                    model_dim=p["model_dim"], inter_dim=p["inter_dim"])
+    exact, tol = exact_and_tolerance(p, activation, apply_weights)
+    assert (tol < 0.05 * exact.abs().max()).all()  # the bound is tight enough to catch a wrong element
+    idim = p["inter_dim"]
+    g = got[:, :idim].double()
+    err = (g - exact).abs()
+    bad = ~(err <= tol)
+    assert not bad.any(), f"{int(bad.sum())} outside the bound, worst excess {float((err - tol).max()):.3g}"
+    assert ((g - ref[:, :idim].double()).abs() <= 2 * tol).all()
+    assert (got[:, idim:] == SENTINEL).all()  # columns past inter_dim
+    return got
+
+
+# Each activation with and without bias (bf16 and fp32 bias), apply_weights on and off; 5 tokens x
+# top-2 over 4 experts, skewed, expert 1 with no rows; inter_dim 48 of 64 (a partial wave pair),
+# model_dim 224 of 256 (a masked K tail, NaN past it in x).
+ACT_CASES = [("silu", None, False), ("silu", torch.bfloat16, True), ("gelu", None, True),
+             ("gelu", torch.float32, False), ("swiglu_oai", None, False), ("swiglu_oai", torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("activation,bias_dtype,apply_weights", ACT_CASES,
+                         ids=[f"{a}-{'nobias' if b is None else str(b)[6:]}-{'w' if w else 'now'}" for a, b, w in ACT_CASES])
+def test_activations_match(arch, activation, bias_dtype, apply_weights):
+    p = make_problem(5, 2, 4, 224, 48, 64, 256, 16, seed=7, bias_dtype=bias_dtype)
+    check(arch, p, activation, apply_weights)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_topk1_many_tokens_two_k_iterations_and_unrouted_rows(arch):
+    """topk 1, 40 tokens over 3 experts (32-row tiles, the compact scan off), K 512 (two 256-wide
+    iterations: the pipeline's loop path), tile_n 64 (two waves of one pair each); rows of a
+    masked-off expert (expert parallelism) are left as they were."""
+    p = make_problem(40, 1, 3, 512, 64, 64, 512, 32, seed=8, bias_dtype=torch.float32, skip_expert=None)
+    check(arch, p, "swiglu_oai", True, tile_n=64)
+    mask = torch.tensor([1, 0, 1])
+    local = [0, 2]
+    q = dict(p, w1=layouts.shuffle_weight_a16w4(p["packed"][local].contiguous(), gate_up=True),
+             w1_scale=layouts.shuffle_scale_a16w4(p["scales"][local].contiguous(), 2, gate_up=True),
+             bias=p["bias"][local], sorting=moe_sorting(p["ids"], p["weights"], 3, 32, expert_mask=mask))
+    out = torch.full((40, 64), SENTINEL, dtype=torch.bfloat16)
+    run(arch, q, "swiglu_oai", True, out=out)
+    served = (p["ids"][:, 0] != 1)
+    assert (out[~served] == SENTINEL).all() and not (out[served] == SENTINEL).any()
+    assert 0 < int(served.sum()) < 40
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nan_inf_propagate(arch):
+    """NaN / Inf in x and in the bias reach the outputs as in the reference's formulas (NaN through
+    the GPT-OSS clamps too): the same NaN positions, the same infinities, finite elements within T."""
+    p = make_problem(4, 2, 3, 256, 32, 32, 256, 16, seed=9, bias_dtype=torch.float32, skip_expert=None)
+    p["x"][0, 3] = float("nan")
+    p["x"][1, 5] = float("inf")
+    p["bias"][:, 2] = float("nan")  # gate column 2 of every expert
+    p["bias"][:, 32 + 4] = float("-inf")  # up column 4
+    for activation in K.ACTIVATIONS:
+        got = run(arch, p, activation).double()
+        ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
+                                        bias=p["bias"], activation=activation).double()
+        assert torch.equal(got.isnan(), ref.isnan()), activation
+        assert got.isnan()[0:2].all() and got.isnan()[:, 2].all()
+        fin = ref.isfinite()
+        assert torch.equal(got[~fin & ~ref.isnan()], ref[~fin & ~ref.isnan()])
+        assert torch.equal(fin, got.isfinite())
+        exact, tol = exact_and_tolerance(p, activation, False)
+        ok = fin & exact.isfinite()
+        assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+def test_config_choice_and_bad_inputs():
+    # GPT-OSS-120B at 1 token: 4 m-tiles; tile_n 64 over N = 2 * 2880 gives 4 x 90 = 360 >= 256
+    # workgroups streaming weights (stage 2's N is half of that)
+    assert K.choose_config1(1, 4, 128, 2880, 2880, "gfx950") == (16, 64)
+    assert K.choose_config1(64, 4, 128, 2880, 2880, "gfx950")[1] == 256
+    p = make_problem(2, 1, 2, 256, 32, 32, 256, 16, seed=10, skip_expert=None)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        run("gfx950", p, "relu")
+    with pytest.raises(ValueError, match="inter_dim = 40 must be a multiple of 16"):
+        run("gfx950", dict(p, inter_dim=40))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        run("gfx950", dict(p, bias=torch.zeros(2, 32)))
+
+
+# ---- compile checks at GPT-OSS-like shapes ------------------------------------------------------
+
+# (tile_m, tile_n): the 1-token tile, 16x128, 32x256, the large-token 64x256
+COMPILE_CASES = [(16, 64), (16, 128), (32, 256), (64, 256)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tile_m,tile_n", COMPILE_CASES)
+def test_compiles_without_spills(arch, tile_m, tile_n):
+    """GPT-OSS-120B: hidden 2880 (K padded to 3072), inter 2880 (rows padded to 2 x 3072), 128
+    experts, top-4, swiglu_oai, bf16 bias, routing weights at stage 2."""
+    md, idim, half, w_k, experts, topk = 2880, 2880, 3072, 3072, 128, 4
+    n_kt = K.k_iterations(md)
+    waves = K.default_waves(tile_m, tile_n, n_kt, 1, pair=True)
+    wn, wk = K.default_layout(tile_m, tile_n, n_kt, 1, waves, pair=True)
+    cfg = K.Gemm2Config(arch=arch, out_dtype=torch.bfloat16, tile_m=tile_m, tile_n=tile_n, k_batch=1, wn=wn, wk=wk,
+                        model_dim=2 * idim, inter_dim=md, w_n=2 * half, w_k=w_k, a_stride=w_k, topk=topk,
+                        block_m=tile_m, apply_weights=False, bias_dtype=torch.bfloat16, stage=1,
+                        activation="swiglu_oai", out_stride=idim)
+    (rep,) = toolchain.compile_only(arch, K.build_moe_gemm2_a16w4(cfg), *([0] * 11), 2 * half, 1, 64, experts, 4, 1,
+                                    0, 1, stream=0)
+    assert rep.spills == 0
+    assert rep.workgroups_per_cu() >= 2, (rep.vgprs, rep.agprs, rep.lds_bytes)
+    assert re.search(r"^\s+v_exp_f32_e(32|64)\b", rep.isa, re.M) and re.search(r"^\s+v_rcp_f32_e(32|64)\b", rep.isa, re.M)
+    assert not re.search(r"^\s+v_(min|max)3?_f32", rep.isa, re.M)  # the GPT-OSS clamps must keep NaN
+    assert "__ocml" not in rep.isa  # no device-library math
+    assert rep.count("buffer_load_dwordx4") > 0 and rep.count("buffer_store_dwordx2") > 0
+    assert "atomic" not in rep.isa
+    if arch == "gfx950":
+        assert rep.count("v_mfma_f32_16x16x32_bf16") > 0 and rep.count("v_cvt_scalef32_pk_bf16_fp4") > 0
+    else:
+        assert rep.count("v_mfma_f32_16x16x16_bf16") > 0 and rep.count("v_perm_b32") > 0
+        assert not GFX950_ONLY.search(rep.isa), GFX950_ONLY.search(rep.isa).group(0)
