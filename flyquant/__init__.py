@@ -1,6 +1,6 @@
 """flyquant: FlyDSL kernels for MX-format Mixture-of-Experts on AMD Instinct GPUs.
 
-MXFP8 quantize (1x32, 32x1, dual, 3D per expert) and the A16W4 MoE stage-2 GEMM for gfx942
+MXFP8 quantize (1x32, 32x1, dual, 3D per expert) and the A16W4 MoE stage-1 and stage-2 GEMMs for gfx942
 (MI300X) and gfx950 (MI355X), each dispatched by a selector to a kernel or the PyTorch
 reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
@@ -10,6 +10,7 @@ from .api import (
     dequantize_mxfp4,
     explain,
     moe_block_m,
+    moe_gemm1_a16w4,
     moe_gemm2_a16w4,
     moe_sorting,
     moe_stage2,
@@ -31,6 +32,7 @@ __all__ = [
     "emu",
     "explain",
     "moe_block_m",
+    "moe_gemm1_a16w4",
     "moe_gemm2_a16w4",
     "moe_routing",
     "moe_sorting",

@@ -176,6 +176,83 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# A16W4 MoE stage 1
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_gemm1_a16w4_", mutates_args=("out",))
+def _moe_gemm1_op(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_weights: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid_ids: torch.Tensor,
+    topk: int,
+    block_m: int,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    alpha: float,
+    limit: float,
+    apply_weights: bool,
+    model_dim: int,
+    inter_dim: int,
+) -> None:
+    args = (x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
+                                         sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                         num_valid_ids=num_valid_ids, bias=bias))
+    plan = select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
+    kw = dict(bias=bias, activation=activation, alpha=alpha, limit=limit, apply_weights=apply_weights, out=out,
+              model_dim=model_dim, inter_dim=inter_dim)
+    if plan.backend == "reference":
+        reference.moe_gemm1_a16w4(*args, topk, block_m, **kw)
+        return
+    from .kernels import moe_gemm2_a16w4 as k
+
+    k.moe_gemm1_a16w4(*args, arch=plan.arch, topk=topk, block_m=block_m, tile_m=plan.config["tile_m"],
+                      tile_n=plan.config["tile_n"], waves=plan.config["waves"], **kw)
+
+
+@_moe_gemm1_op.register_fake
+def _(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
+      activation, alpha, limit, apply_weights, model_dim, inter_dim):
+    return None
+
+
+def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    bias=None, activation="silu", alpha=1.702, limit=7.0, apply_weights=False, out=None,
+                    model_dim=None, inter_dim=None):
+    """MoE gate/up projection with the activation fused: for every routed pair (token t, slot k,
+    expert e), a2[t*topk + k, :inter_dim] = bf16(act(x[t] @ Wg[e]^T + bg[e], x[t] @ Wu[e]^T + bu[e])),
+    times the routing weight when apply_weights (flyquant.reference.moe_gemm1_a16w4 is the contract).
+
+    x: (T, model_dim) bf16 (other float dtypes run the reference); w1, w1_scale: (E, 2P, K/2) MXFP4
+    gate rows then up rows and their E8M0 scales, shuffled with gate_up=True (aiter's stage-1
+    layout; gate_up_rows_from_interleaved converts GPT-OSS's interleaved weights); the sorted_* and
+    num_valid_ids: moe_sorting's outputs for `block_m`. bias: (E, 2P) in w1's row order.
+    activation: "silu" | "gelu" (tanh) | "swiglu_oai" (GPT-OSS, with alpha and limit).
+    out: (T*topk, >= inter_dim) bf16, rows of routed pairs written, the others untouched; None: a
+    zeroed (T*topk, inter_dim) tensor. model_dim / inter_dim: the true sizes when the weights are
+    padded. Kernel path: one launch, no host synchronisation; rows with an out-of-range slot or
+    expert id are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference always does).
+    """
+    model_dim, inter_dim, tokens = reference.check_moe_gemm1_call(
+        x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+    if env.flag("FLYQUANT_DEBUG"):
+        reference.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
+                                         w1.shape[0])
+    if out is None:
+        out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                  bias, activation, float(alpha), float(limit), bool(apply_weights), model_dim, inter_dim)
+    return out
+
+
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
     _check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
@@ -320,6 +397,7 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp8_quantize_dual: _explain_dual,
         mxfp8_quantize_3d: _explain_3d,
         moe_gemm2_a16w4: _explain_moe,
+        moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
     }
     planner = planners.get(fn)
@@ -354,6 +432,15 @@ def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids
     model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
     dtype = out.dtype if out is not None else out_dtype
     return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
+
+
+def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                  bias=None, activation="silu", alpha=1.702, limit=7.0, apply_weights=False, out=None, model_dim=None,
+                  inter_dim=None):
+    model_dim, inter_dim, _ = reference.check_moe_gemm1_call(
+        x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+    return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):

@@ -1,0 +1,120 @@
+"""fq.moe_gemm1_a16w4 (custom op + fake, selector plan, explain) under flyquant.emu on both arches,
+and stage 1 then stage 2 end to end against an FP32 torch MoE of the dequantized weights.
+
+End-to-end tolerance (derived). Stage 1's a2 element is within T1 = 2^-8 |a| + (1 + 2^-8) P of the
+exact activation a (tests/test_moe_gemm1_kernel.py), computed here per element in float64. Stage 2
+(no bias, bf16 out, k_batch chosen by the selector) then sums w_k * (a2 @ W2^T): its own error is
+bounded as in tests/test_moe_gemm2_kernel.py (FP32 accumulation, bf16 rounding of each contribution
+and of each atomic add), and the a2 errors enter linearly: sum_k |w_k| (T1 @ |W2|^T). Both bounds
+are computed in float64 from the dequantized weights; their sum (times 1 + 2^-6 for second-order
+terms) bounds |layer - exact| on every element.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flyquant as fq
+from flyquant import layouts, reference
+from flyquant.moe import moe_sorting
+
+from test_moe_gemm1_kernel import exact_and_tolerance, make_problem, SENTINEL
+
+ARCHS = ("gfx950", "gfx942")
+U_BF16 = 2.0**-8
+U_F32 = 2.0**-24
+
+
+@pytest.fixture
+def flydsl_arch(monkeypatch):
+    def use(arch):
+        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+        monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    return use
+
+
+def _call(p, activation, apply_weights=False, out=None):
+    return fq.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=p["topk"], block_m=p["block_m"],
+                              bias=p["bias"], activation=activation, apply_weights=apply_weights, out=out,
+                              model_dim=p["model_dim"], inter_dim=p["inter_dim"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_api_runs_the_kernel_within_the_bound(arch, flydsl_arch, capsys):
+    flydsl_arch(arch)
+    p = make_problem(6, 2, 4, 224, 48, 64, 256, 16, seed=21, bias_dtype=torch.bfloat16)
+    plan = fq.explain(fq.moe_gemm1_a16w4, p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
+                      bias=p["bias"], activation="swiglu_oai", model_dim=224, inter_dim=48)
+    assert plan.backend == "flydsl" and plan.arch == arch and "moe_gemm1_a16w4_swiglu_oai" in capsys.readouterr().out
+    import flyquant.emu as emu
+
+    out = torch.full((12, 48), SENTINEL, dtype=torch.bfloat16)
+    with emu.record() as launches:
+        got = _call(p, "swiglu_oai", True, out=out)
+    assert got is out and len(launches) == 1 and launches[0].stats.kernel.startswith("moe_gemm1_a16w4_swiglu_oai")
+    exact, tol = exact_and_tolerance(p, "swiglu_oai", True)
+    assert ((got.double() - exact).abs() <= tol).all()
+    # torch.compile traces the op (fake implementation), same values
+    compiled = torch.compile(lambda x: _call(dict(p, x=x), "swiglu_oai", True), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(p["x"]), got)
+
+
+def test_reference_backend_and_errors(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=22, skip_expert=None)
+    got = _call(p, "gelu")
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
+                                    activation="gelu")
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        _call(p, "tanh")
+    with pytest.raises(ValueError, match="out must have shape"):
+        _call(p, "silu", out=torch.zeros(3, 32, dtype=torch.bfloat16))
+
+
+def _dense_layer(p, w2_packed, w2_scales, model_dim, inter_dim):
+    """(exact layer output, bound) in float64: FP32 torch MoE of the dequantized weights as the value,
+    the module docstring's bound from stage 1's T1 and stage 2's accumulation and roundings."""
+    a_exact, t1 = exact_and_tolerance(p, "silu", False)
+    w2 = reference.dequantize_mxfp4(w2_packed, w2_scales).double()[:, :model_dim, :inter_dim]
+    tokens, topk = p["ids"].shape
+    out = torch.zeros(tokens, model_dim, dtype=torch.float64)
+    bound = torch.zeros_like(out)
+    c_abs = torch.zeros_like(out)
+    for t in range(tokens):
+        for s in range(topk):
+            e, w = int(p["ids"][t, s]), float(p["weights"][t, s])
+            a, da = a_exact[t * topk + s], t1[t * topk + s]
+            y = w * (w2[e] @ a)
+            out[t] += y
+            # stage 2 on the bf16 a2 (|a| + da): FP32 sum, own bf16 rounding, a2's error through W2
+            mag = abs(w) * (w2[e].abs() @ (a.abs() + da))
+            bound[t] += (inter_dim + 2) * U_F32 * mag + abs(w) * (w2[e].abs() @ da)
+            c_abs[t] += mag
+    n = topk
+    bound += U_BF16 * c_abs + n * U_BF16 * c_abs  # each contribution's bf16 rounding and each atomic add
+    return out, (1 + 2.0**-6) * bound
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stage1_then_stage2_end_to_end(arch, flydsl_arch):
+    """A small Mixtral-style layer (silu, no biases): 5 tokens, top-2 of 4 experts, hidden 256
+    (model_dim 224 true), inter 64 (32 true: padding), through fq.moe_sorting,
+    fq.moe_gemm1_a16w4 and fq.moe_gemm2_a16w4, against the exact float64 MoE of the dequantized
+    weights within the derived bound."""
+    flydsl_arch(arch)
+    md, idim, half, w_k = 224, 32, 64, 256
+    p = make_problem(5, 2, 4, md, idim, half, w_k, 16, seed=23, skip_expert=None)
+    gen = torch.Generator().manual_seed(24)
+    w2f = torch.randn(4, w_k, 256, generator=gen) * 0.1  # (E, model_dim padded, inter padded to 256)
+    w2_packed, w2_scales = reference.quantize_mxfp4(w2f)
+    w2 = layouts.shuffle_weight_a16w4(w2_packed)
+    w2_scale = layouts.shuffle_scale_a16w4(w2_scales, 4)
+    a2 = fq.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16, activation="silu",
+                            model_dim=md, inter_dim=idim)
+    out = fq.moe_gemm2_a16w4(a2, w2, w2_scale, *p["sorting"], topk=2, block_m=16, model_dim=md, inter_dim=idim)
+    expected, bound = _dense_layer(p, w2_packed, w2_scales, md, idim)
+    err = (out.double() - expected).abs()
+    assert (err <= bound).all(), float((err - bound).max())
+    assert (bound < 0.05 * expected.abs().max()).all()
