@@ -211,7 +211,7 @@ def _moe_gemm1_op(
     if plan.backend == "reference":
         reference.moe_gemm1_a16w4(*args, topk, block_m, **kw)
         return
-    from .kernels import moe_gemm2_a16w4 as k
+    from .kernels import moe_gemm1_a16w4 as k
 
     k.moe_gemm1_a16w4(*args, arch=plan.arch, topk=topk, block_m=block_m, tile_m=plan.config["tile_m"],
                       tile_n=plan.config["tile_n"], waves=plan.config["waves"], **kw)

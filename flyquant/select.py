@@ -393,38 +393,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
         reason = f"the kernel takes bf16 activations, x is {_dtype_name(x.dtype)}"
         _forced_reference(reason)
         return reference_plan(op, target, reason)
-    from .kernels import moe_gemm2_a16w4 as k
-
-    tokens, experts = x.shape[0], w1.shape[0]
-    tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
-    config = {"tile_m": tile_m, "tile_n": tile_n}
-    forced = {f: v for f, v in config_overrides().items() if f != "k_batch"}
-    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
-    config.update(forced)
-    if block_m % config["tile_m"]:
-        fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
-        config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
-    if "waves" not in config:
-        config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
-    name = (f"moe_gemm1_a16w4_{activation}_{config['tile_m']}x{config['tile_n']}_{config['waves']}w"
-            f"{'_bias' if has_bias else ''}_{target.arch}")
-    conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
-    return _kernel_plan(op, target, name, config, conversion,
-                        "gate and up columns in one workgroup: the activation in registers (exp2/rcp), no split K")
-
-
-def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation) -> Plan:
-    """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K); block_m is the
-    caller's sort. FLYQUANT_CONFIG's tile_m / tile_n / waves apply here too (k_batch does not)."""
-    op = "moe_gemm1_a16w4"
-    target = _kernel_target(op, x.device)
-    if isinstance(target, Plan):
-        return target
-    if x.dtype != torch.bfloat16:
-        reason = f"the kernel takes bf16 activations, x is {_dtype_name(x.dtype)}"
-        _forced_reference(reason)
-        return reference_plan(op, target, reason)
-    from .kernels import moe_gemm2_a16w4 as k
+    from .kernels import moe_gemm1_a16w4 as k
 
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)

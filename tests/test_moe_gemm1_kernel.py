@@ -1,4 +1,4 @@
-"""The A16W4 MoE stage-1 FlyDSL kernel (kernels/moe_gemm2_a16w4.py, stage=1: STAGE1_DOC) under
+"""The A16W4 MoE stage-1 FlyDSL kernel (kernels/moe_gemm1_a16w4.py; the shared main loop with stage=1) under
 flyquant.emu for gfx950 and gfx942, against float64 recomputation and the reference
 (flyquant.reference.moe_gemm1_a16w4), plus compile checks at GPT-OSS-like shapes.
 
@@ -27,6 +27,7 @@ import torch
 from flyquant import layouts, reference, toolchain
 from flyquant.moe import moe_sorting
 from flyquant.reference import quantize_mxfp4
+from flyquant.kernels import moe_gemm1_a16w4 as K1
 from flyquant.kernels import moe_gemm2_a16w4 as K
 
 from test_moe_gemm2_kernel import GFX950_ONLY, _routing
@@ -85,7 +86,7 @@ def exact_and_tolerance(p, activation, apply_weights):
 
 def run(arch, p, activation="silu", apply_weights=False, out=None, **kw):
     with toolchain.target(arch):
-        return K.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], arch=arch, topk=p["topk"],
+        return K1.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], arch=arch, topk=p["topk"],
                                  block_m=p["block_m"], bias=p["bias"], activation=activation,
                                  apply_weights=apply_weights, out=out, model_dim=p["model_dim"],
                                  inter_dim=p["inter_dim"], **kw)
@@ -157,7 +158,7 @@ def test_nan_inf_propagate(arch):
     p["x"][1, 5] = float("inf")
     p["bias"][:, 2] = float("nan")  # gate column 2 of every expert
     p["bias"][:, 32 + 4] = float("-inf")  # up column 4
-    for activation in K.ACTIVATIONS:
+    for activation in K1.ACTIVATIONS:
         got = run(arch, p, activation).double()
         ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
                                         bias=p["bias"], activation=activation).double()
@@ -174,8 +175,8 @@ def test_nan_inf_propagate(arch):
 def test_config_choice_and_bad_inputs():
     # GPT-OSS-120B at 1 token: 4 m-tiles; tile_n 64 over N = 2 * 2880 gives 4 x 90 = 360 >= 256
     # workgroups streaming weights (stage 2's N is half of that)
-    assert K.choose_config1(1, 4, 128, 2880, 2880, "gfx950") == (16, 64)
-    assert K.choose_config1(64, 4, 128, 2880, 2880, "gfx950")[1] == 256
+    assert K1.choose_config1(1, 4, 128, 2880, 2880, "gfx950") == (16, 64)
+    assert K1.choose_config1(64, 4, 128, 2880, 2880, "gfx950")[1] == 256
     p = make_problem(2, 1, 2, 256, 32, 32, 256, 16, seed=10, skip_expert=None)
     with pytest.raises(ValueError, match="activation must be one of"):
         run("gfx950", p, "relu")

@@ -1,0 +1,354 @@
+"""The A16W4 MoE kernels' shared pieces (both stages, kernels/_a16w4_main_loop.py documents the
+kernel): aiter's layout constants, the compile-time configuration and its wave split, small device
+helpers (buffer loads, the FP4 -> BF16 unpacks, ballots), stage 1's activations and the launch
+bounds both torch-facing launchers use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.expr as fx
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import llvm
+from flydsl.expr import range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+# ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
+WAVE = 64
+WAVES = 4  # default waves per workgroup
+WAVE_COUNTS = (1, 2, 4)
+MFMA_MN = 16  # 16x16 MFMA output blocks
+K_STEP = 128  # K covered by one 16-byte FP4 pack per lane (4 lanes x 32 along K)
+K_CHUNK = 32  # FP4 values per lane per step (16 bytes); also the MX block
+KT = 256  # K per loop iteration: two steps, one scale dword
+W_TILE_BYTES = 1024  # one 16 (N) x 128 (K) weight tile: 64 lanes x 16 bytes
+S_TILE_BYTES = 256  # one 32 (N) x 256 (K) scale tile: 64 lanes x 4 bytes
+A_BYTES_PER_LANE = 64  # 32 bf16 per lane per step
+TOKEN_BITS = 24
+TOKEN_MASK = (1 << TOKEN_BITS) - 1
+# A buffer offset past every num_records: the load returns 0, a store is dropped. Past a2's too:
+# a2's buffer (one per token window) is at most BUFFER_MAX_BYTES = OOB bytes, so that OOB plus any
+# instruction offset stays out of range (a masked K chunk must read 0, never a2's bytes there,
+# which may be NaN: NaN x a masked weight of 0 is NaN)
+OOB = 0x7FFFFFF0
+# An offset bit past every expert's weights (below 1 GiB, checked by the launcher): or-ed into a
+# weight offset it makes the load read 0, and the step's constant offset still folds into the
+# instruction (a select of OOB would take an add per load)
+W_PAST_END = 1 << 30
+F32_MANT_BITS = 23
+
+TILE_MS = (16, 32, 64)
+TILE_NS = (64, 128, 256)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float32)
+LDS_REDUCE_BUDGET = 32 * 1024  # keeps 2 workgroups per CU on gfx942 (64 KiB LDS)
+MAX_ACC_PER_LANE = 64  # accumulator registers per lane (16x16 block = 4): more spill to AGPR copies
+MAX_WAVE_N = 128  # columns per wave: two 128-wide steps of B in flight = 64 VGPRs
+
+
+
+def _s32(bits: int) -> int:
+    """A 32-bit pattern as the signed int an Int32 constant takes (keeps i32 arithmetic i32)."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+# gfx942 software unpack. FP4 magnitude code c (0..7) = 2^E(c) * (1 + f(c)/2):
+# E = [-, -1, 0, 0, 1, 1, 2, 2], f = [-, 0, 0, 1, 0, 1, 0, 1]; code 0 is zero.
+SW_EXP_LO_ADJ = 0x00000100  # codes 0..3 (bytes): exponent s + [*, -1, 0, 0]  (subtract)
+SW_EXP_HI_ADJ = 0x02020101  # codes 4..7: exponent s + [1, 1, 2, 2]             (add)
+SW_MANT_LO = 0x40000000  # mantissa-msb byte 0x40 for codes 3
+SW_MANT_HI = 0x40004000  # ... and 5, 7
+SEL_MAG = 0x07070707  # per-byte 3-bit magnitude of the low nibble
+SIGN_BYTES = _s32(0x80808080)
+PERM_LO_PAIRS = 0x05010400  # [lo.b0, hi.b0, lo.b1, hi.b1]: bf16 of lookups 0 and 1
+PERM_HI_PAIRS = 0x07030602  # [lo.b2, hi.b2, lo.b3, hi.b3]: bf16 of lookups 2 and 3
+PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
+PERM_ODD_HALVES = 0x07060302  # bf16 1 of two dwords
+
+
+def k_iterations(inter_dim: int) -> int:
+    """The KT-wide K iterations covering inter_dim (the last one may be partly past it)."""
+    return -(-inter_dim // KT)
+
+
+def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int, pair: bool = False) -> bool:
+    """Whether wn x wk waves can split a tile_m x tile_n tile (wn along N, wk along K): whole
+    16-column blocks per wave, at most MAX_WAVE_N columns and MAX_ACC_PER_LANE accumulators per
+    wave, the LDS reduction of the wk partial tiles within LDS_REDUCE_BUDGET. pair (stage 1):
+    whole 32-column (gate block, up block) pairs per wave."""
+    wave_n = tile_n // wn
+    if pair and tile_n % (wn * 2 * MFMA_MN):
+        return False
+    acc = tile_m * wave_n // WAVE
+    lds = (wk - 1) * tile_m * tile_n * 4
+    return (tile_n % (wn * MFMA_MN) == 0 and wave_n <= MAX_WAVE_N and acc <= MAX_ACC_PER_LANE
+            and lds <= LDS_REDUCE_BUDGET)
+
+
+def default_waves(tile_m: int, tile_n: int, n_kt: int, k_batch: int, pair: bool = False) -> int:
+    """2 waves per workgroup when a 2-wave split fits, else 4. Fewer, longer waves spend fewer
+    instructions on per-wave setup and epilogue (wave-instructions per MFMA, measured under the
+    emulator, drop ~10-20% from 4 waves to 2 at 1-5 tokens); 2 waves with split K still keep
+    many loads in flight at small token counts (at 1 token, GPT-OSS-like: 276 workgroups x 2
+    waves x 2 steps of 8 KiB of weights)."""
+    try:
+        default_layout(tile_m, tile_n, n_kt, k_batch, 2, pair)
+        return 2
+    except ValueError:
+        return WAVES
+
+
+def default_layout(tile_m: int, tile_n: int, n_kt: int, k_batch: int, waves: int = WAVES,
+                   pair: bool = False) -> tuple[int, int]:
+    """(wn, wk) for `waves` waves per workgroup: the most K-parallel split that fits (more waves
+    along K = more columns per wave = fewer A loads per MFMA) and leaves every wave at least one
+    256-wide K step."""
+    for wk in (4, 2, 1):
+        if waves % wk == 0 and wave_fits(tile_m, tile_n, waves // wk, wk, pair) and k_batch * wk <= n_kt:
+            return waves // wk, wk
+    raise ValueError(f"tile {tile_m}x{tile_n}, {waves} waves, k_batch {k_batch} over {n_kt} K steps of {KT}: no wave split fits")
+
+
+@dataclass(frozen=True)
+class Gemm2Config:
+    """Everything a compiled kernel is specialised on."""
+
+    arch: str
+    out_dtype: torch.dtype
+    tile_m: int
+    tile_n: int
+    k_batch: int
+    wn: int  # waves along N
+    wk: int  # waves along K (wn * wk waves per workgroup)
+    model_dim: int  # true N (output columns)
+    inter_dim: int  # true K
+    w_n: int  # the weights' N (model_dim padded)
+    w_k: int  # the weights' K (inter_dim padded)
+    a_stride: int  # a2 row stride (elements)
+    topk: int
+    block_m: int
+    apply_weights: bool
+    bias_dtype: torch.dtype | None  # None: no bias
+    windowed: bool = False  # a2 past one 32-bit buffer: one launch per window of tokens (token_windows)
+    # Stage 1 (stage=1, see STAGE1_DOC): the same GEMM on the gate_up weights read as one (w_n, w_k)
+    # matrix, model_dim = 2 * inter_dim (its N), inter_dim = the hidden size (its K), a_stride x's
+    stage: int = 2
+    activation: str = ""
+    alpha: float = 1.702
+    limit: float = 7.0
+    out_stride: int = 0  # stage 1: a2 row stride (elements)
+
+    @property
+    def waves(self) -> int:
+        return self.wn * self.wk
+
+    @property
+    def n_kt(self) -> int:
+        return k_iterations(self.inter_dim)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.model_dim // self.tile_n)
+
+    @property
+    def lds_bytes(self) -> int:
+        return (self.wk - 1) * self.tile_m * self.tile_n * 4
+
+    @property
+    def name(self) -> str:
+        if self.stage == 1:
+            act = self.activation
+            if act == "swiglu_oai":
+                act += f"_a{self.alpha!r}_l{self.limit!r}".replace(".", "p").replace("-", "m")
+            opt = ("_w" if self.apply_weights else "") + ("" if self.bias_dtype is None else "_bias")
+            return (f"moe_gemm1_a16w4_{act}_{self.tile_m}x{self.tile_n}_w{self.wn}x{self.wk}{opt}"
+                    f"_i{self.model_dim // 2}_k{self.inter_dim}_{self.arch}")
+        out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
+        bias = "" if self.bias_dtype is None else "_bias"
+        wts = ("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
+        return (
+            f"moe_gemm2_a16w4_{out}_{self.tile_m}x{self.tile_n}_kb{self.k_batch}_w{self.wn}x{self.wk}{wts}{bias}"
+            f"_n{self.model_dim}_k{self.inter_dim}_{self.arch}"
+        )
+
+
+# ---- small device helpers ----------------------------------------------------------------------
+
+
+def _i32(v):
+    return fx.Int32(v)
+
+
+def _rsrc(addr, nbytes):
+    """Buffer resource over [addr, addr + nbytes): loads past the end return 0."""
+    ptr_ty = fx.PointerType.get(T.i32, address_space=fx.AddressSpace.Global, alignment=4)
+    return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(fx.inttoptr(ptr_ty, addr), num_records_bytes=fx.Int64(nbytes)))
+
+
+def _zext(x):
+    """A non-negative i32 as i64: zero-extended, so a byte offset folds into the load (an SGPR
+    offset) and a size needs no 64-bit shift."""
+    return fx.Int64(fx.Uint32(x))
+
+
+def _scalar_load(addr):
+    """One wave-uniform i32 at a global address that the kernel never writes: s_load_dword."""
+    ptr = llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), fx.Int64(addr).ir_value())
+    return fx.Int32(llvm.load(T.i32, ptr, alignment=4, invariant=True))
+
+
+def _load(rsrc, voffset, soffset, dwords: int):
+    """buffer_load_dword{,x2,x4}: `dwords` i32 per lane at rsrc + soffset + voffset (bytes)."""
+    res = T.i32 if dwords == 1 else T.vec(dwords, T.i32)
+    v = rocdl.raw_ptr_buffer_load(res, rsrc, _i32(voffset).ir_value(), _i32(soffset).ir_value(), 0)
+    return fx.Int32(v) if dwords == 1 else Vec(v)
+
+
+def _perm(hi, lo, sel: int):
+    """v_perm_b32: byte i of the result = byte sel_i of the 8-byte value (hi:lo)."""
+    return fx.Int32(rocdl.perm_b32(hi, lo, fx.Int32(sel)))
+
+
+def _as_f32(bits):
+    return fx.Int32(bits).bitcast(fx.Float32)
+
+
+def _ballot(pred):
+    return fx.Int64(rocdl.ballot(T.i64, pred))
+
+
+def _lanes_below(mask):
+    """Number of set bits of the wave mask in lanes below this one (v_mbcnt)."""
+    lo = fx.Int32(mask)
+    hi = fx.Int32(mask >> 32)
+    below_lo = rocdl.mbcnt_lo(T.i32, lo.ir_value(), fx.Int32(0).ir_value())
+    return fx.Int32(rocdl.mbcnt_hi(T.i32, hi.ir_value(), below_lo))
+
+
+def _scale_f32(dword, byte: int):
+    """An f32 whose exponent field is byte `byte` of `dword`: the form of an E8M0 scale that
+    v_cvt_scalef32_pk_bf16_fp4 reads (it uses the exponent field only)."""
+    shift = F32_MANT_BITS - 8 * byte
+    return _as_f32(dword << shift if shift >= 0 else dword.shrui(fx.Int32(-shift)))
+
+
+def _unpack_hw(dword, scale):
+    """gfx950: 8 FP4 (one dword, element 2i in the low nibble of byte i) times the scale -> 8
+    BF16 in order, 4 x v_cvt_scalef32_pk_bf16_fp4."""
+    words = []
+    for sel in range_constexpr(4):
+        pk = rocdl.cvt_scalef32_pk_bf16_fp4(T.vec(2, T.bf16), dword, scale, sel)
+        words.append(Vec(pk).bitcast(fx.Int32)[0])
+    return words
+
+
+def _sw_tables(dword, byte: int):
+    """gfx942: the BF16 bytes of fp4(c) * 2^(s - 127) for the 8 magnitude codes c, for the scale
+    s = byte `byte` of `dword`: (lo0, lo1, hi0, hi1), low/high BF16 byte of codes 0..3 / 4..7.
+
+    For c >= 1 the BF16 exponent is X = s + E(c) and the mantissa msb f(c): high byte X >> 1
+    (sign added per element), low byte (X & 1) << 7 | f(c) << 6; code 0 gives 0. Exact while
+    1 <= X <= 254 for every code (scale codes 2..252)."""
+    rep = _perm(dword, dword, byte * 0x01010101)  # s in every byte
+    x_lo = rep - SW_EXP_LO_ADJ
+    x_hi = rep + SW_EXP_HI_ADJ
+    hi0 = x_lo.shrui(fx.Int32(1)) & 0x7F7F7F00  # byte 0 (code 0) -> 0
+    hi1 = x_hi.shrui(fx.Int32(1)) & 0x7F7F7F7F
+    lo0 = ((x_lo << 7) & _s32(0x80808000)) | SW_MANT_LO
+    lo1 = ((x_hi << 7) & SIGN_BYTES) | SW_MANT_HI
+    return lo0, lo1, hi0, hi1
+
+
+def _unpack_sw(dword, tables):
+    """gfx942: 8 FP4 of one dword -> 8 BF16 (scaled) as 4 dwords in the element order
+    (0, 2), (4, 6), (1, 3), (5, 7): the even-nibble and odd-nibble magnitudes index the byte
+    tables (v_perm_b32), the nibble's sign bit is OR-ed into the high byte, and two more perms
+    interleave low/high bytes into BF16 pairs. 14 VALU per dword."""
+    lo0, lo1, hi0, hi1 = tables
+    sel_even = dword & SEL_MAG
+    sel_odd = dword.shrui(fx.Int32(4)) & SEL_MAG
+    lo_e = _perm(lo1, lo0, sel_even)
+    lo_o = _perm(lo1, lo0, sel_odd)
+    hi_e = _perm(hi1, hi0, sel_even) | ((dword << 4) & SIGN_BYTES)
+    hi_o = _perm(hi1, hi0, sel_odd) | (dword & SIGN_BYTES)
+    return [
+        _perm(hi_e, lo_e, PERM_LO_PAIRS),
+        _perm(hi_e, lo_e, PERM_HI_PAIRS),
+        _perm(hi_o, lo_o, PERM_LO_PAIRS),
+        _perm(hi_o, lo_o, PERM_HI_PAIRS),
+    ]
+
+
+def _a_operands_sw(a_dwords):
+    """gfx942: the 8 BF16 of one A chunk (4 dwords, natural order) regrouped as the two K=16
+    operands matching _unpack_sw's order: (a0, a2, a4, a6) and (a1, a3, a5, a7)."""
+    d0, d1, d2, d3 = a_dwords
+    even = [_perm(d1, d0, PERM_EVEN_HALVES), _perm(d3, d2, PERM_EVEN_HALVES)]
+    odd = [_perm(d1, d0, PERM_ODD_HALVES), _perm(d3, d2, PERM_ODD_HALVES)]
+    return even, odd
+
+
+def _udiv(x, d: int):
+    """x // d for x >= 0 and a constant d: a shift for powers of two, else an unsigned divide
+    (a multiply-high); the signed // costs sign fix-ups."""
+    if d & (d - 1) == 0:
+        return x.shrui(fx.Int32(d.bit_length() - 1))
+    return fx.Int32(fx.arith.divui(x.ir_value(), fx.Int32(d).ir_value()))
+
+
+def _vec_i32(words):
+    return Vec.from_elements([_i32(w) for w in words], fx.Int32)
+
+
+# ---- stage-1 activations from the hardware exp2 and reciprocal (no device library) ----------
+
+LOG2E = 1.4426950408889634
+GELU_2C = 2 * 0.7978845608028654  # 1 + tanh(y) = 2 sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
+GELU_CUBIC = 0.044715
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+
+
+def _sigmoid(z):
+    """1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32: +-inf give 1 / 0 exactly, NaN stays NaN."""
+    e = fx.Float32(rocdl.exp2(T.f32, (z * fx.Float32(-LOG2E)).ir_value()))
+    return fx.Float32(rocdl.rcp(T.f32, (e + fx.Float32(1.0)).ir_value()))
+
+
+def _activation(kind: str, g, u, alpha: float, limit: float):
+    """act(g, u) in FP32 (flyquant.reference.moe_activation's formulas). The GPT-OSS clamps are
+    compare-and-select, not v_min/v_max (those return the other operand for a NaN): NaN propagates."""
+    if kind == "silu":
+        return g * _sigmoid(g) * u
+    if kind == "gelu":
+        return g * _sigmoid((g + g * g * g * fx.Float32(GELU_CUBIC)) * fx.Float32(GELU_2C)) * u
+    if kind == "swiglu_oai":
+        lim = fx.Float32(limit)
+        g = (g > lim).select(lim, g)
+        u = (u > lim).select(lim, (u < fx.Float32(-limit)).select(fx.Float32(-limit), u))
+        return (u + fx.Float32(1.0)) * (g * _sigmoid(g * fx.Float32(alpha)))
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) -> tuple[int, bool]:
+    """(m-slots to launch, compact) from shapes alone (no device read): the m-tiles that can hold
+    a routing pair number at most T*topk (one pair each) and at most T*topk/tile_m + min(E, T*topk)
+    (whole tiles plus one partial tile per active expert). Below the sorted arrays' tile count,
+    launch that bound and let each slot scan for its tile (compact)."""
+    tiles_all = sorted_rows // tile_m
+    pairs = tokens * topk
+    bound = min(tiles_all, pairs, pairs // tile_m + min(experts, pairs))
+    return (bound, True) if bound < tiles_all else (tiles_all, False)
+
+
+# ---- launch bounds and accepted dtypes (both launchers) ----------------------------------------
+
+W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+OUT_ALIGN = 4  # bf16 results are added in column pairs by 4-byte packed atomics
+MAX_BUFFER_BYTES = (1 << 32) - 1  # a buffer resource's num_records is 32 bits
+MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
+BUFFER_MAX_BYTES = OOB  # one a2 or out buffer (token window): below the OOB offset
+OUT_ELEM_BYTES = {torch.bfloat16: 2, torch.float32: 4}
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)

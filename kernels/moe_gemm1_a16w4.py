@@ -1,0 +1,178 @@
+"""A16W4 MoE stage 1 (gate/up projection, activation fused): the torch-facing launcher.
+
+Stage 1 (gate/up projection, activation fused) runs the same kernel with stage=1:
+
+    a2[t * topk + k, j] = bf16(act(x[t] @ Wg[e][j]^T + bg[e, j], x[t] @ Wu[e][j]^T + bu[e, j]) (* w_r))
+
+w1 shuffled with gate_up=True is, byte for byte, a plain shuffled (2P, K) matrix whose 16-row block
+2j holds gate rows 16j.. and block 2j + 1 up rows 16j.. (its 32-row scale group j: gate half, up
+half), so the main loop is stage 2's on N = 2 * inter_dim (true), K = the hidden size; A's rows
+are x[token]; waves own whole (gate, up) block pairs, so the epilogue applies the activation in
+registers (stage1_epilogue) and stores bf16 to a2 (no atomics, no split K: k_batch is 1).
+sigmoid = 1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32 (1 ulp each on hardware): with the
+roundings of z * log2 e, of 1 + e and of the final products, the activation's relative error is
+at most (|z| + 8) * 2^-24 (z the sigmoid's argument; gelu adds 4 * 2^-24 * 2c(|g| + 0.044715|g|^3)
+for computing z), plus 2^-126 * |g u| absolute where the hardware flushes a denormal sigmoid to 0.
+NaN and Inf propagate as in the reference's formulas. x and a2 must each fit one buffer
+(< 2 GiB; no token windows for stage 1).
+
+The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1: stage1_epilogue);
+its constants and helpers kernels/_a16w4_common.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flyquant import toolchain, validate
+from flyquant.arch import arch_info
+
+from ._a16w4_common import (
+    ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, SCALE_DTYPES, TILE_MS, TILE_NS,
+    TOKEN_BITS, W2_DTYPES, W_PAST_END, WAVE_COUNTS, Gemm2Config, default_layout, default_waves, k_iterations, m_grid,
+)
+from ._a16w4_main_loop import _cached_launcher
+
+STAGE1_DOC = __doc__
+
+
+def choose_config1(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, arch: str) -> tuple[int, int]:
+    """(tile_m, tile_n) for stage 1: tile_m as stage 2; tile_n (over N = 2 * inter_dim) the largest
+    that still gives every CU a workgroup streaming weights (no split K here), else the smallest."""
+    info = arch_info(arch)
+    pairs = max(1, tokens * topk)
+    active = min(experts, pairs)
+    rows_per_expert = -(-pairs // active)
+    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
+    m_tiles = active * -(-rows_per_expert // tile_m)
+    n = 2 * inter_dim
+    fitting = [t for t in TILE_NS if m_tiles * -(-n // t) >= info.compute_units]
+    return tile_m, max(fitting) if fitting else TILE_NS[0]
+
+
+def moe_gemm1_a16w4(
+    x,  # (T, >= model_dim) bf16, unit stride along K
+    w1,  # (E, 2P, w_k / 2) uint8 / float4_e2m1fn_x2, shuffle_weight_a16w4(gate_up=True)
+    w1_scale,  # (E * 2P, w_k / 32) or (E, 2P, w_k / 32) e8m0 / uint8, shuffle_scale_a16w4(gate_up=True)
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,  # moe_sorting's outputs
+    *,
+    arch: str,
+    topk: int,
+    block_m: int,
+    out=None,  # (T * topk, >= inter_dim) bf16, unit column stride: rows of routed pairs written
+    bias=None,  # (E, 2P) bf16 / f32, w1's row order
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    apply_weights: bool = False,
+    model_dim: int | None = None,
+    inter_dim: int | None = None,
+    tile_m: int | None = None,
+    tile_n: int | None = None,
+    waves: int | None = None,
+):
+    """Launch the A16W4 stage-1 GEMM (STAGE1_DOC) on the tensors' device, on torch's current stream,
+    without a host synchronisation. Returns out (a new zeroed (T * topk, inter_dim) bf16 when None)."""
+    info = arch_info(arch)
+    validate.tensor(x, "x", (torch.bfloat16,), ndim=2)
+    validate.tensor(w1, "w1", W2_DTYPES, ndim=3)
+    validate.tensor(w1_scale, "w1_scale", SCALE_DTYPES, ndim=(2, 3))
+    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
+                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
+        validate.tensor(t, name, (dt,), ndim=1)
+        validate.same_device("x", x, name, t)
+    for name, t in (("w1", w1), ("w1_scale", w1_scale)):
+        validate.same_device("x", x, name, t)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
+        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
+    experts, w_n, w_k_half = w1.shape
+    w_k = 2 * w_k_half
+    validate.multiple_of(w_k, KT, "w1's K = 2 * w1.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
+    validate.multiple_of(w_n, 4 * MFMA_MN, "w1.shape[1] (2P: gate and up halves of 32-row scale groups)")
+    if w_n * w_k // 2 >= W_PAST_END:
+        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
+    scale_shape = (experts * w_n, w_k // K_CHUNK) if w1_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
+    validate.shape(w1_scale, "w1_scale", scale_shape)
+    model_dim = x.shape[1] if model_dim is None else model_dim
+    inter_dim = w_n // 2 if inter_dim is None else inter_dim
+    if not (0 < inter_dim <= w_n // 2 and inter_dim % MFMA_MN == 0):
+        raise ValueError(f"inter_dim = {inter_dim} must be a multiple of {MFMA_MN} in [1, w1.shape[1] / 2 = {w_n // 2}]")
+    if not (0 < model_dim <= min(w_k, x.shape[1]) and model_dim % K_CHUNK == 0):
+        raise ValueError(f"model_dim = {model_dim} must be a multiple of {K_CHUNK} in [1, min(K = {w_k}, x.shape[1] = {x.shape[1]})]")
+    tokens = x.shape[0]
+    rows = sorted_ids.shape[0]
+    validate.shape(sorted_weights, "sorted_weights", (rows,))
+    if sorted_expert_ids.shape[0] < -(-rows // block_m):
+        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
+    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    if rows > MAX_SORTED_ROWS:
+        raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
+    if out is not None:
+        validate.tensor(out, "out", (torch.bfloat16,), ndim=2)
+        validate.same_device("x", x, "out", out)
+        if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
+            raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+        validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
+                                             sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                             num_valid_ids=num_valid_ids, bias=bias))
+    validate.no_autograd("moe_gemm1_a16w4", dict(x=x, sorted_weights=sorted_weights, bias=bias, out=out))
+    if bias is not None:
+        validate.tensor(bias, "bias", ndim=2)
+        validate.same_device("x", x, "bias", bias)
+        validate.shape(bias, "bias", (experts, w_n))
+        if bias.dtype not in BIAS_DTYPES or bias.stride(1) != 1 or not w_n <= bias.stride(0) < 1 << 31:
+            bias = bias.to(torch.float32 if bias.dtype not in BIAS_DTYPES else bias.dtype).contiguous()
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w1, w1_scale = (
+        t.contiguous() for t in (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, w1, w1_scale))
+    if x.stride(1) != 1:
+        x = x[:, :model_dim].contiguous()
+    if out is not None and out.stride(1) != 1:
+        result = out
+        fresh = moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, arch=arch,
+                                topk=topk, block_m=block_m, out=out.contiguous(), bias=bias, activation=activation,
+                                alpha=alpha, limit=limit, apply_weights=apply_weights, model_dim=model_dim,
+                                inter_dim=inter_dim, tile_m=tile_m, tile_n=tile_n, waves=waves)
+        return result.copy_(fresh)
+    if out is None:
+        out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    x_bytes = 0 if tokens == 0 else ((tokens - 1) * x.stride(0) + x.shape[1]) * 2
+    out_bytes = 0 if tokens == 0 else ((tokens * topk - 1) * out.stride(0) + out.shape[1]) * 2
+    if max(x_bytes, out_bytes) > BUFFER_MAX_BYTES:
+        raise ValueError(f"x ({x_bytes} bytes) and out ({out_bytes} bytes) must each span at most {BUFFER_MAX_BYTES} "
+                         f"bytes (one 32-bit buffer; stage 1 has no token windows)")
+
+    auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
+    if tile_m is None:
+        fitting = [m for m in TILE_MS if block_m % m == 0]
+        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
+    if tile_m not in TILE_MS or block_m % tile_m:
+        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
+    tile_n = auto_n if tile_n is None else tile_n
+    if tile_n not in TILE_NS:
+        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    n_kt = k_iterations(model_dim)
+    if waves is None:
+        waves = default_waves(tile_m, tile_n, n_kt, 1, pair=True)
+    if waves not in WAVE_COUNTS:
+        raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
+    wn, wk = default_layout(tile_m, tile_n, n_kt, 1, waves, pair=True)
+    cfg = Gemm2Config(
+        arch=info.name, out_dtype=torch.bfloat16, tile_m=tile_m, tile_n=tile_n, k_batch=1, wn=wn, wk=wk,
+        model_dim=2 * inter_dim, inter_dim=model_dim, w_n=w_n, w_k=w_k, a_stride=x.stride(0), topk=topk,
+        block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
+        stage=1, activation=activation, alpha=float(alpha), limit=float(limit), out_stride=out.stride(0),
+    )
+    grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
+    if grid_m == 0:
+        return out
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(
+            x.data_ptr(), x_bytes, w1.data_ptr(), w1_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
+            sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(), out_bytes,
+            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0), tokens, rows, experts,
+            grid_m, int(compact), 0, tokens, stream=stream,
+        )
+    return out
