@@ -292,11 +292,13 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
 
 
 def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1,), quantize_shapes=(),
-           scaling_mode: str = "rceil", device=None) -> list[Plan]:
+           scaling_mode: str = "rceil", device=None, activation: Optional[str] = None, stage1_bias: bool = False,
+           stage1_weights: bool = False) -> list[Plan]:
     """Compile (into FlyDSL's disk cache) the kernels a model will use, by running each op once
     on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
-    the weights padded as the shuffles require), and the 1x32, 32x1 and dual
-    MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
+    the weights padded as the shuffles require), with `activation` given the stage 1 before it
+    (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
+    dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     _check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     for t in tokens:
         _check_moe_sizes(tokens=t)
@@ -307,11 +309,22 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     w2 = torch.zeros(experts, w_n, w_k // 2, dtype=torch.uint8, device=device)
     scales = torch.full((experts, w_n, w_k // 32), 127, dtype=torch.uint8, device=device)
     w2_scale = layouts.shuffle_scale_a16w4(scales.view(torch.float8_e8m0fnu), experts)
+    if activation is not None:  # stage 1: K = model_dim padded to 256, gate and up halves of w_k rows
+        k1 = -(-model_dim // 256) * 256
+        w1 = torch.zeros(experts, 2 * w_k, k1 // 2, dtype=torch.uint8, device=device)
+        s1 = torch.full((experts, 2 * w_k, k1 // 32), 127, dtype=torch.uint8, device=device)
+        w1_scale = layouts.shuffle_scale_a16w4(s1.view(torch.float8_e8m0fnu), experts, gate_up=True)
+        b1 = torch.zeros(experts, 2 * w_k, dtype=torch.bfloat16, device=device) if stage1_bias else None
     for t in tokens:
         ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
         a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
         block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
         sorted_ = moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
+        if activation is not None:
+            x = torch.zeros(t, model_dim, dtype=torch.bfloat16, device=device)
+            plans.append(select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, stage1_bias, activation))
+            moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
+                            apply_weights=stage1_weights, out=a2, model_dim=model_dim, inter_dim=inter_dim)
         plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))
         moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, model_dim=model_dim,
                         inter_dim=inter_dim)

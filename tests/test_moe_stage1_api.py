@@ -118,3 +118,18 @@ def test_stage1_then_stage2_end_to_end(arch, flydsl_arch):
     err = (out.double() - expected).abs()
     assert (err <= bound).all(), float((err - bound).max())
     assert (bound < 0.05 * expected.abs().max()).all()
+
+
+def test_warmup_runs_stage1_before_stage2():
+    """warmup(activation=...) runs the stage-1 kernel (bias, the activation in its name) before each
+    stage 2, on weights padded as the shuffles require (model_dim 64 -> K 256, inter 224 -> 2 x 256 rows)."""
+    import flyquant.emu as emu
+
+    with emu.record() as launches:
+        plans = fq.warmup(model_dim=64, inter_dim=224, experts=4, topk=2, tokens=(1, 3), activation="swiglu_oai",
+                          stage1_bias=True)
+    assert [p.op for p in plans] == ["moe_gemm1_a16w4", "moe_gemm2_a16w4"] * 2
+    assert all(p.backend == "flydsl" for p in plans)
+    kernels = [rec.stats.kernel for rec in launches if rec.stats.kernel.startswith("moe_gemm")]
+    assert [k[:9] for k in kernels] == ["moe_gemm1", "moe_gemm2"] * 2
+    assert all("swiglu_oai" in k and "_bias" in k for k in kernels[0::2])
