@@ -9,6 +9,7 @@ from . import emu, reference
 from .api import (
     dequantize_mxfp4,
     explain,
+    fused_moe,
     moe_block_m,
     moe_gemm1_a16w4,
     moe_gemm2_a16w4,
@@ -31,6 +32,7 @@ __all__ = [
     "dequantize_mxfp4",
     "emu",
     "explain",
+    "fused_moe",
     "moe_block_m",
     "moe_gemm1_a16w4",
     "moe_gemm2_a16w4",

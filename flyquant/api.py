@@ -352,6 +352,9 @@ def _moe_sorting_op(
     expert_mask: Optional[torch.Tensor],
     moe_buf: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if moe_buf is not None:  # addresses: checked here, on real tensors (not while torch.compile traces)
+        validate.no_overlap(moe_buf, "moe_buf", {"topk_ids": topk_ids, "topk_weights": topk_weights,
+                                                 "expert_mask": expert_mask})
     plan = select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
     if plan.backend == "reference":
         if moe_buf is not None:
@@ -387,8 +390,6 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     if moe_buf is not None:
         validate.tensor(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
-        validate.no_overlap(moe_buf, "moe_buf", {"topk_ids": topk_ids, "topk_weights": topk_weights,
-                                                 "expert_mask": expert_mask})
     return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
 
@@ -404,7 +405,8 @@ shuffle_scale_a16w4 = layouts.shuffle_scale_a16w4
 
 
 def explain(fn, *args, **kwargs) -> Plan:
-    """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it."""
+    """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it
+    (fused_moe: its three plans, sorting, stage 1, stage 2)."""
     planners = {
         mxfp8_quantize: _explain_mxfp8,
         mxfp8_quantize_dual: _explain_dual,
@@ -413,6 +415,11 @@ def explain(fn, *args, **kwargs) -> Plan:
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
     }
+    if fn is fused_moe:  # three ops: three plans
+        plans = _explain_fused_moe(*args, **kwargs)
+        for plan in plans:
+            print(plan)
+        return plans
     planner = planners.get(fn)
     if planner is None:
         name = getattr(fn, "__name__", repr(fn))
@@ -459,3 +466,79 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
     return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole A16W4 MoE layer
+# ---------------------------------------------------------------------------------------------
+
+APPLY_WEIGHTS_AT = ("stage1", "stage2")
+
+
+def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None, b2=None, activation="silu",
+              alpha=1.702, limit=7.0, expert_mask=None, apply_weights_at="stage2", out=None,
+              out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
+    """The A16W4 MoE layer: out[t] = sum_k w_tk * (act(x[t] @ W1g[e]^T + b1g[e], x[t] @ W1u[e]^T +
+    b1u[e]) @ W2[e]^T + b2[e]) over the routed pairs (e = topk_ids[t, k], w_tk = topk_weights[t, k]).
+
+    Three ops, each one launch on the kernel path, with no host synchronisation (a serving engine
+    can capture the call in a graph): moe_sorting (which also zeroes `out`), moe_gemm1_a16w4 (into
+    a2, token-major (T * topk, inter_dim) bf16) and moe_gemm2_a16w4 (adding into `out`), all on the
+    selector's block_m. Weights as the stage ops take them: w1 (E, 2P, K/2) gate rows then up rows
+    shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
+    order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only,
+    in order (local ids). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
+    weight). out: (T, model_dim), overwritten; None: a new out_dtype tensor. model_dim / inter_dim:
+    the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] / 2).
+    Routing ids outside [0, num_experts) are dropped on the kernel path (checked only with
+    FLYQUANT_DEBUG=1; the reference path always refuses them). fq.moe_routing gives topk_weights
+    and topk_ids from router logits.
+    """
+    tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
+        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    if out is None:
+        validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
+    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
+    moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
+                    alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
+                    model_dim=model_dim, inter_dim=inter_dim)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
+                           apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):
+    """fused_moe's own checks and sizes: (tokens, topk, num_experts, model_dim, inter_dim, block_m);
+    the stage ops check the rest."""
+    if apply_weights_at not in APPLY_WEIGHTS_AT:
+        raise ValueError(f"apply_weights_at must be one of {APPLY_WEIGHTS_AT}, got {apply_weights_at!r}")
+    validate.tensor(x, "x", ndim=2)
+    validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
+    validate.tensor(w1, "w1", ndim=3)
+    validate.tensor(w2, "w2", ndim=3)
+    tokens, topk = topk_ids.shape
+    if x.shape[0] != tokens:
+        raise ValueError(f"x.shape[0] = {x.shape[0]} must equal topk_ids.shape[0] = {tokens} (one routing row per token)")
+    experts = w1.shape[0]
+    if w2.shape[0] != experts:
+        raise ValueError(f"w2.shape[0] = {w2.shape[0]} must equal w1.shape[0] = {experts} (the experts held here)")
+    num_experts = experts if expert_mask is None else expert_mask.shape[0]
+    model_dim = x.shape[1] if model_dim is None else model_dim
+    inter_dim = w1.shape[1] // 2 if inter_dim is None else inter_dim
+    _check_moe_sizes(topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
+    block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, x.device)
+    return tokens, topk, num_experts, model_dim, inter_dim, block_m
+
+
+def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None, b2=None,
+                       activation="silu", alpha=1.702, limit=7.0, expert_mask=None, apply_weights_at="stage2",
+                       out=None, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None) -> tuple[Plan, Plan, Plan]:
+    """The three plans fused_moe runs: sorting, stage 1, stage 2 (on the same block_m)."""
+    tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
+        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    dtype = out.dtype if out is not None else out_dtype
+    return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
+            select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation),
+            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None))

@@ -1,0 +1,192 @@
+"""fq.fused_moe: the whole A16W4 MoE layer (moe_sorting, stage 1, stage 2) under flyquant.emu on
+both arches: at most 3 launches and no other device work than allocation, no host
+synchronisation, and the result against an exact float64 MoE of the dequantized weights.
+
+Tolerance (derived, per element). Stage 1's a2 element is within T1 of the exact activation
+(tests/test_moe_gemm1_kernel.py's bound: FP32 sums, the activation's error, one bf16 rounding).
+Stage 2 sums each routed pair's w * (a2 @ W2^T + b2) (or a2 * w at stage 1): its FP32 sum is
+within (K + 2) 2^-24 of the magnitude |w| (|W2| @ (|a| + T1) + |b2|), the a2 error enters as
+|w| (|W2| @ T1), and a bf16 out rounds each contribution and each atomic add (2^-8 each, topk + 1
+times the contributions' magnitude). The sum, times 1 + 2^-6 for second-order terms, bounds
+|layer - exact| on every element; a wrong expert, slot, bias or weight moves elements far past it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flyquant as fq
+import flyquant.emu as emu
+from flyquant import layouts, reference
+
+from test_moe_gemm1_kernel import exact_and_tolerance
+
+ARCHS = ("gfx950", "gfx942")
+U_BF16 = 2.0**-8
+U_F32 = 2.0**-24
+MODEL_DIM, X_WIDTH = 224, 256  # true hidden size; x, w1's K and w2's N padded to 256
+INTER_DIM, HALF, W2_K = 32, 64, 256  # true inter size; w1's gate/up halves 64 rows; w2's K 256
+
+
+def layer(tokens, topk, num_experts, mask=None, biases=False, seed=0):
+    """A layer's tensors: routing over num_experts (global ids), the weights of the served ones."""
+    g = torch.Generator().manual_seed(seed)
+    served = list(range(num_experts)) if mask is None else [e for e in range(num_experts) if mask[e]]
+    experts = len(served)
+    w1f = torch.randn(experts, 2 * HALF, X_WIDTH, generator=g) * 0.1
+    w2f = torch.randn(experts, X_WIDTH, W2_K, generator=g) * 0.1
+    p1, s1 = reference.quantize_mxfp4(w1f)
+    p2, s2 = reference.quantize_mxfp4(w2f)
+    x = torch.randn(tokens, X_WIDTH, generator=g).to(torch.bfloat16)
+    logits = torch.randn(tokens, num_experts, generator=g)
+    logits[:, -1] = -1e9  # the last expert gets no tokens
+    weights, ids = fq.moe_routing(logits, topk)
+    return dict(
+        x=x, ids=ids, weights=weights, served=served,
+        mask=None if mask is None else torch.tensor(mask, dtype=torch.int32), packed=p1, scales=s1, p2=p2, s2=s2,
+        w1=layouts.shuffle_weight_a16w4(p1, gate_up=True), w1_scale=layouts.shuffle_scale_a16w4(s1, experts, gate_up=True),
+        w2=layouts.shuffle_weight_a16w4(p2), w2_scale=layouts.shuffle_scale_a16w4(s2, experts),
+        b1=(torch.randn(experts, 2 * HALF, generator=g) * 0.5).to(torch.bfloat16) if biases else None,
+        b2=(torch.randn(experts, X_WIDTH, generator=g) * 0.5).to(torch.bfloat16) if biases else None,
+        topk=topk, experts=experts)
+
+
+def run(p, activation, apply_weights_at="stage2", **kw):
+    return fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"], b1=p["b1"],
+                        b2=p["b2"], activation=activation, expert_mask=p["mask"], apply_weights_at=apply_weights_at,
+                        model_dim=MODEL_DIM, inter_dim=INTER_DIM, **kw)
+
+
+def exact_layer(p, activation, apply_weights_at):
+    """(exact float64 output, bound) of the module docstring."""
+    local = {e: i for i, e in enumerate(p["served"])}
+    ids = p["ids"].clone().apply_(lambda e: local.get(e, 0))  # unserved pairs are skipped below
+    at1 = apply_weights_at == "stage1"
+    s1 = dict(x=p["x"], packed=p["packed"], scales=p["scales"], ids=ids, weights=p["weights"], bias=p["b1"],
+              topk=p["topk"], model_dim=MODEL_DIM, inter_dim=INTER_DIM, half=HALF, experts=p["experts"])
+    a_exact, t1 = exact_and_tolerance(s1, activation, at1)
+    w2 = reference.dequantize_mxfp4(p["p2"], p["s2"]).double()[:, :MODEL_DIM, :INTER_DIM]
+    b2 = torch.zeros(p["experts"], MODEL_DIM, dtype=torch.float64) if p["b2"] is None else p["b2"].double()[:, :MODEL_DIM]
+    tokens, topk = p["ids"].shape
+    out = torch.zeros(tokens, MODEL_DIM, dtype=torch.float64)
+    bound, c_abs = torch.zeros_like(out), torch.zeros_like(out)
+    for t in range(tokens):
+        for s in range(topk):
+            if int(p["ids"][t, s]) not in local:
+                continue
+            e, r = int(ids[t, s]), t * topk + s
+            w = 1.0 if at1 else float(p["weights"][t, s])
+            a, da = a_exact[r], t1[r]
+            out[t] += w * (w2[e] @ a + b2[e])
+            mag = abs(w) * (w2[e].abs() @ (a.abs() + da) + b2[e].abs())
+            bound[t] += (INTER_DIM + 2) * U_F32 * mag + abs(w) * (w2[e].abs() @ da)
+            c_abs[t] += mag
+    bound += (1 + topk) * U_BF16 * c_abs
+    return out, (1 + 2.0**-6) * bound
+
+
+class AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# (tokens, topk, experts, mask, activation, biases, apply_weights_at): T 1 / 3 / 17, topk 1 / 4,
+# silu and GPT-OSS's swiglu_oai, biases on/off, an expert-parallel mask, an expert with no tokens
+CASES = [
+    (1, 4, 8, None, "swiglu_oai", True, "stage2"),
+    (3, 1, 4, None, "silu", False, "stage2"),
+    (17, 4, 8, [1, 0, 1, 1, 0, 1, 1, 1], "silu", True, "stage2"),
+    (3, 2, 6, [1, 1, 0, 1, 1, 1], "swiglu_oai", True, "stage1"),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-{c[4]}-{'mask' if c[3] else 'all'}-{c[6]}"
+                                             for c in CASES])
+def test_layer_three_launches_no_host_sync_within_the_bound(arch, case, monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    tokens, topk, experts, mask, activation, biases, at = case
+    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
+    with emu.record() as launches, AtenOps() as seen:
+        got = run(p, activation, at)
+    kernels = [r.kernel for r in launches]
+    assert len(kernels) == 3 and kernels[0].startswith("moe_sorting") and kernels[1].startswith("moe_gemm1") \
+        and kernels[2].startswith("moe_gemm2"), kernels
+    device_work = [op for op in seen.ops if not op.startswith(("flyquant.", "aten.empty"))]
+    assert device_work == [], device_work  # no memset, no copy, no _local_scalar_dense (host sync)
+    exact, bound = exact_layer(p, activation, at)
+    assert (bound < 0.05 * exact.abs().max()).all()  # tight enough to see a wrong element
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def test_reference_backend_gives_the_same_layer(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = layer(3, 2, 4, None, True, seed=5)
+    got = run(p, "swiglu_oai")
+    exact, bound = exact_layer(p, "swiglu_oai", "stage2")
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_out_of_range_ids_dropped_unless_debugging(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, False, seed=6)
+    bad = dict(p, ids=p["ids"].clone())
+    bad["ids"][1, 0] = 9
+    got = run(bad, "silu", out_dtype=torch.float32)
+    keep = dict(p, weights=p["weights"].clone())
+    keep["weights"][1, 0] = 0.0  # the dropped pair contributes nothing
+    want = run(keep, "silu", out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    monkeypatch.setenv("FLYQUANT_DEBUG", "1")
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        run(bad, "silu")
+
+
+def test_bad_input(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = layer(2, 2, 4, None, False, seed=7)
+    with pytest.raises(ValueError, match="apply_weights_at must be one of"):
+        run(p, "silu", "both")
+    with pytest.raises(ValueError, match=r"x.shape\[0\] = 1 must equal topk_ids.shape\[0\] = 2"):
+        fq.fused_moe(p["x"][:1], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"])
+    with pytest.raises(ValueError, match="w2.shape\\[0\\] = 3 must equal w1.shape\\[0\\] = 4"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"][:3], p["w2_scale"], p["weights"], p["ids"])
+    with pytest.raises(ValueError, match="activation must be one of"):
+        run(p, "tanh")
+
+
+def test_torch_compile_traces_the_layer(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=8)
+    eager = run(p, "swiglu_oai")
+    compiled = torch.compile(lambda x: run(dict(p, x=x), "swiglu_oai"), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(p["x"]), eager)
+
+
+def test_explain_prints_the_three_plans(monkeypatch, capsys):
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    p = layer(4, 2, 4, None, True, seed=9)
+    plans = fq.explain(fq.fused_moe, p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"],
+                       b1=p["b1"], b2=p["b2"], activation="swiglu_oai", model_dim=MODEL_DIM, inter_dim=INTER_DIM)
+    assert [plan.op for plan in plans] == ["moe_sorting", "moe_gemm1_a16w4", "moe_gemm2_a16w4"]
+    assert all(plan.backend == "flydsl" and plan.arch == "gfx942" for plan in plans)
+    printed = capsys.readouterr().out
+    assert all(plan.kernel in printed for plan in plans)
+    with emu.record() as launches:
+        run(p, "swiglu_oai")
+    assert len(launches) == 3
+    for r, plan in zip(launches, plans):  # the launched kernels are the planned ones (op, tiles, arch)
+        assert r.kernel.startswith(plan.op) and r.kernel.endswith("gfx942"), (r.kernel, plan.kernel)
+        if "tile_n" in plan.config:
+            assert f"{plan.config['tile_m']}x{plan.config['tile_n']}" in r.kernel, (r.kernel, plan.config)
