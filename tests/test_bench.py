@@ -213,3 +213,22 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     }
     assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1, "waves": 2}
     assert select.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
+
+
+def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
+    """bench/moe_layer.py on its smoke shape at 1 and 3 tokens: three launches per layer (sorting,
+    stage 1, stage 2), the sorting kernel a small share of the layer (issue 16's target: < 5% at
+    1 token), every launched GEMM workgroup storing at 1 token."""
+    bench = load("moe_layer")
+    bench.main("--mode modelled --arch gfx942 --shapes tiny --tokens 1,3 --out".split() + [str(tmp_path)])
+    payload = json.loads((tmp_path / "moe_layer_modelled.json").read_text())
+    rows = payload["rows"]
+    assert payload["mode"] == "modelled" and len(rows) == 6
+    for tokens in (1, 3):
+        layer = [r for r in rows if r["tokens"] == tokens]
+        assert [r["kernel"].split("_")[1] for r in layer] == ["sorting", "gemm1", "gemm2"]
+        assert all(r["launches"] == 3 and r["arch"] == "gfx942" for r in layer)
+        assert abs(sum(r["share"] for r in layer) - 1) < 1e-9
+    one = [r for r in rows if r["tokens"] == 1]
+    assert one[0]["share"] < 0.05
+    assert all(r["storing"] == r["workgroups"] for r in one[1:])

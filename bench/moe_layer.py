@@ -1,0 +1,135 @@
+"""The whole A16W4 MoE layer (fq.fused_moe: moe_sorting, stage 1, stage 2) per launch.
+
+Hardware mode (a ROCm GPU): the layer's time (median of --iters, caches flushed). Modelled mode
+(no AMD GPU): the layer under flyquant.emu, never timed: per launch the kernel, workgroups
+launched and storing, wave-instructions executed, and the sorting kernel's share of the layer's
+wave-instructions. Weights are random bytes in the shuffled layouts (every byte is a valid
+E2M1 pair; scales near 2^0): the instruction stream does not depend on their values.
+
+    python bench/moe_layer.py --quick                       # GPT-OSS-120B at 1 and 4 tokens, gfx950
+    python bench/moe_layer.py --shapes gptoss120b,dsr1 --tokens 1,4,16,128,1024 --arch gfx950,gfx942
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import flyquant as fq  # noqa: E402
+from flyquant import toolchain  # noqa: E402
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    experts: int
+    topk: int
+    model_dim: int  # true hidden size
+    inter_dim: int  # true intermediate size
+    activation: str
+    biases: bool
+    why: str
+
+
+SHAPES = {
+    "gptoss120b": LayerShape("gptoss120b", 128, 4, 2880, 2880, "swiglu_oai", True,
+                             "GPT-OSS-120B: inter 2880 padded to 3072 for the shuffles, biases, clamped swiglu"),
+    "dsr1": LayerShape("dsr1", 256, 8, 7168, 256, "silu", False, "DeepSeek-R1-like per rank: E 256, topk 8, inter 256"),
+    "tiny": LayerShape("tiny", 4, 2, 224, 224, "swiglu_oai", True, "smoke test: padded dims, biases, seconds to emulate"),
+}
+SCALE_ONE = 127  # E8M0 code of 2^0
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def make_layer(shape: LayerShape, tokens: int, seed: int) -> dict:
+    """Random inputs of the layer's true sizes; weights padded as the shuffles require."""
+    g = torch.Generator().manual_seed(seed)
+    k1, p = _pad(shape.model_dim, 256), _pad(shape.inter_dim, 256)  # w1's K, the gate/up halves and w2's K
+    n2 = _pad(shape.model_dim, 32)
+    e = shape.experts
+
+    def fp4(*size):
+        return torch.randint(0, 256, size, generator=g, dtype=torch.uint8)
+
+    def scales(*size):  # codes 125..129: values of a normal magnitude
+        return (SCALE_ONE - 2 + torch.randint(0, 5, size, generator=g, dtype=torch.uint8)).view(torch.float8_e8m0fnu)
+
+    logits = torch.randn(tokens, e, generator=g)
+    weights, ids = fq.moe_routing(logits, shape.topk, softmax_after_topk=True)
+    bias = (lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)) if shape.biases else (lambda *s: None)
+    return dict(x=torch.randn(tokens, shape.model_dim, generator=g).to(torch.bfloat16),
+                w1=fp4(e, 2 * p, k1 // 2), w1_scale=scales(e * 2 * p, k1 // 32),
+                w2=fp4(e, n2, p // 2), w2_scale=scales(e * n2, p // 32),
+                topk_weights=weights, topk_ids=ids, b1=bias(e, 2 * p), b2=bias(e, n2))
+
+
+def run_layer(shape: LayerShape, t: dict):
+    return fq.fused_moe(t["x"], t["w1"], t["w1_scale"], t["w2"], t["w2_scale"], t["topk_weights"], t["topk_ids"],
+                        b1=t["b1"], b2=t["b2"], activation=shape.activation, model_dim=shape.model_dim,
+                        inter_dim=shape.inter_dim)
+
+
+def modelled(shape: LayerShape, tokens: int, arch: str, seed: int) -> list[dict]:
+    t = make_layer(shape, tokens, seed)
+    with toolchain.target(arch), fq.emu.record() as records:
+        run_layer(shape, t)
+    total = sum(r.stats.wave_instructions for r in records)
+    rows = []
+    for r in records:
+        s = r.stats
+        rows.append(dict(shape=shape.name, arch=arch, tokens=tokens, kernel=r.kernel,
+                         workgroups=s.workgroups_launched, storing=s.workgroups_with_global_store,
+                         wave_instructions=s.wave_instructions, share=s.wave_instructions / total if total else 0.0,
+                         layer_wave_instructions=total, launches=len(records)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser)
+    parser.add_argument("--shapes", type=common.csv_list, default=["gptoss120b"], help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--tokens", type=lambda s: common.csv_list(s, int), default=[1, 4, 16, 128, 1024])
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens = [1, 4]
+    mode, archs = common.resolve_mode(args.mode, args.arch)
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        for tokens in args.tokens:
+            for arch in archs:
+                if mode == "hardware":
+                    t = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in make_layer(shape, tokens, args.seed).items()}
+                    timing = common.time_gpu(lambda: run_layer(shape, t), warmup=args.warmup, iters=args.iters,
+                                             flush=not args.no_flush)
+                    rows.append(dict(shape=name, arch=arch, tokens=tokens, **asdict(timing)))
+                else:
+                    rows.extend(modelled(shape, tokens, arch, args.seed))
+                    print(f"  {name} T={tokens} {arch}: ok", flush=True)
+    if mode == "hardware":
+        columns = [("shape", "shape"), ("arch", "arch"), ("tokens", "T")] + [(k, k) for k in rows[0] if k not in ("shape", "arch", "tokens")]
+    else:
+        print("MoE layer: modelled, not timed (flyquant.emu counts; no GPU was used)")
+        columns = [("shape", "shape"), ("arch", "arch"), ("tokens", "T"), ("launches", "launches"), ("kernel", "kernel"),
+                   ("workgroups", "WG"), ("storing", "WG storing"), ("wave_instructions", "wave-instr"),
+                   ("share", "share of layer")]
+    common.print_table(rows, columns)
+    path = common.write_json(args.out / f"moe_layer_{mode}.json",
+                             dict(mode=mode, shapes={n: asdict(SHAPES[n]) for n in args.shapes}, rows=rows,
+                                  environment=common.environment()))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
