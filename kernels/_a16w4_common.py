@@ -16,6 +16,8 @@ from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
+from flyquant import validate
+
 # ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
 WAVE = 64
 WAVES = 4  # default waves per workgroup
@@ -352,3 +354,41 @@ MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
 BUFFER_MAX_BYTES = OOB  # one a2 or out buffer (token window): below the OOB offset
 OUT_ELEM_BYTES = {torch.bfloat16: 2, torch.float32: 4}
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def check_inputs(a_name: str, a, w_name: str, w, s_name: str, w_scale, sorted_ids, sorted_weights, sorted_expert_ids,
+                 num_valid_ids, topk: int, n_multiple: int, n_what: str) -> tuple[int, int, int]:
+    """Both launchers' checks of the activations `a` (bf16, 2D), the shuffled FP4 weights and their
+    scales, the sorted arrays (dtypes, rank, device) and topk; the weights' N a multiple of
+    n_multiple (`n_what` says why). Returns (experts, w_n, w_k)."""
+    validate.tensor(a, a_name, (torch.bfloat16,), ndim=2)
+    validate.tensor(w, w_name, W2_DTYPES, ndim=3)
+    validate.tensor(w_scale, s_name, SCALE_DTYPES, ndim=(2, 3))
+    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
+                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
+        validate.tensor(t, name, (dt,), ndim=1)
+        validate.same_device(a_name, a, name, t)
+    for name, t in ((w_name, w), (s_name, w_scale)):
+        validate.same_device(a_name, a, name, t)
+    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
+        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
+    experts, w_n, w_k_half = w.shape
+    w_k = 2 * w_k_half
+    validate.multiple_of(w_k, KT, f"{w_name}'s K = 2 * {w_name}.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
+    validate.multiple_of(w_n, n_multiple, f"{w_name}.shape[1] ({n_what})")
+    if w_n * w_k // 2 >= W_PAST_END:
+        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
+    scale_shape = (experts * w_n, w_k // K_CHUNK) if w_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
+    validate.shape(w_scale, s_name, scale_shape)
+    return experts, w_n, w_k
+
+
+def check_sorted_lengths(sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, block_m: int) -> int:
+    """The sorted arrays' lengths agree (moe_sorting's for block_m). Returns R = len(sorted_ids)."""
+    rows = sorted_ids.shape[0]
+    validate.shape(sorted_weights, "sorted_weights", (rows,))
+    if sorted_expert_ids.shape[0] < -(-rows // block_m):
+        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
+    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    return rows
+

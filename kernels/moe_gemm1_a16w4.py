@@ -28,8 +28,8 @@ from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from ._a16w4_common import (
-    ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, SCALE_DTYPES, TILE_MS, TILE_NS,
-    TOKEN_BITS, W2_DTYPES, W_PAST_END, WAVE_COUNTS, Gemm2Config, default_layout, default_waves, k_iterations, m_grid,
+    ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
+    check_inputs, check_sorted_lengths, default_layout, default_waves, Gemm2Config, k_iterations, m_grid,
 )
 from ._a16w4_main_loop import _cached_launcher
 
@@ -74,27 +74,11 @@ def moe_gemm1_a16w4(
     """Launch the A16W4 stage-1 GEMM (STAGE1_DOC) on the tensors' device, on torch's current stream,
     without a host synchronisation. Returns out (a new zeroed (T * topk, inter_dim) bf16 when None)."""
     info = arch_info(arch)
-    validate.tensor(x, "x", (torch.bfloat16,), ndim=2)
-    validate.tensor(w1, "w1", W2_DTYPES, ndim=3)
-    validate.tensor(w1_scale, "w1_scale", SCALE_DTYPES, ndim=(2, 3))
-    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
-                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
-        validate.tensor(t, name, (dt,), ndim=1)
-        validate.same_device("x", x, name, t)
-    for name, t in (("w1", w1), ("w1_scale", w1_scale)):
-        validate.same_device("x", x, name, t)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
-        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
-    experts, w_n, w_k_half = w1.shape
-    w_k = 2 * w_k_half
-    validate.multiple_of(w_k, KT, "w1's K = 2 * w1.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
-    validate.multiple_of(w_n, 4 * MFMA_MN, "w1.shape[1] (2P: gate and up halves of 32-row scale groups)")
-    if w_n * w_k // 2 >= W_PAST_END:
-        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
-    scale_shape = (experts * w_n, w_k // K_CHUNK) if w1_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
-    validate.shape(w1_scale, "w1_scale", scale_shape)
+    experts, w_n, w_k = check_inputs("x", x, "w1", w1, "w1_scale", w1_scale, sorted_ids, sorted_weights,
+                                     sorted_expert_ids, num_valid_ids, topk, 4 * MFMA_MN,
+                                     "2P: gate and up halves of 32-row scale groups")
     model_dim = x.shape[1] if model_dim is None else model_dim
     inter_dim = w_n // 2 if inter_dim is None else inter_dim
     if not (0 < inter_dim <= w_n // 2 and inter_dim % MFMA_MN == 0):
@@ -102,11 +86,7 @@ def moe_gemm1_a16w4(
     if not (0 < model_dim <= min(w_k, x.shape[1]) and model_dim % K_CHUNK == 0):
         raise ValueError(f"model_dim = {model_dim} must be a multiple of {K_CHUNK} in [1, min(K = {w_k}, x.shape[1] = {x.shape[1]})]")
     tokens = x.shape[0]
-    rows = sorted_ids.shape[0]
-    validate.shape(sorted_weights, "sorted_weights", (rows,))
-    if sorted_expert_ids.shape[0] < -(-rows // block_m):
-        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
-    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    rows = check_sorted_lengths(sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, block_m)
     if rows > MAX_SORTED_ROWS:
         raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
     if out is not None:

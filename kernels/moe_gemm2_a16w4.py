@@ -13,8 +13,8 @@ from flyquant.arch import arch_info
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
     BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_ALIGN, OUT_DTYPES, OUT_ELEM_BYTES,
-    SCALE_DTYPES, TILE_MS, TILE_NS, TOKEN_BITS, W2_DTYPES, W_PAST_END, WAVE_COUNTS, Gemm2Config, default_layout,
-    default_waves, k_iterations, m_grid,
+    TILE_MS, TILE_NS, WAVE_COUNTS, check_inputs, check_sorted_lengths, default_layout, default_waves, Gemm2Config,
+    k_iterations, m_grid,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -71,27 +71,11 @@ def moe_gemm2_a16w4(
     """Launch the A16W4 stage-2 GEMM for `arch` on the tensors' device, on torch's current stream
     (CPU tensors: the emulator, stream 0), without a host synchronisation. Returns out."""
     info = arch_info(arch)
-    validate.tensor(a2, "a2", (torch.bfloat16,), ndim=2)
-    validate.tensor(w2, "w2", W2_DTYPES, ndim=3)
-    validate.tensor(w2_scale, "w2_scale", SCALE_DTYPES, ndim=(2, 3))
-    for name, t, dt in (("sorted_ids", sorted_ids, torch.int32), ("sorted_weights", sorted_weights, torch.float32),
-                        ("sorted_expert_ids", sorted_expert_ids, torch.int32), ("num_valid_ids", num_valid_ids, torch.int32)):
-        validate.tensor(t, name, (dt,), ndim=1)
-        validate.same_device("a2", a2, name, t)
-    for name, t in (("w2", w2), ("w2_scale", w2_scale)):
-        validate.same_device("a2", a2, name, t)
-    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
-        raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
+    experts, w_n, w_k = check_inputs("a2", a2, "w2", w2, "w2_scale", w2_scale, sorted_ids, sorted_weights,
+                                     sorted_expert_ids, num_valid_ids, topk, 2 * MFMA_MN,
+                                     "N; scales come in 32-row groups")
     if a2.shape[0] % topk:
         raise ValueError(f"a2.shape[0] = {a2.shape[0]} must be a multiple of topk = {topk} (tokens * topk rows)")
-    experts, w_n, w_k_half = w2.shape
-    w_k = 2 * w_k_half
-    validate.multiple_of(w_k, KT, "w2's K = 2 * w2.shape[2] (aiter's scale shuffle works in 256-wide K tiles)")
-    validate.multiple_of(w_n, 2 * MFMA_MN, "w2.shape[1] (N; scales come in 32-row groups)")
-    if w_n * w_k // 2 >= W_PAST_END:
-        raise ValueError(f"one expert's weights must be below {W_PAST_END} bytes (32-bit buffer offsets), got {w_n} x {w_k} FP4")
-    scale_shape = (experts * w_n, w_k // K_CHUNK) if w2_scale.dim() == 2 else (experts, w_n, w_k // K_CHUNK)
-    validate.shape(w2_scale, "w2_scale", scale_shape)
     model_dim = w_n if model_dim is None else model_dim
     inter_dim = a2.shape[1] if inter_dim is None else inter_dim
     if not (0 < model_dim <= w_n and model_dim % MFMA_MN == 0):
@@ -99,11 +83,7 @@ def moe_gemm2_a16w4(
     if not (0 < inter_dim <= min(w_k, a2.shape[1]) and inter_dim % K_CHUNK == 0):
         raise ValueError(f"inter_dim = {inter_dim} must be a multiple of {K_CHUNK} in [1, min(K = {w_k}, a2.shape[1] = {a2.shape[1]})]")
     tokens = a2.shape[0] // topk
-    rows = sorted_ids.shape[0]
-    validate.shape(sorted_weights, "sorted_weights", (rows,))
-    if sorted_expert_ids.shape[0] < -(-rows // block_m):
-        raise ValueError(f"sorted_expert_ids must have >= ceil(len(sorted_ids) / block_m) = {-(-rows // block_m)} entries, got {sorted_expert_ids.shape[0]}")
-    validate.shape(num_valid_ids, "num_valid_ids", (2,))
+    rows = check_sorted_lengths(sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, block_m)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if out is not None:
