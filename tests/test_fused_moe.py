@@ -97,13 +97,14 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# (tokens, topk, experts, mask, activation, biases, apply_weights_at): T 1 / 3 / 17, topk 1 / 4,
+# (tokens, topk, experts, mask, activation, biases, apply_weights_at): T 1 / 3 / 17 / 130, topk 1 / 4 / 8,
 # silu and GPT-OSS's swiglu_oai, biases on/off, an expert-parallel mask, an expert with no tokens
 CASES = [
     (1, 4, 8, None, "swiglu_oai", True, "stage2"),
     (3, 1, 4, None, "silu", False, "stage2"),
     (17, 4, 8, [1, 0, 1, 1, 0, 1, 1, 1], "silu", True, "stage2"),
     (3, 2, 6, [1, 1, 0, 1, 1, 1], "swiglu_oai", True, "stage1"),
+    (130, 8, 9, None, "silu", False, "stage2"),  # 1040 pairs: several blocks per expert, topk 8
 ]
 
 
@@ -123,7 +124,7 @@ def test_layer_three_launches_no_host_sync_within_the_bound(arch, case, monkeypa
     device_work = [op for op in seen.ops if not op.startswith(("flyquant.", "aten.empty"))]
     assert device_work == [], device_work  # no memset, no copy, no _local_scalar_dense (host sync)
     exact, bound = exact_layer(p, activation, at)
-    assert (bound < 0.05 * exact.abs().max()).all()  # tight enough to see a wrong element
+    assert (bound < 0.1 * exact.abs().max()).all()  # tight enough to see a wrong element (topk 8: 9 roundings)
     err = (got.double() - exact).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
 
