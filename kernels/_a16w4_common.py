@@ -392,3 +392,17 @@ def check_sorted_lengths(sorted_ids, sorted_weights, sorted_expert_ids, num_vali
     validate.shape(num_valid_ids, "num_valid_ids", (2,))
     return rows
 
+
+def resolve_tiles(block_m: int, tile_m, tile_n, auto_m: int, auto_n: int) -> tuple[int, int]:
+    """The launch's (tile_m, tile_n): given, or the automatic choice (tile_m the largest divisor of
+    block_m among TILE_MS up to auto_m); checked (tile_m must divide block_m)."""
+    if tile_m is None:
+        fitting = [m for m in TILE_MS if block_m % m == 0]
+        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
+    if tile_m not in TILE_MS or block_m % tile_m:
+        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
+    tile_n = auto_n if tile_n is None else tile_n
+    if tile_n not in TILE_NS:
+        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    return tile_m, tile_n
+

@@ -29,7 +29,7 @@ from flyquant.arch import arch_info
 
 from ._a16w4_common import (
     ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
-    check_inputs, check_sorted_lengths, default_layout, default_waves, Gemm2Config, k_iterations, m_grid,
+    check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config, k_iterations, m_grid,
 )
 from ._a16w4_main_loop import _cached_launcher
 
@@ -124,14 +124,7 @@ def moe_gemm1_a16w4(
                          f"bytes (one 32-bit buffer; stage 1 has no token windows)")
 
     auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
-    if tile_m is None:
-        fitting = [m for m in TILE_MS if block_m % m == 0]
-        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
-    if tile_m not in TILE_MS or block_m % tile_m:
-        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
-    tile_n = auto_n if tile_n is None else tile_n
-    if tile_n not in TILE_NS:
-        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
     n_kt = k_iterations(model_dim)
     if waves is None:
         waves = default_waves(tile_m, tile_n, n_kt, 1, pair=True)

@@ -13,7 +13,7 @@ from flyquant.arch import arch_info
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
     BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_ALIGN, OUT_DTYPES, OUT_ELEM_BYTES,
-    TILE_MS, TILE_NS, WAVE_COUNTS, check_inputs, check_sorted_lengths, default_layout, default_waves, Gemm2Config,
+    TILE_MS, WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
     k_iterations, m_grid,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
@@ -125,14 +125,7 @@ def moe_gemm2_a16w4(
         raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
 
     auto_m, auto_n, auto_kb = choose_config(tokens, topk, experts, model_dim, inter_dim, arch)
-    if tile_m is None:
-        fitting = [m for m in TILE_MS if block_m % m == 0]
-        tile_m = max([m for m in fitting if m <= auto_m] or fitting[:1] or [None])
-    if tile_m not in TILE_MS or block_m % tile_m:
-        raise ValueError(f"block_m = {block_m} must be a multiple of tile_m = {tile_m} (tile_m in {TILE_MS})")
-    tile_n = auto_n if tile_n is None else tile_n
-    if tile_n not in TILE_NS:
-        raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
     n_kt = k_iterations(inter_dim)
     k_batch = min(auto_kb, n_kt) if k_batch is None else k_batch
     if not isinstance(k_batch, int) or not 1 <= k_batch <= n_kt:
