@@ -5,7 +5,7 @@ MXFP8 quantize (1x32, 32x1, dual, 3D per expert) and the A16W4 MoE stage-1 and s
 reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
-from . import emu, reference
+from . import emu, nn, reference
 from .api import (
     dequantize_mxfp4,
     explain,
@@ -43,6 +43,7 @@ __all__ = [
     "mxfp8_quantize",
     "mxfp8_quantize_3d",
     "mxfp8_quantize_dual",
+    "nn",
     "quantize_mxfp4",
     "reference",
     "shuffle_scale_a16w4",

@@ -1,0 +1,392 @@
+"""torch.nn modules on flyquant: MoE experts running fq.fused_moe, and the GPT-OSS swap.
+
+`MoEExperts` holds one MoE layer's experts as the A16W4 kernels take them: MXFP4 w1 (gate rows
+then up rows) and w2, pre-shuffled, their E8M0 scales shuffled to match, optional biases, the
+activation and its parameters, and the true and padded sizes. Padding (zero weights, zero bias)
+is what the shuffles and the kernels' tiles need:
+
+    K = model_dim padded to 256   (w1's reduced dim; the scale shuffle takes K in tiles of 256)
+    P = inter_dim padded to 256   (w1's gate and up halves, w2's reduced dim)
+    N = model_dim padded to 32    (w2's rows, the scale shuffle's 32-row tiles)
+
+so GPT-OSS's 2880 becomes K = P = 3072 and N = 2880. Weights are converted once, on the device
+they live on; the module's buffers are the converted tensors and the layer's sizes and
+activation travel in its state_dict (extra state), so state_dict round-trips.
+
+`from_gpt_oss_experts` / `patch_gpt_oss` convert transformers' GPT-OSS experts (bf16/fp32
+`gate_up_proj` (E, hidden, 2 * inter) with interleaved gate/up columns, `down_proj` (E, inter,
+hidden), their biases) or the MXFP4 checkpoint tensors (`gate_up_proj_blocks` (E, 2 * inter,
+hidden / 32, 16) uint8, `gate_up_proj_scales` (E, 2 * inter, hidden / 32) uint8 E8M0 codes, and
+`down_proj_blocks` / `down_proj_scales` (E, hidden, inter / 32, 16) / (E, hidden, inter / 32)),
+the latter taken as they are (no requantization).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from . import api, layouts, validate
+from .formats import MX_BLOCK
+
+__all__ = ["MoEExperts", "from_gpt_oss_experts", "patch_gpt_oss"]
+
+K_ALIGN = 256  # w1's K: shuffle_scale_a16w4 takes K / 32 in tiles of 8 columns
+P_ALIGN = 256  # the gate/up halves and w2's K (stage 2 reduces over P in the same 256-wide tiles)
+N_ALIGN = 32   # w2's rows: shuffle_scale_a16w4's 32-row tiles
+MODEL_CHUNK = 32  # the stage-1 kernel reads x in 32-column chunks (model_dim a multiple of it)
+INTER_CHUNK = 32  # stage 2 reduces over inter_dim in 32-column chunks (stage 1 writes 16-wide MFMA columns)
+SCALE_PAD_CODE = 0  # E8M0 code the floor quantize gives an all-zero block (2^-127); the padding FP4 codes are 0
+FP4_BLOCK_BYTES = MX_BLOCK // 2  # 16 packed bytes per 32-element block
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+PACKED_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_bias(b, name, experts, rows, fill):
+    """A (E, rows) bias from b (E, n) with n <= rows filled by `fill(out, b)`; None stays None.
+    Kept in bf16 or fp32 (fp16/fp64 become fp32)."""
+    if b is None:
+        return None
+    validate.tensor(b, name, FLOAT_WEIGHTS, ndim=2)
+    dtype = b.dtype if b.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    out = torch.zeros(experts, rows, dtype=dtype, device=b.device)
+    fill(out, b.detach().to(dtype))
+    return out
+
+
+class MoEExperts(torch.nn.Module):
+    """The experts of one MoE layer on fq.fused_moe (A16W4: bf16 activations, MXFP4 weights).
+
+    forward(hidden_states (..., model_dim), topk_ids (T, topk), topk_weights (T, topk)) ->
+    (..., model_dim) in hidden_states' dtype: out[t] = sum_k w_tk * (act(x[t] @ Wg[e]^T + bg[e],
+    x[t] @ Wu[e]^T + bu[e]) @ W2[e]^T + b2[e]), e = topk_ids[t, k]. The activations enter the
+    kernels as bf16; the output is accumulated in fp32 for fp32/fp64 hidden states, else bf16.
+
+    Build with `from_dense` (float weights, quantized once) or `from_mxfp4` (packed FP4 + E8M0
+    scales as quantized); the constructor takes the already padded, shuffled tensors.
+    """
+
+    def __init__(self, w1, w1_scale, w2, w2_scale, b1=None, b2=None, *, model_dim: int, inter_dim: int,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
+        validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
+        experts, two_p, k_half = w1.shape
+        if w2.shape[0] != experts or 2 * w2.shape[2] != two_p // 2:
+            raise ValueError(f"w2 must have shape (E = {experts}, N, P / 2 = {two_p // 4}), got {tuple(w2.shape)}")
+        if not 0 < model_dim <= min(2 * k_half, w2.shape[1]) or not 0 < inter_dim <= two_p // 2:
+            raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
+                             f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+        self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
+        self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
+        self.register_buffer("w1", w1)
+        self.register_buffer("w1_scale", w1_scale)
+        self.register_buffer("w2", w2)
+        self.register_buffer("w2_scale", w2_scale)
+        self.register_buffer("b1", b1)
+        self.register_buffer("b2", b2)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def padded_dims(self) -> dict:
+        """The padded sizes: K (w1's reduced dim), P (gate/up half, w2's reduced dim), N (w2's rows)."""
+        return dict(K=2 * self.w1.shape[2], P=self.w1.shape[1] // 2, N=self.w2.shape[1])
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dense(cls, w1, w2, b1=None, b2=None, *, activation: str = "silu", alpha: float = 1.702,
+                   limit: float = 7.0, scaling_mode: str = "floor") -> "MoEExperts":
+        """From float expert weights, quantized to MXFP4 once on their device (scaling_mode "floor",
+        the OCP rule the GPT-OSS checkpoint used, or "rceil" / "even").
+
+        w1: (E, 2 * inter, model) gate rows [0, inter) then up rows, bf16/fp16/fp32/fp64;
+        w2: (E, model, inter); b1: (E, 2 * inter) in w1's row order; b2: (E, model)."""
+        validate.tensor(w1, "w1", FLOAT_WEIGHTS, ndim=3)
+        validate.tensor(w2, "w2", FLOAT_WEIGHTS, ndim=3)
+        experts, two_inter, model = w1.shape
+        if two_inter % 2:
+            raise ValueError(f"w1.shape[1] = {two_inter} must be even (gate rows then up rows)")
+        inter = two_inter // 2
+        if tuple(w2.shape) != (experts, model, inter):
+            raise ValueError(f"w2 must have shape (E, model, inter) = {(experts, model, inter)}, got {tuple(w2.shape)}")
+        validate.same_device("w1", w1, "w2", w2)
+        k, p, n = _pad(model, K_ALIGN), _pad(inter, P_ALIGN), _pad(model, N_ALIGN)
+        qdtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        p1 = torch.empty(experts, 2 * p, k // 2, dtype=torch.uint8, device=w1.device)
+        s1 = torch.empty(experts, 2 * p, k // MX_BLOCK, dtype=torch.float8_e8m0fnu, device=w1.device)
+        p2 = torch.empty(experts, n, p // 2, dtype=torch.uint8, device=w1.device)
+        s2 = torch.empty(experts, n, p // MX_BLOCK, dtype=torch.float8_e8m0fnu, device=w1.device)
+        for e in range(experts):  # one expert at a time: padded float copies of one expert only
+            d1 = torch.zeros(2, p, k, dtype=qdtype, device=w1.device)
+            d1[:, :inter, :model] = w1[e].detach().reshape(2, inter, model)
+            p1[e], s1[e] = (t.view(2 * p, -1) for t in api.quantize_mxfp4(d1, scaling_mode=scaling_mode))
+            d2 = torch.zeros(n, p, dtype=qdtype, device=w2.device)
+            d2[:model, :inter] = w2[e].detach()
+            p2[e], s2[e] = api.quantize_mxfp4(d2, scaling_mode=scaling_mode)
+        return cls._from_padded(p1, s1, p2, s2, _gate_up_bias(b1, experts, inter, p), _down_bias(b2, experts, model, n),
+                                model, inter, activation, alpha, limit)
+
+    @classmethod
+    def from_mxfp4(cls, w1, w1_scale, w2, w2_scale, b1=None, b2=None, *, model_dim: int | None = None,
+                   inter_dim: int | None = None, activation: str = "silu", alpha: float = 1.702,
+                   limit: float = 7.0) -> "MoEExperts":
+        """From MXFP4 expert weights as quantized (unshuffled), taken bit for bit:
+
+        w1: (E, 2 * I, M / 2) packed FP4 (uint8, low nibble first), gate rows [0, I) then up rows;
+        w1_scale: (E, 2 * I, M / 32) E8M0 (float8_e8m0fnu or uint8 codes); w2: (E, M', I / 2) with
+        M' >= model_dim rows; w2_scale: (E, M', I / 32); b1 (E, 2 * I) in w1's row order, b2 (E, >=
+        model_dim). model_dim / inter_dim: the true sizes when M / I include padding (default M, I)."""
+        validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
+        validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
+        validate.tensor(w1_scale, "w1_scale", SCALE_DTYPES, ndim=3)
+        validate.tensor(w2_scale, "w2_scale", SCALE_DTYPES, ndim=3)
+        experts, two_i, m_half = w1.shape
+        if two_i % 2:
+            raise ValueError(f"w1.shape[1] = {two_i} must be even (gate rows then up rows)")
+        i_rows, m_cols = two_i // 2, 2 * m_half
+        validate.shape(w1_scale, "w1_scale", (experts, two_i, m_cols // MX_BLOCK))
+        if w2.shape[0] != experts or 2 * w2.shape[2] != i_rows:
+            raise ValueError(f"w2 must have shape (E = {experts}, rows, I / 2 = {i_rows // 2}), got {tuple(w2.shape)}")
+        validate.shape(w2_scale, "w2_scale", (experts, w2.shape[1], i_rows // MX_BLOCK))
+        for name, t in (("w1_scale", w1_scale), ("w2", w2), ("w2_scale", w2_scale)):
+            validate.same_device("w1", w1, name, t)
+        model = m_cols if model_dim is None else model_dim
+        inter = i_rows if inter_dim is None else inter_dim
+        if not 0 < model <= min(m_cols, w2.shape[1]):
+            raise ValueError(f"model_dim = {model} must be in [1, min(2 * w1.shape[2], w2.shape[1]) = "
+                             f"{min(m_cols, w2.shape[1])}]")
+        if not 0 < inter <= i_rows:
+            raise ValueError(f"inter_dim = {inter} must be in [1, w1.shape[1] / 2 = {i_rows}]")
+        k, p, n = _pad(m_cols, K_ALIGN), _pad(i_rows, P_ALIGN), _pad(w2.shape[1], N_ALIGN)
+        dev = w1.device
+        p1 = torch.zeros(experts, 2, p, k // 2, dtype=torch.uint8, device=dev)
+        p1[:, :, :i_rows, :m_half] = _bytes(w1).view(experts, 2, i_rows, m_half)
+        s1 = torch.full((experts, 2, p, k // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
+        s1[:, :, :i_rows, :m_cols // MX_BLOCK] = _bytes(w1_scale).view(experts, 2, i_rows, -1)
+        p2 = torch.zeros(experts, n, p // 2, dtype=torch.uint8, device=dev)
+        p2[:, :w2.shape[1], :i_rows // 2] = _bytes(w2)
+        s2 = torch.full((experts, n, p // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
+        s2[:, :w2.shape[1], :i_rows // MX_BLOCK] = _bytes(w2_scale)
+        e8m0 = torch.float8_e8m0fnu
+        return cls._from_padded(p1.view(experts, 2 * p, k // 2), s1.view(experts, 2 * p, -1).view(e8m0), p2,
+                                s2.view(e8m0), _gate_up_bias(b1, experts, i_rows, p), _down_bias(b2, experts, model, n),
+                                model, inter, activation, alpha, limit)
+
+    @classmethod
+    def _from_padded(cls, p1, s1, p2, s2, b1, b2, model, inter, activation, alpha, limit):
+        """Padded, unshuffled packed weights (E, 2P, K/2), (E, N, P/2) and scales -> the module."""
+        experts = p1.shape[0]
+        return cls(layouts.shuffle_weight_a16w4(p1, gate_up=True),
+                   layouts.shuffle_scale_a16w4(s1.reshape(experts * p1.shape[1], -1), experts, gate_up=True),
+                   layouts.shuffle_weight_a16w4(p2),
+                   layouts.shuffle_scale_a16w4(s2.reshape(experts * p2.shape[1], -1), experts),
+                   b1, b2, model_dim=model, inter_dim=inter, activation=activation, alpha=alpha, limit=limit)
+
+    # ---- forward and state ----------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[-1] != self.model_dim:
+            raise ValueError(f"hidden_states.shape[-1] = {hidden_states.shape[-1]} must equal model_dim = {self.model_dim}")
+        x = hidden_states.reshape(-1, self.model_dim).to(torch.bfloat16)
+        # The kernels take model_dim and inter_dim in chunks of 32: run on
+        # those (the weights and biases past the true sizes are zero, so the extra a2 columns and
+        # outputs are 0) and keep the true columns. Only a model_dim off 32 costs a copy of x.
+        model, inter = _pad(self.model_dim, MODEL_CHUNK), _pad(self.inter_dim, INTER_CHUNK)
+        x = torch.nn.functional.pad(x, (0, model - self.model_dim)) if model != self.model_dim else x.contiguous()
+        wide = hidden_states.dtype in (torch.float32, torch.float64)
+        out = api.fused_moe(x, self.w1, self.w1_scale, self.w2, self.w2_scale,
+                            topk_weights.reshape(x.shape[0], -1).to(torch.float32),
+                            topk_ids.reshape(x.shape[0], -1), b1=self.b1, b2=self.b2, activation=self.activation,
+                            alpha=self.alpha, limit=self.limit, out_dtype=torch.float32 if wide else torch.bfloat16,
+                            model_dim=model, inter_dim=inter)
+        if model != self.model_dim:
+            out = out[:, :self.model_dim]
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def get_extra_state(self) -> dict:
+        return dict(model_dim=self.model_dim, inter_dim=self.inter_dim, activation=self.activation,
+                    alpha=self.alpha, limit=self.limit)
+
+    def set_extra_state(self, state: dict) -> None:
+        if state["activation"] not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {state['activation']!r}")
+        self.model_dim, self.inter_dim = int(state["model_dim"]), int(state["inter_dim"])
+        self.activation, self.alpha, self.limit = state["activation"], float(state["alpha"]), float(state["limit"])
+
+    def extra_repr(self) -> str:
+        d = self.padded_dims
+        return (f"experts={self.num_experts}, model_dim={self.model_dim}, inter_dim={self.inter_dim}, "
+                f"padded K={d['K']} P={d['P']} N={d['N']}, activation={self.activation!r}"
+                + (f", alpha={self.alpha}, limit={self.limit}" if self.activation == "swiglu_oai" else "")
+                + f", biases={self.b1 is not None}/{self.b2 is not None}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _gate_up_bias(b1, experts, inter, p):
+    def fill(out, b):
+        if tuple(b.shape) != (experts, 2 * inter):
+            raise ValueError(f"b1 must have shape (E, 2 * inter) = {(experts, 2 * inter)}, got {tuple(b.shape)}")
+        out.view(experts, 2, p)[:, :, :inter] = b.view(experts, 2, inter)
+    return _padded_bias(b1, "b1", experts, 2 * p, fill)
+
+
+def _down_bias(b2, experts, model, n):
+    def fill(out, b):
+        if b.shape[0] != experts or b.shape[1] < model:
+            raise ValueError(f"b2 must have shape (E = {experts}, >= model_dim = {model}), got {tuple(b.shape)}")
+        out[:, :model] = b[:, :model]
+    return _padded_bias(b2, "b2", experts, n, fill)
+
+
+# ---- GPT-OSS ------------------------------------------------------------------------------------
+
+GPT_OSS_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
+                   "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def _gpt_oss_tensors(experts) -> dict:
+    """The named tensors of a GPT-OSS experts module or of a mapping (checkpoint keys, with or
+    without a prefix ending in '.')."""
+    if isinstance(experts, Mapping):
+        found = {}
+        for key, value in experts.items():
+            name = key.rsplit(".", 1)[-1]
+            if name in GPT_OSS_TENSORS:
+                if name in found:
+                    raise ValueError(f"two tensors named {name!r} in the mapping (pass one layer's experts)")
+                found[name] = value
+        return found
+    return {name: getattr(experts, name) for name in GPT_OSS_TENSORS
+            if isinstance(getattr(experts, name, None), torch.Tensor)}
+
+
+def _swiglu_params(experts, config) -> tuple[float, float]:
+    alpha = getattr(experts, "alpha", None)
+    limit = getattr(experts, "limit", None)
+    if alpha is None:
+        alpha = getattr(config, "swiglu_alpha", 1.702)
+    if limit is None:
+        limit = getattr(config, "swiglu_limit", 7.0)
+    return float(alpha), float(limit)
+
+
+def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> MoEExperts:
+    """A MoEExperts (activation "swiglu_oai") from transformers' GPT-OSS experts.
+
+    experts: a GptOssExperts module, or a mapping of its tensors (a checkpoint's, the keys' last
+    component naming them). Either float weights: gate_up_proj (E, hidden, 2 * inter) applied as
+    x @ gate_up_proj with the gate in the even columns and the up projection in the odd ones,
+    gate_up_proj_bias (E, 2 * inter) interleaved alike, down_proj (E, inter, hidden), down_proj_bias
+    (E, hidden) -- quantized to MXFP4 with `scaling_mode`; or the MXFP4 checkpoint tensors
+    gate_up_proj_blocks (E, 2 * inter, hidden / 32, 16) uint8 (rows interleaved gate/up),
+    gate_up_proj_scales (E, 2 * inter, hidden / 32) uint8 E8M0 codes, down_proj_blocks (E, hidden,
+    inter / 32, 16), down_proj_scales (E, hidden, inter / 32) -- taken bit for bit. alpha / limit:
+    the module's, else config.swiglu_alpha / swiglu_limit, else 1.702 / 7.0."""
+    t = _gpt_oss_tensors(experts)
+    alpha, limit = _swiglu_params(experts, config)
+    b1, b2 = t.get("gate_up_proj_bias"), t.get("down_proj_bias")
+    if "gate_up_proj_blocks" in t or "down_proj_blocks" in t:
+        return _from_gpt_oss_mxfp4(t, b1, b2, alpha, limit)
+    missing = [n for n in ("gate_up_proj", "down_proj") if n not in t]
+    if missing:
+        raise ValueError(f"GPT-OSS experts need gate_up_proj and down_proj (or their _blocks/_scales); missing {missing}")
+    gate_up, down = t["gate_up_proj"].detach(), t["down_proj"].detach()
+    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if w.dtype not in FLOAT_WEIGHTS:  # e.g. transformers' Mxfp4GptOssExperts after its Triton swizzle
+            raise ValueError(f"{name} must be a float tensor (bf16/fp16/fp32/fp64) or come as {name}_blocks/_scales; "
+                             f"got {w.dtype}")
+    validate.tensor(gate_up, "gate_up_proj", FLOAT_WEIGHTS, ndim=3)
+    validate.tensor(down, "down_proj", FLOAT_WEIGHTS, ndim=3)
+    e, hidden, two_inter = gate_up.shape
+    if tuple(down.shape) != (e, two_inter // 2, hidden):
+        raise ValueError(f"down_proj must have shape (E, inter, hidden) = {(e, two_inter // 2, hidden)}, got {tuple(down.shape)}")
+    w1, b1 = layouts.gate_up_rows_from_interleaved(gate_up, None if b1 is None else b1.detach())
+    return MoEExperts.from_dense(w1, down.transpose(1, 2), b1, None if b2 is None else b2.detach(),
+                                 activation="swiglu_oai", alpha=alpha, limit=limit, scaling_mode=scaling_mode)
+
+
+def _checkpoint_tensor(t, name, shape_desc, ndim, dtypes=(torch.uint8,)):
+    if name not in t:
+        raise ValueError(f"GPT-OSS MXFP4 experts need {name} {shape_desc}; it is missing")
+    x = t[name]
+    if not isinstance(x, torch.Tensor) or x.dtype not in dtypes or x.dim() != ndim:
+        got = f"{x.dtype} with shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be {shape_desc} {'/'.join(str(d)[6:] for d in dtypes)}, got {got}")
+    return x.detach()
+
+
+def _from_gpt_oss_mxfp4(t, b1, b2, alpha, limit) -> MoEExperts:
+    gu_b = _checkpoint_tensor(t, "gate_up_proj_blocks", "(E, 2 * inter, hidden / 32, 16)", 4)
+    gu_s = _checkpoint_tensor(t, "gate_up_proj_scales", "(E, 2 * inter, hidden / 32)", 3, SCALE_DTYPES)
+    dn_b = _checkpoint_tensor(t, "down_proj_blocks", "(E, hidden, inter / 32, 16)", 4)
+    dn_s = _checkpoint_tensor(t, "down_proj_scales", "(E, hidden, inter / 32)", 3, SCALE_DTYPES)
+    e, two_inter, hb, blk = gu_b.shape
+    if blk != FP4_BLOCK_BYTES or two_inter % 2 or (two_inter // 2) % MX_BLOCK:
+        raise ValueError(f"gate_up_proj_blocks must have shape (E, 2 * inter, hidden / 32, 16) with inter a multiple "
+                         f"of 32, got {tuple(gu_b.shape)}")
+    inter, hidden = two_inter // 2, hb * MX_BLOCK
+    want = {"gate_up_proj_scales": (gu_s, (e, two_inter, hb)),
+            "down_proj_blocks": (dn_b, (e, hidden, inter // MX_BLOCK, FP4_BLOCK_BYTES)),
+            "down_proj_scales": (dn_s, (e, hidden, inter // MX_BLOCK))}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from gate_up_proj_blocks {tuple(gu_b.shape)}), "
+                             f"got {tuple(x.shape)}")
+    w1 = gu_b.reshape(e, two_inter, hidden // 2)
+    s1 = _bytes(gu_s)
+    w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)  # interleaved rows -> gate rows then up rows
+    s1 = torch.cat([s1[:, 0::2], s1[:, 1::2]], dim=1)
+    if b1 is not None:
+        validate.tensor(b1, "gate_up_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b1, "gate_up_proj_bias", (e, two_inter))
+        b1 = torch.cat([b1[:, 0::2], b1[:, 1::2]], dim=1)
+    if b2 is not None:
+        validate.tensor(b2, "down_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b2, "down_proj_bias", (e, hidden))
+    return MoEExperts.from_mxfp4(w1, s1, dn_b.reshape(e, hidden, inter // 2), dn_s, b1, b2,
+                                 activation="swiglu_oai", alpha=alpha, limit=limit)
+
+
+def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = "floor"):
+    """Swap the experts of every GPT-OSS MoE block (transformers' GptOssMLP) of `model` for a
+    MoEExperts, in place, keeping each block's router; returns the model.
+
+    checkpoint: optionally the checkpoint's tensors (a state_dict-like mapping with keys
+    '<block path>.experts.gate_up_proj_blocks' etc.): a block whose MXFP4 tensors it holds takes
+    them bit for bit; the others quantize their float weights with `scaling_mode`."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = getattr(model, "config", None)
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, GptOssMLP)]
+    if not blocks:
+        raise ValueError(f"no GPT-OSS MoE block (transformers GptOssMLP) in {type(model).__name__}")
+    for name, block in blocks:
+        source = block.experts
+        if checkpoint is not None:
+            prefix = f"{name}.experts."
+            layer = {k: v for k, v in checkpoint.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+            if any(k.endswith("_blocks") for k in layer):
+                source = layer
+        with torch.no_grad():
+            new = from_gpt_oss_experts(source, config, scaling_mode=scaling_mode)
+        if isinstance(source, Mapping):
+            alpha, limit = _swiglu_params(block.experts, config)
+            new.alpha, new.limit = alpha, limit
+        block.experts = new
+    return model
