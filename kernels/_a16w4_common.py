@@ -313,9 +313,10 @@ GELU_CUBIC = 0.044715
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 
 
-def _sigmoid(z):
-    """1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32: +-inf give 1 / 0 exactly, NaN stays NaN."""
-    e = fx.Float32(rocdl.exp2(T.f32, (z * fx.Float32(-LOG2E)).ir_value()))
+def _sigmoid(z, scale: float = 1.0):
+    """sigmoid(scale * z) = 1 / (1 + 2^(z * (-scale log2 e))) by v_exp_f32 and v_rcp_f32, the two
+    constants folded into one multiply: +-inf give 1 / 0 exactly, NaN stays NaN."""
+    e = fx.Float32(rocdl.exp2(T.f32, (z * fx.Float32(-scale * LOG2E)).ir_value()))
     return fx.Float32(rocdl.rcp(T.f32, (e + fx.Float32(1.0)).ir_value()))
 
 
@@ -324,13 +325,13 @@ def _activation(kind: str, g, u, alpha: float, limit: float):
     compare-and-select, not v_min/v_max (those return the other operand for a NaN): NaN propagates."""
     if kind == "silu":
         return g * _sigmoid(g) * u
-    if kind == "gelu":
-        return g * _sigmoid((g + g * g * g * fx.Float32(GELU_CUBIC)) * fx.Float32(GELU_2C)) * u
+    if kind == "gelu":  # g (g^2 c + 1) = g + c g^3: one multiply-add
+        return g * _sigmoid(g * (g * g * fx.Float32(GELU_CUBIC) + fx.Float32(1.0)), GELU_2C) * u
     if kind == "swiglu_oai":
         lim = fx.Float32(limit)
         g = (g > lim).select(lim, g)
         u = (u > lim).select(lim, (u < fx.Float32(-limit)).select(fx.Float32(-limit), u))
-        return (u + fx.Float32(1.0)) * (g * _sigmoid(g * fx.Float32(alpha)))
+        return (u + fx.Float32(1.0)) * (g * _sigmoid(g, alpha))
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
 
 
