@@ -164,3 +164,175 @@ def test_bad_input():
     p2, s2 = reference.quantize_mxfp4(p["w2"])
     with pytest.raises(ValueError, match="w1_scale"):
         MoEExperts.from_mxfp4(p1, s1[:, :, :1], p2, s2)
+
+
+# ---- GPT-OSS: transformers' own model, its experts swapped --------------------------------------
+
+# The tiny model: 2 layers (one sliding-window, one full attention), hidden 64, intermediate 64
+# (multiples of 32: the checkpoint's MXFP4 blocks; padded to K = P = 256 for the shuffles), 8 experts,
+# top-2, 2 heads of 32 (1 KV head), vocab 128, 6 tokens. Expert weights std 0.3 and biases std 0.5
+# (transformers' init, 0.02 and 0, would make the MoE a rounding error beside the residual and never
+# reach swiglu's clamp at 7).
+OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+           num_key_value_heads=1, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+           max_position_embeddings=64)
+SEQ = 6
+# Logits: no bound is derived through attention and norms; instead the scale of error bf16 activations
+# bring: transformers' own logits moved by rounding each experts module's input to bf16 (d_bf16). The
+# kernels round twice as often (x and a2, 2^-9 relative each) plus FP32 sums, so about 2 d_bf16;
+# LOGIT_RATIO allows 2x more for how the two propagate through 2 layers. Measured: 1.44 d_bf16 on both
+# arches and the reference (0.0031 on logits of max 0.58); a wrong gate/up order or limit fails the
+# per-block bound first.
+LOGIT_RATIO = 4.0
+
+
+def tiny_gpt_oss(seed=0):
+    """(model, checkpoint): a random fp32 GptOssForCausalLM whose expert weights are MXFP4 values, written
+    in by transformers' own dequantization of the checkpoint tensors (`*_blocks`, `*_scales`, made here
+    with our floor quantize) that `checkpoint` holds under the model's parameter names."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**OSS, attn_implementation="eager", experts_implementation="eager")).eval()
+    g = torch.Generator().manual_seed(seed)
+    e, h, i = OSS["num_local_experts"], OSS["hidden_size"], OSS["intermediate_size"]
+    checkpoint = {}
+    for n, layer in enumerate(model.model.layers):
+        ex, prefix = layer.mlp.experts, f"model.layers.{n}.mlp.experts."
+        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            packed, scales = reference.quantize_mxfp4(torch.randn(e, rows, cols, generator=g) * 0.3)
+            blocks, codes = packed.view(e, rows, cols // 32, 16), scales.view(torch.uint8)
+            checkpoint[prefix + proj + "_blocks"], checkpoint[prefix + proj + "_scales"] = blocks, codes
+            with torch.no_grad():
+                getattr(ex, proj).copy_(convert_moe_packed_tensors(blocks, codes, dtype=torch.float32))
+        with torch.no_grad():
+            ex.gate_up_proj_bias.copy_(torch.randn(e, 2 * i, generator=g) * 0.5)
+            ex.down_proj_bias.copy_(torch.randn(e, h, generator=g) * 0.5)
+        checkpoint[prefix + "gate_up_proj_bias"] = ex.gate_up_proj_bias.detach().clone()
+        checkpoint[prefix + "down_proj_bias"] = ex.down_proj_bias.detach().clone()
+    return model, checkpoint
+
+
+def run_capturing(model, tokens, x_hook=None):
+    """Logits and each experts module's (hidden_states, router_indices, routing_weights, output)."""
+    caps = []
+    handles = [layer.mlp.experts.register_forward_hook(
+        lambda m, args, out: caps.append(tuple(a.detach().clone() for a in (*args, out))))
+        for layer in model.model.layers]
+    if x_hook is not None:
+        handles += [layer.mlp.experts.register_forward_pre_hook(x_hook) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            logits = model(tokens).logits
+    finally:
+        for hnd in handles:
+            hnd.remove()
+    return logits, caps
+
+
+def gpt_oss_exact(experts, x, ids, weights):
+    """(transformers' own GptOssExperts forward in float64 on the bf16 activations the kernels see,
+    exact_moe's value and bound) for one block."""
+    import copy
+
+    ex = copy.deepcopy(experts).double()
+    with torch.no_grad():
+        theirs = ex(x.to(torch.bfloat16).double(), ids, weights.double())
+        gu, bgu = ex.gate_up_proj, ex.gate_up_proj_bias
+        w1 = torch.cat([gu[..., 0::2].transpose(1, 2), gu[..., 1::2].transpose(1, 2)], dim=1)  # gate rows, up rows
+        b1 = torch.cat([bgu[:, 0::2], bgu[:, 1::2]], dim=1)
+        ours, bound = exact_moe(x.to(torch.bfloat16), w1, b1, ex.down_proj.transpose(1, 2), ex.down_proj_bias,
+                                ids, weights, "swiglu_oai", U_F32)
+    return theirs, ours, bound
+
+
+BACKENDS = [("flydsl", "gfx950"), ("flydsl", "gfx942"), ("reference", "gfx950")]
+
+
+@pytest.mark.parametrize("backend,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
+def test_patch_gpt_oss_agrees_with_transformers(backend, arch, monkeypatch):
+    """Every MoE block within the derived bound of transformers' own float64 forward of the same
+    (MXFP4-valued) weights on the block's bf16 input; routing unchanged; logits within LOGIT_RATIO times
+    what rounding the experts' inputs to bf16 alone moves transformers' logits by."""
+    import copy
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    model, _ = tiny_gpt_oss()
+    tokens = torch.randint(0, OSS["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_caps = run_capturing(model, tokens)
+    bf16_logits, _ = run_capturing(model, tokens, x_hook=lambda m, args: (args[0].bfloat16().float(), *args[1:]))
+    reference_experts = [copy.deepcopy(layer.mlp.experts) for layer in model.model.layers]
+    routers = [layer.mlp.router for layer in model.model.layers]
+    assert patch_gpt_oss(model) is model
+    assert all(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)
+    assert [layer.mlp.router for layer in model.model.layers] == routers  # the routers kept, as they were
+    with fq.emu.record() as launches:
+        logits, caps = run_capturing(model, tokens)
+    assert len(launches) == (3 * OSS["num_hidden_layers"] if backend == "flydsl" else 0)
+    report = []
+    for n, ((x, ids, w, out), ref_cap) in enumerate(zip(caps, ref_caps)):
+        assert torch.equal(ids, ref_cap[1]), f"layer {n}: routing changed"
+        theirs, ours, bound = gpt_oss_exact(reference_experts[n], x, ids, w)
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # our exact MoE is transformers' math
+        assert (bound < 0.05 * theirs.abs().max()).all()
+        err = (out.double() - theirs).abs()
+        assert bool((err <= bound).all()), f"layer {n}: worst excess {float((err - bound).max()):.3g}"
+        report.append(float((err / bound).max()))
+    d_kernel = float((logits - ref_logits).abs().max())
+    d_bf16 = float((bf16_logits - ref_logits).abs().max())
+    assert 0 < d_bf16 and d_kernel <= LOGIT_RATIO * d_bf16, (d_kernel, d_bf16, report)
+
+
+def dequantized_module(m: MoEExperts):
+    """(w1 (E, 2P, K), w2 (E, N, P)) fp32: the module's buffers unshuffled and dequantized."""
+    e = m.num_experts
+    w1 = layouts.unshuffle_weight_a16w4(m.w1, gate_up=True)
+    s1 = layouts.unshuffle_scale_a16w4(m.w1_scale, e, gate_up=True).view(*w1.shape[:2], -1)
+    w2 = layouts.unshuffle_weight_a16w4(m.w2)
+    s2 = layouts.unshuffle_scale_a16w4(m.w2_scale, e).view(*w2.shape[:2], -1)
+    return reference.dequantize_mxfp4(w1, s1), reference.dequantize_mxfp4(w2, s2)
+
+
+def test_checkpoint_tensors_equal_transformers_dequantization():
+    """The `*_blocks` / `*_scales` path: our converted weights dequantize to transformers' own
+    dequantization of the same tensors (what the reference model holds), bit for bit, gate columns
+    to gate rows and up columns to up rows; the float path requantizes them to the same bytes."""
+    model, checkpoint = tiny_gpt_oss(seed=2)
+    from_floats = [from_gpt_oss_experts(layer.mlp.experts, model.config) for layer in model.model.layers]
+    theirs = [layer.mlp.experts for layer in model.model.layers]
+    i, h = OSS["intermediate_size"], OSS["hidden_size"]
+    patch_gpt_oss(model, checkpoint=checkpoint)
+    for n, layer in enumerate(model.model.layers):
+        m, t = layer.mlp.experts, theirs[n]
+        assert (m.alpha, m.limit, m.activation, m.model_dim, m.inter_dim) == (1.702, 7.0, "swiglu_oai", h, i)
+        w1, w2 = dequantized_module(m)
+        p = m.padded_dims["P"]
+        gate_up = t.gate_up_proj.detach()
+        assert torch.equal(w1[:, :i, :h], gate_up[..., 0::2].transpose(1, 2))
+        assert torch.equal(w1[:, p:p + i, :h], gate_up[..., 1::2].transpose(1, 2))
+        assert torch.equal(w2[:, :h, :i], t.down_proj.detach().transpose(1, 2))
+        assert (w1[:, i:p] == 0).all() and (w1[:, :, h:] == 0).all() and (w2[:, :, i:] == 0).all()
+        assert torch.equal(m.b1[:, :i], t.gate_up_proj_bias[:, 0::2]) and torch.equal(m.b1[:, p:p + i], t.gate_up_proj_bias[:, 1::2])
+        for name, buf in m.named_buffers():
+            assert torch.equal(buf.view(torch.uint8) if buf.dtype == torch.float8_e8m0fnu else buf,
+                               getattr(from_floats[n], name).view(torch.uint8) if buf.dtype == torch.float8_e8m0fnu
+                               else getattr(from_floats[n], name)), (n, name)
+
+
+def test_bad_checkpoint_tensors_are_named():
+    model, checkpoint = tiny_gpt_oss(seed=3)
+    prefix = "model.layers.0.mlp.experts."
+    layer0 = {k: v for k, v in checkpoint.items() if k.startswith(prefix)}
+    bad = dict(layer0, **{prefix + "down_proj_scales": layer0[prefix + "down_proj_scales"][:, :, :1]})
+    with pytest.raises(ValueError, match=r"down_proj_scales must have shape \(8, 64, 2\)"):
+        from_gpt_oss_experts(bad, model.config)
+    bad = dict(layer0, **{prefix + "gate_up_proj_blocks": layer0[prefix + "gate_up_proj_blocks"].float()})
+    with pytest.raises(ValueError, match="gate_up_proj_blocks must be .* uint8, got torch.float32"):
+        from_gpt_oss_experts(bad, model.config)
+    bad = {k: v for k, v in layer0.items() if not k.endswith("down_proj_blocks")}
+    with pytest.raises(ValueError, match="need down_proj_blocks"):
+        from_gpt_oss_experts(bad, model.config)
+    with pytest.raises(ValueError, match="no GPT-OSS MoE block"):
+        patch_gpt_oss(torch.nn.Sequential(torch.nn.Linear(2, 2)))
