@@ -231,44 +231,6 @@ def test_compiles_without_spills(arch, shape, tile_m, tile_n):
         assert not GFX950_ONLY.search(rep.isa), GFX950_ONLY.search(rep.isa).group(0)
 
 
-def test_instructions_per_mfma_no_worse_than_stage2_at_one_token():
-    """The issue's target, at 1 token on a GPT-OSS-like shape (K 2880 padded to 3072, top-4), gfx950,
-    each stage on the config its selector picks for the full shape (stage 1 16x64, stage 2 16x128
-    split K 3): executed wave-instructions per MFMA of stage 1 within 1% of stage 2's. N is cut
-    (stage 1: inter 128, stage 2: model_dim 256) and E to 8 to keep the emulation to seconds: a
-    workgroup's work is the full shape's (same K, tiles and waves), and every launched workgroup
-    works (4 pairs, 4 m-tiles). Measured 7.43 both (bench figure for stage 2: 7.56 with idle
-    workgroups)."""
-    import flyquant.emu as emu
-
-    arch, experts, topk, hidden, inter, pad = "gfx950", 8, 4, 2880, 2880, 3072
-    gen = torch.Generator().manual_seed(11)
-    p1, s1 = quantize_mxfp4(torch.randn(experts, 2 * 128, pad, generator=gen) * 0.05)
-    p2, s2 = quantize_mxfp4(torch.randn(experts, 256, pad, generator=gen) * 0.05)
-    ids = torch.randperm(experts, generator=gen)[:topk].view(1, topk).int()
-    wts = torch.rand(1, topk, generator=gen)
-    tm1, tn1 = K1.choose_config1(1, topk, 128, hidden, inter, arch)
-    tm2, tn2, kb2 = K.choose_config(1, topk, 128, hidden, inter, arch)
-    assert (tm1, tn1, tm2, tn2, kb2) == (16, 64, 16, 128, 3)
-    per_mfma = []
-    with toolchain.target(arch):
-        with emu.record() as rec:
-            K1.moe_gemm1_a16w4(torch.randn(1, hidden, generator=gen).bfloat16(),
-                               layouts.shuffle_weight_a16w4(p1, gate_up=True),
-                               layouts.shuffle_scale_a16w4(s1, experts, gate_up=True),
-                               *moe_sorting(ids, wts, experts, tm1), arch=arch, topk=topk, block_m=tm1,
-                               activation="swiglu_oai", bias=torch.randn(experts, 256, generator=gen).bfloat16(),
-                               model_dim=hidden, inter_dim=128, tile_m=tm1, tile_n=tn1)
-            K.moe_gemm2_a16w4(torch.randn(topk, inter, generator=gen).bfloat16(), layouts.shuffle_weight_a16w4(p2),
-                              layouts.shuffle_scale_a16w4(s2, experts), *moe_sorting(ids, wts, experts, tm2), arch=arch,
-                              topk=topk, block_m=tm2, model_dim=256, inter_dim=inter, tile_m=tm2, tile_n=tn2,
-                              k_batch=kb2)
-    for r in rec:
-        st = r.stats
-        assert st.workgroups_with_global_store == st.workgroups_launched  # all working
-        per_mfma.append(st.wave_instructions / sum(v for k, v in st.by_opcode.items() if k.startswith("v_mfma")))
-    assert per_mfma[0] <= 1.01 * per_mfma[1], per_mfma
-
 
 def test_weight_loads_are_16_bytes_per_lane_and_coalesced():
     """Stage 1 streams w1 as stage 2 streams w2 (tests/test_moe_gemm2_kernel.py derives why): every

@@ -1,0 +1,87 @@
+"""A16W4 MoE stage 1 vs stage 2 under flyquant.emu: executed wave-instructions per MFMA, per stage,
+on a GPT-OSS-like shape (hidden 2880 -> K 3072, inter 2880 -> 3072 rows per half, 128 experts, top-4,
+swiglu_oai with a bf16 bias), each stage on the config its selector picks for the full shape.
+
+    python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --out results
+
+Modelled, not timed. The N of each stage is cut (stage 1: inter 128 -> N 256; stage 2: model_dim
+256) so a CPU emulates it in seconds: a working workgroup's work is the full shape's (same K, tiles,
+waves, split), so the per-MFMA figure is that of the working workgroups of the full launch (the
+full launch's idle workgroups, if any, are not in it). Writes <out>/moe_stages_instr.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import flyquant.emu as emu
+
+EXPERTS, TOPK, HIDDEN, INTER, PAD = 128, 4, 2880, 2880, 3072
+STAGE1_INTER, STAGE2_MODEL = 128, 256  # the cut N of each stage (see the docstring)
+
+
+def measure(arch: str, tokens: int, seed: int = 0) -> list[dict]:
+    emu.enable(arch)
+    from flyquant import layouts, reference, toolchain
+    from flyquant.kernels import moe_gemm1_a16w4 as k1
+    from flyquant.kernels import moe_gemm2_a16w4 as k2
+    from flyquant.moe import moe_sorting
+
+    gen = torch.Generator().manual_seed(seed)
+    p1, s1 = reference.quantize_mxfp4(torch.randn(EXPERTS, 2 * STAGE1_INTER, PAD, generator=gen) * 0.05)
+    p2, s2 = reference.quantize_mxfp4(torch.randn(EXPERTS, STAGE2_MODEL, PAD, generator=gen) * 0.05)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).int()
+    wts = torch.rand(tokens, TOPK, generator=gen)
+    tm1, tn1 = k1.choose_config1(tokens, TOPK, EXPERTS, HIDDEN, INTER, arch)
+    tm2, tn2, kb2 = k2.choose_config(tokens, TOPK, EXPERTS, HIDDEN, INTER, arch)
+    rows = []
+    with toolchain.target(arch):
+        with emu.record() as rec1:
+            k1.moe_gemm1_a16w4(torch.randn(tokens, HIDDEN, generator=gen).bfloat16(),
+                               layouts.shuffle_weight_a16w4(p1, gate_up=True),
+                               layouts.shuffle_scale_a16w4(s1, EXPERTS, gate_up=True),
+                               *moe_sorting(ids, wts, EXPERTS, tm1), arch=arch, topk=TOPK, block_m=tm1,
+                               activation="swiglu_oai",
+                               bias=torch.randn(EXPERTS, 2 * STAGE1_INTER, generator=gen).bfloat16(),
+                               model_dim=HIDDEN, inter_dim=STAGE1_INTER, tile_m=tm1, tile_n=tn1)
+        with emu.record() as rec2:
+            k2.moe_gemm2_a16w4(torch.randn(tokens * TOPK, INTER, generator=gen).bfloat16(),
+                               layouts.shuffle_weight_a16w4(p2), layouts.shuffle_scale_a16w4(s2, EXPERTS),
+                               *moe_sorting(ids, wts, EXPERTS, tm2), arch=arch, topk=TOPK, block_m=tm2,
+                               model_dim=STAGE2_MODEL, inter_dim=INTER, tile_m=tm2, tile_n=tn2, k_batch=kb2)
+    for stage, rec, cfg in ((1, rec1, (tm1, tn1, 1)), (2, rec2, (tm2, tn2, kb2))):
+        st = rec[0].stats
+        mfma = sum(v for k, v in st.by_opcode.items() if k.startswith("v_mfma"))
+        rows.append({"arch": arch, "tokens": tokens, "stage": stage, "kernel": st.kernel, "tile_m": cfg[0],
+                     "tile_n": cfg[1], "k_batch": cfg[2], "waves": st.waves_per_workgroup,
+                     "wg_launched": st.workgroups_launched, "wg_working": st.workgroups_with_global_store,
+                     "wave_instr": st.wave_instructions, "mfma": mfma,
+                     "instr_per_mfma": st.wave_instructions / mfma if mfma else None})
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="gfx950,gfx942", help="comma-separated: gfx950, gfx942")
+    ap.add_argument("--tokens", default="1,4,16", help="comma-separated token counts")
+    ap.add_argument("--out", default="results", help="output directory")
+    args = ap.parse_args(argv)
+    rows = [r for arch in args.arch.split(",") for t in map(int, args.tokens.split(",")) for r in measure(arch, t)]
+    print(f"{'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  (modelled, not timed)")
+    for r in rows:
+        print(f"{r['arch']:7} {r['tokens']:3} {r['stage']:5} {r['tile_m']:>4}x{r['tile_n']:<5} {r['k_batch']:3} "
+              f"{r['wg_working']:4} {r['instr_per_mfma']:10.2f}  {r['kernel']}")
+    payload = {"label": "modelled, not timed (flyquant.emu)", "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_stages_instr.json").write_text(json.dumps(payload, indent=1))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
