@@ -1,11 +1,11 @@
-"""flyquant's demo: a small MoE layer and an MXFP8 training step, as a user would write them.
+"""flyquant's demo: a small MoE layer (fq.fused_moe) and an MXFP8 training step, as a user would write them.
 
     python -m flyquant.demo [--arch gfx950|gfx942]
 
 On an MI300X/MI355X it runs on the GPU. Elsewhere it enables flyquant.emu (gfx950 by default),
 so the same FlyDSL kernels, compiled for that arch, execute on the CPU. It prints where each
 call ran, whether the kernels matched the reference (bit-exact for quantize, within the derived
-bound for the GEMM) and what the emulator executed.
+bound for the MoE layer) and what the emulator executed.
 """
 
 from __future__ import annotations
@@ -27,21 +27,37 @@ GROUP_ROWS, HIDDEN, EXPERT_N = 128, 128, 64
 # One MXFP8 element rounds with relative error <= 2^-4 (3 mantissa bits), so a product of two
 # has relative error <= 2^-3 + 2^-8; a dot product's error is bounded by that times sum |x||w|.
 MXFP8_PRODUCT_REL_ERR = 2.0**-3 + 2.0**-8
-# The stage-2 output is rounded once to bf16 (relative 2^-8) after an exact FP4->BF16 unpack
-# and FP32 accumulation; with bf16 atomics across the top-k contributions, one more rounding each.
-BF16_REL = 2.0**-8
+# The MoE layer's bound (tests/test_fused_moe.py derives it): FP32 sums (2^-24 per term), the
+# activation's own error from the hardware exp2/rcp (2^-20 (|g| + 1)(|u| + 1)) and its slope
+# (|d/dg| <= 1.2 (|u| + 1), |d/du| <= |g| + 1), a2's bf16 rounding, then each bf16 contribution
+# and atomic add of stage 2 (2^-8 each).
+BF16_REL, F32_REL, ACT_ERR, SLOPE_G = 2.0**-8, 2.0**-24, 2.0**-20, 1.2
 
 
-def moe_layer(x, router, w_gate_up, w2_packed, w2_scales):
-    """A MoE FFN: router + top-k, stage 1 (gate/up + SiLU) in PyTorch, stage 2 through flyquant."""
-    logits = x.float() @ router.float().t()
-    topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), TOPK, dim=-1)
-    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
-    gate_up = torch.einsum("td,tkfd->tkf", x.float(), w_gate_up[topk_ids].float())
-    gate, up = gate_up.chunk(2, dim=-1)
-    a2 = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).reshape(TOKENS * TOPK, INTER_DIM)
-    out = fq.moe_stage2(a2, topk_ids.to(torch.int32), topk_weights.float(), w2_packed, w2_scales)
-    return out, a2, topk_ids, topk_weights
+def moe_layer(x, router, w1, w1_scale, w2, w2_scale):
+    """A MoE FFN as a user writes it: GPT-OSS-style routing, then the whole layer through flyquant
+    (sorting, gate/up GEMM with SiLU fused, down GEMM: three launches)."""
+    topk_weights, topk_ids = fq.moe_routing(x.float() @ router.float().t(), TOPK, softmax_after_topk=True)
+    out = fq.fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, activation="silu")
+    return out, topk_ids, topk_weights
+
+
+def layer_bound(x, w1_deq, w2_deq, topk_ids, topk_weights):
+    """(FP32 torch MoE of the dequantized weights, the per-element bound above)."""
+    xf = x.float()
+    wg, wu = w1_deq[topk_ids, :INTER_DIM], w1_deq[topk_ids, INTER_DIM:]  # (T, k, inter, model)
+    g, u = torch.einsum("td,tkfd->tkf", xf, wg), torch.einsum("td,tkfd->tkf", xf, wu)
+    dg = (MODEL_DIM + 1) * F32_REL * torch.einsum("td,tkfd->tkf", xf.abs(), wg.abs())
+    du = (MODEL_DIM + 1) * F32_REL * torch.einsum("td,tkfd->tkf", xf.abs(), wu.abs())
+    a = torch.nn.functional.silu(g) * u
+    t1 = BF16_REL * a.abs() + (1 + BF16_REL) * (SLOPE_G * (u.abs() + 1) * dg + (g.abs() + 1) * du
+                                                + ACT_ERR * (g.abs() + 1) * (u.abs() + 1))
+    w2r, wts = w2_deq[topk_ids], topk_weights.unsqueeze(-1)  # (T, k, model, inter)
+    expected = (torch.einsum("tki,tkoi->tko", a, w2r) * wts).sum(1)
+    mag = (torch.einsum("tki,tkoi->tko", a.abs() + t1, w2r.abs()) * wts).sum(1)
+    through = (torch.einsum("tki,tkoi->tko", t1, w2r.abs()) * wts).sum(1)
+    bound = (INTER_DIM + 2) * F32_REL * mag + through + (TOPK + 1) * BF16_REL * mag
+    return expected, (1 + 2.0**-6) * bound + 1e-30
 
 
 def check_moe(device) -> bool:
@@ -50,24 +66,22 @@ def check_moe(device) -> bool:
     router = torch.randn(EXPERTS, MODEL_DIM, generator=g).to(device)
     router[0] += 3 * x[0].float()  # skew routing: expert 0 takes several tokens
     w_gate_up = (torch.randn(EXPERTS, 2 * INTER_DIM, MODEL_DIM, generator=g) / MODEL_DIM**0.5).to(device, torch.bfloat16)
-    w2 = (torch.randn(EXPERTS, MODEL_DIM, INTER_DIM, generator=g) / INTER_DIM**0.5).to(device, torch.bfloat16)
+    w_down = (torch.randn(EXPERTS, MODEL_DIM, INTER_DIM, generator=g) / INTER_DIM**0.5).to(device, torch.bfloat16)
 
-    packed, scales = fq.quantize_mxfp4(w2)  # weight preparation, once
-    w2_packed, w2_scales = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, EXPERTS)
-    out, a2, topk_ids, topk_weights = moe_layer(x, router, w_gate_up, w2_packed, w2_scales)
+    # weight preparation, once: MXFP4 (floor, as GPT-OSS's checkpoint), aiter's shuffled layouts
+    p1, s1 = fq.quantize_mxfp4(w_gate_up)
+    p2, s2 = fq.quantize_mxfp4(w_down)
+    w1, w1_scale = fq.shuffle_weight_a16w4(p1, gate_up=True), fq.shuffle_scale_a16w4(s1, EXPERTS, gate_up=True)
+    w2, w2_scale = fq.shuffle_weight_a16w4(p2), fq.shuffle_scale_a16w4(s2, EXPERTS)
+    out, topk_ids, topk_weights = moe_layer(x, router, w1, w1_scale, w2, w2_scale)
 
-    # Plain PyTorch MoE with the dequantized weights, in FP32.
-    w2_deq = fq.dequantize_mxfp4(packed, scales)
-    a2f = a2.float().reshape(TOKENS, TOPK, INTER_DIM)
-    expected = torch.einsum("tki,tkoi->tko", a2f, w2_deq[topk_ids]).mul(topk_weights.unsqueeze(-1)).sum(1)
-    magnitude = torch.einsum("tki,tkoi->tko", a2f.abs(), w2_deq[topk_ids].abs()).mul(topk_weights.unsqueeze(-1)).sum(1)
-    # bf16 output rounding per contribution and of the sum, plus FP32 accumulation (K terms * 2^-24).
-    bound = (TOPK + 1) * BF16_REL * magnitude + INTER_DIM * 2.0**-24 * magnitude + 1e-30
+    expected, bound = layer_bound(x, fq.dequantize_mxfp4(p1, s1), fq.dequantize_mxfp4(p2, s2), topk_ids.long(),
+                                  topk_weights)
     err = (out.float() - expected).abs()
     ok = bool((err <= bound).all())
-    print(f"MoE stage 2 ({TOKENS} tokens, top-{TOPK} of {EXPERTS} experts, {MODEL_DIM}x{INTER_DIM} MXFP4 weights): "
-          f"max |error| {err.max().item():.3g}, max error/bound {(err / bound).max().item():.3f} -> "
-          f"{'within' if ok else 'OUTSIDE'} the bf16 bound")
+    print(f"MoE layer ({TOKENS} tokens, top-{TOPK} of {EXPERTS} experts, {MODEL_DIM}x{INTER_DIM} MXFP4 weights, "
+          f"fused_moe): max |error| {err.max().item():.3g}, max error/bound {(err / bound).max().item():.3f} -> "
+          f"{'within' if ok else 'OUTSIDE'} the derived bound")
     return ok
 
 
