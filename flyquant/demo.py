@@ -85,6 +85,55 @@ def check_moe(device) -> bool:
     return ok
 
 
+# GPT-OSS swap: a tiny random GPT-OSS (transformers' own model), its MoE blocks swapped to flyquant.
+TINY_GPT_OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                    max_position_embeddings=64)
+# No bound is derived through attention and norms: the swapped model's logits must move by at most
+# this many times what rounding the experts' input to bf16 alone moves transformers' own logits (the
+# kernels round x and a2 to bf16; tests/test_nn.py bounds each MoE block itself).
+LOGIT_RATIO = 4.0
+
+
+def check_gpt_oss() -> bool:
+    """patch_gpt_oss on a tiny transformers GPT-OSS whose expert weights are MXFP4 values (so both
+    models hold the same weights): logits against transformers' own forward."""
+    try:
+        from transformers import GptOssConfig, GptOssForCausalLM
+    except ImportError:
+        print("GPT-OSS swap: skipped (transformers is not installed: pip install -e '.[cpu,models]')")
+        return True
+    import copy
+
+    from flyquant.nn import patch_gpt_oss
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**TINY_GPT_OSS, attn_implementation="eager",
+                                           experts_implementation="eager")).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):  # (E, in, out): MXFP4 blocks along `in`
+                w = torch.randn(getattr(ex, proj).shape, generator=g).transpose(1, 2) * 0.3
+                getattr(ex, proj).copy_(fq.dequantize_mxfp4(*fq.quantize_mxfp4(w)).transpose(1, 2))
+            ex.gate_up_proj_bias.copy_(torch.randn(ex.gate_up_proj_bias.shape, generator=g) * 0.5)
+            ex.down_proj_bias.copy_(torch.randn(ex.down_proj_bias.shape, generator=g) * 0.5)
+    tokens = torch.randint(0, TINY_GPT_OSS["vocab_size"], (1, 6), generator=g)
+    bf16_input = copy.deepcopy(model)
+    for layer in bf16_input.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(), *args[1:]))
+    with torch.no_grad():
+        theirs, rounded = model(tokens).logits, bf16_input(tokens).logits
+        ours = patch_gpt_oss(model)(tokens).logits
+    d_ours, d_bf16 = float((ours - theirs).abs().max()), float((rounded - theirs).abs().max())
+    ok = d_ours <= LOGIT_RATIO * d_bf16
+    print(f"GPT-OSS swap (transformers' GptOssForCausalLM, 1 layer, 8 experts, top-2): max |logit change| "
+          f"{d_ours:.3g}, {d_ours / d_bf16:.2f}x what bf16 expert inputs alone cause -> "
+          f"{'within' if ok else 'OUTSIDE'} {LOGIT_RATIO:g}x")
+    return ok
+
+
 def _same_bytes(a, b) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -157,6 +206,8 @@ def main(argv=None) -> int:
     with recording as launches:
         ok = check_mxfp8_step(device)
         ok &= check_moe(device)
+        if device.type == "cpu":  # the tiny model is built on the CPU
+            ok &= check_gpt_oss()
     if launches:
         print(f"\nEmulator: {len(launches)} kernel launches")
         for rec in launches:

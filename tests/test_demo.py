@@ -20,3 +20,4 @@ def test_demo_passes_its_checks(arch, capsys):
     # the MoE step is the whole layer: sorting, stage 1, stage 2 on flyquant's kernels
     assert "fused_moe" in out and "within the derived bound" in out
     assert "moe_sorting_" in out and "moe_gemm1_a16w4_silu_" in out
+    assert "GPT-OSS swap (transformers' GptOssForCausalLM" in out  # transformers is in the test extra
