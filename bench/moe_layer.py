@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import flyquant as fq  # noqa: E402
-from flyquant import toolchain  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,8 @@ def run_layer(shape: LayerShape, t: dict):
 
 def modelled(shape: LayerShape, tokens: int, arch: str, seed: int) -> list[dict]:
     t = make_layer(shape, tokens, seed)
-    with toolchain.target(arch), fq.emu.record() as records:
+    fq.emu.enable(arch)  # the selector plans, and the ops compile, for the emulator's arch
+    with fq.emu.record() as records:
         run_layer(shape, t)
     total = sum(r.stats.wave_instructions for r in records)
     rows = []

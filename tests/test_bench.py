@@ -220,16 +220,17 @@ def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
     stage 1, stage 2), the sorting kernel a small share of the layer (issue 16's target: < 5% at
     1 token), every launched GEMM workgroup storing at 1 token."""
     bench = load("moe_layer")
-    bench.main("--mode modelled --arch gfx942 --shapes tiny --tokens 1,3 --out".split() + [str(tmp_path)])
+    bench.main("--mode modelled --arch gfx950,gfx942 --shapes tiny --tokens 1,3 --out".split() + [str(tmp_path)])
     payload = json.loads((tmp_path / "moe_layer_modelled.json").read_text())
     rows = payload["rows"]
-    assert payload["mode"] == "modelled" and len(rows) == 6
+    assert payload["mode"] == "modelled" and len(rows) == 12
     for tokens in (1, 3):
-        layer = [r for r in rows if r["tokens"] == tokens]
-        assert [r["kernel"].split("_")[1] for r in layer] == ["sorting", "gemm1", "gemm2"]
-        assert all(r["launches"] == 3 and r["arch"] == "gfx942" for r in layer)
-        assert abs(sum(r["share"] for r in layer) - 1) < 1e-9
-    one = [r for r in rows if r["tokens"] == 1]
+        for arch in ("gfx950", "gfx942"):
+            layer = [r for r in rows if r["tokens"] == tokens and r["arch"] == arch]
+            assert [r["kernel"].split("_")[1] for r in layer] == ["sorting", "gemm1", "gemm2"]
+            assert all(r["launches"] == 3 and r["kernel"].endswith(arch) for r in layer)  # compiled for that arch
+            assert abs(sum(r["share"] for r in layer) - 1) < 1e-9
+    one = [r for r in rows if r["tokens"] == 1 and r["arch"] == "gfx942"]
     assert one[0]["share"] < 0.05
     assert all(r["storing"] == r["workgroups"] for r in one[1:])
 
