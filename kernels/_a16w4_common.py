@@ -349,7 +349,6 @@ def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) 
 # ---- launch bounds and accepted dtypes (both launchers) ----------------------------------------
 
 W2_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
-OUT_ALIGN = 4  # bf16 results are added in column pairs by 4-byte packed atomics
 MAX_BUFFER_BYTES = (1 << 32) - 1  # a buffer resource's num_records is 32 bits
 MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
 BUFFER_MAX_BYTES = OOB  # one a2 or out buffer (token window): below the OOB offset

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from flyquant import toolchain, validate
+from flyquant import reference, toolchain, validate
 from flyquant.arch import arch_info
 
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
-    BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_ALIGN, OUT_DTYPES, OUT_ELEM_BYTES,
+    BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
     TILE_MS, WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
     k_iterations, m_grid,
 )
@@ -90,12 +90,8 @@ def moe_gemm2_a16w4(
         validate.tensor(out, "out", OUT_DTYPES, ndim=2)
         validate.shape(out, "out", (tokens, model_dim))
         validate.same_device("a2", a2, "out", out)
-        if out.data_ptr() % OUT_ALIGN:
-            raise ValueError(f"out must start at a {OUT_ALIGN}-byte aligned address (a bf16 out at an even element "
-                             f"offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
-        validate.no_overlap(out, "out", dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids,
-                                             sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
-                                             num_valid_ids=num_valid_ids, bias=bias))
+        reference.check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids,
+                                         num_valid_ids, bias)  # the same refusals as the reference path
     validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
     if bias is not None:
         validate.tensor(bias, "bias", ndim=2)

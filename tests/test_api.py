@@ -133,16 +133,7 @@ def test_warmup_runs_the_kernels_a_model_uses():
 def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding
     # into it; nothing reads the ids on the host (no _local_scalar_dense), so a graph can hold it.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from test_moe_sorting_kernel import AtenOps
 
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
@@ -154,7 +145,7 @@ def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
     weights = torch.rand(tokens, topk, generator=g)
     a2 = torch.randn(tokens * topk, inter_dim, generator=g).to(torch.bfloat16)
-    with fq.emu.record() as launches, Ops() as seen:
+    with fq.emu.record() as launches, AtenOps() as seen:
         out = fq.moe_stage2(a2, ids, weights, w2, s2, out_dtype=torch.float32)
     assert [r.kernel.split("_")[:2] for r in launches] == [["moe", "sorting"], ["moe", "gemm2"]]
     assert "aten._local_scalar_dense.default" not in seen.ops and "aten.zero_.default" not in seen.ops

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import flyquant as fq
 import flyquant.emu as emu
 from flyquant import layouts, reference
 
 from test_moe_gemm1_kernel import exact_and_tolerance
+from test_moe_sorting_kernel import AtenOps
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
@@ -85,16 +85,6 @@ def exact_layer(p, activation, apply_weights_at):
             c_abs[t] += mag
     bound += (1 + topk) * U_BF16 * c_abs
     return out, (1 + 2.0**-6) * bound
-
-
-class AtenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 # (tokens, topk, experts, mask, activation, biases, apply_weights_at): T 1 / 3 / 17 / 130, topk 1 / 4 / 8,
