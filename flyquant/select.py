@@ -341,6 +341,31 @@ def _moe_config_values(config: dict, source: str) -> None:
             raise env.EnvError(f"{source}: {f} = {config[f]}: expected one of {', '.join(map(str, values))}")
 
 
+def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
+    """tile_m, or the largest smaller tile that divides the caller's block_m (none: tile_m, and the
+    launcher names the violation)."""
+    if block_m % tile_m == 0:
+        return tile_m
+    fitting = [m for m in tile_ms if block_m % m == 0 and m <= tile_m]
+    return max(fitting) if fitting else tile_m
+
+
+def _a16w4_target(op: str, act: torch.Tensor, act_name: str) -> Target | Plan:
+    """The target of an A16W4 GEMM, or the reference plan (no kernel here, or activations not bf16)."""
+    target = _kernel_target(op, act.device)
+    if isinstance(target, Plan):
+        return target
+    if act.dtype != torch.bfloat16:
+        reason = f"the kernel takes bf16 activations, {act_name} is {_dtype_name(act.dtype)}"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    return target
+
+
+def _fp4_conversion(arch: str) -> str:
+    return "hardware FP4->BF16 conversion" if arch == "gfx950" else "software FP4 unpack"
+
+
 def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
     """(tile_m, tile_n, k_batch, waves): first principles (the kernel's choose_config and
     default_waves), then the tuning table, then FLYQUANT_CONFIG; tile_m must divide the caller's
@@ -356,9 +381,8 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
     _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
     config.update(tuned)
     config.update(forced)
-    if block_m is not None and block_m % config["tile_m"]:
-        fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
-        config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
+    if block_m is not None:
+        config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:  # for the tiles and split actually chosen
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(inter_dim), config["k_batch"])
     return config
@@ -367,18 +391,14 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
 def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias) -> Plan:
     """The A16W4 stage-2 GEMM: tiles and split-K for this shape; block_m is the caller's sort."""
     op = "moe_gemm2_a16w4"
-    target = _kernel_target(op, a2.device)
+    target = _a16w4_target(op, a2, "a2")
     if isinstance(target, Plan):
         return target
-    if a2.dtype != torch.bfloat16:
-        reason = f"the kernel takes bf16 activations, a2 is {_dtype_name(a2.dtype)}"
-        _forced_reference(reason)
-        return reference_plan(op, target, reason)
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
     config = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
     name = (f"moe_gemm2_a16w4_{_dtype_name(out_dtype)}_{config['tile_m']}x{config['tile_n']}_kb{config['k_batch']}"
             f"_{config['waves']}w{'_bias' if has_bias else ''}_{target.arch}")
-    conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
+    conversion = _fp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, conversion)
 
 
@@ -386,13 +406,9 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K); block_m is the
     caller's sort. FLYQUANT_CONFIG's tile_m / tile_n / waves apply here too (k_batch does not)."""
     op = "moe_gemm1_a16w4"
-    target = _kernel_target(op, x.device)
+    target = _a16w4_target(op, x, "x")
     if isinstance(target, Plan):
         return target
-    if x.dtype != torch.bfloat16:
-        reason = f"the kernel takes bf16 activations, x is {_dtype_name(x.dtype)}"
-        _forced_reference(reason)
-        return reference_plan(op, target, reason)
     from .kernels import moe_gemm1_a16w4 as k
 
     tokens, experts = x.shape[0], w1.shape[0]
@@ -401,14 +417,12 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     forced = {f: v for f, v in config_overrides().items() if f != "k_batch"}
     _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
     config.update(forced)
-    if block_m % config["tile_m"]:
-        fitting = [m for m in k.TILE_MS if block_m % m == 0 and m <= config["tile_m"]]
-        config["tile_m"] = max(fitting) if fitting else config["tile_m"]  # the launcher names the violation
+    config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
     name = (f"moe_gemm1_a16w4_{activation}_{config['tile_m']}x{config['tile_n']}_{config['waves']}w"
             f"{'_bias' if has_bias else ''}_{target.arch}")
-    conversion = "hardware FP4->BF16 conversion" if target.arch == "gfx950" else "software FP4 unpack"
+    conversion = _fp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, conversion,
                         "gate and up columns in one workgroup: the activation in registers (exp2/rcp), no split K")
 

@@ -71,6 +71,16 @@ PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
 PERM_ODD_HALVES = 0x07060302  # bf16 1 of two dwords
 
 
+def m_tiling(tokens: int, topk: int, experts: int) -> tuple[int, int]:
+    """(tile_m, m-tiles in use) both stages size for: tile_m covers the average rows per active
+    expert (the smallest tile that does, else the largest)."""
+    pairs = max(1, tokens * topk)
+    active = min(experts, pairs)
+    rows_per_expert = -(-pairs // active)
+    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
+    return tile_m, active * -(-rows_per_expert // tile_m)
+
+
 def k_iterations(inter_dim: int) -> int:
     """The KT-wide K iterations covering inter_dim (the last one may be partly past it)."""
     return -(-inter_dim // KT)

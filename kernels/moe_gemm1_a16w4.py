@@ -30,6 +30,7 @@ from flyquant.arch import arch_info
 from ._a16w4_common import (
     ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
     check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config, k_iterations, m_grid,
+    m_tiling,
 )
 from ._a16w4_main_loop import _cached_launcher
 
@@ -40,11 +41,7 @@ def choose_config1(tokens: int, topk: int, experts: int, model_dim: int, inter_d
     """(tile_m, tile_n) for stage 1: tile_m as stage 2; tile_n (over N = 2 * inter_dim) the largest
     that still gives every CU a workgroup streaming weights (no split K here), else the smallest."""
     info = arch_info(arch)
-    pairs = max(1, tokens * topk)
-    active = min(experts, pairs)
-    rows_per_expert = -(-pairs // active)
-    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
-    m_tiles = active * -(-rows_per_expert // tile_m)
+    tile_m, m_tiles = m_tiling(tokens, topk, experts)
     n = 2 * inter_dim
     fitting = [t for t in TILE_NS if m_tiles * -(-n // t) >= info.compute_units]
     return tile_m, max(fitting) if fitting else TILE_NS[0]

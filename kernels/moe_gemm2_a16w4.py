@@ -13,8 +13,8 @@ from flyquant.arch import arch_info
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
     BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
-    TILE_MS, WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
-    k_iterations, m_grid,
+    WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
+    k_iterations, m_grid, m_tiling,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -28,11 +28,7 @@ def choose_config(tokens: int, topk: int, experts: int, model_dim: int, inter_di
     split that gives every CU a workgroup streaming weights (at 1 token on a GPT-OSS-like shape,
     4 m-tiles x 24 n-tiles x 3 = 288 >= 256 CUs), within the K steps available."""
     info = arch_info(arch)
-    pairs = max(1, tokens * topk)
-    active = min(experts, pairs)
-    rows_per_expert = -(-pairs // active)
-    tile_m = next((m for m in TILE_MS if m >= rows_per_expert), TILE_MS[-1])
-    m_tiles = active * -(-rows_per_expert // tile_m)
+    tile_m, m_tiles = m_tiling(tokens, topk, experts)
     n_kt = k_iterations(inter_dim)
     tile_n = 256 if m_tiles * -(-model_dim // 256) >= info.compute_units else 128
     n_tiles = -(-model_dim // tile_n)
