@@ -144,6 +144,11 @@ def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_
     return None
 
 
+def _check_out_dtype(out_dtype) -> None:
+    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32."""
+    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+
+
 def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
                     out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None,
                     inter_dim=None):
@@ -169,7 +174,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
         reference.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                          w2.shape[0])
     if out is None:
-        validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+        _check_out_dtype(out_dtype)
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
     _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
                   block_m, bias, apply_weights, model_dim, inter_dim)
@@ -284,7 +289,7 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     _check_moe_sizes(topk=topk, experts=experts)
     model_dim, inter_dim = reference.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
-    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+    _check_out_dtype(out_dtype)
     out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
     sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
     return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
@@ -497,7 +502,7 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
     if out is None:
-        validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+        _check_out_dtype(out_dtype)
         out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written

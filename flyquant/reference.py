@@ -297,16 +297,9 @@ def check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     for name, t in (("w2", w2), ("w2_scale", w2_scale), ("sorted_ids", sorted_ids), ("sorted_weights", sorted_weights),
                     ("sorted_expert_ids", sorted_expert_ids), ("num_valid_ids", num_valid_ids)):
         validate.same_device("a2", a2, name, t)
-    if not isinstance(topk, int) or topk <= 0:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if not isinstance(block_m, int) or block_m <= 0:
-        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if a2.shape[0] % topk:  # 0 rows (an expert-parallel rank with no tokens) is an empty batch
         raise ValueError(f"a2.shape[0] (tokens * topk rows) = {a2.shape[0]} must be a multiple of topk = {topk}")
-    validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
-    blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
-    if sorted_expert_ids.shape[0] < blocks:
-        raise ValueError(f"sorted_expert_ids must have ceil(len(sorted_ids) / block_m) = {blocks} entries, got {sorted_expert_ids.shape[0]}")
     experts, n_pad, k_half = w2.shape
     expected = (experts, n_pad, 2 * k_half // MX_BLOCK)
     if w2_scale.dim() == 2:
@@ -381,6 +374,18 @@ def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, b
         block = int(blocks[bad.nonzero()[0]])
         raise ValueError(f"sorted_expert_ids[{block}] = {int(expert[bad][0])} must be in [0, E = w2.shape[0] = "
                          f"{experts}) (block {block} holds rows in use)")
+
+
+def _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids) -> None:
+    """topk and block_m positive ints; the sorted arrays' lengths agree with block_m (both stages)."""
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if not isinstance(block_m, int) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
+    blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
+    if sorted_expert_ids.shape[0] < blocks:
+        raise ValueError(f"sorted_expert_ids must have ceil(len(sorted_ids) / block_m) = {blocks} entries, got {sorted_expert_ids.shape[0]}")
 
 
 def moe_true_dims(a2, w2, model_dim=None, inter_dim=None) -> tuple[int, int]:
@@ -505,16 +510,9 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
         validate.same_device("x", x, name, t)
     for name, t in (("w1", w1), ("w1_scale", w1_scale)):
         validate.same_device("x", x, name, t)
-    if not isinstance(topk, int) or topk <= 0:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if not isinstance(block_m, int) or block_m <= 0:
-        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
-    validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
-    blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
-    if sorted_expert_ids.shape[0] < blocks:
-        raise ValueError(f"sorted_expert_ids must have ceil(len(sorted_ids) / block_m) = {blocks} entries, got {sorted_expert_ids.shape[0]}")
     experts, n2, k_half = w1.shape
     if n2 % 2:
         raise ValueError(f"w1.shape[1] = {n2} must be even (gate rows then up rows)")
