@@ -140,7 +140,8 @@ def _refuse(backend: str, target: Target) -> Target:
 MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch", "waves")
 MOE_SHAPE_FIELDS = ("tokens", "topk", "experts", "model_dim", "inter_dim")
 # The ops a tuning table may hold: op -> (its shape fields, all required; its config fields).
-TUNED_OPS = {"moe_gemm2_a16w4": (MOE_SHAPE_FIELDS, MOE_CONFIG_FIELDS)}
+TUNED_OPS = {"moe_gemm2_a16w4": (MOE_SHAPE_FIELDS, MOE_CONFIG_FIELDS),
+             "moe_gemm1_a16w4": (MOE_SHAPE_FIELDS, ("tile_m", "tile_n", "waves"))}  # stage 1: no split K
 TUNING_TABLE_KEYS = ("entries",)
 TUNING_ENTRY_KEYS = ("op", "arch", "shape", "config")
 TUNING_ENTRY_NOTES = ("median_us",)  # what bench/ records beside an entry; read and ignored
@@ -403,8 +404,9 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
 
 
 def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation) -> Plan:
-    """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K); block_m is the
-    caller's sort. FLYQUANT_CONFIG's tile_m / tile_n / waves apply here too (k_batch does not)."""
+    """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K), then the tuning
+    table, then FLYQUANT_CONFIG's tile_m / tile_n / waves (k_batch does not apply); block_m is the
+    caller's sort."""
     op = "moe_gemm1_a16w4"
     target = _a16w4_target(op, x, "x")
     if isinstance(target, Plan):
@@ -414,8 +416,12 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n}
+    shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
+    tuned = tuned_config(op, target.arch, shape)
+    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
     forced = {f: v for f, v in config_overrides().items() if f != "k_batch"}
     _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
+    config.update(tuned)
     config.update(forced)
     config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:

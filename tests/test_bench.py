@@ -53,7 +53,7 @@ def read_outputs(out: Path, stem: str) -> dict:
 def test_moe_bench_modelled(tmp_path, keep_emu_arch):
     """upstream FlyDSL's small shape (model 256, inter 512, 8 experts, top-2) at 5 tokens, one
     config: 16 small workgroups to emulate."""
-    bench = load("moe_gemm2_tile_n")
+    bench = load("moe_tile_n")
     argv = "--mode modelled --arch gfx950 --shapes upstream-small --tokens 5 --tile-n 128 --k-batch 1 --out".split()
     bench.main([*argv, str(tmp_path)])
     payload = read_outputs(tmp_path, "moe_gemm2_tile_n_modelled")
@@ -72,7 +72,7 @@ def test_moe_instructions_per_mfma_within_the_issue_budget(tmp_path, keep_emu_ar
     next test, on the selector's config): executed wave-instructions per MFMA on gfx950 at most
     0.7x upstream's quoted figure for each tile it was quoted at, the very figures the bench
     reports (whole launch, idle workgroups included)."""
-    bench = load("moe_gemm2_tile_n")
+    bench = load("moe_tile_n")
     argv = "--mode modelled --arch gfx950 --shapes upstream-small --tokens 5 --tile-m 16,32 --tile-n 128,256 --k-batch 1 --out"
     bench.main([*argv.split(), str(tmp_path)])
     rows = [r for r in read_outputs(tmp_path, "moe_gemm2_tile_n_modelled")["rows"] if r["upstream_instr_per_mfma"]]
@@ -82,12 +82,31 @@ def test_moe_instructions_per_mfma_within_the_issue_budget(tmp_path, keep_emu_ar
         assert r["vs_upstream"] <= bench.PER_MFMA_TARGET, (r["tile_m"], r["tile_n"], r["instr_per_mfma"])
 
 
+def test_moe_bench_stage1_modelled(tmp_path, keep_emu_arch):
+    """--stage 1 on the small shape (silu, no bias) at 5 tokens, one config on each arch: the gate/up
+    kernel runs (its own output file), stores a2 rows, no split K, 16-byte weight loads."""
+    bench = load("moe_tile_n")
+    argv = "--stage 1 --mode modelled --arch gfx950,gfx942 --shapes upstream-small --tokens 5 --tile-n 128 --out"
+    bench.main([*argv.split(), str(tmp_path)])
+    payload = read_outputs(tmp_path, "moe_gemm1_tile_n_modelled")
+    assert "upstream" not in payload  # upstream's figures are stage 2's
+    rows = payload["rows"]
+    assert [r["arch"] for r in rows] == ["gfx950", "gfx942"]
+    for row in rows:
+        assert row["stage"] == 1 and row["kernel"].startswith("moe_gemm1_a16w4_silu") and row["kernel"].endswith(row["arch"])
+        assert (row["tile_n"], row["k_batch"], row["reduction"]) == (128, 1, "exact")
+        # 10 pairs over 8 experts: 2..8 m-tiles with pairs, N = 2 * 512 = 8 n-tiles of 128 each
+        assert 2 * 8 <= row["wg_working"] <= 8 * 8
+        assert row["mfma"] >= row["mfma_useful"] > 0 and row["store_instr"] > 0 and row["atomic_instr"] == 0
+        assert row["w_bytes_per_lane"] == bench.W_BYTES_PER_LANE and row["spills"] == 0
+
+
 def test_moe_one_token_selected_config_meets_every_modelled_target(tmp_path, keep_emu_arch):
     """GPT-OSS-like 3072^2 at 1 token, the selector's own config (tile 16x128 with split K, so that
     >= 256 workgroups stream weights): the issue's targets the bench checks on that row, including
     wave-instructions per MFMA <= 0.7x upstream's figure for the tile (10.24, no split K), hold on
     gfx950 (sampled m-tiles: all working ones do the same work, so the estimate is theirs)."""
-    bench = load("moe_gemm2_tile_n")
+    bench = load("moe_tile_n")
     argv = "--mode modelled --arch gfx950 --shapes gptoss-3072 --tokens 1 --tile-m 16 --tile-n 128 --k-batch sel --out"
     bench.main([*argv.split(), str(tmp_path)])
     (row,) = [r for r in read_outputs(tmp_path, "moe_gemm2_tile_n_modelled")["rows"] if r.get("selected")]
@@ -101,22 +120,20 @@ def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
     """With every m-tile emulated, idle + working parts recombine to the whole launch's counters.
     1 token: 2 pairs, the grid is sized by an upper bound (the kernel scans for tiles: the padded
     path); 64 tokens: 128 pairs fill every m-slot (direct: the gathered path)."""
-    bench = load("moe_gemm2_tile_n")
+    bench = load("moe_tile_n")
     from flyquant.kernels import moe_gemm2_a16w4 as kernel
 
     common = bench.common
-    shape = bench.SHAPES["upstream-small"]
-    p = bench.build_problem(shape, tokens, 16, 0.0, 0, "cpu")
+    shape, stage = bench.SHAPES["upstream-small"], bench.STAGES[2]
+    p = bench.build_problem(stage, shape, tokens, 16, 0.0, 0, "cpu")
     compact = kernel.m_grid(tokens, shape.topk, shape.experts, p.sorting[0].numel(), 16)[1]
     assert compact == (tokens == 1)
     cfg = bench.Config(16, 128, 1, 2)
-    weights = bench.Weights(shape, 0, "cpu")
-    row = bench.model_config(kernel, p, "gfx950", cfg, 10**6, weights)
+    weights = bench.Weights(stage, shape, 0, "cpu")
+    row = bench.model_config(p, "gfx950", cfg, 10**6, weights)
     assert row["reduction"] == "exact"
-    out = emu.aligned(torch.zeros(tokens, shape.model_dim, dtype=torch.bfloat16))
-    _, whole, _ = common.emulate(
-        lambda: bench.launch(kernel, p, "gfx950", cfg, p.sorting, weights.w2, weights.scale, shape.model_dim, out)
-    )
+    out = bench.new_out(p, "cpu")
+    _, whole, _ = common.emulate(lambda: bench.launch(p, "gfx950", cfg, p.sorting, weights, out))
     est = row["counts"]
     assert est["wave_instructions"] == whole.wave_instructions
     assert (est["workgroups_launched"], est["workgroups_working"]) == (
@@ -147,7 +164,7 @@ def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
 @pytest.mark.parametrize(
     "script,args",
     [
-        ("moe_gemm2_tile_n", ["--shapes", "upstream-small", "--tokens", "5", "--tile-n", "128", "--k-batch", "1"]),
+        ("moe_tile_n", ["--shapes", "upstream-small", "--tokens", "5", "--tile-n", "128", "--k-batch", "1"]),
         ("quantize", ["--shapes", "256x1024", "--kinds", "1x32", "--modes", "rceil"]),
     ],
 )
@@ -156,7 +173,7 @@ def test_bench_hardware(tmp_path, script, args):
     the quantize output was bit-exact before it was timed)."""
     bench = load(script)
     bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--out", str(tmp_path), *args])
-    payload = read_outputs(tmp_path, f"{script}_hardware")
+    payload = read_outputs(tmp_path, "moe_gemm2_tile_n_hardware" if script == "moe_tile_n" else f"{script}_hardware")
     ours = [r for r in payload["rows"] if r.get("impl") == "flyquant"]
     assert ours and all(r["median_us"] > 0 for r in ours)
     if script == "quantize":
@@ -181,16 +198,17 @@ def test_bytes_in_flight_follows_vmcnt():
     assert common.bytes_in_flight_per_wave(isa.split("s_waitcnt vmcnt(0)")[1]) == 4 * 64
 
 
-def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
+def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch, keep_emu_arch):
     """The hardware sweep's tuning table (written from timed rows; here two made-up timings)
     gives the selector the faster config for exactly that (arch, shape, tokens)."""
     from flyquant import select
 
-    bench = load("moe_gemm2_tile_n")
+    bench = load("moe_tile_n")
     shape = bench.SHAPES["gptoss"]
     timed = [
         {
             "impl": "flyquant",
+            "stage": 2,
             "arch": "gfx950",
             "shape": "gptoss",
             "tokens": 4,
@@ -201,7 +219,7 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
             "median_us": us,
         }
         for n, kb, us in ((128, 2, 30.0), (256, 1, 20.0))
-    ] + [{"impl": "pytorch reference", "arch": "gfx950", "shape": "gptoss", "tokens": 4, "median_us": 1.0}]
+    ] + [{"impl": "pytorch reference", "stage": 2, "arch": "gfx950", "shape": "gptoss", "tokens": 4, "median_us": 1.0}]
     path = bench.common.write_json(tmp_path / "tuning_gfx950.json", bench.tuning_table(timed, bench.SHAPES))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
     key = {
@@ -213,6 +231,19 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     }
     assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1, "waves": 2}
     assert select.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
+
+    # a stage-1 sweep's table merged into the same file: both stages' entries, stage 1 without k_batch
+    stage1 = [dict(r, stage=1, tile_n=64, k_batch=1, median_us=5.0) for r in timed[1:]]
+    table = bench.merge_tuning(path, bench.tuning_table(stage1, bench.SHAPES))
+    assert sorted(e["op"] for e in table["entries"]) == ["moe_gemm1_a16w4", "moe_gemm2_a16w4"]
+    bench.common.write_json(path, table)
+    assert select.tuned_config("moe_gemm1_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 64, "waves": 2}
+    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
+    x = torch.empty(1, dtype=torch.bfloat16).expand(4, 3072)
+    w1 = torch.empty(1, dtype=torch.uint8).expand(shape.experts, 2 * 3072, 3072 // 2)
+    emu.enable("gfx950")
+    plan = select.plan_moe_gemm1_a16w4(x, w1, shape.topk, 16, shape.model_dim, shape.inter_dim, True, "swiglu_oai")
+    assert plan.config["tile_n"] == 64, plan  # the selector alone picks 256 here
 
 
 def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):

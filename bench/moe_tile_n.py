@@ -1,8 +1,11 @@
-"""A16W4 MoE stage-2 GEMM: sweep of tile_n (and split-K, waves per workgroup) per shape and token count.
+"""A16W4 MoE GEMM, stage 1 or 2: sweep of tile_n (and split-K, waves per workgroup) per shape and token count.
 
-    python bench/moe_gemm2_tile_n.py                          # hardware if a ROCm GPU is present, else modelled
-    python bench/moe_gemm2_tile_n.py --quick --out results    # a subset
-    python bench/moe_gemm2_tile_n.py --shapes gptoss --tokens 1,4 --tile-n 128,256 --k-batch sel,1
+    python bench/moe_tile_n.py                          # stage 2; hardware if a ROCm GPU is present, else modelled
+    python bench/moe_tile_n.py --stage 1 --quick --out results    # stage 1 (gate/up + activation), a subset
+    python bench/moe_tile_n.py --shapes gptoss --tokens 1,4 --tile-n 128,256 --k-batch sel,1
+
+Stage 1 has no split K (its activation needs whole sums): --k-batch is 1 there. Each shape says
+stage 1's activation and bias (moe_problem.SHAPES).
 
 Inputs are built the way a user builds them: routing (random top-k, --skew makes some experts
 popular), flyquant's moe_sorting with the selector's block size, weights laid out by flyquant's
@@ -12,18 +15,19 @@ branch), and quantizing real model-sized weights on a CPU would take minutes and
 
 Hardware mode (ROCm GPU): each config is timed (median and minimum of --iters single-call event
 pairs after --warmup calls, caches flushed between calls unless --no-flush), with
-TFLOPS = 2 * tokens * topk * inter_dim * model_dim / time, the compulsory-traffic bandwidth and
-how far the time is from the weight-streaming bound; beside them the public API's end-to-end
+TFLOPS = 2 * tokens * topk * N * K / time (stage 1: N = 2 * inter_dim, K = model_dim; stage 2:
+N = model_dim, K = inter_dim), the compulsory-traffic bandwidth and how far the time is from the weight-streaming bound; beside them the public API's end-to-end
 call (selector + custom op + kernel) and, when importable, the PyTorch reference and aiter's
-CK-Tile stage 2. It writes the tuning table the selector reads
-(FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per shape and token count.
+CK-Tile stage 2 (stage 1: not wired here). It writes the tuning table the selector reads
+(FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per stage, shape and token count
+(a second stage's run adds its entries to the same file).
 
 Modelled mode (no AMD GPU): the same configs run under flyquant.emu and the outputs hold only
 what is observed, labelled "modelled, not timed": workgroups launched and working, the idle
 workgroups' cost, VGPR/AGPR/LDS and the occupancy they allow (compiler), wave-instructions
 (total, per MFMA executed, per useful MFMA), memory instructions and bytes, coalescing (useful
 bytes / bytes of the 128-byte lines touched; the weight loads apart: the instructions that read
-only inside w2, and their bytes per lane). No tuning table is written from them.
+only inside the stage's weights, and their bytes per lane). No tuning table is written from them.
 
 How a model-sized launch is reduced to something a CPU emulates in seconds (stated per row).
 Every launch emulated is the real kernel (the same compiled configuration as the model-sized
@@ -49,11 +53,8 @@ line counts match device allocations rather than torch's 64-byte-aligned CPU buf
 from __future__ import annotations
 
 import argparse
-import math
-import re
+import json
 import sys
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,52 +64,19 @@ import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
-from flyquant import layouts, select  # noqa: E402
-from flyquant.arch import arch_info  # noqa: E402
-from flyquant.moe import TOKEN_BITS, TOKEN_MASK  # noqa: E402
+from flyquant import select  # noqa: E402
+from moe_problem import (  # noqa: E402
+    SHAPES, STAGES, TOKENS, Config, Problem, Stage, Weights, build_problem, compulsory_bytes, configs_for, flops,
+    gathered_sorting, launch, new_out, padded_sorting, selector_choice, useful_mfmas,
+)
 
-OP = "moe_gemm2_a16w4"
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_TOKENS = (1, 4, 16, 128)
 K_BATCH_DEFAULT = "sel,1,2,4"  # "sel": the selector's split for the shape and token count
 WAVES_DEFAULT = "auto"  # "auto": the kernel's default for each config (what the selector picks)
 # modelled mode: working workgroups emulated per config (whole m-tiles: n-tiles x k_batch each)
 MAX_WORKGROUPS = 96
 QUICK_MAX_WORKGROUPS = 24
-FP4_PER_BYTE = 2
-MX_BLOCK = 32  # FP4 values per E8M0 scale
-BF16_BYTES = 2
-W_SCALE_CODES = (119, 127)  # random E8M0 weight scales 2^-8 .. 2^0 (any finite code works)
 
-
-@dataclass(frozen=True)
-class MoeShape:
-    """One MoE layer's stage 2: out (T, model_dim) = sum over top-k of a2 (T*topk, inter_dim) @ W2[e]^T.
-    w_n, w_k: the weights' padded sizes (aiter's scale shuffle needs K % 256 == 0)."""
-
-    name: str
-    model_dim: int
-    inter_dim: int
-    experts: int
-    topk: int
-    w_n: int
-    w_k: int
-    tokens: tuple = TOKENS
-    why: str = ""
-
-
-# fmt: off
-SHAPES = {s.name: s for s in (
-    #        name               model  inter    E topk   w_n   w_k
-    MoeShape("gptoss",           2880,  2880, 128, 4,   3072, 3072, why="GPT-OSS-120B, padded to 3072 as deployed"),
-    MoeShape("gptoss-3072",      3072,  3072, 128, 4,   3072, 3072, why="upstream FlyDSL's GPT-OSS-like shape"),
-    MoeShape("dsr1-i256",        7168,   256, 256, 8,   7168,  256, why="DeepSeek-R1, inter_dim 2048 over 8 ranks"),
-    MoeShape("dsr1-i1024",       7168,  1024, 256, 8,   7168, 1024, why="DeepSeek-R1, inter_dim 2048 over 2 ranks"),
-    MoeShape("dsr1-i2048",       7168,  2048, 256, 8,   7168, 2048, why="DeepSeek-R1, whole experts"),
-    MoeShape("dsr1-i2048-e384",  7168,  2048, 384, 8,   7168, 2048, why="384 experts (Kimi-K2 class)"),
-    MoeShape("upstream-small",    256,   512,   8, 2,    256,  512, tokens=(5,), why="upstream FlyDSL's small shape"),
-)}
-# fmt: on
 DEFAULT_SHAPES = "gptoss,gptoss-3072,dsr1-i256,dsr1-i1024,dsr1-i2048,dsr1-i2048-e384,upstream-small"
 QUICK_SHAPES = "gptoss,dsr1-i2048"
 
@@ -143,219 +111,21 @@ TARGETS = (
 )
 PER_MFMA_TARGET = 0.7
 MIN_WORKING_AT_ONE_TOKEN = 256
-MIN_W2_COALESCING = 0.95
-W2_BYTES_PER_LANE = 16
+MIN_W_COALESCING = 0.95
+W_BYTES_PER_LANE = 16
 MIN_WORKGROUPS_PER_CU = 2
-
-
-# ---- inputs -------------------------------------------------------------------------------------
-
-
-def routing(shape: MoeShape, tokens: int, skew: float, seed: int):
-    """(topk_ids int32 (T, topk), topk_weights f32 (T, topk)): distinct experts per token, drawn
-    with popularity (rank + 1)^-skew over a random ranking of the experts (skew 0: uniform);
-    weights a softmax over the chosen slots, as after a router's top-k."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{shape.name}/{tokens}".encode()))
-    popularity = torch.empty(shape.experts)
-    popularity[torch.randperm(shape.experts, generator=gen)] = (torch.arange(shape.experts) + 1.0) ** -skew
-    ids = torch.multinomial(popularity.expand(tokens, -1), shape.topk, replacement=False, generator=gen)
-    weights = torch.softmax(torch.randn(tokens, shape.topk, generator=gen), dim=-1)
-    return ids.to(torch.int32), weights, gen
-
-
-class Weights:
-    """A shape's w2 (E, w_n, w_k/2) and w2_scale (E*w_n, w_k/32) in aiter's A16W4 layouts, filled
-    expert by expert on demand: random FP4 bytes and E8M0 codes, each expert from its own seed
-    (its weights do not depend on which others are built). Experts never filled are never read
-    by the launches that use this object (their memory is not even backed on a CPU)."""
-
-    def __init__(self, shape: MoeShape, seed: int, device):
-        self.shape, self.seed, self.device = shape, seed, device
-        self.w2 = emu.aligned_empty((shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE), torch.uint8, device)
-        self.scale = emu.aligned_empty((shape.experts * shape.w_n, shape.w_k // MX_BLOCK), torch.uint8, device)
-        self.filled: set[int] = set()
-
-    def fill(self, experts) -> "Weights":
-        s, lo, hi = self.shape, *W_SCALE_CODES
-        for e in sorted(set(experts) - self.filled):
-            gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}/{s.name}/{e}".encode()))
-            packed = torch.randint(
-                0, 256, (1, s.w_n, s.w_k // FP4_PER_BYTE), dtype=torch.uint8, generator=gen, device=self.device
-            )
-            codes = torch.randint(
-                lo, hi + 1, (s.w_n, s.w_k // MX_BLOCK), dtype=torch.uint8, generator=gen, device=self.device
-            )
-            self.w2[e] = layouts.shuffle_weight_a16w4(packed)[0]
-            self.scale[e * s.w_n : (e + 1) * s.w_n] = layouts.shuffle_scale_a16w4(codes, 1)
-            self.filled.add(e)
-        return self
-
-
-@dataclass
-class Problem:
-    """One (shape, token count, block size): routing, moe_sorting's outputs, the stage-1 output a2,
-    and the m-tiles that hold routing pairs."""
-
-    shape: MoeShape
-    tokens: int
-    tile_m: int
-    sorting: tuple  # (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
-    a2: torch.Tensor  # (T * topk, w_k) bf16
-    work_tiles: torch.Tensor  # indices of the m-tiles whose rows hold routing pairs
-    valid_rows: torch.Tensor  # routing pairs in each of them
-    experts_active: int
-
-
-def build_problem(shape: MoeShape, tokens: int, tile_m: int, skew: float, seed: int, device) -> Problem:
-    ids, weights, gen = routing(shape, tokens, skew, seed)
-    sorting = tuple(
-        emu.aligned(t) for t in fq.moe_sorting(ids.to(device), weights.to(device), shape.experts, tile_m)
-    )
-    a2 = emu.aligned(torch.randn(tokens * shape.topk, shape.w_k, generator=gen).to(torch.bfloat16).to(device))
-    sorted_ids, _, _, num_valid = (t.cpu() for t in sorting)
-    used = int(num_valid[0]) // tile_m
-    tok = (sorted_ids[: used * tile_m] & TOKEN_MASK).view(used, tile_m)
-    valid = (tok < tokens).sum(dim=1)
-    work = valid.nonzero().flatten()
-    return Problem(shape, tokens, tile_m, sorting, a2, work, valid[work], int(ids.unique().numel()))
-
-
-def padded_sorting(p: Problem, keep: torch.Tensor) -> tuple:
-    """moe_sorting's outputs with the rows of every m-tile not in `keep` turned into padding
-    (id (topk << 24) | T, weight 0): same lengths, so the same grid and the same m-tile scan,
-    the other tiles without work."""
-    sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
-    kept_rows = torch.zeros(sorted_ids.numel(), dtype=torch.bool)
-    kept_rows[(keep[:, None] * p.tile_m + torch.arange(p.tile_m)).flatten()] = True
-    kept_rows = kept_rows.to(sorted_ids.device)
-    pad = (p.shape.topk << TOKEN_BITS) | p.tokens
-    return (
-        emu.aligned(torch.where(kept_rows, sorted_ids, pad)),
-        emu.aligned(torch.where(kept_rows, sorted_weights, 0.0)),
-        sorted_expert_ids,
-        num_valid,
-    )
-
-
-def gathered_sorting(p: Problem, keep: torch.Tensor, in_use: bool = True) -> tuple:
-    """moe_sorting-shaped arrays holding only the m-tiles in `keep` (block_m = tile_m, so each
-    tile keeps its expert id); in_use=False: num_valid_ids says no row is in use."""
-    sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
-    rows = (keep[:, None] * p.tile_m + torch.arange(p.tile_m)).flatten().to(sorted_ids.device)
-    used = rows.numel() if in_use else 0
-    return (
-        emu.aligned(sorted_ids[rows]),
-        emu.aligned(sorted_weights[rows]),
-        emu.aligned(sorted_expert_ids[keep.to(sorted_ids.device)]),
-        emu.aligned(torch.tensor([used, p.tokens], dtype=torch.int32, device=num_valid.device)),
-    )
-
-
-def useful_mfmas(p: Problem, arch: str, kernel) -> int:
-    """MFMAs the routed rows need: per tile with work, its 16-row blocks holding pairs x the 16-column
-    blocks of model_dim x the MFMA's K steps over inter_dim (16x16x32 on gfx950, 16x16x16 on gfx942)."""
-    mfma_k = int(re.search(r"(\d+)x(\d+)x(\d+)", arch_info(arch).bf16_mfma).group(3))
-    mn = kernel.MFMA_MN
-    row_blocks = int(((p.valid_rows + mn - 1) // mn).sum())
-    return row_blocks * math.ceil(p.shape.model_dim / mn) * math.ceil(p.shape.inter_dim / mfma_k)
-
-
-def compulsory_bytes(p: Problem) -> int:
-    """Bytes any implementation moves at least once: the active experts' FP4 weights and E8M0
-    scales (true sizes), a2, the bf16 output, and the sorted ids and weights in use."""
-    s = p.shape
-    weights = p.experts_active * s.model_dim * s.inter_dim * (1 / FP4_PER_BYTE + 1 / MX_BLOCK)
-    a2 = p.tokens * s.topk * s.inter_dim * BF16_BYTES
-    out = p.tokens * s.model_dim * BF16_BYTES
-    ids = int(p.sorting[3][0]) * 8
-    return int(weights + a2 + out + ids)
-
-
-def flops(p: Problem) -> float:
-    return 2.0 * p.tokens * p.shape.topk * p.shape.inter_dim * p.shape.model_dim
-
-
-# ---- configs ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Config:
-    tile_m: int
-    tile_n: int
-    k_batch: int
-    waves: int  # per workgroup
-
-
-def selector_choice(shape: MoeShape, tokens: int, device) -> tuple[Config | None, str]:
-    """The config the public API would run (moe_block_m, then the plan), or None and why not."""
-    tile_m = fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
-    # the planner reads shapes, dtypes and the device only: stride-0 views cost no memory
-    a2 = torch.empty(1, dtype=torch.bfloat16, device=device).expand(tokens * shape.topk, shape.w_k)
-    w2 = torch.empty(1, dtype=torch.uint8, device=device).expand(shape.experts, shape.w_n, shape.w_k // FP4_PER_BYTE)
-    try:
-        plan = select.plan_moe_gemm2_a16w4(
-            a2, w2, shape.topk, tile_m, shape.model_dim, shape.inter_dim, torch.bfloat16, False
-        )
-    except Exception as exc:  # reported in the output: the sweep itself does not need the selector
-        return None, f"the selector failed: {type(exc).__name__}: {exc}"
-    if plan.backend != "flydsl":
-        return None, str(plan)
-    c = plan.config
-    return Config(c["tile_m"], c["tile_n"], c["k_batch"], c["waves"]), str(plan)
-
-
-def configs_for(shape: MoeShape, tokens: int, args, chosen: Config | None, auto_tile_m: int, kernel) -> list[Config]:
-    tile_ms = [auto_tile_m if m == "auto" else int(m) for m in args.tile_m]
-    n_kt = kernel.k_iterations(shape.inter_dim)
-    out = []
-    for tile_m in dict.fromkeys(tile_ms):
-        for tile_n in args.tile_n:
-            for kb in args.k_batch:
-                if kb == "sel":
-                    if chosen is None:
-                        continue
-                    kb = chosen.k_batch
-                for w in args.waves:
-                    waves = kernel.default_waves(tile_m, tile_n, n_kt, int(kb)) if w == "auto" else int(w)
-                    cfg = Config(tile_m, tile_n, int(kb), waves)
-                    if cfg not in out:
-                        out.append(cfg)
-    return out
-
-
-def launch(kernel, p: Problem, arch: str, cfg: Config, sorting, w2, w2_scale, model_dim: int, out=None):
-    """The kernel's torch-facing launcher with an explicit config."""
-    s = p.shape
-    return kernel.moe_gemm2_a16w4(
-        p.a2,
-        w2,
-        w2_scale,
-        *sorting,
-        arch=arch,
-        topk=s.topk,
-        block_m=p.tile_m,
-        out=out,
-        model_dim=model_dim,
-        inter_dim=s.inter_dim,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        k_batch=cfg.k_batch,
-        waves=cfg.waves,
-    )
 
 
 # ---- modelled mode ------------------------------------------------------------------------------
 
 
-def model_config(kernel, p: Problem, arch: str, cfg: Config, max_workgroups: int, weights: Weights) -> dict:
+def model_config(p: Problem, arch: str, cfg: Config, max_workgroups: int, weights: Weights) -> dict:
     """Emulate a representative part of one config's launch and estimate the whole launch's
     counters (module docstring). Returns a result row."""
-    s = p.shape
+    s, kernel = p.shape, p.stage.kernel()
     # compiled (without running) before any emulated launch of this config compiles it
-    res = common.compiled_resources(
-        (arch, s.name, cfg), arch, launch, kernel, p, arch, cfg, p.sorting, weights.w2, weights.scale, s.model_dim
-    )
-    n_tiles = -(-s.model_dim // cfg.tile_n)
+    res = common.compiled_resources((arch, p.stage, s.name, cfg), arch, launch, p, arch, cfg, p.sorting, weights)
+    n_tiles = -(-p.stage.n(s) // cfg.tile_n)
     grid_m, compact = kernel.m_grid(p.tokens, s.topk, s.experts, p.sorting[0].numel(), p.tile_m)
     per_tile = n_tiles * cfg.k_batch  # workgroups of one m-tile
     n_work = int(p.work_tiles.numel())
@@ -369,10 +139,9 @@ def model_config(kernel, p: Problem, arch: str, cfg: Config, max_workgroups: int
     records = []
 
     def run(sorting):
-        out = emu.aligned(torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16))
+        out = new_out(p, "cpu")
         _, counts, recs = common.emulate(
-            lambda: launch(kernel, p, arch, cfg, sorting, weights.w2, weights.scale, s.model_dim, out),
-            tensors={"w2": weights.w2},
+            lambda: launch(p, arch, cfg, sorting, weights, out), tensors={"w": weights.w}
         )
         records.extend(recs)
         return counts
@@ -397,22 +166,25 @@ def model_config(kernel, p: Problem, arch: str, cfg: Config, max_workgroups: int
     total = common.Counts.combine([(n_work / sampled, work), (launched - working, per_idle)])
     res = res or common.resources_of_kernel(records[0].kernel)  # None: compiled earlier in this process
     waves = records[0].stats.waves_per_workgroup
-    return modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work, kernel) | {
+    return modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work) | {
         "kernel": records[0].kernel
     }
 
 
-def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work, kernel) -> dict:
+def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, sampled, n_work) -> dict:
     mfma = total.cls("mfma")
-    useful = useful_mfmas(p, arch, kernel)
+    useful = useful_mfmas(p, arch)
     loads = total.mem("vmem_load")
-    w2 = total.by_tensor["w2"]
+    w = total.by_tensor["w"]
+    stores = total.mem("vmem_store")
     atomics = total.mem("vmem_atomic")
     lds = total.mem("lds")
     glob = total.mem(common.GLOBAL_CLASSES)
-    upstream = UPSTREAM_PER_MFMA.get((p.shape.name, p.tokens, cfg.tile_m, cfg.tile_n)) if arch == "gfx950" else None
+    quoted = arch == "gfx950" and p.stage.number == 2  # upstream's figures: stage 2 on gfx950
+    upstream = UPSTREAM_PER_MFMA.get((p.shape.name, p.tokens, cfg.tile_m, cfg.tile_n)) if quoted else None
     per_mfma = total.wave_instructions / mfma if mfma else None
     return {
+        "stage": p.stage.number,
         "shape": p.shape.name,
         "tokens": p.tokens,
         "arch": arch,
@@ -440,8 +212,10 @@ def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, s
         "vmem_load_instr": loads.executed,
         "vmem_load_bytes": loads.bytes,
         "coalescing_loads": common.coalescing(loads),
-        "coalescing_w2_loads": common.coalescing(w2),
-        "w2_bytes_per_lane": w2.bytes / w2.lanes if w2.lanes else None,
+        "coalescing_w_loads": common.coalescing(w),
+        "w_bytes_per_lane": w.bytes / w.lanes if w.lanes else None,
+        "store_instr": stores.executed,
+        "coalescing_stores": common.coalescing(stores),
         "atomic_instr": atomics.executed,
         "atomic_bytes": atomics.bytes,
         "coalescing_atomics": common.coalescing(atomics),
@@ -456,12 +230,12 @@ def modelled_row(p, arch, cfg, res, waves, total, per_idle, launched, working, s
 
 
 def target_misses(row: dict) -> list[str]:
-    """The issue 5 targets this row can be checked against and misses."""
+    """The targets (issues 5 and 15) this row can be checked against and misses."""
     misses = []
-    if row["coalescing_w2_loads"] is None or row["coalescing_w2_loads"] < MIN_W2_COALESCING:
-        misses.append(f"weight loads coalescing {row['coalescing_w2_loads']} (target >= {MIN_W2_COALESCING})")
-    if row["w2_bytes_per_lane"] != W2_BYTES_PER_LANE:
-        misses.append(f"weight loads {row['w2_bytes_per_lane']} bytes per lane (target {W2_BYTES_PER_LANE})")
+    if row["coalescing_w_loads"] is None or row["coalescing_w_loads"] < MIN_W_COALESCING:
+        misses.append(f"weight loads coalescing {row['coalescing_w_loads']} (target >= {MIN_W_COALESCING})")
+    if row["w_bytes_per_lane"] != W_BYTES_PER_LANE:
+        misses.append(f"weight loads {row['w_bytes_per_lane']} bytes per lane (target {W_BYTES_PER_LANE})")
     if row["spills"]:
         misses.append(f"{row['spills']} spills")
     if row["workgroups_per_cu"] is not None and row["workgroups_per_cu"] < MIN_WORKGROUPS_PER_CU:
@@ -489,10 +263,10 @@ def aiter_stage2():
     return cktile_moe_stage2, "aiter.fused_moe.cktile_moe_stage2"
 
 
-def time_config(kernel, p: Problem, arch: str, cfg: Config, w2, scale, args) -> dict:
-    out = torch.zeros(p.tokens, p.shape.model_dim, dtype=torch.bfloat16, device="cuda")
+def time_config(p: Problem, arch: str, cfg: Config, weights: Weights, args) -> dict:
+    out = new_out(p, "cuda")
     t = common.time_gpu(
-        lambda: launch(kernel, p, arch, cfg, p.sorting, w2, scale, p.shape.model_dim, out=out),
+        lambda: launch(p, arch, cfg, p.sorting, weights, out=out),
         warmup=args.warmup,
         iters=args.iters,
         flush=not args.no_flush,
@@ -505,6 +279,7 @@ def timing_row(p: Problem, arch: str, t: common.Timing, impl: str, extra: dict) 
     seconds = t.median_us * 1e-6
     bound = compulsory_bytes(p) / common.hbm_peak_bytes_per_s(arch)
     return {
+        "stage": p.stage.number,
         "shape": p.shape.name,
         "tokens": p.tokens,
         "arch": arch,
@@ -521,50 +296,45 @@ def timing_row(p: Problem, arch: str, t: common.Timing, impl: str, extra: dict) 
     }
 
 
-def time_baselines(p: Problem, arch: str, w2, scale, args) -> list[dict]:
-    """The public API (with the selector's config for this block size), the PyTorch reference and
-    aiter's CK-Tile stage 2 on the same inputs (failures recorded)."""
-    s = p.shape
+def time_baselines(p: Problem, arch: str, weights: Weights, args) -> list[dict]:
+    """The public API (with the selector's config for this block size), the PyTorch reference and,
+    for stage 2, aiter's CK-Tile stage 2 on the same inputs (failures recorded)."""
+    s, st = p.shape, p.stage
     rows = []
-    out = torch.zeros(p.tokens, s.model_dim, dtype=torch.float32, device="cuda")
-
-    def reference():
-        fq.reference.moe_gemm2_a16w4(
-            p.a2, w2, scale, *p.sorting, s.topk, p.tile_m, out=out, model_dim=s.model_dim, inter_dim=s.inter_dim
-        )
-
-    api_out = torch.zeros(p.tokens, s.model_dim, dtype=torch.bfloat16, device="cuda")
+    api_out = new_out(p, "cuda")
+    ref_out = torch.zeros(*st.out_shape(s, p.tokens), dtype=torch.float32 if st.number == 2 else torch.bfloat16,
+                          device="cuda")
+    sizes = dict(model_dim=s.model_dim, inter_dim=s.inter_dim)
+    if st.number == 1:
+        extra = dict(bias=weights.bias, activation=s.activation, **sizes)
+        api_fn, ref_fn = fq.moe_gemm1_a16w4, fq.reference.moe_gemm1_a16w4
+    else:
+        extra = sizes
+        api_fn, ref_fn = fq.moe_gemm2_a16w4, fq.reference.moe_gemm2_a16w4
 
     def api():  # the user's path: selector (plan per call) + custom op + kernel
-        fq.moe_gemm2_a16w4(
-            p.a2,
-            w2,
-            scale,
-            *p.sorting,
-            topk=s.topk,
-            block_m=p.tile_m,
-            out=api_out,
-            model_dim=s.model_dim,
-            inter_dim=s.inter_dim,
-        )
+        api_fn(p.a, weights.w, weights.scale, *p.sorting, topk=s.topk, block_m=p.tile_m, out=api_out, **extra)
 
-    candidates = [("flyquant api", api, api_out.zero_), ("pytorch reference", reference, out.zero_)]
-    fn, why = aiter_stage2()
+    def reference():
+        ref_fn(p.a, weights.w, weights.scale, *p.sorting, s.topk, p.tile_m, out=ref_out, **extra)
+
+    candidates = [("flyquant api", api, api_out.zero_), ("pytorch reference", reference, ref_out.zero_)]
+    fn, why = aiter_stage2() if st.number == 2 else (None, "aiter's stage 1 is not wired into this script")
     if fn is not None:
         out_bf16 = torch.zeros(p.tokens, s.w_n, dtype=torch.bfloat16, device="cuda")
         sorted_ids, sorted_weights, sorted_expert_ids, num_valid = p.sorting
 
         def ck_tile():  # a2 as (T, topk, K); the padding of the weights given as aiter's *_pad_zeros
             fn(
-                p.a2.view(p.tokens, s.topk, s.w_k),
+                p.a.view(p.tokens, s.topk, s.w_k),
                 None,
-                w2,
+                weights.w,
                 sorted_ids,
                 sorted_expert_ids,
                 num_valid,
                 out_bf16,
                 s.topk,
-                scale.view(torch.float8_e8m0fnu),
+                weights.scale.view(torch.float8_e8m0fnu),
                 None,
                 p.tile_m,
                 sorted_weights=sorted_weights,
@@ -574,40 +344,34 @@ def time_baselines(p: Problem, arch: str, w2, scale, args) -> list[dict]:
 
         candidates.append(("aiter ck-tile", ck_tile, out_bf16.zero_))
     else:
-        rows.append({"shape": s.name, "tokens": p.tokens, "arch": arch, "impl": "aiter ck-tile", "error": why})
+        rows.append({"stage": st.number, "shape": s.name, "tokens": p.tokens, "arch": arch, "impl": "aiter ck-tile",
+                     "error": why})
     for name, call, before in candidates:
         try:
             t = common.time_gpu(call, warmup=args.warmup, iters=args.iters, flush=not args.no_flush, before=before)
         except Exception as exc:  # a baseline that fails is reported, never replaced by a number
-            rows.append(
-                {
-                    "shape": s.name,
-                    "tokens": p.tokens,
-                    "arch": arch,
-                    "impl": name,
-                    "error": f"{type(exc).__name__}: {exc}",
-                }
-            )
+            rows.append({"stage": st.number, "shape": s.name, "tokens": p.tokens, "arch": arch, "impl": name,
+                         "error": f"{type(exc).__name__}: {exc}"})
             continue
         rows.append(timing_row(p, arch, t, name, {}))
     return rows
 
 
 def tuning_table(rows: list[dict], shapes: dict) -> dict:
-    """The fastest flyquant config per (arch, shape, tokens), in select.tuned_config's format."""
+    """The fastest flyquant config per (stage, arch, shape, tokens), in select.tuned_config's format."""
     best = {}
     for r in rows:
         if r.get("impl") != "flyquant":
             continue
-        key = (r["arch"], r["shape"], r["tokens"])
+        key = (STAGES[r["stage"]].op, r["arch"], r["shape"], r["tokens"])
         if key not in best or r["median_us"] < best[key]["median_us"]:
             best[key] = r
     entries = []
-    for (arch, name, tokens), r in sorted(best.items()):
+    for (op, arch, name, tokens), r in sorted(best.items()):
         s = shapes[name]
         entries.append(
             {
-                "op": OP,
+                "op": op,
                 "arch": arch,
                 "shape": {
                     "tokens": tokens,
@@ -616,16 +380,26 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
                     "model_dim": s.model_dim,
                     "inter_dim": s.inter_dim,
                 },
-                "config": {f: r[f] for f in select.MOE_CONFIG_FIELDS},
+                "config": {f: r[f] for f in select.TUNED_OPS[op][1]},
                 "median_us": r["median_us"],
             }
         )
     return {"entries": entries}
 
 
+def merge_tuning(path: Path, table: dict) -> dict:
+    """`table` plus the entries already in `path` for other ops (the other stage's sweep)."""
+    if not path.exists():
+        return table
+    ops = {e["op"] for e in table["entries"]}
+    kept = [e for e in json.loads(path.read_text())["entries"] if e["op"] not in ops]
+    return {"entries": kept + table["entries"]}
+
+
 # ---- outputs ------------------------------------------------------------------------------------
 
 MODELLED_COLUMNS = [
+    ("stage", "stage"),
     ("shape", "shape"),
     ("tokens", "T"),
     ("arch", "arch"),
@@ -647,14 +421,16 @@ MODELLED_COLUMNS = [
     ("instr_per_useful_mfma", "/useful"),
     ("upstream_instr_per_mfma", "upstream/MFMA"),
     ("vs_upstream", "ratio"),
-    ("coalescing_w2_loads", "coal w2 ld"),
-    ("w2_bytes_per_lane", "w2 B/lane"),
+    ("coalescing_w_loads", "coal w ld"),
+    ("w_bytes_per_lane", "w B/lane"),
     ("coalescing_loads", "coal ld"),
+    ("coalescing_stores", "coal st"),
     ("coalescing_atomics", "coal atom"),
     ("traffic_vs_compulsory", "traffic/min"),
     ("reduction", "reduction"),
 ]
 HARDWARE_COLUMNS = [
+    ("stage", "stage"),
     ("shape", "shape"),
     ("tokens", "T"),
     ("impl", "impl"),
@@ -744,7 +520,8 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
             ax.grid(alpha=0.3)
         axes[0][col].legend(fontsize=6)
     label = common.MODELLED_LABEL if mode == "modelled" else common.HARDWARE_LABEL
-    fig.suptitle(f"A16W4 MoE stage 2, tile_n sweep (* = the selector's choice)\n{label}", fontsize=9)
+    stages = "/".join(sorted({str(r["stage"]) for r in rows if "stage" in r})) or "?"
+    fig.suptitle(f"A16W4 MoE stage {stages}, tile_n sweep (* = the selector's choice)\n{label}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -779,6 +556,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--stage", type=int, choices=sorted(STAGES), default=2,
+                    help="1: gate/up GEMM with the activation fused; 2: down GEMM (default 2)")
     ap.add_argument(
         "--shapes", type=common.csv_list, default=None, help=f"from {sorted(SHAPES)} (default {DEFAULT_SHAPES})"
     )
@@ -795,7 +574,8 @@ def parse_args(argv=None):
         "--tile-m", type=common.csv_list, default=["auto"], help="auto (the selector's block size) or values"
     )
     ap.add_argument(
-        "--k-batch", type=common.csv_list, default=None, help=f"split-K values or 'sel' (default {K_BATCH_DEFAULT})"
+        "--k-batch", type=common.csv_list, default=None,
+        help=f"split-K values or 'sel' (default {K_BATCH_DEFAULT}; stage 1: 1)"
     )
     ap.add_argument(
         "--waves", type=common.csv_list, default=None, help=f"waves per workgroup or 'auto' (default {WAVES_DEFAULT})"
@@ -813,15 +593,15 @@ def parse_args(argv=None):
     for name in args.shapes:
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
-    args.k_batch = args.k_batch or common.csv_list("sel" if args.quick else K_BATCH_DEFAULT)
+    args.k_batch = args.k_batch or common.csv_list("sel" if args.quick or args.stage == 1 else K_BATCH_DEFAULT)
     args.waves = args.waves or common.csv_list(WAVES_DEFAULT)
     args.max_workgroups = args.max_workgroups or (QUICK_MAX_WORKGROUPS if args.quick else MAX_WORKGROUPS)
     return args
 
 
-def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list, list, list]:
-    """Every (arch, shape, tokens, config): a modelled or timed row, or the reason it has none.
-    Returns (rows, configs the launcher refused, errors, the selector's plans)."""
+def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list, list, list, list]:
+    """Every (arch, shape, tokens, config) of the stage: a modelled or timed row, or the reason it
+    has none. Returns (rows, configs the launcher refused, errors, the selector's plans)."""
     rows, skipped, errors, plans = [], [], [], []
     weights = {}
     for arch in archs:
@@ -830,12 +610,12 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
         for name in args.shapes:
             shape = SHAPES[name]
             if name not in weights:
-                weights[name] = Weights(shape, args.seed, device)
+                weights[name] = Weights(stage, shape, args.seed, device)
                 if mode == "hardware":
                     weights[name].fill(range(shape.experts))
             w = weights[name]
             for tokens in args.tokens or (QUICK_TOKENS if args.quick and shape.tokens == TOKENS else shape.tokens):
-                chosen, plan_text = selector_choice(shape, tokens, device)
+                chosen, plan_text = selector_choice(stage, shape, tokens, device)
                 if chosen is None:
                     print(f"  {name} T={tokens} {arch}: no selector choice to mark ({plan_text})")
                 plans.append({"arch": arch, "shape": name, "tokens": tokens, "plan": plan_text})
@@ -845,15 +625,16 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
                     else fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
                 )
                 problems = {}
-                for cfg in configs_for(shape, tokens, args, chosen, auto_tile_m, kernel):
+                for cfg in configs_for(stage, shape, args, chosen, auto_tile_m):
                     if cfg.tile_m not in problems:
-                        problems[cfg.tile_m] = build_problem(shape, tokens, cfg.tile_m, args.skew, args.seed, device)
+                        problems[cfg.tile_m] = build_problem(stage, shape, tokens, cfg.tile_m, args.skew, args.seed,
+                                                             device)
                     p = problems[cfg.tile_m]
                     try:
                         if mode == "modelled":
-                            row = model_config(kernel, p, arch, cfg, args.max_workgroups, w)
+                            row = model_config(p, arch, cfg, args.max_workgroups, w)
                         else:
-                            row = time_config(kernel, p, arch, cfg, w.w2, w.scale, args)
+                            row = time_config(p, arch, cfg, w, args)
                     except ValueError as exc:  # the launcher refuses the config (e.g. split-K past the K steps)
                         skipped.append({"shape": name, "tokens": tokens, "arch": arch, **vars(cfg), "reason": str(exc)})
                         continue
@@ -877,9 +658,9 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
                     print(f"  {name} T={tokens} {arch} {config_label(vars(cfg))}: done", flush=True)
                 if mode == "hardware":  # sorted with the selector's block size, as the API is called
                     base = problems.get(auto_tile_m) or build_problem(
-                        shape, tokens, auto_tile_m, args.skew, args.seed, device
+                        stage, shape, tokens, auto_tile_m, args.skew, args.seed, device
                     )
-                    rows += time_baselines(base, arch, w.w2, w.scale, args)
+                    rows += time_baselines(base, arch, w, args)
 
     return rows, skipped, errors, plans
 
@@ -887,14 +668,15 @@ def sweep(args, mode: str, archs: list[str], kernel, device) -> tuple[list, list
 def main(argv=None) -> dict:
     args = parse_args(argv)
     mode, archs = common.resolve_mode(args.mode, args.arch)
-    from flyquant.kernels import moe_gemm2_a16w4 as kernel  # after the emulator is enabled
+    stage = STAGES[args.stage]
+    kernel = stage.kernel()  # after the emulator is enabled
 
     args.tile_n = args.tile_n or list(kernel.TILE_NS)
     device = "cuda" if mode == "hardware" else "cpu"
     label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
-    print(f"A16W4 MoE stage 2, tile_n sweep: {label}")
+    print(f"A16W4 MoE stage {stage.number}, tile_n sweep: {label}")
     sources = common.kernel_sources()
-    rows, skipped, errors, plans = sweep(args, mode, archs, kernel, device)
+    rows, skipped, errors, plans = sweep(args, mode, archs, stage, device)
 
     print()
     common.print_table(list(_display(rows)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
@@ -918,9 +700,10 @@ def main(argv=None) -> dict:
             "\nreduction: 'exact' = every m-tile with work emulated; '~S/W' = S of the W m-tiles with work emulated "
             "(all their n-tiles and k-splits) and scaled by W/S (see the script's docstring)"
         )
-        print_upstream()
+        if stage.number == 2:
+            print_upstream()
     changed = common.warn_if_sources_changed(sources)
-    stem = f"moe_gemm2_tile_n_{mode}"
+    stem = f"moe_gemm{stage.number}_tile_n_{mode}"
     environment = common.environment() | {"kernel_sources_changed": changed}
     payload = {
         "mode": mode,
@@ -934,18 +717,20 @@ def main(argv=None) -> dict:
         "plans": plans,
     }
     if mode == "modelled":
-        payload["upstream"] = {
-            "source": UPSTREAM_SOURCE,
-            "per_mfma": [
-                dict(zip(("shape", "tokens", "tile_m", "tile_n"), k), value=v) for k, v in UPSTREAM_PER_MFMA.items()
-            ],
-            "notes": UPSTREAM_NOTES,
-            "targets": TARGETS,
-        }
+        if stage.number == 2:
+            payload["upstream"] = {
+                "source": UPSTREAM_SOURCE,
+                "per_mfma": [
+                    dict(zip(("shape", "tokens", "tile_m", "tile_n"), k), value=v) for k, v in UPSTREAM_PER_MFMA.items()
+                ],
+                "notes": UPSTREAM_NOTES,
+                "targets": TARGETS,
+            }
     else:
         for arch in archs:
-            table = tuning_table([r for r in rows if r["arch"] == arch], SHAPES)
-            path = common.write_json(args.out / f"tuning_{arch}.json", table)
+            path = args.out / f"tuning_{arch}.json"
+            table = merge_tuning(path, tuning_table([r for r in rows if r["arch"] == arch], SHAPES))
+            path = common.write_json(path, table)
             print(f"tuning table: {path} (use with FLYQUANT_TUNING={path})")
     json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png")
