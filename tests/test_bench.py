@@ -268,11 +268,11 @@ def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
 
 def test_moe_stages_instr_bench(tmp_path, keep_emu_arch):
     """bench/moe_stages_instr.py at 1 token on gfx950: both stages emulated, every workgroup works,
-    and stage 1's wave-instructions per MFMA are within 1% of stage 2's (the issue's target)."""
+    and stage 1's wave-instructions per MFMA are no more than stage 2's (issue 15's target)."""
     bench = load("moe_stages_instr")
     payload = bench.main(["--arch", "gfx950", "--tokens", "1", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "moe_stages_instr.json").read_text()) == payload
     s1, s2 = payload["rows"]
     assert (s1["stage"], s2["stage"]) == (1, 2) and s1["kernel"].startswith("moe_gemm1_a16w4_swiglu_oai")
     assert all(r["wg_working"] == r["wg_launched"] > 0 for r in (s1, s2))
-    assert s1["instr_per_mfma"] <= 1.01 * s2["instr_per_mfma"]
+    assert s1["instr_per_mfma"] <= s2["instr_per_mfma"]
