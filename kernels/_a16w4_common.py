@@ -175,7 +175,8 @@ class Gemm2Config:
             act = self.activation
             if act == "swiglu_oai":
                 act += f"_a{self.alpha!r}_l{self.limit!r}".replace(".", "p").replace("-", "m")
-            opt = ("_w" if self.apply_weights else "") + ("" if self.bias_dtype is None else "_bias")
+            opt = (("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
+                   + ("" if self.bias_dtype is None else "_bias"))
             return (f"moe_gemm1_a16w4_{act}_{self.tile_m}x{self.tile_n}_w{self.wn}x{self.wk}{opt}"
                     f"_i{self.model_dim // 2}_k{self.inter_dim}_{self.arch}")
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
@@ -368,6 +369,24 @@ MAX_SORTED_ROWS = MAX_BUFFER_BYTES // 4  # int32 rows, byte offsets in 32 bits
 BUFFER_MAX_BYTES = OOB  # one a2 or out buffer (token window): below the OOB offset
 OUT_ELEM_BYTES = {torch.bfloat16: 2, torch.float32: 4}
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+
+
+def token_windows(tokens: int, a_rows: int, width: int, row_stride: int, out_token_bytes: int) -> list[tuple[int, int]]:
+    """(first token, tokens) of each launch: the whole batch when the activations (tokens * a_rows
+    rows of `width` bf16 at `row_stride` elements: a2 with a_rows = topk at stage 2, x with 1 at
+    stage 1) and the output (out_token_bytes per token) each fit one buffer of BUFFER_MAX_BYTES
+    (just under 2 GiB: buffer offsets are 32-bit and OOB must stay past the end), else windows of
+    as many tokens as fit, one launch each (every launch scans the same sorted rows and computes
+    those whose token is in its window)."""
+    if tokens == 0 or (((tokens * a_rows - 1) * row_stride + width) * 2 <= BUFFER_MAX_BYTES
+                       and tokens * out_token_bytes <= BUFFER_MAX_BYTES):
+        return [(0, tokens)]
+    per = min(((BUFFER_MAX_BYTES // 2 - width) // row_stride + 1) // a_rows if row_stride else tokens,
+              BUFFER_MAX_BYTES // out_token_bytes)
+    if per == 0:
+        raise ValueError(f"the activations' rows of one token ({a_rows} rows of stride {row_stride}) or its output "
+                         f"({out_token_bytes} bytes) span more than {BUFFER_MAX_BYTES} bytes, the range one buffer addresses")
+    return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]
 
 
 def check_inputs(a_name: str, a, w_name: str, w, s_name: str, w_scale, sorted_ids, sorted_weights, sorted_expert_ids,

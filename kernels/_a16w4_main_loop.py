@@ -80,10 +80,10 @@ scalar offset, and it stays below the tensor's K by construction. The three scal
 (num_valid_ids, a tile's first id and its expert id) index below min(num_valid_ids[0], R) by
 construction. The output atomics go through a buffer sized to out's rows too (gfx942 bf16:
 global atomics), only for live rows (token in range, slot below topk) and 16-column blocks below
-model_dim. A buffer addresses < 2^32 bytes, and a2's and out's must end below OOB (2 GiB - 16,
-so that masked lanes read 0): a larger a2 or out is computed in token windows (token_windows:
-one launch each, a2's and out's base moved to the window on the host in 64 bits, tokens outside
-the window skipped), so sizes have no limit but the 2^24 tokens of the sorted ids.
+model_dim. A buffer addresses < 2^32 bytes, and A's (a2, or stage 1's x) and out's must end below
+OOB (2 GiB - 16, so that masked lanes read 0): larger ones are computed in token windows
+(token_windows: one launch each, A's and out's base moved to the window on the host in 64 bits,
+tokens outside the window skipped), so sizes have no limit but the 2^24 tokens of the sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;

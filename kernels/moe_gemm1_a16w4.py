@@ -13,8 +13,8 @@ sigmoid = 1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32 (1 ulp each on hard
 roundings of z * log2 e, of 1 + e and of the final products, the activation's relative error is
 at most (|z| + 8) * 2^-24 (z the sigmoid's argument; gelu adds 4 * 2^-24 * 2c(|g| + 0.044715|g|^3)
 for computing z), plus 2^-126 * |g u| absolute where the hardware flushes a denormal sigmoid to 0.
-NaN and Inf propagate as in the reference's formulas. x and a2 must each fit one buffer
-(< 2 GiB; no token windows for stage 1).
+NaN and Inf propagate as in the reference's formulas. An x or a2 past one 32-bit buffer (2 GiB)
+runs as one launch per window of tokens (token_windows), as stage 2 does.
 
 The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1: stage1_epilogue);
 its constants and helpers kernels/_a16w4_common.py.
@@ -28,9 +28,9 @@ from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from ._a16w4_common import (
-    ACTIVATIONS, BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
+    ACTIVATIONS, BIAS_DTYPES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
     check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config, k_iterations, m_grid,
-    m_tiling,
+    m_tiling, token_windows,
 )
 from ._a16w4_main_loop import _cached_launcher
 
@@ -114,11 +114,7 @@ def moe_gemm1_a16w4(
         return result.copy_(fresh)
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
-    x_bytes = 0 if tokens == 0 else ((tokens - 1) * x.stride(0) + x.shape[1]) * 2
-    out_bytes = 0 if tokens == 0 else ((tokens * topk - 1) * out.stride(0) + out.shape[1]) * 2
-    if max(x_bytes, out_bytes) > BUFFER_MAX_BYTES:
-        raise ValueError(f"x ({x_bytes} bytes) and out ({out_bytes} bytes) must each span at most {BUFFER_MAX_BYTES} "
-                         f"bytes (one 32-bit buffer; stage 1 has no token windows)")
+    windows = token_windows(tokens, 1, x.shape[1], x.stride(0), topk * out.stride(0) * 2)
 
     auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
     tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
@@ -133,16 +129,22 @@ def moe_gemm1_a16w4(
         model_dim=2 * inter_dim, inter_dim=model_dim, w_n=w_n, w_k=w_k, a_stride=x.stride(0), topk=topk,
         block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
         stage=1, activation=activation, alpha=float(alpha), limit=float(limit), out_stride=out.stride(0),
+        windowed=len(windows) > 1,
     )
     grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
     if grid_m == 0:
         return out
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    x_row_bytes, out_token_bytes = x.stride(0) * 2, topk * out.stride(0) * 2
     with toolchain.target(info.name):
-        _cached_launcher(cfg)(
-            x.data_ptr(), x_bytes, w1.data_ptr(), w1_scale.data_ptr(), sorted_ids.data_ptr(), sorted_weights.data_ptr(),
-            sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(), out.data_ptr(), out_bytes,
-            0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.stride(0), tokens, rows, experts,
-            grid_m, int(compact), 0, tokens, stream=stream,
-        )
+        for t0, n in windows:
+            # the window's x rows and a2 rows start at 64-bit host-computed addresses
+            x_bytes = ((n - 1) * x.stride(0) + x.shape[1]) * 2
+            out_bytes = ((n * topk - 1) * out.stride(0) + out.shape[1]) * 2
+            _cached_launcher(cfg)(
+                x.data_ptr() + t0 * x_row_bytes, x_bytes, w1.data_ptr(), w1_scale.data_ptr(), sorted_ids.data_ptr(),
+                sorted_weights.data_ptr(), sorted_expert_ids.data_ptr(), num_valid_ids.data_ptr(),
+                out.data_ptr() + t0 * out_token_bytes, out_bytes, 0 if bias is None else bias.data_ptr(),
+                0 if bias is None else bias.stride(0), n, rows, experts, grid_m, int(compact), t0, tokens, stream=stream,
+            )
     return out

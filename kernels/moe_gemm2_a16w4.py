@@ -12,9 +12,9 @@ from flyquant.arch import arch_info
 
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
-    BIAS_DTYPES, BUFFER_MAX_BYTES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
+    BIAS_DTYPES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
     WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
-    k_iterations, m_grid, m_tiling,
+    k_iterations, m_grid, m_tiling, token_windows,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -152,20 +152,3 @@ def moe_gemm2_a16w4(
                 0 if bias is None else bias.stride(0), n, rows, experts, grid_m, int(compact), t0, tokens, stream=stream,
             )
     return out
-
-
-def token_windows(tokens: int, topk: int, width: int, row_stride: int, out_row_bytes: int) -> list[tuple[int, int]]:
-    """(first token, tokens) of each launch: the whole batch when a2 (tokens * topk rows of
-    `width` bf16 at `row_stride` elements) and out (tokens rows of out_row_bytes) each fit one
-    buffer of BUFFER_MAX_BYTES (just under 2 GiB: buffer offsets are 32-bit and OOB must stay
-    past the end), else windows of as many tokens as fit, one launch each (every launch scans the
-    same sorted rows and computes those whose token is in its window)."""
-    if tokens == 0 or (((tokens * topk - 1) * row_stride + width) * 2 <= BUFFER_MAX_BYTES
-                       and tokens * out_row_bytes <= BUFFER_MAX_BYTES):
-        return [(0, tokens)]
-    per = min(((BUFFER_MAX_BYTES // 2 - width) // row_stride + 1) // topk if row_stride else tokens,
-              BUFFER_MAX_BYTES // out_row_bytes)
-    if per == 0:
-        raise ValueError(f"a2's rows of one token (topk = {topk} rows of stride {row_stride}) span more than "
-                         f"{BUFFER_MAX_BYTES} bytes, the range one a2 buffer addresses")
-    return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]

@@ -59,28 +59,31 @@ def make_problem(tokens, topk, experts, model_dim, inter_dim, half, w_k, block_m
                 sorting=moe_sorting(ids, weights, experts, block_m))
 
 
+def pair_exact_and_tolerance(p, t, e, w, activation):
+    """(e, T) of the module docstring for token t routed to expert e with weight w: (inter_dim,) float64."""
+    md, idim, half = p["model_dim"], p["inter_dim"], p["half"]
+    weight = reference.dequantize_mxfp4(p["packed"][e], p["scales"][e]).double()
+    x = p["x"][t, :md].double()
+    wg, wu = weight[:idim, :md], weight[half:half + idim, :md]
+    b = p["bias"][e].double() if p["bias"] is not None else torch.zeros(2 * half, dtype=torch.float64)
+    bg, bu = b[:idim], b[half:half + idim]
+    g, u = wg @ x + bg, wu @ x + bu
+    dg = (md + 1) * U_F32 * (wg.abs() @ x.abs() + bg.abs())
+    du = (md + 1) * U_F32 * (wu.abs() @ x.abs() + bu.abs())
+    a = reference.moe_activation(g, u, activation) * w
+    prop = DERIV_G * (u.abs() + 1) * dg + (g.abs() + 1) * du + ACT_ERR * (g.abs() + 1) * (u.abs() + 1)
+    return a, U_BF16 * a.abs() + (1 + U_BF16) * abs(w) * prop
+
+
 def exact_and_tolerance(p, activation, apply_weights):
     """(e, T) of the module docstring, (T * topk, inter_dim) float64; rows without a pair: NaN, 0."""
-    md, idim, half, topk = p["model_dim"], p["inter_dim"], p["half"], p["topk"]
-    weight = reference.dequantize_mxfp4(p["packed"], p["scales"]).double()
-    x = p["x"][:, :md].double()
-    tokens = x.shape[0]
-    exact = torch.full((tokens * topk, idim), float("nan"), dtype=torch.float64)
+    topk, tokens = p["topk"], p["x"].shape[0]
+    exact = torch.full((tokens * topk, p["inter_dim"]), float("nan"), dtype=torch.float64)
     tol = torch.zeros_like(exact)
     for t in range(tokens):
         for s in range(topk):
-            e = int(p["ids"][t, s])
-            wg, wu = weight[e, :idim, :md], weight[e, half:half + idim, :md]
-            b = p["bias"].double() if p["bias"] is not None else torch.zeros(p["experts"], 2 * half, dtype=torch.float64)
-            bg, bu = b[e, :idim], b[e, half:half + idim]
-            g, u = wg @ x[t] + bg, wu @ x[t] + bu
-            dg = (md + 1) * U_F32 * (wg.abs() @ x[t].abs() + bg.abs())
-            du = (md + 1) * U_F32 * (wu.abs() @ x[t].abs() + bu.abs())
             w = float(p["weights"][t, s]) if apply_weights else 1.0
-            a = reference.moe_activation(g, u, activation) * w
-            prop = DERIV_G * (u.abs() + 1) * dg + (g.abs() + 1) * du + ACT_ERR * (g.abs() + 1) * (u.abs() + 1)
-            exact[t * topk + s] = a
-            tol[t * topk + s] = U_BF16 * a.abs() + (1 + U_BF16) * abs(w) * prop
+            exact[t * topk + s], tol[t * topk + s] = pair_exact_and_tolerance(p, t, int(p["ids"][t, s]), w, activation)
     return exact, tol
 
 
@@ -170,6 +173,41 @@ def test_nan_inf_propagate(arch):
         exact, tol = exact_and_tolerance(p, activation, False)
         ok = fin & exact.isfinite()
         assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
+    """x and a2 of 33000 rows at a 128 KiB row stride (4.3 GB of address space each, only the routed
+    rows touched): one launch per window of tokens, each with x's and a2's base at the window
+    (64-bit, on the host); every routed row gets its own token's activation (in one buffer token
+    32999's 32-bit row offset would wrap to row 231's) and no other row of a2 is written. Blocks of
+    three experts: one with tokens on both sides of the first 4 GiB, one past it only, one below it."""
+    rows, stride, topk, block_m = 33000, 65536, 1, 16
+    p = make_problem(1, topk, 4, 256, 32, 32, 256, block_m, seed=12, bias_dtype=torch.float32)
+    p["x"] = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :256]
+    assert len(K1.token_windows(rows, 1, 256, stride, topk * stride * 2)) == 3
+    gen = torch.Generator().manual_seed(12)
+    blocks = [(2, [5, 231, 32767, 32768, 32999]), (0, [32998]), (3, [0, 7])]
+    pad = (topk << 24) | rows
+    ids, eids = [], []
+    for e, toks in blocks:
+        ids += toks + [pad] * (block_m - len(toks))
+        eids.append(e)
+        p["x"][toks] = torch.randn(len(toks), 256, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor(ids + [pad] * block_m, dtype=torch.int32)
+    weights = torch.where(ids == pad, 0.0, torch.rand(ids.numel(), generator=gen) + 0.25)
+    p["sorting"] = (ids, weights, torch.tensor(eids + [-1], dtype=torch.int32),
+                    torch.tensor([3 * block_m, rows], dtype=torch.int32))
+    out = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :32]
+    routed = [t for _, toks in blocks for t in toks]
+    neighbours = [4, 6, 230, 232, 32766, 32997]  # rows no token maps to, beside routed ones
+    out[routed + neighbours] = SENTINEL
+    run(arch, p, "swiglu_oai", out=out)
+    for e, toks in blocks:
+        for t in toks:
+            exact, tol = pair_exact_and_tolerance(p, t, e, 1.0, "swiglu_oai")
+            assert ((out[t].double() - exact).abs() <= tol).all(), (t, e)
+    assert (out[neighbours] == SENTINEL).all()
 
 
 def test_config_choice_and_bad_inputs():

@@ -33,6 +33,7 @@ from .memory import Memory
 SONAME = "libamdhip64.so.7"
 _SOURCES = ("hip_stub.c", "hip_stub.map")
 KERNARG_ALIGN = 64  # HIP allocates kernarg segments 64-byte aligned (AQL packet convention)
+KERNARG_GRANULE = 16  # strict memory: the segment counts as readable up to a multiple of this (launch())
 # hipModuleLaunchKernel always describes a 3-dimensional NDRange, whose grid is a whole number
 # of workgroups: hidden_grid_dims is 3 and every hidden_remainder_* is 0.
 GRID_DIMS = 3
@@ -226,7 +227,10 @@ class Runtime:
         start = -buffer.ctypes.data % KERNARG_ALIGN
         buffer[start : start + len(segment)] = np.frombuffer(bytes(segment), dtype=np.uint8)
         address = buffer.ctypes.data + start
-        key = self.memory.register(address, max(len(segment), 1), writable=False)
+        # readable to the next 16-byte boundary: LLVM widens scalar kernarg loads (7 dwords -> s_load_dwordx8)
+        # when the extra bytes share an aligned granule with used ones (such a read cannot cross a page)
+        key = self.memory.register(address, max(-(-len(segment) // KERNARG_GRANULE) * KERNARG_GRANULE, 1),
+                                   writable=False)
         try:
             if self.executor is None:
                 from .interp import execute
