@@ -59,7 +59,8 @@ FLUSH_ROWS = WAVE * mx.PIECE_BYTES // LINE_BYTES  # staged rows per flush instru
 # gfx950 32x1 / 3D: the occupancy the register allocator aims for (at most 128 VGPRs); even 2
 # waves x 16 KiB of loads in flight per SIMD cover HBM latency.
 WAVES_PER_SIMD = 4
-KINDS = ("32x1", "3d", "dual")  # dual: 32x1 plus the 1x32 outputs from the same loads
+KINDS = ("32x1", "3d", "dual", "3d_t")  # dual: 32x1 plus the 1x32 outputs from the same loads;
+# 3d_t: 32 x 32 blocks, data row-major (see build_col)
 SOURCE_TAG = mx.source_tag(sys.modules[__name__])
 
 
@@ -113,9 +114,14 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
               grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128):
     """An uncached @flyc.jit launcher of the column kernel for one specialization: kind "32x1"
     (scales (K, N/32)) or "3d" (scales (E, N/32, K / block_k)); scale_layout None, "tcgen05" or
-    "mfma" (of the (K, N/32) matrix per expert); grouped: tcgen05 per token group (32x1, offs)."""
+    "mfma" (of the (K, N/32) matrix per expert); grouped: tcgen05 per token group (32x1, offs).
+    Kind "3d_t" (block_k 32, K % 32 == 0): 32 x 32 blocks with the data stored row-major (as
+    read) and the block codes transposed, (E, K/32, N/32), or a layout of the (N, K/32) matrix
+    per expert: the 3D quantize of the transposed view w = x.transpose(1, 2) (_rows_32x32)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "3d_t" and block_k != MX_BLOCK:
+        raise ValueError(f"kind 3d_t takes scale_block_k {MX_BLOCK}, got {block_k}")
     spec = Spec(arch, dtype, mode)
     wide = spec.wide
     groups_n = tile_rows // ROWS_PER_LANE
@@ -271,6 +277,9 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         elif kind == "dual":
             dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
                             lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
+        elif kind == "3d_t":  # _rows_32x32: the lane's 16 rows, row-major from the tile's corner
+            dual_ctx = dict(row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
+                            lane_rows=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
         else:
             dual_ctx = {}
         wave_ctx = dict(dual_ctx, e=e, r0=r0, row_ok=row_ok, rs=rs, s=s, hpair=hpair, g=g, c=c, lane_cols=lane_cols,
@@ -281,7 +290,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             c0 = mul(mx.opaque_sgpr(add(first, i)), tile_cols)
             tile_in = add(mul(r0, row_bytes), mul(c0, spec.elem_bytes))
             rx = mx.buffer(x, add(in_base, to_i64(tile_in)), sub(mul(expert, spec.elem_bytes), tile_in))
-            tile_out = add(mul(c0, n), r0)
+            tile_out = add(mul(r0, k), c0) if kind == "3d_t" else add(mul(c0, n), r0)
             rq = mx.buffer(q, add(out_base, to_i64(tile_out)), sub(expert, tile_out))
             col_full = mx.cmp_ule(add(c0, tile_cols), k)
 
@@ -338,6 +347,8 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
 
         def finish(words, amax, ctx, nan_pass):
             sc = scales(amax)
+            if kind == "3d_t":
+                return _rows_32x32(spec, words, sc[0], amax, nan_pass, ctx, scale_layout, lanes_per_kblock)
 
             def convert_store():
                 # dword columns converted and stored a few at a time (keeps few values live):
@@ -493,6 +504,50 @@ def _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock
         else:
             code = mx.select(hp, column_code(sc, half + jj), column_code(sc, jj)) if block_k == 1 else column_code(sc, 0)
             mx.store_byte(code, rs, off)
+
+
+def _rows_32x32(spec, words, sc, amax, nan_pass, ctx, scale_layout, lanes):
+    """3d_t: convert and store the lane's 16 rows x cols columns of a 32 x 32 block row-major
+    (the rows as loaded, one 8- or 4-byte store per row at the row's scalar offset), then the
+    block's code: plain, (E, K/32, N/32), by the block's first lane; a layout of the (N, K/32)
+    matrix per expert has the code in each of the block's 32 rows, the `lanes` lanes sharing a
+    row group's 16 rows store 16 / lanes of them each. A non-finite block (nan_pass) gets code
+    0xFF and 0x7F data in place. Rows past N and columns past K (whole lanes: K % 32 == 0) are
+    masked off by lane: a row-major row's columns past K would be the next row's."""
+    code, conv, limit = sc
+    conv = mx.as_f32(conv)
+    ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(add(ctx["c0"], ctx["lane_cols"]), ctx["k"]))
+    bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype]) if nan_pass else None
+    if bad is not None:
+        code = mx.select(bad, mx.E8M0_NAN, code)
+
+    def rows():
+        for r in range(ROWS_PER_LANE):
+            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            if bad is not None:
+                outs = [mx.select(bad, mx.E4M3_NAN_X4, o) for o in outs]
+            data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
+            mx.store(data, ctx["rq"], ctx["lane_rows"], ctx["row_k"][r] if r else 0)
+
+    mx.if_then(ok, rows)
+    kblock = lshr(add(ctx["c0"], ctx["lane_cols"]), 5)
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))  # block row
+    j = band(ctx["c"], lanes - 1)  # the lane's place among the block's lanes of its row group
+    if scale_layout is None:
+        lead = mx.arith.andi(ok, mx.cmp_eq(bor(j, ctx["hpair"]), 0))
+        off = add(mul(add(mul(ctx["e"], lshr(ctx["k"], 5)), kblock), ctx["nb"]), b)
+        mx.if_then(lead, lambda: mx.store_byte(code, ctx["rs"], off))
+        return
+    per_lane = ROWS_PER_LANE // lanes
+    row = add(add(ctx["r0"], mul(ctx["g"], ROWS_PER_LANE)), mul(j, per_lane))
+    base = mul(ctx["e"], ctx["s_expert"])
+
+    def codes():
+        for i in range(per_lane):
+            off = add(base, mx.scale_offset(scale_layout, add(row, i) if i else row, kblock, ctx["s_dims"]))
+            mx.store_byte(code, ctx["rs"], off)
+
+    mx.if_then(ok, codes)
 
 
 def _store_interleaved(arch, dist, outs, offsets, rq):

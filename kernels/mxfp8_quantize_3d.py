@@ -75,7 +75,8 @@ def matrix_too_large(shape, dtype: torch.dtype) -> str | None:
 def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block_k=1, offs=None, dims=0,
                expert_bytes=0, rows_out=None):
     """Launch the column kernel on contiguous x (E, N, K) (2D: (N, K), E = 1) into `data`
-    (column-major per expert) and `scales` (uint8, laid out as the kind/layout says)."""
+    (column-major per expert; 3d_t: row-major) and `scales` (uint8, laid out as the kind/layout
+    says)."""
     e, n, k = x.shape if x.dim() == 3 else (1, *x.shape)
     dtype = TORCH_DTYPES[x.dtype]
     too_large = matrix_too_large(x.shape, x.dtype)
@@ -102,10 +103,12 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
     scales float8_e8m0fnu (E, N/32, K) (scale_block_k=32: (E, N/32, K/32)), or per expert the
     "tcgen05" (flat) / "mfma" layout of the (K, N/32) matrix, zero padded.
 
-    w contiguous: the column kernel. w the transpose of a contiguous (E, K, N) (strides (N*K, 1,
-    N), scale_block_k=1): N is contiguous, so this is the 1x32 kernel on that (E*K, N) matrix,
-    read in place; its row-major data is the (N*K, 1, N) layout and its (E*K, N/32) scales the
-    per-expert (K, N/32) matrices the layouts start from (_transposed_3d)."""
+    w contiguous: the column kernel. w the transpose of a contiguous (E, K, N) tensor x (strides
+    (N*K, 1, N)): N is contiguous, read in place, and x's row-major layout is the data's (N*K, 1,
+    N). scale_block_k=1: the 1x32 kernel on x's (E*K, N) rows, whose (E*K, N/32) scales are the
+    per-expert (K, N/32) matrices the layouts start from (_transposed_3d). scale_block_k=32: the
+    column kernel's 3d_t variant on x (a 32 x 32 block of w is one of x; data stored row-major,
+    codes at their places in w's scales)."""
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
@@ -114,7 +117,8 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
-    if validate.mxfp8_3d_transposed(w, scale_block_k):
+    transposed = validate.mxfp8_3d_transposed(w)
+    if transposed and scale_block_k == 1:
         return _transposed_3d(w, arch, scaling_mode, scale_layout)
     e, n, k = w.shape
     data = torch.empty_strided((e, n, k), (n * k, 1, n), dtype=torch.float8_e4m3fn, device=w.device)
@@ -127,7 +131,8 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
         shape = (e, prows * pcols) if scale_layout == "tcgen05" else (e, prows, pcols)
         scales = mx.scale_tensor(shape, (prows, pcols) != (k, nb), w.device)
         dims, expert_bytes = mx.layout_dims(scale_layout, pcols), prows * pcols
-    launch_col(w, data, scales, arch=arch, scaling_mode=scaling_mode, kind="3d", scale_layout=scale_layout,
+    x, kind = (w.transpose(1, 2), "3d_t") if transposed else (w, "3d")
+    launch_col(x, data, scales, arch=arch, scaling_mode=scaling_mode, kind=kind, scale_layout=scale_layout,
                block_k=scale_block_k, dims=dims, expert_bytes=expert_bytes)
     return data, scales.view(torch.float8_e8m0fnu)
 
