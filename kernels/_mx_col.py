@@ -97,12 +97,23 @@ def _tile_cols(dtype: str, tile_rows: int) -> int:
     return WAVE // (tile_rows // ROWS_PER_LANE) * (mx.PIECE_BYTES // mx.ELEM_BYTES[dtype])
 
 
-def _lane_rc(lane, groups_n, arch):
+def rows_3d_t(elem_bytes: int) -> int:
+    """3d_t's tile rows: as many lanes per row as store one LINE_BYTES output line (16 for 16-bit
+    types, 32 for FP32), so 4 (2) row groups: 64 (32) rows x 128 columns."""
+    return ROWS_PER_LANE * WAVE * (mx.PIECE_BYTES // elem_bytes) // LINE_BYTES
+
+
+def _lane_rc(lane, groups_n, arch, block_lanes=0):
     """(row group, column lane) of a lane. 8 row groups (128-row tiles): lane = 8 g + c, so a
     block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart.
     4 row groups (64-row tiles, 32 x 1 blocks only): the pair 1 apart, neighbouring column lanes
     SWAP_DIST_64 apart: gfx950 lane = 32 (c & 1) + 4 (c >> 1) + g, gfx942 lane = 16 (c >> 2) +
-    8 (c & 1) + 4 ((c >> 1) & 1) + g."""
+    8 (c & 1) + 4 ((c >> 1) & 1) + g.
+    3d_t (block_lanes: the column lanes of a 32 x 32 block, L = 4 or 8): lane = c % L + L g +
+    L groups_n (c // L), so each block's 2 L lanes (2 row groups) are an aligned group."""
+    if block_lanes:
+        lb, gb = block_lanes.bit_length() - 1, groups_n.bit_length() - 1
+        return band(lshr(lane, lb), groups_n - 1), bor(band(lane, block_lanes - 1), shl(lshr(lane, lb + gb), lb))
     if groups_n == 8:
         return lshr(lane, 3), band(lane, 7)
     if arch == "gfx950":
@@ -125,12 +136,15 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     spec = Spec(arch, dtype, mode)
     wide = spec.wide
     groups_n = tile_rows // ROWS_PER_LANE
-    if groups_n not in (4, 8) or (groups_n == 4 and block_k > 1):
+    rows_out = kind == "3d_t"
+    if rows_out and tile_rows != rows_3d_t(spec.elem_bytes):
+        raise ValueError(f"3d_t tiles have {rows_3d_t(spec.elem_bytes)} rows for {dtype}, got {tile_rows}")
+    if not rows_out and (groups_n not in (4, 8) or (groups_n == 4 and block_k > 1)):
         raise ValueError(f"unsupported column tile: {tile_rows} rows, scale_block_k {block_k}")
     pair_dist = 8 if groups_n == 8 else 1
     # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
     # neighbouring column lanes trade halves of for full-line stores
-    interleave = groups_n == 4
+    interleave = groups_n == 4 and not rows_out
     cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
     tile_cols = WAVE // groups_n * cols
     group_tiles = LINE_BYTES // tile_cols  # dual: column tiles of a line group
@@ -151,16 +165,19 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     name = f"mxfp8_{tag}{'_offs' if grouped else ''}_{spec.tag}_r{tile_rows}_w{waves}"
 
     def column_amaxes(words, exact):
-        """Per dword column: the block amax (both lanes of the pair hold it)."""
+        """Per dword column: the block amax (both lanes of the pair hold it); 32 x 32 blocks: one
+        (every lane of the block holds it)."""
         parts = mx.chain_amax_interleaved(spec, [[w[d] for w in words] for d in range(dws)], exact)
-        out = [mx.amax_max(spec, p, mx.dpp_xor(p, pair_dist)) for p in parts]
+        # 3d_t: the block's lanes are one aligned group (_lane_rc), the pair among them
+        out = parts if rows_out else [mx.amax_max(spec, p, mx.dpp_xor(p, pair_dist)) for p in parts]
         if block_k == 1:
             return out
-        # 32 x 32 blocks: also over the lane's columns and its lanes_per_kblock neighbours
+        # 32 x 32 blocks: also over the lane's columns and its lanes_per_kblock neighbours (and
+        # for 3d_t the pair)
         acc = functools.reduce(lambda a, b: mx.amax_max(spec, a, b), out)
         acc = mx.amax_halves(spec, acc)
         dist = 1
-        while dist < lanes_per_kblock:
+        while dist < lanes_per_kblock * (2 if rows_out else 1):
             acc = mx.umax(acc, mx.dpp_reduce_partner(acc, dist))
             dist *= 2
         return acc
@@ -223,7 +240,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)
-        g, c = _lane_rc(lane, groups_n, arch)
+        g, c = _lane_rc(lane, groups_n, arch, lanes_per_kblock if rows_out else 0)
         hpair = band(g, 1)
         bx, rt, e = (val(fx.Int32(v)) for v in (fx.block_idx.x, fx.block_idx.y, fx.block_idx.z))
         n, k, row_bytes, nb = val(n), val(k), val(row_bytes), val(nb)
@@ -277,7 +294,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         elif kind == "dual":
             dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
                             lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
-        elif kind == "3d_t":  # _rows_32x32: the lane's 16 rows, row-major from the tile's corner
+        elif rows_out:  # _rows_32x32: the lane's 16 rows, row-major from the tile's corner
             dual_ctx = dict(row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
                             lane_rows=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
         else:
@@ -290,7 +307,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
             c0 = mul(mx.opaque_sgpr(add(first, i)), tile_cols)
             tile_in = add(mul(r0, row_bytes), mul(c0, spec.elem_bytes))
             rx = mx.buffer(x, add(in_base, to_i64(tile_in)), sub(mul(expert, spec.elem_bytes), tile_in))
-            tile_out = add(mul(r0, k), c0) if kind == "3d_t" else add(mul(c0, n), r0)
+            tile_out = add(mul(r0, k), c0) if rows_out else add(mul(c0, n), r0)
             rq = mx.buffer(q, add(out_base, to_i64(tile_out)), sub(expert, tile_out))
             col_full = mx.cmp_ule(add(c0, tile_cols), k)
 
@@ -347,7 +364,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
 
         def finish(words, amax, ctx, nan_pass):
             sc = scales(amax)
-            if kind == "3d_t":
+            if rows_out:
                 return _rows_32x32(spec, words, sc[0], amax, nan_pass, ctx, scale_layout, lanes_per_kblock)
 
             def convert_store():
@@ -521,7 +538,7 @@ def _rows_32x32(spec, words, sc, amax, nan_pass, ctx, scale_layout, lanes):
     if bad is not None:
         code = mx.select(bad, mx.E8M0_NAN, code)
 
-    def rows():
+    def rows():  # a row's lanes store one whole LINE_BYTES line (rows_3d_t)
         for r in range(ROWS_PER_LANE):
             outs = mx.convert_piece(spec, list(words[r]), conv, limit)
             if bad is not None:

@@ -22,7 +22,7 @@ from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
-from ._mx_col import MAX_WAVES, ROWS_PER_LANE, TILE_ROWS, _cached_col
+from ._mx_col import MAX_WAVES, ROWS_PER_LANE, TILE_ROWS, _cached_col, rows_3d_t
 from ._mx_common import MX_BLOCK, WAVE
 
 MAX_LAUNCH_BYTES = mx.MAX_LAUNCH_BYTES  # per expert (data) and for the whole scale tensor
@@ -47,11 +47,13 @@ def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str =
     Tile rows: 128, or 64 for N = 64 (32 x 1 blocks, not dual), where a 128-row tile would
     leave half its lanes idle; for other N the 128-row tiles' full-line column stores win. A
     wave walks up to TILES_PER_WAVE consecutive column tiles of one row tile, workgroups of up
-    to 4 waves."""
+    to 4 waves. 3d_t: 64 (FP32: 32) rows x 128 columns (_mx_col.rows_3d_t)."""
     e, n, k = shape
     arch_info(arch)
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
     rows = TILE_ROWS[1] if (n == TILE_ROWS[1] and block_k == 1 and kind != "dual") else TILE_ROWS[0]
-    width = (WAVE // (rows // ROWS_PER_LANE)) * (mx.PIECE_BYTES // torch.empty((), dtype=dtype).element_size())
+    rows = rows_3d_t(elem_bytes) if kind == "3d_t" else rows
+    width = (WAVE // (rows // ROWS_PER_LANE)) * (mx.PIECE_BYTES // elem_bytes)
     col_tiles, row_tiles = -(-k // width), -(-n // rows)
     tpw = max(1, min(TILES_PER_WAVE, col_tiles))
     waves = max(1, min(MAX_WAVES, -(-col_tiles // tpw)))

@@ -19,8 +19,9 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import api
+from flyquant import api, toolchain
 from flyquant import reference as R
+from flyquant.kernels import _mx_col as col
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
 import oracles
@@ -197,7 +198,7 @@ def test_api_runs_the_3d_t_kernel_on_the_view_without_a_copy(monkeypatch):
     assert any("32x32 variant" in r for r in plan.reasons)
     with emu.record() as launches:
         got = fq.mxfp8_quantize_3d(w, "rceil", 32)
-    assert len(launches) == 1 and launches[0].kernel.startswith("mxfp8_3d_t_k32_rceil_bf16_gfx942_r128")
+    assert len(launches) == 1 and launches[0].kernel.startswith("mxfp8_3d_t_k32_rceil_bf16_gfx942_r64_")
     want = R.mxfp8_quantize_3d(w.contiguous(), "rceil", 32)
     for g, r in zip(got, want):
         assert_same(g, r, "api")
@@ -209,3 +210,25 @@ def test_api_runs_the_3d_t_kernel_on_the_view_without_a_copy(monkeypatch):
     with AtenOps() as body:
         api._mxfp8_quantize_3d_op._init_fn(w, "rceil", 32, None)
     assert [op for op in body.ops if any(c in op for c in copies)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_3d_t_stores_whole_lines_without_spills(arch, dtype):
+    """3d_t: no scratch; the data stores write whole 128-byte lines (a row's 16 (FP32: 32) lanes
+    store one line: coalescing 1, no line stored in part) and the loads are coalesced too."""
+    e, n, k = 1, 256, 128  # w; the kernel reads x (1, 128, 256) row-major
+    x = emu.aligned((torch.randn(e, k, n) * 30).to(dtype))
+    with emu.device_like_allocations(), emu.record() as launches:
+        q3.quantize_3d(x.transpose(1, 2), arch=arch, scaling_mode="rceil", scale_block_k=32)
+    stats = launches[0].stats
+    store = stats.memory["buffer_store_dwordx2" if dtype == torch.bfloat16 else "buffer_store_dword"]
+    assert store.bytes == e * n * k and store.partial_store_lines == 0 and store.coalescing == 1.0
+    assert stats.memory["buffer_load_dwordx4"].coalescing == 1.0
+    plan = q3.plan_col((e, k, n), dtype, arch, 32, "3d_t")
+    assert (plan.tile_rows, plan.tile_cols) == (col.rows_3d_t(x.element_size()), 128)
+    launch = col.build_col(arch, q3.TORCH_DTYPES[dtype], "rceil", "3d_t", None, 32, False, plan.waves, plan.tile_rows)
+    q, s, o = torch.zeros(e * n * k, dtype=U8), torch.zeros(e * n * k // 1024, dtype=U8), torch.zeros(1, dtype=torch.int32)
+    reports = toolchain.compile_only(arch, launch, x, q, s, o, o, o, k, n, n * x.element_size(), plan.tiles_per_wave,
+                                     -(-n // plan.tile_cols), k // 32, 0, 0, s.numel(), 0, 0, *plan.grid, stream=0)
+    assert len(reports) == 1 and reports[0].spills == 0, reports[0].name
