@@ -304,7 +304,8 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
     if too_large:
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
-    config = {**dataclasses.asdict(k.plan(kind, tuple(x.shape), x.dtype, target.arch)), **extra}
+    plan = k.plan(kind, tuple(x.shape), x.dtype, target.arch, extra.get("scale_block_k", 1))
+    config = {**dataclasses.asdict(plan), **extra}
     name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     layout = f"scales written in the {scale_layout} layout by the kernel" if scale_layout else "plain scales"
