@@ -25,6 +25,12 @@ groups 4-7 give the staged bytes of the same rows, then the other way round. FP3
 is two tiles: the third tile's rows are carried in registers (16 VGPRs) to the fourth, and
 neighbouring column lanes trade them so each holds 8 consecutive bytes.
 
+3d_t (32 x 32 blocks, data stored row-major: the 3D quantize of the transposed view): tiles of 64
+(FP32: 32) rows x 128 columns, 16 (32) lanes per row, so each row's store is one whole 128-byte
+output line; a block's 8 (16) lanes are one aligned group, reduced by DPP (rows_3d_t, _lane_rc,
+_rows_32x32). Columns past K are masked off by lane (K % 32 == 0): row-major, they would be the
+next row's.
+
 Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
 expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
 data, so loads past it read 0 and columns past K are dropped; lanes whose rows are past N
@@ -131,14 +137,13 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     per expert: the 3D quantize of the transposed view w = x.transpose(1, 2) (_rows_32x32)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "3d_t" and block_k != MX_BLOCK:
-        raise ValueError(f"kind 3d_t takes scale_block_k {MX_BLOCK}, got {block_k}")
     spec = Spec(arch, dtype, mode)
     wide = spec.wide
     groups_n = tile_rows // ROWS_PER_LANE
     rows_out = kind == "3d_t"
-    if rows_out and tile_rows != rows_3d_t(spec.elem_bytes):
-        raise ValueError(f"3d_t tiles have {rows_3d_t(spec.elem_bytes)} rows for {dtype}, got {tile_rows}")
+    if rows_out and (block_k != MX_BLOCK or tile_rows != rows_3d_t(spec.elem_bytes)):
+        raise ValueError(f"3d_t takes scale_block_k {MX_BLOCK} and {rows_3d_t(spec.elem_bytes)}-row tiles for "
+                         f"{dtype}, got {block_k} and {tile_rows}")
     if not rows_out and (groups_n not in (4, 8) or (groups_n == 4 and block_k > 1)):
         raise ValueError(f"unsupported column tile: {tile_rows} rows, scale_block_k {block_k}")
     pair_dist = 8 if groups_n == 8 else 1

@@ -7,6 +7,8 @@ bit-exact): blocks of 32 consecutive rows of one column (scale_block_k = 32: 32 
 columns), the scale rule and element conversion of _mx_common. Data out: per expert
 column-major, element (n, k) at k * N + n (stride (N*K, 1, N); 32x1: (1, M)). Scales: 3D (E,
 N/32, K) or (E, N/32, K/32); 32x1 (K, M/32); or a padded layout of the (K, N/32) matrix per expert.
+The transposed 3D view (strides (N*K, 1, N)) is quantized along its contiguous dim: see
+quantize_3d.
 
 The kernel (work split, tails) is kernels/_mx_col.py's build_col; here its plan and the
 torch-facing launchers.
