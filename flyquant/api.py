@@ -93,7 +93,8 @@ def _(w, scaling_mode, scale_block_k, scale_layout):
 
 def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
     """Per-expert MXFP8 quantize of (E, N, K) along N: data (E, N, K) with stride (N*K, 1, N),
-    scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks)."""
+    scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks). w is
+    contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights)."""
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout)
 

@@ -146,7 +146,7 @@ def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
-    return validate.mxfp8_3d_transposed(w, scale_block_k)  # refused alike on every backend
+    return validate.mxfp8_3d_transposed(w)  # refused alike on every backend
 
 
 def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Optional[str]) -> torch.Tensor:
@@ -171,10 +171,11 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     32 x 32 tile (the amax over the 1024 values), scales (E, N/32, K/32). Data (E, N, K) with
     stride (N*K, 1, N) (column-major per expert). Layouts: see the module docstring.
 
-    w is contiguous, or (scale_block_k=1) the transpose of a contiguous (E, K, N) tensor, strides
-    (N*K, 1, N), as torchao's MXFP8 grouped GEMM passes its expert weights: quantized along the
-    contiguous dim, no copy of w. The outputs are those of w.contiguous(), strides included
-    (torchao main's test_cuda_mx_3d_cutedsl_numerics, variant 32x1_t: the same data strides).
+    w is contiguous, or the transpose of a contiguous (E, K, N) tensor, strides (N*K, 1, N), as
+    torchao's MXFP8 grouped GEMM passes its expert weights: quantized along the contiguous dim
+    (scale_block_k=1: no copy of w). The outputs are those of w.contiguous(), strides included
+    (torchao main's test_cuda_mx_3d_cutedsl_numerics, variants 32x1_t and 32x32_t: the same data
+    strides).
     """
     check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     e, n, k = w.shape

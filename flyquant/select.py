@@ -305,7 +305,8 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
     if too_large:
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
-    config = {**dataclasses.asdict(k.plan(kind, tuple(x.shape), x.dtype, target.arch)), **extra}
+    plan = k.plan(kind, tuple(x.shape), x.dtype, target.arch, extra.get("scale_block_k", 1))
+    config = {**dataclasses.asdict(plan), **extra}
     name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     layout = f"scales written in the {scale_layout} layout by the kernel" if scale_layout else "plain scales"
@@ -323,11 +324,15 @@ def plan_mxfp8_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
 
 
 def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout) -> Plan:
-    if scale_block_k == 1 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
         e, n, k = w.shape
-        rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
-        return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
-                           "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows")
+        if scale_block_k == 1:
+            rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
+            return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
+                               "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows")
+        return _mxfp8_plan("mxfp8_quantize_3d", w.transpose(1, 2), "3d_t", scaling_mode, scale_layout,
+                           "w is the transpose of a contiguous (E, K, N): the column kernel's 32x32 variant on "
+                           "that tensor, data stored row-major (w's layout)", scale_block_k=scale_block_k)
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 

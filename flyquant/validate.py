@@ -67,21 +67,20 @@ def contiguous(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous (row-major), got strides {x.stride()} for shape {tuple(x.shape)}")
 
 
-def mxfp8_3d_transposed(w: torch.Tensor, scale_block_k: int) -> bool:
+def mxfp8_3d_transposed(w: torch.Tensor) -> bool:
     """Which of the two (E, N, K) layouts the 3D quantize accepts w has: False for contiguous
     (strides (N*K, K, 1)), True for the transpose of a contiguous (E, K, N) tensor (strides
-    (N*K, 1, N): N, the quantized dim, is the contiguous one), with scale_block_k 1 only.
-    Anything else is refused with the same error on every backend."""
+    (N*K, 1, N): N, the quantized dim, is the contiguous one). Anything else is refused with the
+    same error on every backend."""
     if w.is_contiguous():
         return False
-    if w.transpose(1, 2).is_contiguous() and scale_block_k == 1:
+    if w.transpose(1, 2).is_contiguous():
         return True
     e, n, k = w.shape
     raise ValueError(
-        f"w must be contiguous (row-major), got strides {w.stride()} for shape {tuple(w.shape)} with "
-        f"scale_block_k={scale_block_k}; the 3D quantize takes (E, N, K) with strides {(n * k, k, 1)} "
-        f"(row-major) or, with scale_block_k=1, {(n * k, 1, n)} (the transpose of a contiguous (E, K, N) "
-        f"tensor, quantized along its contiguous dim N)")
+        f"w must be contiguous (row-major), got strides {w.stride()} for shape {tuple(w.shape)}; the 3D "
+        f"quantize takes (E, N, K) with strides {(n * k, k, 1)} (row-major) or {(n * k, 1, n)} (the "
+        f"transpose of a contiguous (E, K, N) tensor, quantized along its contiguous dim N)")
 
 
 def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

@@ -98,17 +98,18 @@ def plan_1x32(shape, dtype: torch.dtype, arch: str) -> Plan1x32:
     return Plan1x32(waves, tpw, -(-tiles // (waves * tpw)))
 
 
-def plan(kind: str, shape, dtype: torch.dtype, arch: str):
-    """The kernel configuration the launchers use for `kind` ("1x32", "32x1", "dual", "3d")
-    on a tensor of `shape` and `dtype`: Plan1x32 or mxfp8_quantize_3d.ColPlan (3d: shape (E, N,
-    K); 32x1 and dual: (M, K))."""
+def plan(kind: str, shape, dtype: torch.dtype, arch: str, scale_block_k: int = 1):
+    """The kernel configuration the launchers use for `kind` ("1x32", "32x1", "dual", "3d",
+    "3d_t") on a tensor of `shape` and `dtype`: Plan1x32 or mxfp8_quantize_3d.ColPlan (3d: shape
+    (E, N, K); 3d_t: the contiguous (E, K, N) tensor it reads, scale_block_k 32; 32x1 and dual:
+    (M, K))."""
     if kind == "1x32":
         return plan_1x32(shape, dtype, arch)
     if kind in ("32x1", "dual"):
         return plan_col((1, *shape), dtype, arch, 1, kind)
-    if kind == "3d":
-        return plan_col(tuple(shape), dtype, arch, 1, kind)
-    raise ValueError(f"kind must be one of 1x32, 32x1, dual, 3d; got {kind!r}")
+    if kind in ("3d", "3d_t"):
+        return plan_col(tuple(shape), dtype, arch, scale_block_k, kind)
+    raise ValueError(f"kind must be one of 1x32, 32x1, dual, 3d, 3d_t; got {kind!r}")
 
 
 def _lane_split(lane, dists):

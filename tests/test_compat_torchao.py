@@ -77,7 +77,8 @@ BAD_INPUTS = [
     (lambda: THREE_D(torch.zeros(1, 32, 40, dtype=BF16), scale_block_dim2=32),
      r"K \(40\) must be divisible by BLOCK_SIZE \(32\)", None),
     (lambda: THREE_D(_t[:, :, ::2]), r"Input tensor must be contiguous \(row-major\)", None),
-    (lambda: THREE_D(_t.transpose(1, 2), scale_block_dim2=32), r"Input tensor must be contiguous \(row-major\)", None),
+    (lambda: THREE_D(_t.transpose(1, 2)[:, ::2], scale_block_dim2=32), r"Input tensor must be contiguous \(row-major\)",
+     None),
 ]
 
 
@@ -113,9 +114,11 @@ def test_native_api_keeps_value_error():
     assert not isinstance(caught.value, AssertionError)
 
 
-def test_3d_takes_torchaos_transposed_weights():
+@pytest.mark.parametrize("block_k", (1, 32))
+@pytest.mark.parametrize("blocked", (False, True))
+def test_3d_takes_torchaos_transposed_weights(block_k, blocked):
     w = torch.randn(2, 96, 64, dtype=BF16).transpose(1, 2)  # (E, N=64, K=96), strides (N*K, 1, N)
-    d, s = THREE_D(w)
-    rd, rs = reference.mxfp8_quantize_3d(w.contiguous(), "rceil")
+    d, s = THREE_D(w, scale_block_dim2=block_k, blocked_scale_output=blocked)
+    rd, rs = reference.mxfp8_quantize_3d(w.contiguous(), "rceil", block_k, "tcgen05" if blocked else None)
     assert d.stride() == rd.stride() == (64 * 96, 1, 64)
     assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))

@@ -5,13 +5,16 @@ Each test runs in a fresh interpreter (install() patches process-wide state: sys
 torchao's module attributes), with flyquant.emu enabled for gfx950 and FLYQUANT_BACKEND=flydsl,
 so the FlyDSL kernels do the casts on CPU tensors and the emulator's launch record shows it.
 
-How far the MX training path goes on CPU: torchao 0.18's MX linear uses the FLYDSL dim1 cast only
-with a non-emulated kernel preference (KernelPreference.EMULATED switches every cast to its
-to_mx), and that preference's matmul is torch._scaled_mm on a CUDA device. So the test calls
-the cast the linear's backward makes, torchao's own _to_mxfp8_dim1_kernel_wrapper with
-MXFP8Dim1CastKernelChoice.FLYDSL, on the linear's input, weight and gradient shapes, and checks
-the MXTensors it builds against the TORCH choice (torchao's to_mx of the transpose); the scaled
-matmul itself cannot run here and is not attempted.
+How far the MX linear goes on CPU. torchao 0.18 has no preference that pairs the FLYDSL dim1 cast
+with its emulated matmul: KernelPreference.EMULATED makes _to_mxfp8_dim1_kernel_wrapper use to_mx
+for every dim1 cast (so flyquant would do none), and its training config's linear
+(MXFP8TrainingOpConfig -> _to_mxfp8_then_scaled_mm) fixes the dim1 choice to CUDA. With
+KernelPreference.AUTO and the FLYDSL choice, which the linear's autograd function mx_mm takes,
+every cast runs on CPU, but each of the three matmuls is torch._scaled_mm with E8M0 block
+scales, which CPU torch rejects ("Invalid scaling configuration"). So the test runs torchao's mx_mm
+forward and backward with AUTO + FLYDSL and stands in for torch._scaled_mm only: an FP32 matmul
+of the dequantized operands (scales un-blocked with torchao's from_blocked), which records the
+operands torchao hands it. Everything else, the casts and the MXTensor plumbing, is torchao's.
 """
 
 from __future__ import annotations
@@ -96,31 +99,59 @@ def test_install_reports_patches_once_and_routes_torchaos_entry_points():
     assert out["equal"] == {"1x32": True, "32x1": True, "3d": True, "3d_t": True}
 
 
-def test_mx_training_dim1_casts_run_on_flyquant_and_equal_torch_choice():
+def test_mx_linear_forward_backward_casts_on_flyquant_equal_torch_choice():
+    """One forward and backward of a linear 64 -> 96 on 128 tokens through torchao's mx_mm, FLYDSL
+    vs TORCH dim1 choice, floor and rceil: the FLYDSL run's three dim1 casts (weight, grad_output,
+    input) are flyquant's 32x1 kernel (launch record; the TORCH run launches nothing), the
+    operands of all three matmuls (FP8 data and blocked scales, bytes and strides) equal the
+    TORCH run's, and so do the output and both gradients; the output is within 10% of the
+    high-precision product (the stand-in matmul is not garbage)."""
     out = run("""
         from flyquant.compat import torchao as compat
         compat.install()
-        from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice, ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor
-        from torchao.prototype.mx_formats.utils import _to_mxfp8_dim1_kernel_wrapper
+        from flyquant import reference as R
+        from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+        from torchao.prototype.mx_formats.config import (MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice,
+                                                         ScaleCalculationMode)
+        from torchao.prototype.mx_formats.utils import from_blocked
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        def cpu_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
+            (m, k), n = a.shape, b.shape[1]
+            seen.append([a, b, scale_a, scale_b])
+            a_hp = R.mxfp8_dequantize(a, from_blocked(scale_a, m, k // 32))
+            b_hp = R.mxfp8_dequantize(b.t(), from_blocked(scale_b, n, k // 32)).t()
+            return (a_hp @ b_hp if bias is None else a_hp @ b_hp + bias).to(out_dtype)
+
+        torch._scaled_mm = cpu_scaled_mm
         g = torch.Generator().manual_seed(1)
-        # a linear 64 -> 96 on 128 tokens: input (128, 64), weight (96, 64), grad_output (128, 96)
-        tensors = {"input": torch.randn(128, 64, generator=g), "weight": torch.randn(96, 64, generator=g),
-                   "grad_output": torch.randn(128, 96, generator=g)}
-        out["equal"], out["kernels"] = {}, []
+        x0, w0, g0 = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((128, 64), (96, 64), (128, 96)))
+        e4 = torch.float8_e4m3fn
+        runs = {}
         for mode in (ScaleCalculationMode.FLOOR, ScaleCalculationMode.RCEIL):
-            for name, t in tensors.items():
-                t = t.to(torch.bfloat16)
+            for choice in (MXFP8Dim1CastKernelChoice.FLYDSL, MXFP8Dim1CastKernelChoice.TORCH):
+                seen = []
+                x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
                 with fq.emu.record() as launches:
-                    ours = _to_mxfp8_dim1_kernel_wrapper(t, 32, torch.float8_e4m3fn, torch.bfloat16,
-                                                         KernelPreference.AUTO, MXFP8Dim1CastKernelChoice.FLYDSL, mode)
-                out["kernels"] += [r.kernel for r in launches]
-                torch_choice = MXTensor.to_mx(t.t().contiguous(), torch.float8_e4m3fn, 32, scaling_mode=mode,
-                                              kernel_preference=KernelPreference.EMULATED)
-                same = torch.equal(ours.qdata.contiguous().view(torch.uint8), torch_choice.qdata.contiguous().view(torch.uint8))
-                same &= torch.equal(ours.scale.view(torch.uint8), torch_choice.scale.view(torch.uint8))
-                out["equal"][f"{name} {mode.value}"] = bool(same)
+                    y = mx_mm.apply(x, w, e4, e4, e4, 32, KernelPreference.AUTO, MXFP8Dim0CastKernelChoice.TORCH,
+                                    choice, mode, False)
+                    y.backward(g0)
+                runs[(mode.value, choice.value)] = ([r.kernel for r in launches], seen, [y, x.grad, w.grad])
+        hp = x0.float() @ w0.float().t()
+        out["kernels"], out["operands"], out["results"], out["error"] = {}, {}, {}, {}
+        for mode in ("floor", "rceil"):
+            ours, theirs = runs[(mode, "flydsl")], runs[(mode, "torch")]
+            out["kernels"][mode] = [ours[0], theirs[0]]
+            out["operands"][mode] = [len(ours[1]), len(theirs[1])] + [
+                all(a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(o, t)) for o, t in zip(ours[1], theirs[1])]
+            out["results"][mode] = [torch.equal(a, b) for a, b in zip(ours[2], theirs[2])]
+            out["error"][mode] = ((ours[2][0].float() - hp).norm() / hp.norm()).item()
     """)
-    assert len(out["kernels"]) == 6 and all("32x1" in k for k in out["kernels"]), out["kernels"]
-    assert all(out["equal"].values()), out["equal"]
+    for mode in ("floor", "rceil"):
+        ours, theirs = out["kernels"][mode]
+        assert len(ours) == 3 and all(k.startswith(f"mxfp8_32x1_{mode}_bf16_gfx950") for k in ours), ours
+        assert theirs == []
+        assert out["operands"][mode] == [3, 3, True, True, True], out["operands"]
+        assert out["results"][mode] == [True, True, True]
+        assert out["error"][mode] < 0.1, out["error"]

@@ -246,7 +246,9 @@ def test_f32_to_e8m0_rceil_bit_patterns():
 # every kernel variant, both arches
 # ------------------------------------------------------------------------------------------------
 
-VARIANTS = ["1x32", "32x1", "1x32_offs", "32x1_offs", "dual", "3d_k1", "3d_k32"]
+# 3d_t: the 3D quantize of the transposed view (strides (N*K, 1, N)): k1 runs the 1x32 kernel,
+# k32 the column kernel's 3d_t variant
+VARIANTS = ["1x32", "32x1", "1x32_offs", "32x1_offs", "dual", "3d_k1", "3d_k32", "3d_t_k1", "3d_t_k32"]
 ALL = [(a, d, m, v) for a in ARCHS for d in DTYPES for m in MODES for v in VARIANTS]
 
 
@@ -264,6 +266,21 @@ def test_kernels_follow_the_contract(arch, dtype_name, mode, variant):
         _assert_case_bytes(s1, codes_rows, lambda r, c: c, "dual 1x32 scales")
         _assert_case_bytes(d2, want, by_col, "dual 32x1 data")
         _assert_case_bytes(s2, codes_cols, lambda r, c: r // BLOCK, "dual 32x1 scales")
+        return
+    if variant.startswith("3d_t"):  # w = the transpose of x's (E, 32, 32 C) experts: N = 32 C, K = 32
+        block_k = 1 if variant == "3d_t_k1" else BLOCK
+        e = ROWS // BLOCK
+        w = x.reshape(e, BLOCK, k).transpose(1, 2)  # (E, 32 C, 32), strides (32 k, 1, k)
+        want_codes = codes_rows[:BLOCK * e:BLOCK].reshape(e, -1, 1).repeat(1, 1, BLOCK // block_k)
+        for layout in LAYOUTS:
+            d, s = q3.quantize_3d(w, arch=arch, scaling_mode=mode, scale_block_k=block_k, scale_layout=layout)
+            assert d.stride() == w.stride(), layout
+            _assert_case_bytes(d, want.reshape(e, BLOCK, k).transpose(1, 2), lambda _, n, __: n // BLOCK,
+                               f"{variant} data {layout}")
+            ref = R._layout_scales_3d(want_codes.view(torch.float8_e8m0fnu), block_k, layout)
+            _assert_case_bytes(s, ref, lambda *ix: 0, f"{variant} scales {layout}")
+            if layout is None:
+                _assert_case_bytes(s, want_codes, lambda _, c, __: c, f"{variant} scales")
         return
     if variant.startswith("3d"):
         block_k = 1 if variant == "3d_k1" else BLOCK

@@ -108,6 +108,22 @@ def test_column_kernel_matrices_of_2_gib_go_to_the_reference(monkeypatch):
         select.plan_mxfp8_quantize_dual(big, "rceil")
 
 
+def test_mxfp8_3d_plans_the_tiles_the_launcher_uses(monkeypatch):
+    """3D plans carry the launch's configuration: N = 64 takes 64-row tiles with 32 x 1 blocks but
+    128-row ones with 32 x 32 blocks; the transposed view with 32 x 32 blocks is the column kernel's
+    3d_t variant on the contiguous (E, K, N) tensor, 64 (FP32: 32) rows x 128 columns."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    w = torch.empty(1, dtype=torch.bfloat16).expand(2, 64, 256).contiguous()
+    assert select.plan_mxfp8_quantize_3d(w, "rceil", 1, None).config["tile_rows"] == 64
+    assert select.plan_mxfp8_quantize_3d(w, "rceil", 32, None).config["tile_rows"] == 128
+    for dtype, rows in ((torch.bfloat16, 64), (torch.float32, 32)):
+        view = torch.empty(2, 256, 96, dtype=dtype).transpose(1, 2)  # (E, N = 96, K = 256)
+        plan = select.plan_mxfp8_quantize_3d(view, "floor", 32, "tcgen05")
+        assert plan.kernel.startswith("mxfp8_3d_t_floor") and plan.config["scale_block_k"] == 32
+        assert (plan.config["tile_rows"], plan.config["tile_cols"], plan.config["grid"]) == (rows, 128, (1, 256 // rows, 2))
+        assert select.plan_mxfp8_quantize_3d(view, "floor", 1, None).kernel.startswith("mxfp8_1x32")
+
+
 def test_moe_plan_carries_waves(monkeypatch):
     """The plan names the waves per workgroup: the kernel's default for the chosen tiles and split
     (GPT-OSS-like, 1 token: 16x128 tiles, split-K 3, 2 waves), unless FLYQUANT_CONFIG forces it."""

@@ -119,14 +119,14 @@ def mxfp8_quantize_3d_flydsl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E, N, K) along N -> data stride (N*K, 1, N), scales (E, N/32, K) (or K/32 with
     scale_block_dim2=32), or torchao's blocked scales (E, rows * cols) with blocked_scale_output.
-    x contiguous, or (scale_block_dim2=1) the transpose of a contiguous (E, K, N) tensor."""
+    x contiguous, or the transpose of a contiguous (E, K, N) tensor."""
     if scale_block_dim1 != MX_BLOCK:
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim1 must be {MX_BLOCK} (got {scale_block_dim1}).")
     if scale_block_dim2 not in (1, MX_BLOCK):
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim2 must be 1 or {MX_BLOCK} (got {scale_block_dim2}).")
-    _check_input(x, 3, block_size, allow_transposed_3d=scale_block_dim2 == 1)
+    _check_input(x, 3, block_size, allow_transposed_3d=True)
     if x.shape[1] % MX_BLOCK:
         _fail("N must be divisible by block_size", f"got N = {x.shape[1]}")
     if scale_block_dim2 == MX_BLOCK and x.shape[2] % MX_BLOCK:

@@ -1,0 +1,776 @@
+"""The column kernel's device code (build_col): MXFP8 quantize along the rows of row-major
+(E, N, K) tiles, for the launchers of kernels/mxfp8_quantize_3d.py (3D along N, 2D 32x1 and the
+fused dual kernel; the math and the outputs are described there).
+
+Work split. A wave quantizes tiles of 128 rows x 128 bytes of a row (64 BF16/FP16 or 32 FP32
+columns): lane (g, c) loads 16 bytes of rows 16g .. 16g + 15 (16 loads, each instruction 8 full
+128-byte row segments), so a lane holds 8 (4) columns x 16 rows and a block is the lane pair
+g = 2b, 2b + 1: in-lane max over 16 rows, one DPP exchange. Both lanes of a pair compute the
+scales, each converts and stores its 16 rows: 16 bytes per column, an instruction writing 128
+consecutive rows of 8 columns (full lines when N % 128 == 0). BF16/FP16 row pairs of one column
+are regrouped with v_perm_b32 first, as the packed conversion takes one scale. For N = 64 the
+tiles are 64 rows x 128 columns (4 row groups, lanes past N would waste half the work) and
+neighbouring column lanes swap half their columns (gfx950: v_permlane32_swap; gfx942: DPP
+row_ror:8 moves, the lanes being 8 apart there) so that every store still writes whole
+128-byte lines (two 64-byte columns). A tile with a huge, Inf or NaN value takes a rare
+path (exact amax, then 0xFF / 0x7F over the non-finite blocks). dual: the same lanes also
+reduce each row's 8 (4) columns with their 3 (7) neighbours in a 32-column block (DPP) and
+convert the 1x32 outputs row by row. A tile holds 64 (32) bytes of each output row, so the
+wave collects a row's 128-byte line from 2 (4) consecutive column tiles in LDS and then stores
+whole lines, 8 rows per instruction (16 KiB of LDS per wave). Where that would cost occupancy
+(gfx942 FP16/FP32, see staged_tiles) only the line's first half is staged (8 KiB) and the
+group's last tile stores whole lines from its registers and the stage, 4 rows per 8-byte
+store: lanes of row groups 0-3 give 8 bytes of the second half of rows 16g + r while lanes of
+groups 4-7 give the staged bytes of the same rows, then the other way round. FP32's second half
+is two tiles: the third tile's rows are carried in registers (16 VGPRs) to the fourth, and
+neighbouring column lanes trade them so each holds 8 consecutive bytes.
+
+3d_t (32 x 32 blocks, data stored row-major: the 3D quantize of the transposed view): tiles of 64
+(FP32: 32) rows x 128 columns, 16 (32) lanes per row, so each row's store is one whole 128-byte
+output line; a block's 8 (16) lanes are one aligned group, reduced by DPP (rows_3d_t, _lane_rc,
+_rows_32x32). Columns past K are masked off by lane (K % 32 == 0): row-major, they would be the
+next row's.
+
+Workgroups of `waves` waves walk `tiles_per_wave` consecutive column tiles of one row tile and
+expert (grid: column groups x row tiles x E). Tails: each tile's buffers end at the expert's
+data, so loads past it read 0 and columns past K are dropped; lanes whose rows are past N
+(N % 32 == 0: all 16 or none) are masked off. K is any size >= 1; for BF16/FP16 with K odd the
+16-byte loads are only 2-byte aligned (unaligned buffer access, which ROCm enables), and the
+last column tile loads 2-byte elements so no dword runs past the tensor's end.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+from flyquant.arch import arch_info
+
+from . import _mx_common as mx
+from ._mx_common import MX_BLOCK, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, to_i64, val
+
+ROWS_PER_LANE = 16
+TILE_ROWS = (128, 64)  # 8 or 4 lane row groups; 64 for N = 64 (see mxfp8_quantize_3d.plan_col)
+OOB = mx.OOB
+MAX_WAVES = 4
+# dual: a wave's 1x32 output rows go through LDS, up to LINE_BYTES of a row (a line group of
+# 128 / tile columns consecutive column tiles: 2, FP32 4) per row of a 128-row tile. Groups
+# start at a wave's first tile: mxfp8_quantize_3d.TILES_PER_WAVE is a multiple of them (with
+# fewer column tiles, one wave has the whole row).
+LINE_BYTES = 128
+FLUSH_ROWS = WAVE * mx.PIECE_BYTES // LINE_BYTES  # staged rows per flush instruction
+# gfx950 32x1 / 3D: the occupancy the register allocator aims for (at most 128 VGPRs); even 2
+# waves x 16 KiB of loads in flight per SIMD cover HBM latency.
+WAVES_PER_SIMD = 4
+KINDS = ("32x1", "3d", "dual", "3d_t")  # dual: 32x1 plus the 1x32 outputs from the same loads;
+# 3d_t: 32 x 32 blocks, data row-major (see build_col)
+SOURCE_TAG = mx.source_tag(sys.modules[__name__])
+
+
+
+# 64-row tiles: lane distance of neighbouring column lanes (c, c ^ 1, see _store_interleaved)
+# per arch: gfx950 swaps at 32 in one instruction (v_permlane32_swap); gfx942 has only DPP,
+# whose cheapest swap is at 8 (two bank-masked row_ror:8 moves, mx.exchange).
+SWAP_DIST_64 = {"gfx950": 32, "gfx942": 8}
+
+
+def staged_tiles(arch: str, dtype: str) -> int:
+    """dual: how many column tiles of a line group put their 1x32 rows in LDS. All of them (the
+    group's last tile then stores the lines from LDS: _flush_rows), those of the line's first
+    half (8 KiB per wave: the group's last tile stores the lines from its registers, FP32 also
+    from the previous tile's rows kept in registers, and the stage: _store_lines), or none (each
+    tile stores its part of the lines). The most that costs no occupancy: the dual kernel's
+    registers allow 2 waves per SIMD (8 per CU; gfx942 BF16: over 256 VGPRs, 4), and gfx942's
+    64 KiB of LDS per CU hold 8 waves' half stages, not full ones."""
+    waves_per_cu = 4 if (arch == "gfx942" and dtype == "bf16") else 8
+    tile_bytes = _tile_cols(dtype, TILE_ROWS[0])  # one output byte per column
+    group = LINE_BYTES // tile_bytes
+    for staged in (group, group // 2):
+        if arch_info(arch).lds_bytes_per_cu >= waves_per_cu * stage_bytes(dtype, staged):
+            return staged
+    return 0
+
+
+def stage_bytes(dtype: str, staged: int) -> int:
+    """dual: LDS bytes of one wave's stage for `staged` tiles of a line group."""
+    return TILE_ROWS[0] * staged * _tile_cols(dtype, TILE_ROWS[0])
+
+
+def _tile_cols(dtype: str, tile_rows: int) -> int:
+    return WAVE // (tile_rows // ROWS_PER_LANE) * (mx.PIECE_BYTES // mx.ELEM_BYTES[dtype])
+
+
+def rows_3d_t(elem_bytes: int) -> int:
+    """3d_t's tile rows: as many lanes per row as store one LINE_BYTES output line (16 for 16-bit
+    types, 32 for FP32), so 4 (2) row groups: 64 (32) rows x 128 columns."""
+    return ROWS_PER_LANE * WAVE * (mx.PIECE_BYTES // elem_bytes) // LINE_BYTES
+
+
+def _lane_rc(lane, groups_n, arch, block_lanes=0):
+    """(row group, column lane) of a lane. 8 row groups (128-row tiles): lane = 8 g + c, so a
+    block's two lanes are 8 apart (DPP row_ror:8) and a 32 x 32 block's are 1, 2 (4) apart.
+    4 row groups (64-row tiles, 32 x 1 blocks only): the pair 1 apart, neighbouring column lanes
+    SWAP_DIST_64 apart: gfx950 lane = 32 (c & 1) + 4 (c >> 1) + g, gfx942 lane = 16 (c >> 2) +
+    8 (c & 1) + 4 ((c >> 1) & 1) + g.
+    3d_t (block_lanes: the column lanes of a 32 x 32 block, L = 4 or 8): lane = c % L + L g +
+    L groups_n (c // L), so each block's 2 L lanes (2 row groups) are an aligned group."""
+    if block_lanes:
+        lb, gb = block_lanes.bit_length() - 1, groups_n.bit_length() - 1
+        return band(lshr(lane, lb), groups_n - 1), bor(band(lane, block_lanes - 1), shl(lshr(lane, lb + gb), lb))
+    if groups_n == 8:
+        return lshr(lane, 3), band(lane, 7)
+    if arch == "gfx950":
+        return band(lane, 3), add(shl(band(lshr(lane, 2), 7), 1), lshr(lane, 5))
+    return band(lane, 3), bor(bor(shl(lshr(lane, 4), 2), band(lshr(lane, 1), 2)), band(lshr(lane, 3), 1))
+
+
+def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, block_k: int = 1,
+              grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128):
+    """An uncached @flyc.jit launcher of the column kernel for one specialization: kind "32x1"
+    (scales (K, N/32)) or "3d" (scales (E, N/32, K / block_k)); scale_layout None, "tcgen05" or
+    "mfma" (of the (K, N/32) matrix per expert); grouped: tcgen05 per token group (32x1, offs).
+    Kind "3d_t" (block_k 32, K % 32 == 0): 32 x 32 blocks with the data stored row-major (as
+    read) and the block codes transposed, (E, K/32, N/32), or a layout of the (N, K/32) matrix
+    per expert: the 3D quantize of the transposed view w = x.transpose(1, 2) (_rows_32x32)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    spec = Spec(arch, dtype, mode)
+    wide = spec.wide
+    groups_n = tile_rows // ROWS_PER_LANE
+    rows_out = kind == "3d_t"
+    if rows_out and (block_k != MX_BLOCK or tile_rows != rows_3d_t(spec.elem_bytes)):
+        raise ValueError(f"3d_t takes scale_block_k {MX_BLOCK} and {rows_3d_t(spec.elem_bytes)}-row tiles for "
+                         f"{dtype}, got {block_k} and {tile_rows}")
+    if not rows_out and (groups_n not in (4, 8) or (groups_n == 4 and block_k > 1)):
+        raise ValueError(f"unsupported column tile: {tile_rows} rows, scale_block_k {block_k}")
+    pair_dist = 8 if groups_n == 8 else 1
+    # 64-row tiles hold N = 64 experts: a 128-byte output line is two 64-byte columns, which
+    # neighbouring column lanes trade halves of for full-line stores
+    interleave = groups_n == 4 and not rows_out
+    cols = mx.PIECE_BYTES // spec.elem_bytes  # per lane
+    tile_cols = WAVE // groups_n * cols
+    group_tiles = LINE_BYTES // tile_cols  # dual: column tiles of a line group
+    staged = staged_tiles(arch, dtype) if kind == "dual" else 0
+    stage_rows = staged > 0
+    held = stage_rows and staged < group_tiles  # the group's last tile stores from its registers
+    # FP32: the tile before the last keeps its rows in registers (carried to the next tile)
+    carried = group_tiles - 1 - staged if held else 0
+    if held and (staged * tile_cols != LINE_BYTES // 2 or carried > 1 or groups_n != 8):
+        raise ValueError(f"register-held line stores need half-line stages of 128-row tiles, got {staged}/{group_tiles}")
+    stage_row = staged * tile_cols  # LDS bytes of a staged row
+    dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
+    half = cols // 2  # columns whose codes each lane of a pair stores
+    clamp = mode == "floor" and spec.scaled_cvt
+    lanes_per_kblock = MX_BLOCK // cols  # block_k = 32: lanes sharing a 32-column block
+    source = SOURCE_TAG
+    tag = f"{kind}" + (f"_k{block_k}" if block_k > 1 else "") + (f"_{scale_layout}" if scale_layout else "")
+    name = f"mxfp8_{tag}{'_offs' if grouped else ''}_{spec.tag}_r{tile_rows}_w{waves}"
+
+    def column_amaxes(words, exact):
+        """Per dword column: the block amax (both lanes of the pair hold it); 32 x 32 blocks: one
+        (every lane of the block holds it)."""
+        parts = mx.chain_amax_interleaved(spec, [[w[d] for w in words] for d in range(dws)], exact)
+        # 3d_t: the block's lanes are one aligned group (_lane_rc), the pair among them
+        out = parts if rows_out else [mx.amax_max(spec, p, mx.dpp_xor(p, pair_dist)) for p in parts]
+        if block_k == 1:
+            return out
+        # 32 x 32 blocks: also over the lane's columns and its lanes_per_kblock neighbours (and
+        # for 3d_t the pair)
+        acc = functools.reduce(lambda a, b: mx.amax_max(spec, a, b), out)
+        acc = mx.amax_halves(spec, acc)
+        dist = 1
+        while dist < lanes_per_kblock * (2 if rows_out else 1):
+            acc = mx.umax(acc, mx.dpp_reduce_partner(acc, dist))
+            dist *= 2
+        return acc
+
+    def scales(amax):
+        """Per dword column (code, conversion-scale word, clamp limit): 16-bit types: packed
+        pairs (codes, top_halves); FP32: (code, scale bits)."""
+        if block_k > 1:  # one block for every column of the lane
+            code, conv = mx.block_scale(spec, amax)
+            limit = mx.clamp_limit(spec, conv) if clamp else None
+            return [(code, mx.as_i32(conv), limit)] * dws
+        out = []
+        for a in amax:
+            if wide:
+                code, conv = mx.block_scale(spec, a)
+                out.append((code, mx.as_i32(conv), mx.clamp_limit(spec, conv) if clamp else None))
+            else:
+                codes, tops = mx.pair_scales(spec, a)
+                out.append((codes, tops, mx.clamp_limit_pair(spec, tops) if clamp else None))
+        return out
+
+    def column_code(sc, j):
+        """E8M0 code of lane column j (i32, low byte)."""
+        code = sc[j // 2][0] if not wide else sc[j][0]
+        if block_k > 1 or wide:
+            return code
+        return lshr(code, 16) if j % 2 else code
+
+    def convert(words, sc, d):
+        """The output dwords of dword column d's lane columns (1 or 2), 4 each (rows 0-3, 4-7,
+        8-11, 12-15)."""
+        _, conv, limit = sc[d]
+        xs = [w[d] for w in words]
+        if wide:
+            if clamp:
+                xs = [mx.clamp32(x, limit) for x in xs]
+            c = mx.as_f32(conv)
+            return [[mx.convert4_32(spec, xs[4 * q : 4 * q + 4], c) for q in range(4)]]
+        if clamp:
+            xs = [mx.clamp16(x, limit) for x in xs]
+        outs = []
+        for j in range(2):
+            c = mx.as_f32(conv) if block_k > 1 else mx.scale_from_tops(spec, conv, j)
+            sel = 0x07060302 if j else 0x05040100  # rows (r, r+1) of column 2d + j
+            col = []
+            for q in range(4):
+                p01 = mx.perm(xs[4 * q + 1], xs[4 * q], sel)
+                p23 = mx.perm(xs[4 * q + 3], xs[4 * q + 2], sel)
+                col.append(mx.convert4_16(spec, p01, p23, c))
+            outs.append(col)
+        return outs
+
+    def body(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps):
+        # Addressing: each tile gets its own buffers (scalar arithmetic) starting at the tile and
+        # ending at the expert's data; lanes use tile-independent VGPR offsets. Loads take the
+        # row step as the scalar offset (one VGPR for 16 loads); only the last column tile, where
+        # a lane's 16 bytes may run past the tensor's end, uses range-checked per-row offsets.
+        # Columns past K are dropped by the range checks; rows past N (last row tile) are
+        # masked off by lane (a lane's 16 rows are all inside or all outside, N % 32 == 0).
+        tid = val(fx.Int32(fx.thread_idx.x))
+        wave = mx.readfirstlane(lshr(tid, 6))
+        lane = band(tid, WAVE - 1)
+        g, c = _lane_rc(lane, groups_n, arch, lanes_per_kblock if rows_out else 0)
+        hpair = band(g, 1)
+        bx, rt, e = (val(fx.Int32(v)) for v in (fx.block_idx.x, fx.block_idx.y, fx.block_idx.z))
+        n, k, row_bytes, nb = val(n), val(k), val(row_bytes), val(nb)
+        r0 = mul(rt, tile_rows)
+        row_ok = mx.cmp_ult(add(r0, mul(g, ROWS_PER_LANE)), n)
+        expert = mul(n, k)  # elements of one expert (< 2^31 bytes: checked by the launcher)
+        in_base = mul(mul(to_i64(e), to_i64(expert)), spec.elem_bytes)
+        out_base = mul(to_i64(e), to_i64(expert))
+        rs = mx.buffer(s, const(0, mx.i64_t()), s_bytes)
+        lane_cols = mul(c, cols)  # the lane's first column within a tile
+        lane_in = add(mul(mul(g, ROWS_PER_LANE), row_bytes), shl(c, 4))
+        lane_out = None if interleave else [
+            add(mul(add(lane_cols, j), n), mul(g, ROWS_PER_LANE)) for j in range(cols)]
+        lane_out_il = []
+        if interleave:  # after the swap the odd column lane holds columns cols - 1 to the left, + 1
+            shift = mul(band(c, 1), cols - 1)
+
+            def il(j):
+                return add(mul(add(sub(lane_cols, shift), j), n), mul(g, ROWS_PER_LANE))
+            lane_out_il = [(il(2 * i), il(2 * i + cols)) for i in range(cols // 2)]  # per column pair
+        row_step = [mul(r, row_bytes) for r in range(ROWS_PER_LANE)]
+        group = _group_of(offs, r0, groups, steps) if grouped else None
+        first = mul(add(mul(bx, waves), wave), tiles_per_wave)
+        count = mx.umin(tiles_per_wave, mx.usub_sat(col_tiles, first))
+        if stage_rows:
+            wave_stage = TILE_ROWS[0] * stage_row
+            stage = fx.SharedAllocator().allocate(waves * wave_stage, alignment=mx.PIECE_BYTES)
+            lds_wave = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, wave_stage))
+            dual_ctx = dict(q1=q1, s1=s1, stage_row=stage_row,
+                            stage_lane=add(lds_wave, add(mul(g, ROWS_PER_LANE * stage_row), lane_cols)))
+            if held:  # _store_lines: the lane also moves 8 staged bytes of row group g ^ 4's rows
+                partner = bor(band(g, 3), sub(4, band(g, 4)))  # g ^ 4
+                piece = shl(c, 3)  # the lane's 8 bytes of a half line
+                dual_ctx.update(
+                    own_base=mx.select(row_ok, mul(mul(g, ROWS_PER_LANE), k), OOB),
+                    lo=mx.lane_word(sub(1, lshr(lane, 5))),  # row groups 0-3
+                    partner_base=mx.select(mx.cmp_ult(add(r0, mul(partner, ROWS_PER_LANE)), n),
+                                           mul(mul(partner, ROWS_PER_LANE), k), OOB),
+                    partner_lds=add(lds_wave, add(mul(partner, ROWS_PER_LANE * stage_row), piece)),
+                    piece=piece, staged=staged)
+                if carried:
+                    # after the pair exchange, lane c even holds the carried tile's bytes 8 (c / 2)
+                    # of the second half line, lane c odd the last tile's: 64 + 4c (+ 28)
+                    dual_ctx["own_cols"] = add(add(LINE_BYTES // 2, shl(c, 2)), mul(band(c, 1), 28))
+                    dual_ctx["odd"] = mx.lane_word(band(c, 1))
+            else:
+                # flush: lane (fr, fc) moves 16 bytes of staged row fr (+ FLUSH_ROWS per instruction)
+                fr, fc = lshr(lane, 3), shl(band(lane, LINE_BYTES // mx.PIECE_BYTES - 1), 4)
+                dual_ctx.update(flush_lds=add(lds_wave, add(mul(fr, LINE_BYTES), fc)), flush_fc=fc,
+                                flush_q1=add(mul(fr, k), fc))
+        elif kind == "dual":
+            dual_ctx = dict(q1=q1, s1=s1, row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
+                            lane_q1=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
+        elif rows_out:  # _rows_32x32: the lane's 16 rows, row-major from the tile's corner
+            dual_ctx = dict(row_k=[mul(r, k) for r in range(ROWS_PER_LANE)],
+                            lane_rows=add(mul(mul(g, ROWS_PER_LANE), k), lane_cols))
+        else:
+            dual_ctx = {}
+        wave_ctx = dict(dual_ctx, e=e, r0=r0, row_ok=row_ok, rs=rs, s=s, hpair=hpair, g=g, c=c, lane_cols=lane_cols,
+                        n=n, k=k, nb=nb, s_dims=s_dims, s_expert=s_expert, group=group, lane_out=lane_out,
+                        lane_out_il=lane_out_il)
+
+        def one_tile(i, *carry):
+            c0 = mul(mx.opaque_sgpr(add(first, i)), tile_cols)
+            tile_in = add(mul(r0, row_bytes), mul(c0, spec.elem_bytes))
+            rx = mx.buffer(x, add(in_base, to_i64(tile_in)), sub(mul(expert, spec.elem_bytes), tile_in))
+            tile_out = add(mul(r0, k), c0) if rows_out else add(mul(c0, n), r0)
+            rq = mx.buffer(q, add(out_base, to_i64(tile_out)), sub(expert, tile_out))
+            col_full = mx.cmp_ule(add(c0, tile_cols), k)
+
+            def load_fast():
+                return [mx.load(rx, lane_in, soffset=row_step[r]) for r in range(ROWS_PER_LANE)]
+
+            def load_checked():
+                # buffer from the expert's start, the tile in the VGPR offset: per-row offsets
+                # that depend on the tile (computed here, not hoisted out of the loop)
+                rx_e = mx.buffer(x, in_base, mul(expert, spec.elem_bytes))
+                v = add(lane_in, tile_in)
+                offs = [add(v, row_step[r]) for r in range(ROWS_PER_LANE)]
+                if wide:
+                    return [mx.load(rx_e, o) for o in offs]
+
+                def halfwords():
+                    # 16-bit data with K odd: rows start 2-byte aligned, and a dword holding the
+                    # tensor's last element would run 2 bytes past the end (range-checked, so
+                    # read as 0): load 2-byte elements instead (last column tiles only)
+                    return [mx.from_elements([
+                        bor(mx.load_short(rx_e, add(o, 4 * i)), shl(mx.load_short(rx_e, add(o, 4 * i + 2)), 16))
+                        for i in range(mx.PIECE_DWORDS)]) for o in offs]
+
+                aligned = mx.cmp_eq(band(k, 1), 0)
+                return mx.if_else(aligned, lambda: [mx.load(rx_e, o) for o in offs], halfwords, [vec] * ROWS_PER_LANE)
+
+            vec = mx.vec_i32_t(mx.PIECE_DWORDS)
+            words = [mx.dwords_of(v) for v in mx.if_else(col_full, load_fast, load_checked, [vec] * ROWS_PER_LANE)]
+            mx.wait_loads()
+            amax = column_amaxes(words, False)
+            peak = amax if block_k > 1 else functools.reduce(lambda a, b: mx.amax_max(spec, a, b), amax)
+            peak = mx.amax_halves(spec, peak) if (block_k == 1 and not wide) else peak
+            rare = mx.wave_any(mx.cmp_uge(peak, spec.suspicious))
+            ctx = dict(wave_ctx, c0=c0, rq=rq, col_full=col_full)
+            exact = (lambda: column_amaxes(words, True)) if spec.needs_exact_redo else (lambda: amax)
+            if stage_rows:  # this tile's place in its line group (first is a multiple of the group)
+                slot = band(i, group_tiles - 1)
+                ctx["slot_cols"] = mul(slot, tile_cols)
+                # the group's last tile (or the wave's: the row's end) stores the lines
+                group_done = mx.arith.ori(mx.cmp_eq(slot, group_tiles - 1), mx.cmp_eq(i, sub(count, 1)))
+                if held:
+                    ctx["held"] = group_done
+                if carried:
+                    ctx.update(carry=carry, slot=slot, last=mx.cmp_eq(slot, group_tiles - 1))
+            rows = mx.if_else(
+                rare,
+                lambda: finish(words, exact(), dict(ctx, exact=True), True),
+                lambda: finish(words, amax, dict(ctx, exact=False), False),
+                [mx.i32_t()] * len(carry),
+            )
+            if stage_rows and not held:
+                mx.if_then(group_done, lambda: _flush_rows(ctx))
+            return rows  # carried: this tile's 1x32 row dwords, for the next tile
+
+        def finish(words, amax, ctx, nan_pass):
+            sc = scales(amax)
+            if rows_out:
+                return _rows_32x32(spec, words, sc[0], amax, nan_pass, ctx, scale_layout, lanes_per_kblock)
+
+            def convert_store():
+                # dword columns converted and stored a few at a time (keeps few values live):
+                # one, or the interleaved stores' column pair (16-bit: one, FP32: two)
+                step = 2 * dws // cols if interleave else 1
+                for p in range(dws // step):
+                    outs = [o for d in range(p * step, (p + 1) * step) for o in convert(words, sc, d)]
+                    if interleave:
+                        _store_interleaved(arch, SWAP_DIST_64[arch], outs, ctx["lane_out_il"][p], ctx["rq"])
+                    else:
+                        for jj, out in enumerate(outs):
+                            store_column(p * (cols // dws) + jj, out, ctx, None)
+                store_codes(sc, ctx, None)
+
+            mx.if_then(ctx["row_ok"], convert_store)  # lanes of rows past N (last row tile) store nothing
+            rows = _row_blocks(spec, words, nan_pass, ctx) if kind == "dual" else None
+            if nan_pass:
+                nan_fixup(amax, ctx)
+            return rows
+
+        def nan_fixup(amax, ctx):
+            # Non-finite blocks: code 0xFF and every element 0x7F, over what was just stored.
+            if block_k > 1:
+                bad = [mx.cmp_uge(amax, mx.NONFINITE[dtype])] * cols
+            elif wide:
+                bad = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in amax]
+            else:
+                bad = [mx.cmp_uge(band(amax[j // 2], 0xFFFF) if j % 2 == 0 else lshr(amax[j // 2], 16),
+                                  mx.NONFINITE[dtype]) for j in range(cols)]
+            bad = [mx.arith.andi(b, ctx["row_ok"]) for b in bad]
+            for j in range(cols):
+                store_column(j, [const(mx.E4M3_NAN_X4)] * 4, ctx, bad[j])
+            store_codes(None, ctx, bad)
+
+        def store_column(j, out, ctx, only):
+            """Store lane column j's 16 bytes (`only`: an i1, store just where it holds)."""
+            data = mx.from_elements(out)
+            if ctx["lane_out"] is None:  # interleaved layout: only the NaN pass gets here
+                ctx["lane_out"] = [add(mul(add(ctx["lane_cols"], jj), ctx["n"]), mul(ctx["g"], ROWS_PER_LANE))
+                                   for jj in range(cols)]
+            if only is None:
+                mx.store(data, ctx["rq"], ctx["lane_out"][j])
+            else:
+                mx.if_then(only, lambda: mx.store(data, ctx["rq"], ctx["lane_out"][j]))
+
+        def store_codes(sc, ctx, only):
+            _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock, sc, ctx, only, column_code)
+
+        if carried:
+            mx.for_range_carry(count, [const(0)] * ROWS_PER_LANE, one_tile)
+        else:
+            mx.for_range(count, one_tile)
+
+    @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
+    def kernel(
+        x: fx.Tensor,  # (E, N, K) or (M, K) BF16/FP16/FP32, row-major
+        q: fx.Tensor,  # E4M3 data as uint8, column-major per expert
+        s: fx.Tensor,  # scales (uint8), plain or padded layout
+        q1: fx.Tensor,  # dual: the 1x32 E4M3 data as uint8, row-major (else unused)
+        s1: fx.Tensor,  # dual: the 1x32 scales (M, K/32) (else unused)
+        offs: fx.Tensor,  # int32 token-group ends along N (grouped tcgen05 only; else unused)
+        n: fx.Int32,  # rows quantized (N or M), a multiple of 32
+        k: fx.Int32,  # columns
+        row_bytes: fx.Int32,  # K * element size
+        tiles_per_wave: fx.Int32,
+        col_tiles: fx.Int32,  # ceil(K / tile columns)
+        nb: fx.Int32,  # N / 32
+        s_dims: fx.Int32,  # layouts: padded scale columns / 4 (tcgen05) or / 8 (mfma); else 0
+        s_expert: fx.Int32,  # 3D layouts: bytes of one expert's scales; grouped: padded K rows
+        s_bytes: fx.Int32,  # size of the scale tensor
+        groups: fx.Int32,  # grouped: number of token groups
+        steps: fx.Int32,  # grouped: binary search steps, bit_length(groups)
+    ):
+        body(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps)
+
+    @flyc.jit
+    def launch(
+        x: fx.Tensor, q: fx.Tensor, s: fx.Tensor, q1: fx.Tensor, s1: fx.Tensor, offs: fx.Tensor, n: fx.Int32, k: fx.Int32,
+        row_bytes: fx.Int32, tiles_per_wave: fx.Int32, col_tiles: fx.Int32, nb: fx.Int32,
+        s_dims: fx.Int32, s_expert: fx.Int32, s_bytes: fx.Int32, groups: fx.Int32, steps: fx.Int32,
+        gx: fx.Int32, gy: fx.Int32, gz: fx.Int32, stream: fx.Stream = fx.Stream(None),
+    ):
+        assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
+        kernel(x, q, s, q1, s1, offs, n, k, row_bytes, tiles_per_wave, col_tiles, nb, s_dims, s_expert, s_bytes, groups, steps).launch(
+            grid=(gx, gy, gz), block=(WAVE * waves, 1, 1), stream=stream
+        )
+
+    if spec.scaled_cvt and kind != "dual":
+        # (gfx942's FNUZ conversion and dual keep more values live than 128 VGPRs hold: no
+        # budget, the allocator's own choice)
+        launch.compile_hints = {"waves_per_eu": WAVES_PER_SIMD}
+    return launch
+
+
+_cached_col = functools.lru_cache(maxsize=None)(build_col)
+
+
+def _group_of(offs, r0, groups, steps):
+    """(first block, blocks) of the token group holding row r0 (wave-uniform), by binary search
+    for the first group end > r0 in the non-decreasing int32 ends `offs`."""
+    ro = mx.buffer(offs, const(0, mx.i64_t()), mul(to_i64(groups), 4))
+
+    def end_at(i):
+        return mx.readfirstlane(mx.load(ro, shl(i, 2), dwords=1))
+
+    def step(lo, hi):
+        mid = lshr(add(lo, hi), 1)
+        above = mx.cmp_ult(r0, end_at(mid))
+        return mx.select(above, lo, add(mid, 1)), mx.select(above, mid, hi)
+
+    lo, _ = mx.for_range_carry(steps, [const(0), val(groups)], lambda i, lo, hi: step(lo, hi))
+    end = end_at(lo)
+    start = mx.select(mx.cmp_eq(lo, 0), 0, end_at(mx.usub_sat(lo, 1)))
+    return lshr(start, 5), lshr(sub(end, start), 5)
+
+
+def _store_codes(spec, kind, scale_layout, block_k, cols, half, lanes_per_kblock, sc, ctx, only, column_code):
+    """Store this lane's E8M0 codes (sc None: 0xFF where `only`): each lane of a row pair stores
+    `half` of its columns' codes; a plain 32 x 32 layout one code per block (one lane)."""
+    if sc is not None and scale_layout is None and block_k == 1:
+        return _store_codes_fast(kind, half, sc, ctx, column_code)
+    rs = ctx["rs"]
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))  # block row
+    hp = mx.cmp_ne(ctx["hpair"], 0)
+    per_block = block_k > 1 and scale_layout is None
+    first_col = add(add(ctx["c0"], ctx["lane_cols"]), mx.select(hp, half, 0))
+    if per_block:
+        lead = mx.cmp_eq(band(ctx["c"], lanes_per_kblock - 1), 0)
+        stores = [(0, mx.arith.andi(lead, mx.cmp_eq(ctx["hpair"], 0)))]
+    else:
+        stores = [(jj, None) for jj in range(half)]
+    for jj, who in stores:
+        col = add(first_col, jj)
+        ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(col, ctx["k"]))
+        ok = ok if who is None else mx.arith.andi(ok, who)
+        if scale_layout is None:
+            if kind != "3d":  # 32x1, dual: (K, N/32)
+                off = add(mul(col, ctx["nb"]), b)
+            elif block_k == 1:
+                off = add(mul(add(mul(ctx["e"], ctx["nb"]), b), ctx["k"]), col)
+            else:
+                kb = lshr(add(ctx["k"], MX_BLOCK - 1), 5)
+                off = add(mul(add(mul(ctx["e"], ctx["nb"]), b), kb), lshr(col, 5))
+        elif ctx["group"] is not None:
+            first, width = ctx["group"]
+            off = add(mul(first, ctx["s_expert"]), mx.scale_offset(scale_layout, col, sub(b, first), lshr(width, 2)))
+        else:
+            off = add(mul(ctx["e"], ctx["s_expert"]), mx.scale_offset(scale_layout, col, b, ctx["s_dims"]))
+        off = mx.select(ok, off, OOB)
+        if sc is None:
+            flag = mx.select(hp, only[half + jj], only[jj]) if block_k == 1 else only[0]
+            mx.if_then(flag, lambda off=off: mx.store_byte(mx.E8M0_NAN, rs, off))
+        else:
+            code = mx.select(hp, column_code(sc, half + jj), column_code(sc, jj)) if block_k == 1 else column_code(sc, 0)
+            mx.store_byte(code, rs, off)
+
+
+def _rows_32x32(spec, words, sc, amax, nan_pass, ctx, scale_layout, lanes):
+    """3d_t: convert and store the lane's 16 rows x cols columns of a 32 x 32 block row-major
+    (the rows as loaded, one 8- or 4-byte store per row at the row's scalar offset), then the
+    block's code: plain, (E, K/32, N/32), by the block's first lane; a layout of the (N, K/32)
+    matrix per expert has the code in each of the block's 32 rows, the `lanes` lanes sharing a
+    row group's 16 rows store 16 / lanes of them each. A non-finite block (nan_pass) gets code
+    0xFF and 0x7F data in place. Rows past N and columns past K (whole lanes: K % 32 == 0) are
+    masked off by lane: a row-major row's columns past K would be the next row's."""
+    code, conv, limit = sc
+    conv = mx.as_f32(conv)
+    ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(add(ctx["c0"], ctx["lane_cols"]), ctx["k"]))
+    bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype]) if nan_pass else None
+    if bad is not None:
+        code = mx.select(bad, mx.E8M0_NAN, code)
+
+    def rows():  # a row's lanes store one whole LINE_BYTES line (rows_3d_t)
+        for r in range(ROWS_PER_LANE):
+            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            if bad is not None:
+                outs = [mx.select(bad, mx.E4M3_NAN_X4, o) for o in outs]
+            data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
+            mx.store(data, ctx["rq"], ctx["lane_rows"], ctx["row_k"][r] if r else 0)
+
+    mx.if_then(ok, rows)
+    kblock = lshr(add(ctx["c0"], ctx["lane_cols"]), 5)
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))  # block row
+    j = band(ctx["c"], lanes - 1)  # the lane's place among the block's lanes of its row group
+    if scale_layout is None:
+        lead = mx.arith.andi(ok, mx.cmp_eq(bor(j, ctx["hpair"]), 0))
+        off = add(mul(add(mul(ctx["e"], lshr(ctx["k"], 5)), kblock), ctx["nb"]), b)
+        mx.if_then(lead, lambda: mx.store_byte(code, ctx["rs"], off))
+        return
+    per_lane = ROWS_PER_LANE // lanes
+    row = add(add(ctx["r0"], mul(ctx["g"], ROWS_PER_LANE)), mul(j, per_lane))
+    base = mul(ctx["e"], ctx["s_expert"])
+
+    def codes():
+        for i in range(per_lane):
+            off = add(base, mx.scale_offset(scale_layout, add(row, i) if i else row, kblock, ctx["s_dims"]))
+            mx.store_byte(code, ctx["rs"], off)
+
+    mx.if_then(ok, codes)
+
+
+def _store_interleaved(arch, dist, outs, offsets, rq):
+    """Store lane columns 2i, 2i + 1 (`outs`, 4 dwords each) of the 64-row layout so that each
+    instruction writes two adjacent 64-byte columns (one 128-byte line) from lanes c and c ^ 1
+    (`dist` apart): lane c even (columns 8c .. 8c + 7; FP32: 4c .. 4c + 3) gives its column
+    2i + 1 for column 2i of lane c + 1 (8c + 8 ..): the first instruction writes columns 8c + 2i
+    (even lane) and 8c + 2i + 1 (odd lane), the second the pair 8 (4) on (`offsets`: the lane's
+    two)."""
+    halves = [mx.exchange(arch, e, o, dist) for e, o in zip(*outs)]
+    mx.store(mx.from_elements([lo for lo, _ in halves]), rq, offsets[0])
+    mx.store(mx.from_elements([hi for _, hi in halves]), rq, offsets[1])
+
+
+def _rows_buffer(ctx, first_col):
+    """dual: the 1x32 data (M, K) row-major from row r0, column first_col to its end."""
+    tile = add(mul(ctx["r0"], ctx["k"]), first_col)
+    return mx.buffer(ctx["q1"], tile, sub(mul(ctx["n"], ctx["k"]), tile))
+
+
+def _row_blocks(spec, words, nan_pass, ctx):
+    """dual: the 1x32 quantization of the tile from the same registers. A lane's 16 rows x
+    cols columns are parts of 1x32 blocks of MX_BLOCK / cols lanes (the lanes c that differ in
+    their low bits: DPP all-reduce), converted per row (row-major (M, K) data: into the wave's
+    LDS stage, by the group's last tile with a half-line stage into lines (_store_lines), or
+    stored at once; non-finite blocks' rows 0x7F) and codes (M, K/32) stored by the first lane
+    of each block. With a carried tile (FP32 half-line stage) returns the tile's row dwords."""
+    wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
+    lanes = MX_BLOCK // cols
+    exact = ctx["exact"]
+    clamp = spec.mode == "floor" and spec.scaled_cvt
+    amax = mx.chain_amax_interleaved(spec, [list(w) for w in words], exact)
+    amax = [mx.amax_halves(spec, a) for a in amax]
+    dist = 1
+    while dist < lanes:
+        amax = [mx.umax(a, mx.dpp_reduce_partner(a, dist)) for a in amax]
+        dist *= 2
+    convs = []
+    if wide:
+        for a in amax:
+            code, conv = mx.block_scale(spec, a)
+            convs.append((code, conv))
+    else:
+        for r in range(0, ROWS_PER_LANE, 2):
+            codes, tops = mx.pair_scales(spec, mx.pack_pair(amax[r + 1], amax[r]))
+            convs += [(codes, mx.scale_from_tops(spec, tops, 0)), (lshr(codes, 16), mx.scale_from_tops(spec, tops, 1))]
+    c0, k = ctx["c0"], ctx["k"]
+    if "stage_lane" in ctx:
+        stage = add(ctx["stage_lane"], ctx["slot_cols"])  # the lane's 16 rows of this tile in LDS
+
+        def put(data, r):
+            mx.lds_store(data, add(stage, r * ctx["stage_row"]))
+    else:
+        rq = _rows_buffer(ctx, c0)
+
+        def put(data, r):
+            mx.store(data, rq, ctx["lane_q1"], ctx["row_k"][r])
+    kb = lshr(k, 5)
+    tile_s = add(mul(ctx["r0"], kb), lshr(c0, 5))
+    rs = mx.buffer(ctx["s1"], tile_s, sub(mul(ctx["n"], kb), tile_s))
+    lane_ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(add(c0, ctx["lane_cols"]), k))
+    lead = mx.arith.andi(lane_ok, mx.cmp_eq(band(ctx["c"], lanes - 1), 0))
+    lane_s = add(mul(mul(ctx["g"], ROWS_PER_LANE), kb), lshr(ctx["lane_cols"], 5))
+
+    nan_x4 = const(mx.E4M3_NAN_X4)
+
+    def rows(put):
+        for r in range(ROWS_PER_LANE):
+            code, conv = convs[r]
+            limit = mx.clamp_limit(spec, conv) if clamp else None
+            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
+            if nan_pass:  # 0x7F over a non-finite block's row (a bitwise select: 16 lane masks
+                # would not fit in the SGPRs)
+                bad = mx.lane_word(lshr(sub(mx.NONFINITE[spec.dtype] - 1, amax[r]), 31))  # amax < 2^31
+                data = [mx.bit_select(bad, nan_x4, d) for d in ([data] if len(outs) == 1 else outs)]
+                data = data[0] if len(data) == 1 else mx.from_elements(data)
+            put(data, r)
+
+    def codes():
+        for r in range(ROWS_PER_LANE):
+            mx.store_byte(convs[r][0], rs, lane_s, mul(r, kb) if r else 0)
+
+    out = None
+    if "carry" in ctx:  # FP32 half-line stage: the tile before the group's last one keeps its rows
+        out = []
+        rows(lambda data, r: out.append(data))
+        mx.if_then(mx.arith.andi(lane_ok, mx.cmp_ult(ctx["slot"], ctx["staged"])),
+                   lambda: [put(data, r) for r, data in enumerate(out)])
+
+        def lines():
+            # the pair exchange gives lane c even 8 bytes of the carried tile's row (its own 4 and
+            # lane c + 1's), lane c odd 8 of this tile's (at a row's end the carried tile is this
+            # one: the columns of the tiles after it are masked off)
+            store = _store_lines(ctx)
+            for r, data in enumerate(out):
+                prev = mx.select(ctx["last"], ctx["carry"][r], data)
+                odd = ctx["odd"]
+                got = mx.dpp_xor(mx.bit_select(odd, prev, data), 1)  # the partner's prev (odd) / data (even)
+                store(mx.from_elements([mx.bit_select(odd, got, prev), mx.bit_select(odd, data, got)]), r)
+
+        mx.if_then(ctx["held"], lines)
+    elif "held" in ctx:  # every lane takes part in the line stores (masked per row group there)
+        mx.if_else(ctx["held"], lambda: rows(_store_lines(ctx)), lambda: mx.if_then(lane_ok, lambda: rows(put)))
+    else:
+        mx.if_then(lane_ok, lambda: rows(put))
+    mx.if_then(lead, codes)
+    if nan_pass:
+        for r in range(ROWS_PER_LANE):
+            bad = mx.arith.andi(lead, mx.cmp_uge(amax[r], mx.NONFINITE[spec.dtype]))
+            mx.if_then(bad, lambda r=r: mx.store_byte(mx.E8M0_NAN, rs, lane_s, mul(r, kb) if r else 0))
+    return out
+
+
+def _store_lines(ctx):
+    """dual, half-line stages (only the line's first 64 bytes in LDS): the put(data, r) of the
+    group's last tile (or, at a row's end, of its last tile there), which stores whole lines.
+    data is the lane's 8 bytes of the line's second half in row r of its 16 (16-bit: its own; FP32:
+    after the pair exchange, see _row_blocks), which goes out in two 8-byte stores of 4 rows x
+    128 bytes: the first writes the rows of row groups 0-3 (those lanes give their own bytes,
+    the lanes of groups 4-7 the staged bytes, read from LDS, of the same rows), the second those
+    of groups 4-7 (roles swapped). Rows past N and columns past K (at a row's end the line's
+    later columns may lie past it) are masked off by lane and role."""
+    k = ctx["k"]
+    slot_cols = ctx["slot_cols"]
+    line0 = sub(ctx["c0"], slot_cols)  # the group's first column
+    rq = _rows_buffer(ctx, line0)
+    if "own_cols" in ctx:  # FP32: fixed places in the line
+        own_cols, staged_cols = ctx["own_cols"], ctx["piece"]
+    else:  # 16-bit: this tile's place, the staged tile the other one (a group's only tile at a
+        # row's end is its first: the second half, past K, is masked off)
+        own_cols = add(slot_cols, ctx["piece"])
+        staged_cols = add(sub(LINE_BYTES // 2, slot_cols), ctx["piece"])
+
+    def inside(cols):
+        return mx.cmp_ult(add(line0, cols), k)
+
+    # (bases past N are OOB already, and stay past every buffer's end with the columns added)
+    own = mx.select(inside(own_cols), add(ctx["own_base"], own_cols), OOB)
+    other = mx.select(inside(staged_cols), add(ctx["partner_base"], staged_cols), OOB)
+    lo = ctx["lo"]
+    offsets = [mx.bit_select(lo, own, other), mx.bit_select(lo, other, own)]
+
+    def put(data, r):
+        staged = mx.lds_load(mx.PIECE_DWORDS // 2, add(ctx["partner_lds"], r * ctx["stage_row"]))
+        if r:  # the next row (rows go in order): offsets in VGPRs, SGPRs are scarce here
+            offsets[:] = [add(o, k) for o in offsets]
+        mine, theirs = mx.dwords_of(data, 2), mx.dwords_of(staged, 2)
+        mx.store(mx.from_elements([mx.bit_select(lo, a, b) for a, b in zip(mine, theirs)]), rq, offsets[0])
+        mx.store(mx.from_elements([mx.bit_select(lo, b, a) for a, b in zip(mine, theirs)]), rq, offsets[1])
+
+    return put
+
+
+def _flush_rows(ctx):
+    """dual: store the staged 1x32 rows of the line group that ends with this tile, LINE_BYTES
+    of each row from 8 lanes (16 bytes each), so an instruction writes FLUSH_ROWS whole row
+    segments. Rows past N fall past the buffer's end; columns past K (the last group of a row
+    may be partial) are masked off by lane."""
+    k = ctx["k"]
+    first_col = sub(ctx["c0"], ctx["slot_cols"])
+    rq = _rows_buffer(ctx, first_col)
+
+    def stores():
+        for j in range(0, TILE_ROWS[0], FLUSH_ROWS):
+            data = mx.lds_load(mx.PIECE_DWORDS, add(ctx["flush_lds"], j * LINE_BYTES))
+            mx.store(data, rq, add(ctx["flush_q1"], mul(j, k)) if j else ctx["flush_q1"])
+
+    mx.if_then(mx.cmp_ult(add(first_col, ctx["flush_fc"]), k), stores)
+
+
+def _store_codes_fast(kind, half, sc, ctx, column_code):
+    """Plain layouts, 32 x 1 blocks (rows past N are masked off by the caller). 32x1: the codes
+    of column c are at c * N/32: a buffer from the tile's first code to the end of the scales
+    drops columns past K, and a lane's next column is N/32 bytes on (in the VGPR offset: the
+    range check does not cover the scalar offset, and the last column tile's columns past K
+    must be dropped). 3D: a lane's codes are consecutive bytes of a row of K codes; columns
+    past K are skipped."""
+    hp = mx.cmp_ne(ctx["hpair"], 0)
+    b = add(lshr(ctx["r0"], 5), lshr(ctx["g"], 1))
+    first = add(ctx["lane_cols"], mx.select(hp, half, 0))  # within the tile
+    codes = [mx.select(hp, column_code(sc, half + jj), column_code(sc, jj)) for jj in range(half)]
+    if kind != "3d":  # 32x1, dual: (K, N/32)
+        tile = add(mul(ctx["c0"], ctx["nb"]), lshr(ctx["r0"], 5))
+        rs = mx.buffer(ctx["s"], tile, sub(mul(ctx["k"], ctx["nb"]), tile))
+        base = add(mul(first, ctx["nb"]), lshr(ctx["g"], 1))
+        for jj in range(half):
+            mx.store_byte(codes[jj], rs, add(base, mul(jj, ctx["nb"])) if jj else base)
+        return
+    col = add(ctx["c0"], first)
+    base = add(mul(add(mul(ctx["e"], ctx["nb"]), b), ctx["k"]), col)
+
+    def whole():  # full column tile: the lane's codes in one store
+        if half == 4:  # 16-bit: codes[0] and [2] hold codes 1 and 3 in their bits 16-23
+            mx.store(mx.perm(codes[2], codes[0], 0x06040200), ctx["rs"], base)
+        else:
+            mx.store_short(bor(codes[0], shl(codes[1], 8)), ctx["rs"], base)
+
+    def some():
+        for jj in range(half):
+            off = mx.select(mx.cmp_ult(add(col, jj), ctx["k"]), add(base, jj), OOB)
+            mx.store_byte(codes[jj], ctx["rs"], off)
+
+    mx.if_else(ctx["col_full"], whole, some)
