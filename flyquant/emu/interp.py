@@ -25,8 +25,10 @@ import numpy as np
 
 from .. import env
 from . import decode as D
-from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu
-from .isa_base import END, F32, LANES, Ctx, EmuError, Wave, sext
+from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu, isa_vopc, isa_vpacked  # noqa: F401 (they fill `table`)
+from . import table
+from .errors import EmuError
+from .isa_base import END, F32, LANES, Ctx, Wave, sext
 from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
@@ -50,9 +52,6 @@ WORKITEM_ID_BITS = 10  # gfx90a+: v0 = x | y << 10 | z << 20
 _PROGRAM_CACHE: OrderedDict = OrderedDict()
 _PROGRAM_CACHE_SIZE = 64
 
-_BUILDERS: dict = {}
-for _module in (isa_salu, isa_valu, isa_lane, isa_cvt, isa_mfma):
-    _BUILDERS.update(_module.BUILDERS)
 _TERMINATORS = {"s_endpgm", "s_branch", "s_setpc_b64", "s_endpgm_saved", "s_endpgm_ordered_ps_done"}
 
 
@@ -99,17 +98,7 @@ def _build_op(inst: D.Inst, ctx: Ctx):
     only = D.arch_of_instruction(inst.name)
     if only is not None and only != ctx.arch:
         return _raiser(ctx.error(inst, f"{inst.name} is a {only}-only instruction"))
-    builder = _BUILDERS.get(inst.name)
-    if builder is None:
-        builder = isa_mem.BUILDERS_BY_ENC.get(inst.enc)
-    if builder is None and inst.enc == "MAI":
-        builder = isa_mfma.mfma_builder(inst.name)
-    if builder is None and inst.name in isa_cvt.SIMPLE:
-        dst, src, fn = isa_cvt.SIMPLE[inst.name]
-        builder = (lambda i, c: isa_valu.build_vop(i, c, dst, (src,), fn, dst.startswith("f") or src.startswith("f")))
-    if builder is None and inst.name in isa_cvt.SIMPLE2:
-        dst, srcs, fn = isa_cvt.SIMPLE2[inst.name]
-        builder = (lambda i, c: isa_valu.build_vop(i, c, dst, srcs, fn))
+    builder = table.builder(inst)
     try:
         op = builder(inst, ctx) if builder is not None else None
     except EmuError as e:

@@ -26,7 +26,7 @@ import struct
 import numpy as np
 
 from . import decode as D
-from .runtime import EmuError as _RuntimeEmuError
+from .errors import EmuError
 
 LANES = 64
 FULL_MASK = (1 << LANES) - 1
@@ -39,11 +39,6 @@ U8, I8, U16, I16, F16 = np.uint8, np.int8, np.uint16, np.int16, np.float16
 U32, I32, F32, U64, I64, F64 = np.uint32, np.int32, np.float32, np.uint64, np.int64, np.float64
 LANE_IDS = np.arange(LANES)
 LANE_IDS.flags.writeable = False
-
-
-class EmuError(_RuntimeEmuError):
-    """The interpreter cannot execute something (unknown or wrong-arch instruction, unsupported
-    feature, a wave that never ends); the message names the instruction, offset and kernel."""
 
 
 # --- lane masks <-> 64-bit integers ---------------------------------------------------------------

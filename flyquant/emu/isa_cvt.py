@@ -28,7 +28,9 @@ import math
 
 import numpy as np
 
+from . import table
 from .isa_base import F16, F32, F64, I32, U8, U16, U32, vsrc, vwriter
+from .isa_valu import vop_builders
 
 F32_EXP_BIAS = 127
 
@@ -561,3 +563,5 @@ BUILDERS = {
                     build_cvt_scalef32_fp4_in),
     **dict.fromkeys(("v_cvt_pk_bf16_f32", "v_cvt_pk_f16_f32", "v_cvt_pkrtz_f16_f32"), build_cvt_pk_16_f32),
 }
+table.register(BUILDERS)
+table.register(vop_builders(SIMPLE, SIMPLE2))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import decode as D
+from . import table
 from .isa_base import AGPR_BASE, F32, LANE_IDS, LANES, U8, U16, U32, U64, sext, sreader
 from .isa_cvt import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -558,7 +559,7 @@ def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
     ret = "_rtn_" in op
     base = op.replace("rtn_", "")
     if base in ("min_f32", "max_f32"):
-        from .isa_valu import max_f32, min_f32
+        from .isa_vmath import max_f32, min_f32
         fn = max_f32 if base == "max_f32" else min_f32
         atomic = "custom"
     else:
@@ -597,3 +598,4 @@ def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
 
 BUILDERS_BY_ENC = {"GLOBAL": build_global, "FLAT": build_global, "SCRATCH": build_global,
                    "MUBUF": build_buffer, "DS": build_ds}
+table.register_encoding(BUILDERS_BY_ENC)

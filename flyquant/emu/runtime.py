@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import codeobject
+from .errors import EmuError
 from .memory import Memory
 
 SONAME = "libamdhip64.so.7"
@@ -36,10 +37,6 @@ KERNARG_ALIGN = 64  # HIP allocates kernarg segments 64-byte aligned (AQL packet
 # hipModuleLaunchKernel always describes a 3-dimensional NDRange, whose grid is a whole number
 # of workgroups: hidden_grid_dims is 3 and every hidden_remainder_* is 0.
 GRID_DIMS = 3
-
-
-class EmuError(RuntimeError):
-    """The emulator cannot be set up (no C compiler, FlyDSL runtime already loaded, ...)."""
 
 
 @dataclass(frozen=True)
