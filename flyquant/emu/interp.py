@@ -7,7 +7,9 @@ s_barrier or s_endpgm; when every wave that has not ended waits at the barrier, 
 Before the first instruction each wave holds what the HSA dispatch sets up from the kernel
 descriptor: the user SGPRs (FlyDSL kernels use only the kernarg segment pointer, plus
 gfx940+ kernarg preloading), then the enabled workgroup ids; v0 = workitem id x, or on gfx90a+
-x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads.
+x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads;
+MODE holds the descriptor's float modes. A kernel with a private segment gets zeroed private
+memory per lane (`isa_scratch`), its wave-offset SGPR 0.
 
 The program is decoded once per (code object, kernel), following branches from the entry, and
 turned into a list of closures (`Program`), one per instruction. An instruction the interpreter
@@ -25,10 +27,11 @@ import numpy as np
 
 from .. import env
 from . import decode as D
-from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu, isa_vopc, isa_vpacked  # noqa: F401 (they fill `table`)
+from . import (isa_cvt, isa_hwreg, isa_lane, isa_mem, isa_mfma, isa_salu, isa_scratch, isa_valu, isa_vdiv,  # noqa: F401
+               isa_vopc, isa_vpacked)  # (imported for their registrations into `table`)
 from . import table
 from .errors import EmuError
-from .isa_base import END, F32, LANES, Ctx, Wave, sext
+from .isa_base import END, F32, LANES, Ctx, Wave, initial_mode, sext
 from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
@@ -210,7 +213,6 @@ def _check_kernel(info, arch: str, block, dynamic_lds: int) -> int:
         ("dispatch id", kd.enable_sgpr_dispatch_id), ("flat scratch init", kd.enable_sgpr_flat_scratch_init),
         ("private segment size", kd.enable_sgpr_private_segment_size),
         ("workgroup info SGPR", kd.enable_sgpr_workgroup_info),
-        ("scratch (private segment)", kd.enable_private_segment or info.private_segment_fixed_size > 0),
         ("dynamic stack", kd.uses_dynamic_stack)) if on]
     if unsupported:
         raise EmuError(f"kernel {info.name} ({arch}) needs {', '.join(unsupported)}, "
@@ -235,6 +237,9 @@ def _check_host_float_mode():
 def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kernarg_addr: int, memory):
     w.reset()
     kd = info.kd
+    w.mode = initial_mode(kd)
+    if info.private_segment_fixed_size:  # architected flat scratch: offsets are per lane (isa_scratch)
+        w.scratch = np.zeros((LANES, info.private_segment_fixed_size), np.uint8)
     s = w.s
     if "kernarg_segment_ptr" in layout:
         i = layout["kernarg_segment_ptr"]
@@ -247,6 +252,8 @@ def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kern
     for axis, key in enumerate(("workgroup_id_x", "workgroup_id_y", "workgroup_id_z")):
         if key in layout:
             s[layout[key]] = wg_ids[axis]
+    if "private_segment_wave_offset" in layout:  # each wave's private memory starts at offset 0
+        s[layout["private_segment_wave_offset"]] = 0
     bx, by, bz = block
     threads = bx * by * bz
     t = wave_index * LANES + np.arange(LANES)

@@ -19,7 +19,7 @@ import numpy as np
 from . import decode as D
 from . import table
 from .isa_base import (F32, I32, I64, KINDS, U16, U32, U64, kind_bits, lane_mask_reader, lane_mask_writer, vsrc,
-                       vwriter, vwriter_masked)
+                       vwriter, vwriter_masked, without_fp16_ovfl)
 from .isa_lane import DppSource
 from .isa_vmath import IEEE_OPS, OPS, OPSEL_16, fma_f32
 
@@ -148,6 +148,11 @@ def vectorize_first(inst, getters, kinds):
 
 def build_vop(inst, ctx, dst, srcs, fn, is_float=False, sat=None):
     """Closure for a VALU instruction D = fn(S0, S1, ...) with all modifiers (see module doc)."""
+    op = _build_vop(inst, ctx, dst, srcs, fn, is_float, sat)
+    return without_fp16_ovfl(ctx, inst, op) if dst == "f16" else op
+
+
+def _build_vop(inst, ctx, dst, srcs, fn, is_float, sat):
     if inst.dpp is not None and kind_bits(dst) != 32:
         raise ctx.error(inst, "DPP on a non-32-bit instruction")
     getters = [source(ctx, inst, i, k, is_float) for i, k in enumerate(srcs)]
@@ -224,7 +229,7 @@ def _build_fmamk(inst, ctx):
     return build_vop(inst, ctx, "f32", ("f32", "f32"), lambda a, b: fma_f32(a, b, k), True)
 
 
-def _bitssource(ctx, inst, i):
+def _bits_source(ctx, inst, i):
     """A 32-bit source read as raw bits, with abs/neg applied to the sign bit (v_cndmask)."""
     get = vsrc(ctx, inst, i, "u32")
     ab, ng = (inst.abs >> i) & 1, (inst.neg >> i) & 1
@@ -238,11 +243,20 @@ def _bitssource(ctx, inst, i):
 
 
 def _build_cndmask(inst, ctx):
-    if inst.dpp is not None or inst.sdwa is not None:
-        raise ctx.error(inst, "DPP/SDWA v_cndmask_b32 is not supported")
-    a, b = _bitssource(ctx, inst, 0), _bitssource(ctx, inst, 1)
+    """v_cndmask_b32: D = VCC[lane] ? S1 : S0 (VOP3: the lane mask in S2). The SDWA form (VOP2)
+    selects a byte/word of each source (zero- or sign-extended) and writes D through dst_sel /
+    dst_unused, as every SDWA instruction (CDNA3/CDNA4 ISA guides, "SDWA")."""
+    if inst.dpp is not None:
+        raise ctx.error(inst, "DPP v_cndmask_b32 is not supported")
     cond = lane_mask_reader(ctx, inst, inst.src[2])
-    put = vwriter(ctx, inst, "u32")
+    if inst.sdwa is not None:
+        if inst.abs or inst.neg:
+            raise ctx.error(inst, "abs/neg on SDWA v_cndmask_b32 is not supported")
+        a, b = source(ctx, inst, 0, "u32", False), source(ctx, inst, 1, "u32", False)
+        put = _sdwa_dst(ctx, inst, "u32", inst.vdst)
+    else:
+        a, b = _bits_source(ctx, inst, 0), _bits_source(ctx, inst, 1)
+        put = vwriter(ctx, inst, "u32")
     return lambda w: put(w, np.where(cond(w), b(w), a(w)))
 
 

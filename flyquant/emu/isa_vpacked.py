@@ -7,7 +7,7 @@ import numpy as np
 
 from . import decode as D
 from . import table
-from .isa_base import F16, F32, I16, I32, KINDS, U16, U32, is_inline, vsrc, vwriter
+from .isa_base import F16, F32, I16, I32, KINDS, U16, U32, is_inline, vsrc, vwriter, without_fp16_ovfl
 from .isa_vmath import f16_exact, fma_f32, max_min, maximum3, minimum3
 
 
@@ -84,6 +84,11 @@ def _pk16_pair(ctx, inst, i, kind, wide):
 
 
 def _build_pk16(inst, ctx):
+    op = _build_pk16_op(inst, ctx)
+    return without_fp16_ovfl(ctx, inst, op) if _PK16[inst.name][0] == "f16" else op
+
+
+def _build_pk16_op(inst, ctx):
     """Packed 16-bit math: op_sel[i] / op_sel_hi[i] pick the half of source i for the low / high
     result, neg / neg_hi negate float halves. Clamp saturates integers (computed in int32) and
     clamps floats to [0, 1]. The operations are element-wise, so both halves are computed in
