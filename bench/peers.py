@@ -1,0 +1,134 @@
+"""Peers' Triton kernels (torchao's, aiter's), compiled for gfx942/gfx950 on the CPU and run under
+flyquant.emu, so that they are counted exactly as our kernels are.
+
+Triton (the `bench` extra, triton==3.9.0) compiles AMD targets without a GPU: `compile_kernel`
+makes a stand-in Triton driver current that only names the target (GPUTarget("hip", arch, 64))
+and calls the JIT function's own `warmup`, so the argument specialization (16-divisible
+integers and pointers, buffer-op pointer ranges) is Triton's, as on a GPU. `run_kernel` packs
+the compiled kernel's arguments by its code object's metadata (Triton appends two scratch
+pointers, passed as null: the casts use no global scratch) and runs it in the interpreter on
+CPU tensors, with the dynamic LDS Triton launches with (its metadata's `shared`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+import flyquant.emu as emu
+from flyquant.arch import WAVE_SIZE, occupancy
+from flyquant.emu import codeobject, interp, runtime
+from flyquant.emu.memory import Memory
+
+TRITON_VERSION = "3.9.0"  # the `bench` extra's pin: the version whose AMD backend this was checked with
+TRITON_SCRATCH_POINTERS = 2  # global_scratch and profile_scratch, appended by Triton's AMD backend
+
+
+def triton_missing() -> str | None:
+    """Why Triton cannot compile the peers here (None: it can)."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not installed ({exc}); pip install -e '.[bench]' installs triton=={TRITON_VERSION}"
+    if triton.__version__ != TRITON_VERSION:
+        return f"Triton {triton.__version__} is installed; the peer rows were checked with {TRITON_VERSION}"
+    return None
+
+
+class _CompileOnlyDriver:
+    """The part of a Triton driver that compiling (JITFunction.warmup) asks for: the target."""
+
+    def __init__(self, arch: str):
+        from triton.backends.compiler import GPUTarget
+
+        self.arch = arch
+        self.target = GPUTarget("hip", arch, WAVE_SIZE)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.arch  # Triton keys its per-device compile caches by this: one per arch
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@contextlib.contextmanager
+def _compiling_for(arch: str):
+    from triton.runtime.driver import driver
+
+    previous = driver._active  # reset_active() would create the default driver, which needs a GPU
+    driver.set_active(_CompileOnlyDriver(arch))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+def compile_kernel(jit_fn, arch: str, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
+    """The Triton CompiledKernel of `jit_fn` for `arch`, specialized on `args` as a launch would be."""
+    with _compiling_for(arch):
+        return jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages, **constexprs)
+
+
+@dataclass(frozen=True)
+class PeerResources:
+    """What the compiler allocated for a peer kernel (from its code object metadata)."""
+
+    kernel: str
+    vgprs: int  # architected + accumulation registers (the metadata's .vgpr_count)
+    agprs: int
+    lds_bytes: int  # static + the dynamic LDS Triton launches with
+    spills: int  # VGPR + SGPR spill count
+    scratch_bytes: int  # private segment per work-item
+    waves_per_workgroup: int
+    workgroups_per_cu: int
+
+
+def _kernel_info(kernel):
+    co = codeobject.load(kernel.asm["hsaco"])
+    return co, co.kernels[kernel.metadata.name]
+
+
+def resources(kernel) -> PeerResources:
+    co, info = _kernel_info(kernel)
+    lds = info.group_segment_fixed_size + kernel.metadata.shared
+    waves = kernel.metadata.num_warps
+    return PeerResources(info.name, info.vgpr_count, info.agpr_count, lds, info.vgpr_spill_count + info.sgpr_spill_count,
+                         info.private_segment_fixed_size, waves,
+                         occupancy(co.arch, info.vgpr_count - info.agpr_count, info.agpr_count, lds, waves))
+
+
+def _arg_bytes(value, kind: str) -> bytes:
+    if kind.startswith("*"):
+        return value.data_ptr().to_bytes(8, "little")
+    bits = {"i32": 32, "i64": 64, "u32": 32, "u64": 64}.get(kind)
+    if bits is None:
+        raise ValueError(f"argument type {kind} is not packed by the peer runner")
+    return (int(value) & ((1 << bits) - 1)).to_bytes(bits // 8, "little")
+
+
+def run_kernel(kernel, grid: tuple, args: tuple):
+    """Run a compiled Triton kernel under flyquant.emu on CPU tensors; returns its LaunchStats."""
+    co, info = _kernel_info(kernel)
+    signature = kernel.src.signature
+    params = [_arg_bytes(v, kind) for v, kind in zip(args, signature.values()) if kind != "constexpr"]
+    params += [bytes(8)] * TRITON_SCRATCH_POINTERS
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = (kernel.metadata.num_warps * WAVE_SIZE, 1, 1)
+    dynamic_lds = kernel.metadata.shared
+    segment = runtime.pack_kernargs(info, params, grid, block, dynamic_lds)
+    buffer = torch.zeros(len(segment) + runtime.KERNARG_ALIGN, dtype=torch.uint8)
+    start = -buffer.data_ptr() % runtime.KERNARG_ALIGN
+    buffer[start:start + len(segment)] = torch.frombuffer(bytearray(segment), dtype=torch.uint8)
+    memory = emu.global_memory() if emu.enabled() else Memory()
+    return interp.execute(co, info.name, grid, block, buffer.data_ptr() + start, dynamic_lds, memory)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
