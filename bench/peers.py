@@ -126,7 +126,16 @@ def run_kernel(kernel, grid: tuple, args: tuple):
     start = -buffer.data_ptr() % runtime.KERNARG_ALIGN
     buffer[start:start + len(segment)] = torch.frombuffer(bytearray(segment), dtype=torch.uint8)
     memory = emu.global_memory() if emu.enabled() else Memory()
-    return interp.execute(co, info.name, grid, block, buffer.data_ptr() + start, dynamic_lds, memory)
+    # valid for the launch (as the HIP stand-in does for FlyDSL's), also under strict_memory():
+    # the kernarg segment, read-only, and the storage of every tensor argument
+    keys = [memory.register(buffer.data_ptr() + start, len(segment), writable=False)]
+    keys += [memory.register(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+             for t in args if isinstance(t, torch.Tensor)]
+    try:
+        return interp.execute(co, info.name, grid, block, buffer.data_ptr() + start, dynamic_lds, memory)
+    finally:
+        for key in keys:
+            memory.unregister(key)
 
 
 def ceil_div(a: int, b: int) -> int:
