@@ -8,15 +8,21 @@ integers and pointers, buffer-op pointer ranges) is Triton's, as on a GPU. `run_
 the compiled kernel's arguments by its code object's metadata (Triton appends two scratch
 pointers, passed as null: the casts use no global scratch) and runs it in the interpreter on
 CPU tensors, with the dynamic LDS Triton launches with (its metadata's `shared`).
+
+Each peer module (peers_torchao, peers_aiter) has NAME and peer_rows(kind, mode, x, arch, which);
+`compare` puts a peer's rows beside one of our rows (same input) and `difference` checks a peer's
+MXFP8 output byte for byte against torchao's to_mx, the numerical oracle of the quantize rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+import common
 import flyquant.emu as emu
 from flyquant.arch import WAVE_SIZE, occupancy
 from flyquant.emu import codeobject, interp, runtime
@@ -69,10 +75,11 @@ def _compiling_for(arch: str):
         driver._active = previous
 
 
-def compile_kernel(jit_fn, arch: str, args: tuple, constexprs: dict, num_warps: int, num_stages: int):
-    """The Triton CompiledKernel of `jit_fn` for `arch`, specialized on `args` as a launch would be."""
+def compile_kernel(jit_fn, arch: str, args: dict, num_warps: int, num_stages: int):
+    """The Triton CompiledKernel of `jit_fn` for `arch`, specialized on `args` (every parameter by
+    name, constexprs included) as a launch with them would be."""
     with _compiling_for(arch):
-        return jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return jit_fn.warmup(grid=(1,), num_warps=num_warps, num_stages=num_stages, **args)
 
 
 @dataclass(frozen=True)
@@ -112,11 +119,11 @@ def _arg_bytes(value, kind: str) -> bytes:
     return (int(value) & ((1 << bits) - 1)).to_bytes(bits // 8, "little")
 
 
-def run_kernel(kernel, grid: tuple, args: tuple):
-    """Run a compiled Triton kernel under flyquant.emu on CPU tensors; returns its LaunchStats."""
+def run_kernel(kernel, grid: tuple, args: dict):
+    """Run a compiled Triton kernel under flyquant.emu on CPU tensors (`args` as given to
+    `compile_kernel`); returns its LaunchStats."""
     co, info = _kernel_info(kernel)
-    signature = kernel.src.signature
-    params = [_arg_bytes(v, kind) for v, kind in zip(args, signature.values()) if kind != "constexpr"]
+    params = [_arg_bytes(args[name], kind) for name, kind in kernel.src.signature.items() if kind != "constexpr"]
     params += [bytes(8)] * TRITON_SCRATCH_POINTERS
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = (kernel.metadata.num_warps * WAVE_SIZE, 1, 1)
@@ -130,7 +137,7 @@ def run_kernel(kernel, grid: tuple, args: tuple):
     # the kernarg segment, read-only, and the storage of every tensor argument
     keys = [memory.register(buffer.data_ptr() + start, len(segment), writable=False)]
     keys += [memory.register(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-             for t in args if isinstance(t, torch.Tensor)]
+             for t in args.values() if isinstance(t, torch.Tensor)]
     try:
         return interp.execute(co, info.name, grid, block, buffer.data_ptr() + start, dynamic_lds, memory)
     finally:
@@ -141,3 +148,79 @@ def run_kernel(kernel, grid: tuple, args: tuple):
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+def difference(kind: str, mode: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> str | None:
+    """None when (data, scales) equal torchao's to_mx byte for byte, else where they differ."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    rows_major = x if kind == "1x32" else x.t().contiguous()
+    want_s, want_d = to_mx(rows_major, torch.float8_e4m3fn, 32, ScaleCalculationMode[mode.upper()])
+    out = []
+    for what, got, want in (("data", data, want_d), ("scales", scales, want_s)):
+        got, want = got.view(torch.uint8), want.view(torch.uint8).reshape(got.shape)
+        bad = (got != want).nonzero()
+        if len(bad):
+            first = tuple(bad[0].tolist())
+            out.append(f"{len(bad)} of {got.numel()} {what} bytes differ (first at {first}: "
+                       f"{got[first].item():#04x} vs to_mx {want[first].item():#04x})")
+    return "; ".join(out) or None
+
+
+def measured(stats, res: PeerResources, x: torch.Tensor, diff: str | None) -> dict:
+    """The row fields of one peer launch on x: its counters, resources and check."""
+    return dataclasses.asdict(res) | {
+        "status": "ok",
+        "wave_instr": stats.wave_instructions,
+        "instr_per_element": stats.wave_instructions / x.numel(),
+        "scratch_instr": sum(n for op, n in stats.by_opcode.items() if op.startswith("scratch_")),
+        "workgroups": stats.workgroups_launched,
+        "bit_exact": diff is None,
+        "difference": diff,
+    }
+
+
+def compare(peer, case, x: torch.Tensor, arch: str, which: str, ours: dict) -> list[dict]:
+    """The rows of `peer` (a module with NAME and peer_rows) for one of our modelled rows (`ours`),
+    on the same input x, with the ratio of the peer's wave-instructions per element to ours."""
+    head = {"case": case.name, "arch": arch, "flyquant_instr_per_element": ours.get("instr_per_element")}
+    missing = triton_missing()
+    if missing:
+        return [head | {"peer": peer.NAME, "status": missing}]
+    rows = []
+    for r in peer.peer_rows(case.kind, case.mode, x, arch, which):
+        if r.get("instr_per_element") and head["flyquant_instr_per_element"]:
+            r["peer_vs_flyquant"] = r["instr_per_element"] / head["flyquant_instr_per_element"]
+        rows.append(head | r)
+    return rows
+
+
+PEER_COLUMNS = [
+    ("case", "case"),
+    ("arch", "arch"),
+    ("peer", "peer"),
+    ("config", "config"),
+    ("tag", "which"),
+    ("instr_per_element", "instr/elem"),
+    ("flyquant_instr_per_element", "flyquant"),
+    ("peer_vs_flyquant", "peer/flyquant"),
+    ("vgprs", "VGPR"),
+    ("agprs", "AGPR"),
+    ("lds_bytes", "LDS B"),
+    ("spills", "spill"),
+    ("scratch_bytes", "scratch B"),
+    ("workgroups_per_cu", "WG/CU"),
+    ("bit_exact", "exact vs to_mx"),
+]
+
+
+def print_rows(rows: list[dict]) -> None:
+    ran = [r | {"tag": " ".join(t for t in ("best" if r.get("best") else "", "default" if r.get("default") else "") if t)}
+           for r in rows if r.get("status") == "ok"]
+    print("\npeers under flyquant.emu (modelled, not timed; inputs identical to the flyquant rows):")
+    common.print_table(ran, PEER_COLUMNS)
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"peer not run: {r['case']} {r['arch']} {r['peer']} {r.get('config', '')}: {r['status']}")
+        elif r.get("difference"):
+            print(f"peer output differs: {r['case']} {r['arch']} {r['config']}: {r['difference']}")

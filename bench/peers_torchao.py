@@ -20,11 +20,8 @@ import ast
 import hashlib
 import importlib.util
 import textwrap
-from dataclasses import asdict
-
 import torch
 
-import common
 import peers
 from flyquant import toolchain
 
@@ -36,6 +33,7 @@ NO_KERNEL = {
     "dual": "torchao has no Triton kernel for both orientations at once (two casts: the 1x32 and 32x1 rows)",
     "3d": "torchao has no Triton 3D (per-expert) cast",
 }
+NAME = "torchao triton"
 DEFAULT_CONFIG = 0  # torchao's first autotune config (ROW_TILE 128, COL_TILE 128, 4 warps, 2 stages)
 _module = None
 
@@ -111,105 +109,31 @@ def _launch(kind: str, cfg, mode: str, x: torch.Tensor, arch: str):
         data = torch.empty(cols, rows, dtype=torch.float8_e4m3fn)  # the transpose, row-major
         scales = torch.empty(cols, rows // 32, dtype=torch.uint8)
         constexprs = {"INNER_BLOCK_SIZE": 32}
-    constexprs |= cfg.kwargs | {"SCALING_MODE": mode}
-    args = (x, data, scales, rows, cols)
-    kernel = peers.compile_kernel(jit, arch, args, constexprs, cfg.num_warps, cfg.num_stages)
+    args = dict(zip(jit.arg_names, (x, data, scales, rows, cols))) | constexprs | cfg.kwargs | {"SCALING_MODE": mode}
+    kernel = peers.compile_kernel(jit, arch, args, cfg.num_warps, cfg.num_stages)
     grid = (peers.ceil_div(rows, cfg.kwargs["ROW_TILE_SIZE"]), peers.ceil_div(cols, cfg.kwargs["COL_TILE_SIZE"]))
     stats = peers.run_kernel(kernel, grid, args)
     return data, scales, stats, peers.resources(kernel)
-
-
-def difference(kind: str, mode: str, x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> str | None:
-    """None when (data, scales) equal torchao's to_mx byte for byte, else where they differ."""
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.mx_tensor import to_mx
-
-    rows_major = x if kind == "1x32" else x.t().contiguous()
-    want_s, want_d = to_mx(rows_major, torch.float8_e4m3fn, 32, ScaleCalculationMode[mode.upper()])
-    out = []
-    for what, got, want in (("data", data, want_d), ("scales", scales, want_s)):
-        got, want = got.view(torch.uint8), want.view(torch.uint8).reshape(got.shape)
-        bad = (got != want).nonzero()
-        if len(bad):
-            first = tuple(bad[0].tolist())
-            out.append(f"{len(bad)} of {got.numel()} {what} bytes differ (first at {first}: "
-                       f"{got[first].item():#04x} vs to_mx {want[first].item():#04x})")
-    return "; ".join(out) or None
 
 
 def peer_rows(kind: str, mode: str, x: torch.Tensor, arch: str, which: str) -> list[dict]:
     """One row per config run (`which`: "default" = torchao's first config, "all" = every one;
     the row of the config with the fewest wave-instructions is marked best)."""
     if kind in NO_KERNEL:
-        return [{"peer": "torchao triton", "status": NO_KERNEL[kind]}]
+        return [{"peer": NAME, "status": NO_KERNEL[kind]}]
     candidates = configs(kind)
     chosen = [candidates[DEFAULT_CONFIG]] if which == "default" else candidates
     rows = []
     for cfg in chosen:
-        row = {"peer": "torchao triton", "config": config_name(cfg), "default": cfg is candidates[DEFAULT_CONFIG]}
+        row = {"peer": NAME, "config": config_name(cfg), "default": cfg is candidates[DEFAULT_CONFIG]}
         why = not_applicable(kind, cfg, tuple(x.shape))
         if why:
             rows.append(row | {"status": f"not run: {why}"})
             continue
         data, scales, stats, res = _launch(kind, cfg, mode, x, arch)
-        diff = difference(kind, mode, x, data, scales)
-        rows.append(row | asdict(res) | {
-            "status": "ok",
-            "kernel_name": stats.kernel,
-            "wave_instr": stats.wave_instructions,
-            "instr_per_element": stats.wave_instructions / x.numel(),
-            "scratch_instr": sum(n for op, n in stats.by_opcode.items() if op.startswith("scratch_")),
-            "workgroups": stats.workgroups_launched,
-            "bit_exact": diff is None,
-            "difference": diff,
-        })
+        rows.append(row | peers.measured(stats, res, x, peers.difference(kind, mode, x, data, scales)))
     ran = [r for r in rows if r["status"] == "ok"]
     if ran and which == "all":
         min(ran, key=lambda r: r["wave_instr"])["best"] = True
     return rows
 
-
-def compare(case, x: torch.Tensor, arch: str, which: str, ours: dict) -> list[dict]:
-    """The peer rows of one of our modelled rows (`ours`), on the same input x, with the ratio of
-    the peer's wave-instructions per element to ours."""
-    head = {"case": case.name, "arch": arch, "flyquant_instr_per_element": ours.get("instr_per_element")}
-    missing = peers.triton_missing()
-    if missing:
-        return [head | {"peer": "torchao triton", "status": missing}]
-    rows = []
-    for r in peer_rows(case.kind, case.mode, x, arch, which):
-        if r.get("instr_per_element") and head["flyquant_instr_per_element"]:
-            r["peer_vs_flyquant"] = r["instr_per_element"] / head["flyquant_instr_per_element"]
-        rows.append(head | r)
-    return rows
-
-
-PEER_COLUMNS = [
-    ("case", "case"),
-    ("arch", "arch"),
-    ("peer", "peer"),
-    ("config", "config"),
-    ("tag", "which"),
-    ("instr_per_element", "instr/elem"),
-    ("flyquant_instr_per_element", "flyquant"),
-    ("peer_vs_flyquant", "peer/flyquant"),
-    ("vgprs", "VGPR"),
-    ("agprs", "AGPR"),
-    ("lds_bytes", "LDS B"),
-    ("spills", "spill"),
-    ("scratch_bytes", "scratch B"),
-    ("workgroups_per_cu", "WG/CU"),
-    ("bit_exact", "exact vs to_mx"),
-]
-
-
-def print_rows(rows: list[dict]) -> None:
-    ran = [r | {"tag": " ".join(t for t in ("best" if r.get("best") else "", "default" if r.get("default") else "") if t)}
-           for r in rows if r.get("status") == "ok"]
-    print("\npeers under flyquant.emu (modelled, not timed; inputs identical to the flyquant rows):")
-    common.print_table(ran, PEER_COLUMNS)
-    for r in rows:
-        if r.get("status") != "ok":
-            print(f"peer not run: {r['case']} {r['arch']} {r['peer']} {r.get('config', '')}: {r['status']}")
-        elif r.get("difference"):
-            print(f"peer output differs: {r['case']} {r['arch']} {r['config']}: {r['difference']}")

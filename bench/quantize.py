@@ -3,7 +3,7 @@
     python bench/quantize.py                                  # hardware if a ROCm GPU is present, else modelled
     python bench/quantize.py --quick --out results
     python bench/quantize.py --shapes 8192x7168 --kinds 1x32,32x1 --modes rceil
-    python bench/quantize.py --mode modelled --vs torchao --vs-configs all   # torchao's Triton casts beside ours
+    python bench/quantize.py --mode modelled --vs torchao,aiter --vs-configs all   # peers' Triton casts beside ours
 
 Cases: 1x32, 32x1 and dual (both at once) on 2D shapes, per-expert 3D on 3D shapes, floor and
 rceil, bf16 inputs (randn * 30), each through the public API (fq.mxfp8_quantize, ..._dual,
@@ -32,12 +32,12 @@ specialization). Outputs are checked bit for bit against the reference too. Inpu
 sit on 256-byte boundaries as on a GPU (the launcher's CPU allocations are made so while it
 is emulated), so line counts are a GPU's.
 
---vs torchao (modelled mode): torchao's Triton MXFP8 casts (1x32 = dim0, 32x1 = dim1), compiled by
-Triton for the same arch and run under flyquant.emu on each row's very input, checked byte for
-byte against torchao's to_mx, in a second table: wave-instructions per element and the
-peer/flyquant ratio, VGPR/AGPR, LDS, spills and scratch, workgroups per CU (bench/peers_torchao.py;
---vs-configs all runs every autotune config and marks the best). In hardware mode the same Triton
-casts are among the timed baselines.
+--vs torchao,aiter (modelled mode): torchao's Triton MXFP8 casts (1x32 = dim0, 32x1 = dim1) and
+aiter's (downcast_to_mxfp), compiled by Triton for the same arch and run under flyquant.emu on each
+row's very input, checked byte for byte against torchao's to_mx, in a second table:
+wave-instructions per element and the peer/flyquant ratio, VGPR/AGPR, LDS, spills and scratch,
+workgroups per CU (bench/peers*.py; --vs-configs all runs every torchao autotune config and marks
+the best). In hardware mode torchao's Triton casts are among the timed baselines.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
+import peers  # noqa: E402
+import peers_aiter  # noqa: E402
 import peers_torchao  # noqa: E402
 
 import flyquant as fq  # noqa: E402
@@ -98,6 +100,7 @@ TARGETS = (
     "hardware: >= 90% of HBM peak for large shapes",
 )
 PER_ELEMENT_TARGET = 0.6
+PEERS = {"torchao": peers_torchao, "aiter": peers_aiter}  # --vs: the peers' Triton casts (bench/peers.py)
 BYTES_IN_FLIGHT_TARGET = 32 * 1024
 COALESCING_TARGET = 0.95
 LARGE_ELEMENTS = 1 << 24  # "large shapes" for the bytes-in-flight target (every training shape is)
@@ -545,14 +548,14 @@ def parse_args(argv=None):
         default=None,
         help=f"modelled: larger inputs are reduced (default {MAX_ELEMENTS}, --quick {QUICK_MAX_ELEMENTS})",
     )
-    ap.add_argument("--vs", type=common.csv_list, default=[], help="modelled: peers to run beside ours: torchao")
+    ap.add_argument("--vs", type=common.csv_list, default=[], help=f"modelled: peers to run beside ours: {','.join(PEERS)}")
     ap.add_argument("--vs-configs", choices=("default", "all"), default="default",
                     help="the peers' autotune configs to run: torchao's first one, or every one (best and default reported)")
     common.add_common_args(ap)
     args = ap.parse_args(argv)
     for peer in args.vs:
-        if peer != "torchao":
-            ap.error(f"unknown peer {peer!r}: choose from ('torchao',)")
+        if peer not in PEERS:
+            ap.error(f"unknown peer {peer!r}: choose from {tuple(PEERS)}")
     for kind in args.kinds:
         if kind not in KINDS_2D + KINDS_3D:
             ap.error(f"unknown kind {kind!r}: choose from {KINDS_2D + KINDS_3D}")
@@ -592,9 +595,10 @@ def main(argv=None) -> dict:
                 ]
             rows += new
             print(f"  {case.name} {arch}: {new[0].get('status', 'done')}", flush=True)
-            if mode == "modelled" and "torchao" in args.vs and new[0].get("status") == "ok":
+            if mode == "modelled" and args.vs and new[0].get("status") == "ok":
                 x = make_input(case, tuple(new[0]["emulated_shape"]), "cpu")  # our row's very input
-                peer_rows += peers_torchao.compare(case, x, arch, args.vs_configs, new[0])
+                for name in args.vs:
+                    peer_rows += peers.compare(PEERS[name], case, x, arch, args.vs_configs, new[0])
     print()
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     common.print_table(list(_display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
@@ -617,7 +621,7 @@ def main(argv=None) -> dict:
         )
         print_torchao()
         if args.vs:
-            peers_torchao.print_rows(peer_rows)
+            peers.print_rows(peer_rows)
     changed = common.warn_if_sources_changed(sources)
     stem = f"quantize_{mode}"
     environment = common.environment() | {"kernel_sources_changed": changed}

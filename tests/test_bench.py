@@ -143,24 +143,27 @@ def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
         assert row["outputs_off_line"] == 0
 
 
-def test_quantize_bench_vs_torchao_triton(tmp_path, keep_emu_arch):
-    """--vs torchao on a 128x256 input (torchao's dim1 cast needs multiples of 128), both arches:
-    torchao's Triton dim0 (1x32) and dim1 (32x1) casts, compiled for each arch by Triton and run
-    under flyquant.emu on our rows' inputs, are bit-exact vs torchao's to_mx; the 3D row says
-    torchao has no Triton kernel for it."""
+def test_quantize_bench_vs_peers_triton(tmp_path, keep_emu_arch):
+    """--vs torchao,aiter on a 128x256 input (torchao's dim1 cast needs multiples of 128), rceil,
+    both arches: torchao's Triton dim0 (1x32) and dim1 (32x1) casts and aiter's downcast_to_mxfp,
+    compiled for each arch by Triton and run under flyquant.emu on our rows' inputs, are
+    bit-exact vs torchao's to_mx; the 3D row says neither has a Triton kernel for it."""
     pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
     bench = load("quantize")
     argv = "--mode modelled --arch gfx950,gfx942 --shapes 128x256,1x64x256 --kinds 1x32,32x1,3d --modes rceil"
-    bench.main([*argv.split(), "--vs", "torchao", "--out", str(tmp_path)])
+    bench.main([*argv.split(), "--vs", "torchao,aiter", "--out", str(tmp_path)])
     peers = read_outputs(tmp_path, "quantize_modelled")["peers"]
     ran = [p for p in peers if p["status"] == "ok"]
-    assert sorted((p["case"], p["arch"]) for p in ran) == sorted(
-        (f"{kind} 128x256 rceil", arch) for kind in ("1x32", "32x1") for arch in ("gfx950", "gfx942"))
+    assert sorted((p["peer"], p["case"], p["arch"]) for p in ran) == sorted(
+        (peer, f"{kind} 128x256 rceil", arch)
+        for peer in ("torchao triton", "aiter triton") for kind in ("1x32", "32x1") for arch in ("gfx950", "gfx942"))
     for p in ran:
         assert p["bit_exact"] is True, p["difference"]
-        assert p["default"] and p["config"] == "128x128 w4 s2" and p["peer_vs_flyquant"] > 1
+        assert p["default"] and p["peer_vs_flyquant"] > 1
         assert p["vgprs"] > 0 and p["workgroups_per_cu"] >= 1
-    assert {p["status"] for p in peers if p["status"] != "ok"} == {"torchao has no Triton 3D (per-expert) cast"}
+    assert {p["config"] for p in ran if p["peer"] == "torchao triton"} == {"128x128 w4 s2"}  # torchao's first
+    assert {p["status"] for p in peers if p["status"] != "ok"} == {
+        "torchao has no Triton 3D (per-expert) cast", "aiter has no 3D (per-expert) MXFP8 cast"}
 
 
 @pytest.mark.gpu
