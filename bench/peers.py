@@ -187,8 +187,12 @@ def compare(peer, case, x: torch.Tensor, arch: str, which: str, ours: dict) -> l
     missing = triton_missing()
     if missing:
         return [head | {"peer": peer.NAME, "status": missing}]
+    try:
+        found = peer.peer_rows(case.kind, case.mode, x, arch, which)
+    except Exception as exc:  # reported in the table's notes; our row and the other peers go on
+        found = [{"peer": peer.NAME, "status": f"error: {type(exc).__name__}: {exc}"}]
     rows = []
-    for r in peer.peer_rows(case.kind, case.mode, x, arch, which):
+    for r in found:
         if r.get("instr_per_element") and head["flyquant_instr_per_element"]:
             r["peer_vs_flyquant"] = r["instr_per_element"] / head["flyquant_instr_per_element"]
         rows.append(head | r)

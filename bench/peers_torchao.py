@@ -130,7 +130,11 @@ def peer_rows(kind: str, mode: str, x: torch.Tensor, arch: str, which: str) -> l
         if why:
             rows.append(row | {"status": f"not run: {why}"})
             continue
-        data, scales, stats, res = _launch(kind, cfg, mode, x, arch)
+        try:
+            data, scales, stats, res = _launch(kind, cfg, mode, x, arch)
+        except Exception as exc:  # a config that fails to compile or to run is reported, the others go on
+            rows.append(row | {"status": f"error: {type(exc).__name__}: {exc}"})
+            continue
         rows.append(row | peers.measured(stats, res, x, peers.difference(kind, mode, x, data, scales)))
     ran = [r for r in rows if r["status"] == "ok"]
     if ran and which == "all":
