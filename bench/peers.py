@@ -225,6 +225,6 @@ def print_rows(rows: list[dict]) -> None:
     common.print_table(ran, PEER_COLUMNS)
     for r in rows:
         if r.get("status") != "ok":
-            print(f"peer not run: {r['case']} {r['arch']} {r['peer']} {r.get('config', '')}: {r['status']}")
+            print(f"peer {r['peer']} {r.get('config', '')} on {r['case']} {r['arch']}: {r['status']}")
         elif r.get("difference"):
             print(f"peer output differs: {r['case']} {r['arch']} {r['config']}: {r['difference']}")
