@@ -9,7 +9,8 @@ descriptor: the user SGPRs (FlyDSL kernels use only the kernarg segment pointer,
 gfx940+ kernarg preloading), then the enabled workgroup ids; v0 = workitem id x, or on gfx90a+
 x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads;
 MODE holds the descriptor's float modes. A kernel with a private segment gets zeroed private
-memory per lane (`isa_scratch`), its wave-offset SGPR 0.
+memory per lane (`isa_scratch`); its private-segment wave-offset SGPR stays 0 (every wave's
+private memory starts at offset 0).
 
 The program is decoded once per (code object, kernel), following branches from the entry, and
 turned into a list of closures (`Program`), one per instruction. An instruction the interpreter
@@ -252,8 +253,6 @@ def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kern
     for axis, key in enumerate(("workgroup_id_x", "workgroup_id_y", "workgroup_id_z")):
         if key in layout:
             s[layout[key]] = wg_ids[axis]
-    if "private_segment_wave_offset" in layout:  # each wave's private memory starts at offset 0
-        s[layout["private_segment_wave_offset"]] = 0
     bx, by, bz = block
     threads = bx * by * bz
     t = wave_index * LANES + np.arange(LANES)

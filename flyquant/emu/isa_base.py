@@ -162,7 +162,7 @@ def without_fp16_ovfl(ctx, inst, op):
     err = ctx.error(inst, "an f16 result with MODE.FP16_OVFL set (clamped f16 overflow) is not modelled")
 
     def run(w):
-        if w.mode >> MODE_FP16_OVFL & 1:
+        if fp16_ovfl(w):
             raise err
         return op(w)
     return run
