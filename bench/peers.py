@@ -105,9 +105,9 @@ def resources(kernel) -> PeerResources:
     co, info = _kernel_info(kernel)
     lds = info.group_segment_fixed_size + kernel.metadata.shared
     waves = kernel.metadata.num_warps
-    return PeerResources(info.name, info.vgpr_count, info.agpr_count, lds, info.vgpr_spill_count + info.sgpr_spill_count,
-                         info.private_segment_fixed_size, waves,
-                         occupancy(co.arch, info.vgpr_count - info.agpr_count, info.agpr_count, lds, waves))
+    spills = info.vgpr_spill_count + info.sgpr_spill_count
+    return PeerResources(info.name, info.vgpr_count, info.agpr_count, lds, spills, info.private_segment_fixed_size,
+                         waves, occupancy(co.arch, info.vgpr_count - info.agpr_count, info.agpr_count, lds, waves))
 
 
 def _arg_bytes(value, kind: str) -> bytes:
@@ -129,17 +129,15 @@ def run_kernel(kernel, grid: tuple, args: dict):
     block = (kernel.metadata.num_warps * WAVE_SIZE, 1, 1)
     dynamic_lds = kernel.metadata.shared
     segment = runtime.pack_kernargs(info, params, grid, block, dynamic_lds)
-    buffer = torch.zeros(len(segment) + runtime.KERNARG_ALIGN, dtype=torch.uint8)
-    start = -buffer.data_ptr() % runtime.KERNARG_ALIGN
-    buffer[start:start + len(segment)] = torch.frombuffer(bytearray(segment), dtype=torch.uint8)
+    buffer, address = runtime.kernarg_buffer(segment)  # noqa: F841 (buffer: keeps the segment alive)
     memory = emu.global_memory() if emu.enabled() else Memory()
     # valid for the launch (as the HIP stand-in does for FlyDSL's), also under strict_memory():
     # the kernarg segment, read-only, and the storage of every tensor argument
-    keys = [memory.register(buffer.data_ptr() + start, len(segment), writable=False)]
+    keys = [memory.register(address, len(segment), writable=False)]
     keys += [memory.register(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
              for t in args.values() if isinstance(t, torch.Tensor)]
     try:
-        return interp.execute(co, info.name, grid, block, buffer.data_ptr() + start, dynamic_lds, memory)
+        return interp.execute(co, info.name, grid, block, address, dynamic_lds, memory)
     finally:
         for key in keys:
             memory.unregister(key)
@@ -219,8 +217,10 @@ PEER_COLUMNS = [
 
 
 def print_rows(rows: list[dict]) -> None:
-    ran = [r | {"tag": " ".join(t for t in ("best" if r.get("best") else "", "default" if r.get("default") else "") if t)}
-           for r in rows if r.get("status") == "ok"]
+    def tag(r):
+        return " ".join(name for name in ("best", "default") if r.get(name))
+
+    ran = [r | {"tag": tag(r)} for r in rows if r.get("status") == "ok"]
     print("\npeers under flyquant.emu (modelled, not timed; inputs identical to the flyquant rows):")
     common.print_table(ran, PEER_COLUMNS)
     for r in rows:

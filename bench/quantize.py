@@ -454,9 +454,9 @@ def parse_args(argv=None):
         default=None,
         help=f"modelled: larger inputs are reduced (default {MAX_ELEMENTS}, --quick {QUICK_MAX_ELEMENTS})",
     )
-    ap.add_argument("--vs", type=common.csv_list, default=[], help=f"modelled: peers to run beside ours: {','.join(PEERS)}")
+    ap.add_argument("--vs", type=common.csv_list, default=[], help=f"modelled: peers beside ours: {','.join(PEERS)}")
     ap.add_argument("--vs-configs", choices=("default", "all"), default="default",
-                    help="the peers' autotune configs to run: torchao's first one, or every one (best and default reported)")
+                    help="torchao's autotune configs to run: its first, or every one (best and default marked)")
     common.add_common_args(ap)
     args = ap.parse_args(argv)
     for peer in args.vs:

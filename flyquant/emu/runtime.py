@@ -146,6 +146,15 @@ def pack_kernargs(
     return segment
 
 
+def kernarg_buffer(segment: bytes) -> tuple[np.ndarray, int]:
+    """The kernarg segment in host memory, KERNARG_ALIGN-aligned: (the buffer holding it, which
+    must stay alive while the launch runs, and the segment's address)."""
+    buffer = np.zeros(len(segment) + KERNARG_ALIGN, dtype=np.uint8)
+    start = -buffer.ctypes.data % KERNARG_ALIGN
+    buffer[start : start + len(segment)] = np.frombuffer(bytes(segment), dtype=np.uint8)
+    return buffer, buffer.ctypes.data + start
+
+
 def read_kernel_params(kernel: codeobject.KernelInfo, kernel_params: int) -> list[bytes]:
     """The bytes of each explicit argument from HIP's ``void **kernelParams``."""
     explicit = [a for a in kernel.args if not a.value_kind.startswith("hidden_")]
@@ -219,10 +228,7 @@ class Runtime:
         """Pack the arguments, run the interpreter, record the launch."""
         kernel = self._kernel(co, name)
         segment = pack_kernargs(kernel, read_kernel_params(kernel, kernel_params), grid, block, dynamic_lds)
-        buffer = np.zeros(len(segment) + KERNARG_ALIGN, dtype=np.uint8)
-        start = -buffer.ctypes.data % KERNARG_ALIGN
-        buffer[start : start + len(segment)] = np.frombuffer(bytes(segment), dtype=np.uint8)
-        address = buffer.ctypes.data + start
+        buffer, address = kernarg_buffer(segment)  # noqa: F841 (buffer: keeps the segment alive)
         key = self.memory.register(address, max(len(segment), 1), writable=False)
         try:
             if self.executor is None:
