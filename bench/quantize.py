@@ -543,7 +543,7 @@ def main(argv=None) -> dict:
             ],
         }
     json_path = common.write_json(args.out / f"{stem}.json", payload)
-    png_path = plot(rows, mode, args.out / f"{stem}.png")
+    png_path = plot(rows, mode, args.out / f"{stem}.png", peer_rows)
     print(f"\nwrote {json_path} and {png_path}")
     return payload
 

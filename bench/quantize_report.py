@@ -50,9 +50,17 @@ def display(rows):
         yield r
 
 
-def plot(rows: list[dict], mode: str, path: Path) -> Path:
+def plot(rows: list[dict], mode: str, path: Path, peers: list[dict] = ()) -> Path:
+    """`peers`: the --vs rows; each peer gets its own bar (its best config run) in the
+    wave-instructions panel."""
     plt = common.pyplot()
     ok = [r for r in rows if r.get("status", "ok") == "ok" and "error" not in r]
+    peer_best: dict[str, dict[str, float]] = {}  # peer -> {case label: fewest instructions per element}
+    for p in peers:
+        if p.get("status") == "ok":
+            best = peer_best.setdefault(p["peer"], {})
+            label = f"{p['case']} {p['arch']}"
+            best[label] = min(best.get(label, p["instr_per_element"]), p["instr_per_element"])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     if mode == "modelled":
         panels = (("instr_per_element", "wave-instructions per element"), ("coalescing_loads", "coalescing"))
@@ -63,7 +71,7 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
         for r in ok:
             series.setdefault(r["impl"], []).append(r)
     labels = list(dict.fromkeys(f"{r['case']} {r['arch']}" for r in ok))
-    bars = max(1, len(series) + (mode == "modelled"))
+    bars = max(1, len(series) + (mode == "modelled") + len(peer_best))
     width = 0.8 / bars
     for ax, (key, title) in zip(axes, panels):
         for i, (name, pts) in enumerate(series.items()):
@@ -86,6 +94,10 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
                 width,
                 label=other_label,
             )
+        if key == "instr_per_element":
+            for k, (name, best) in enumerate(peer_best.items()):
+                ax.bar([j + (2 + k) * width for j in range(len(labels))], [best.get(lab, 0) for lab in labels],
+                       width, label=f"{name} (best config run)")
         ax.set_xticks(
             [j + width * (bars - 1) / 2 for j in range(len(labels))], labels, rotation=70, ha="right", fontsize=6
         )
