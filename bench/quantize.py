@@ -3,6 +3,7 @@
     python bench/quantize.py                                  # hardware if a ROCm GPU is present, else modelled
     python bench/quantize.py --quick --out results
     python bench/quantize.py --shapes 8192x7168 --kinds 1x32,32x1 --modes rceil
+    python bench/quantize.py --mode modelled --vs torchao,aiter --vs-configs all   # peers' Triton casts beside ours
 
 Cases: 1x32, 32x1 and dual (both at once) on 2D shapes, per-expert 3D on 3D shapes, floor and
 rceil, bf16 inputs (randn * 30), each through the public API (fq.mxfp8_quantize, ..._dual,
@@ -30,6 +31,13 @@ adds the model-sized input's as full_shape_resources when that compiles another
 specialization). Outputs are checked bit for bit against the reference too. Input and outputs
 sit on 256-byte boundaries as on a GPU (the launcher's CPU allocations are made so while it
 is emulated), so line counts are a GPU's.
+
+--vs torchao,aiter (modelled mode): torchao's Triton MXFP8 casts (1x32 = dim0, 32x1 = dim1) and
+aiter's (downcast_to_mxfp), compiled by Triton for the same arch and run under flyquant.emu on each
+row's very input, checked byte for byte against torchao's to_mx, in a second table:
+wave-instructions per element and the peer/flyquant ratio, VGPR/AGPR, LDS, spills and scratch,
+workgroups per CU (bench/peers*.py; --vs-configs all runs every torchao autotune config and marks
+the best). In hardware mode torchao's Triton casts are among the timed baselines.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
+import peers  # noqa: E402
+import peers_aiter  # noqa: E402
+import peers_torchao  # noqa: E402
+from quantize_report import HARDWARE_COLUMNS, MODELLED_COLUMNS, display, plot  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
@@ -89,6 +101,7 @@ TARGETS = (
     "hardware: >= 90% of HBM peak for large shapes",
 )
 PER_ELEMENT_TARGET = 0.6
+PEERS = {"torchao": peers_torchao, "aiter": peers_aiter}  # --vs: the peers' Triton casts (bench/peers.py)
 BYTES_IN_FLIGHT_TARGET = 32 * 1024
 COALESCING_TARGET = 0.95
 LARGE_ELEMENTS = 1 << 24  # "large shapes" for the bytes-in-flight target (every training shape is)
@@ -378,102 +391,7 @@ def time_case(case: Case, arch: str, args) -> list[dict]:
     return rows
 
 
-# ---- outputs ------------------------------------------------------------------------------------
-
-MODELLED_COLUMNS = [
-    ("case", "case"),
-    ("arch", "arch"),
-    ("emulated_workgroups", "WG emulated"),
-    ("vgprs", "VGPR"),
-    ("lds_bytes", "LDS B"),
-    ("spills", "spill"),
-    ("workgroups_per_cu", "WG/CU"),
-    ("inflight_kib", "ld KiB/CU"),
-    ("instr_per_element", "instr/elem"),
-    ("torchao_instr_per_element", "torchao"),
-    ("vs_torchao", "ratio"),
-    ("coalescing_loads", "coal ld"),
-    ("store_coal", "coal st (per mnemonic)"),
-    ("partial_store_fraction", "partial st"),
-    ("traffic_vs_compulsory", "traffic/min"),
-    ("bit_exact", "exact"),
-    ("outputs_off_line", "out off-line"),
-    ("reduction", "reduction"),
-]
-HARDWARE_COLUMNS = [
-    ("case", "case"),
-    ("impl", "impl"),
-    ("median_us", "median us"),
-    ("min_us", "min us"),
-    ("tb_per_s", "TB/s"),
-    ("hbm_peak_fraction", "of HBM"),
-    ("bit_exact", "exact"),
-    ("error", "error"),
-]
-
-
-def _display(rows):
-    for r in rows:
-        r = dict(r)
-        if r.get("load_bytes_in_flight_per_cu") is not None:
-            r["inflight_kib"] = r["load_bytes_in_flight_per_cu"] / 1024
-        if "store_coalescing_by_mnemonic" in r:
-            r["store_coal"] = " ".join(
-                f"{k.split('_', 2)[-1]}:{common.fmt(v)}" for k, v in r["store_coalescing_by_mnemonic"].items()
-            )
-        yield r
-
-
-def plot(rows: list[dict], mode: str, path: Path) -> Path:
-    plt = common.pyplot()
-    ok = [r for r in rows if r.get("status", "ok") == "ok" and "error" not in r]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    if mode == "modelled":
-        panels = (("instr_per_element", "wave-instructions per element"), ("coalescing_loads", "coalescing"))
-        series = {"flyquant": ok}
-    else:
-        panels = (("tb_per_s", "TB/s (compulsory bytes / median time)"), ("hbm_peak_fraction", "fraction of HBM peak"))
-        series = {}
-        for r in ok:
-            series.setdefault(r["impl"], []).append(r)
-    labels = list(dict.fromkeys(f"{r['case']} {r['arch']}" for r in ok))
-    bars = max(1, len(series) + (mode == "modelled"))
-    width = 0.8 / bars
-    for ax, (key, title) in zip(axes, panels):
-        for i, (name, pts) in enumerate(series.items()):
-            pos = {f"{r['case']} {r['arch']}": r.get(key) for r in pts}
-            ax.bar(
-                [j + i * width for j in range(len(labels))],
-                [pos.get(lab) or 0 for lab in labels],
-                width,
-                label=name if mode == "hardware" or key == "instr_per_element" else "loads",
-            )
-        if mode == "modelled":  # a second bar per case: torchao's figure (issue 4), our data stores
-            other, other_label = (
-                ("torchao_instr_per_element", "torchao 0.18 FlyDSL (issue 4)")
-                if key == "instr_per_element"
-                else ("coalescing_data_stores", "data stores")
-            )
-            ax.bar(
-                [j + width for j in range(len(labels))],
-                [next((r.get(other) or 0 for r in ok if f"{r['case']} {r['arch']}" == lab), 0) for lab in labels],
-                width,
-                label=other_label,
-            )
-        ax.set_xticks(
-            [j + width * (bars - 1) / 2 for j in range(len(labels))], labels, rotation=70, ha="right", fontsize=6
-        )
-        ax.set_title(title, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"MXFP8 quantize - {common.MODELLED_LABEL if mode == 'modelled' else common.HARDWARE_LABEL}", fontsize=9
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+# ---- outputs (the table columns and the plot: quantize_report.py) ---------------------------------
 
 
 def print_torchao(file=sys.stdout) -> None:
@@ -536,8 +454,14 @@ def parse_args(argv=None):
         default=None,
         help=f"modelled: larger inputs are reduced (default {MAX_ELEMENTS}, --quick {QUICK_MAX_ELEMENTS})",
     )
+    ap.add_argument("--vs", type=common.csv_list, default=[], help=f"modelled: peers beside ours: {','.join(PEERS)}")
+    ap.add_argument("--vs-configs", choices=("default", "all"), default="default",
+                    help="torchao's autotune configs to run: its first, or every one (best and default marked)")
     common.add_common_args(ap)
     args = ap.parse_args(argv)
+    for peer in args.vs:
+        if peer not in PEERS:
+            ap.error(f"unknown peer {peer!r}: choose from {tuple(PEERS)}")
     for kind in args.kinds:
         if kind not in KINDS_2D + KINDS_3D:
             ap.error(f"unknown kind {kind!r}: choose from {KINDS_2D + KINDS_3D}")
@@ -557,7 +481,7 @@ def main(argv=None) -> dict:
     label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
     print(f"MXFP8 quantize: {label}")
     sources = common.kernel_sources()
-    rows = []
+    rows, peer_rows = [], []
     for arch in archs:
         if mode == "modelled":
             emu.enable(arch)  # the selector plans, and the API compiles, for the emulator's arch
@@ -577,9 +501,13 @@ def main(argv=None) -> dict:
                 ]
             rows += new
             print(f"  {case.name} {arch}: {new[0].get('status', 'done')}", flush=True)
+            if mode == "modelled" and args.vs and new[0].get("status") == "ok":
+                x = make_input(case, tuple(new[0]["emulated_shape"]), "cpu")  # our row's very input
+                for name in args.vs:
+                    peer_rows += peers.compare(PEERS[name], case, x, arch, args.vs_configs, new[0])
     print()
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
-    common.print_table(list(_display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
+    common.print_table(list(display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
     for r in rows:
         if r.get("status", "ok") != "ok":
             print(f"not measured: {r['case']} {r['arch']}: {r['status']}")
@@ -598,10 +526,13 @@ def main(argv=None) -> dict:
             "'WG emulated' = workgroups of that launch"
         )
         print_torchao()
+        if args.vs:
+            peers.print_rows(peer_rows)
     changed = common.warn_if_sources_changed(sources)
     stem = f"quantize_{mode}"
     environment = common.environment() | {"kernel_sources_changed": changed}
-    payload = {"mode": mode, "label": label, "args": vars(args), "environment": environment, "rows": rows}
+    payload = {"mode": mode, "label": label, "args": vars(args), "environment": environment, "rows": rows,
+               "peers": peer_rows}
     if mode == "modelled":
         payload["torchao"] = {
             "source": TORCHAO_SOURCE,
@@ -612,7 +543,7 @@ def main(argv=None) -> dict:
             ],
         }
     json_path = common.write_json(args.out / f"{stem}.json", payload)
-    png_path = plot(rows, mode, args.out / f"{stem}.png")
+    png_path = plot(rows, mode, args.out / f"{stem}.png", peer_rows)
     print(f"\nwrote {json_path} and {png_path}")
     return payload
 

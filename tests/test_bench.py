@@ -160,6 +160,59 @@ def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
         assert row["outputs_off_line"] == 0
 
 
+def test_quantize_bench_vs_peers_triton(tmp_path, keep_emu_arch):
+    """--vs torchao,aiter on a 128x256 input (torchao's dim1 cast needs multiples of 128), rceil,
+    both arches: torchao's Triton dim0 (1x32) and dim1 (32x1) casts and aiter's downcast_to_mxfp,
+    compiled for each arch by Triton and run under flyquant.emu on our rows' inputs, are
+    bit-exact vs torchao's to_mx; the 3D row says neither has a Triton kernel for it."""
+    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    bench = load("quantize")
+    argv = "--mode modelled --arch gfx950,gfx942 --shapes 128x256,1x64x256 --kinds 1x32,32x1,3d --modes rceil"
+    bench.main([*argv.split(), "--vs", "torchao,aiter", "--out", str(tmp_path)])
+    peers = read_outputs(tmp_path, "quantize_modelled")["peers"]
+    ran = [p for p in peers if p["status"] == "ok"]
+    assert sorted((p["peer"], p["case"], p["arch"]) for p in ran) == sorted(
+        (peer, f"{kind} 128x256 rceil", arch)
+        for peer in ("torchao triton", "aiter triton") for kind in ("1x32", "32x1") for arch in ("gfx950", "gfx942"))
+    for p in ran:
+        assert p["bit_exact"] is True, p["difference"]
+        assert p["default"] and p["peer_vs_flyquant"] > 1
+        assert p["vgprs"] > 0 and p["workgroups_per_cu"] >= 1
+    assert {p["config"] for p in ran if p["peer"] == "torchao triton"} == {"128x128 w4 s2"}  # torchao's first
+    assert {p["status"] for p in peers if p["status"] != "ok"} == {
+        "torchao has no Triton 3D (per-expert) cast", "aiter has no 3D (per-expert) MXFP8 cast"}
+
+
+def test_peer_kernel_with_scratch_runs_bit_exact():
+    """torchao's dim0 cast, config 128x256 w4 s2, compiled for gfx950 without Triton's argument
+    specialization (no 16-divisibility: as a shape that is not a multiple of 16 would be) spills
+    VGPRs to scratch; under flyquant.emu its private segment and scratch loads/stores give a
+    128x256 result bit-exact vs to_mx."""
+    triton = pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernel")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    load("quantize")  # puts bench/ on sys.path for its peer modules
+    import peers
+    import peers_torchao
+
+    fn = peers_torchao.load().to_mxfp8_dim0_kernel.fn
+    sig = {"x_ptr": "*bf16", "output_ptr": "*fp8e4nv", "scale_ptr": "*u8", "n_rows": "i32", "n_cols": "i32",
+           "ROW_TILE_SIZE": "constexpr", "COL_TILE_SIZE": "constexpr", "SCALE_BLOCK_SIZE": "constexpr",
+           "SCALING_MODE": "constexpr"}
+    consts = {"ROW_TILE_SIZE": 128, "COL_TILE_SIZE": 256, "SCALE_BLOCK_SIZE": 32, "SCALING_MODE": "rceil"}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("hip", "gfx950", 64),
+                            options={"num_warps": 4, "num_stages": 2})
+    res = peers.resources(kernel)
+    assert res.spills > 0 and res.scratch_bytes > 0
+    x = (torch.randn(128, 256, generator=torch.Generator().manual_seed(20)) * 30).to(torch.bfloat16)
+    data, scales = torch.empty(128, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 8, dtype=torch.uint8)
+    args = {"x_ptr": x, "output_ptr": data, "scale_ptr": scales, "n_rows": 128, "n_cols": 256}
+    stats = peers.run_kernel(kernel, (1, 1), args)
+    assert stats.by_opcode.get("scratch_store_dword", 0) > 0 and stats.by_opcode.get("scratch_load_dword", 0) > 0
+    assert peers.difference("1x32", "rceil", x, data, scales) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "script,args",

@@ -95,6 +95,24 @@ def test_undecodable_word_only_fails_when_executed():
         interp.run_wave(interp.snippet(code_bad, "gfx942"), Wave())
 
 
+def test_instruction_modules_import_neither_interpreter_nor_runtime():
+    # The instruction modules only register builders into `table`; the interpreter reads it.
+    import ast
+    import pathlib
+
+    from flyquant.emu import table
+
+    for path in sorted(pathlib.Path(interp.__file__).parent.glob("isa_*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported.add(node.module or "")
+                imported.update(alias.name for alias in node.names if node.module is None)
+        assert not imported & {"interp", "runtime"}, (path.name, imported)
+    with pytest.raises(ValueError, match="registered twice: v_nop"):
+        table.register({"v_nop": None})
+
+
 # The decoder against LLVM: FlyDSL's dump has LLVM's own listing of the code object it links.
 # Every decoded instruction must have LLVM's mnemonic (the _e32/_e64 suffixes LLVM omits when
 # unambiguous are ignored) and, for ALU encodings, the same registers in the same order.

@@ -28,7 +28,8 @@ import weakref
 from .alloc import aligned, aligned_empty, device_like_allocations, misaligned
 from .codeobject import CodeObject, CodeObjectError, KernelInfo
 from .memory import EmuMemoryError, Memory
-from .runtime import EmuError, LaunchRecord, Runtime
+from .errors import EmuError
+from .runtime import LaunchRecord, Runtime
 
 ENV_VAR = "FLYQUANT_EMU"
 

@@ -7,7 +7,10 @@ s_barrier or s_endpgm; when every wave that has not ended waits at the barrier, 
 Before the first instruction each wave holds what the HSA dispatch sets up from the kernel
 descriptor: the user SGPRs (FlyDSL kernels use only the kernarg segment pointer, plus
 gfx940+ kernarg preloading), then the enabled workgroup ids; v0 = workitem id x, or on gfx90a+
-x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads.
+x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads;
+MODE holds the descriptor's float modes. A kernel with a private segment gets zeroed private
+memory per lane (`isa_scratch`); its private-segment wave-offset SGPR stays 0 (every wave's
+private memory starts at offset 0).
 
 The program is decoded once per (code object, kernel), following branches from the entry, and
 turned into a list of closures (`Program`), one per instruction. An instruction the interpreter
@@ -25,8 +28,11 @@ import numpy as np
 
 from .. import env
 from . import decode as D
-from . import isa_cvt, isa_lane, isa_mem, isa_mfma, isa_salu, isa_valu
-from .isa_base import END, F32, LANES, Ctx, EmuError, Wave, sext
+from . import (isa_cvt, isa_hwreg, isa_lane, isa_mem, isa_mfma, isa_salu, isa_scratch, isa_valu, isa_vdiv,  # noqa: F401
+               isa_vopc, isa_vpacked)  # (imported for their registrations into `table`)
+from . import table
+from .errors import EmuError
+from .isa_base import END, F32, LANES, Ctx, Wave, initial_mode, sext
 from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
@@ -50,9 +56,6 @@ WORKITEM_ID_BITS = 10  # gfx90a+: v0 = x | y << 10 | z << 20
 _PROGRAM_CACHE: OrderedDict = OrderedDict()
 _PROGRAM_CACHE_SIZE = 64
 
-_BUILDERS: dict = {}
-for _module in (isa_salu, isa_valu, isa_lane, isa_cvt, isa_mfma):
-    _BUILDERS.update(_module.BUILDERS)
 _TERMINATORS = {"s_endpgm", "s_branch", "s_setpc_b64", "s_endpgm_saved", "s_endpgm_ordered_ps_done"}
 
 
@@ -99,17 +102,7 @@ def _build_op(inst: D.Inst, ctx: Ctx):
     only = D.arch_of_instruction(inst.name)
     if only is not None and only != ctx.arch:
         return _raiser(ctx.error(inst, f"{inst.name} is a {only}-only instruction"))
-    builder = _BUILDERS.get(inst.name)
-    if builder is None:
-        builder = isa_mem.BUILDERS_BY_ENC.get(inst.enc)
-    if builder is None and inst.enc == "MAI":
-        builder = isa_mfma.mfma_builder(inst.name)
-    if builder is None and inst.name in isa_cvt.SIMPLE:
-        dst, src, fn = isa_cvt.SIMPLE[inst.name]
-        builder = (lambda i, c: isa_valu.build_vop(i, c, dst, (src,), fn, dst.startswith("f") or src.startswith("f")))
-    if builder is None and inst.name in isa_cvt.SIMPLE2:
-        dst, srcs, fn = isa_cvt.SIMPLE2[inst.name]
-        builder = (lambda i, c: isa_valu.build_vop(i, c, dst, srcs, fn))
+    builder = table.builder(inst)
     try:
         op = builder(inst, ctx) if builder is not None else None
     except EmuError as e:
@@ -221,7 +214,6 @@ def _check_kernel(info, arch: str, block, dynamic_lds: int) -> int:
         ("dispatch id", kd.enable_sgpr_dispatch_id), ("flat scratch init", kd.enable_sgpr_flat_scratch_init),
         ("private segment size", kd.enable_sgpr_private_segment_size),
         ("workgroup info SGPR", kd.enable_sgpr_workgroup_info),
-        ("scratch (private segment)", kd.enable_private_segment or info.private_segment_fixed_size > 0),
         ("dynamic stack", kd.uses_dynamic_stack)) if on]
     if unsupported:
         raise EmuError(f"kernel {info.name} ({arch}) needs {', '.join(unsupported)}, "
@@ -246,6 +238,9 @@ def _check_host_float_mode():
 def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kernarg_addr: int, memory):
     w.reset()
     kd = info.kd
+    w.mode = initial_mode(kd)
+    if info.private_segment_fixed_size:  # architected flat scratch: offsets are per lane (isa_scratch)
+        w.scratch = np.zeros((LANES, info.private_segment_fixed_size), np.uint8)
     s = w.s
     if "kernarg_segment_ptr" in layout:
         i = layout["kernarg_segment_ptr"]

@@ -26,7 +26,7 @@ import struct
 import numpy as np
 
 from . import decode as D
-from .runtime import EmuError as _RuntimeEmuError
+from .errors import EmuError
 
 LANES = 64
 FULL_MASK = (1 << LANES) - 1
@@ -39,11 +39,6 @@ U8, I8, U16, I16, F16 = np.uint8, np.int8, np.uint16, np.int16, np.float16
 U32, I32, F32, U64, I64, F64 = np.uint32, np.int32, np.float32, np.uint64, np.int64, np.float64
 LANE_IDS = np.arange(LANES)
 LANE_IDS.flags.writeable = False
-
-
-class EmuError(_RuntimeEmuError):
-    """The interpreter cannot execute something (unknown or wrong-arch instruction, unsupported
-    feature, a wave that never ends); the message names the instruction, offset and kernel."""
 
 
 # --- lane masks <-> 64-bit integers ---------------------------------------------------------------
@@ -98,7 +93,7 @@ class Wave:
     launch's waves share (memory, counters)."""
 
     __slots__ = ("s", "scc", "v", "vi", "vf", "h16", "hi16", "hf16", "flat8", "flat16", "flat32", "exec_mask",
-                 "exec_full", "pc", "done", "at_barrier", "wg", "launch", "wave_id", "executed")
+                 "exec_full", "pc", "done", "at_barrier", "wg", "launch", "wave_id", "executed", "mode", "scratch")
 
     def __init__(self):
         self.v = np.zeros((2 * 256, LANES), dtype=U32)
@@ -123,6 +118,8 @@ class Wave:
         self.at_barrier = False
         self.executed = 0
         self.wave_id = 0
+        self.mode = initial_mode(None)
+        self.scratch = None  # the wave's private segment (isa_scratch), when the kernel has one
 
     def set_exec(self, value: int) -> None:
         value &= FULL_MASK
@@ -136,6 +133,39 @@ class Wave:
 
     def sreg64(self, code: int) -> int:
         return self.s[code] | self.s[code + 1] << 32
+
+
+# --- the MODE hardware register -------------------------------------------------------------------
+# CDNA3/CDNA4 ISA guides, "MODE" (hardware register 1): FP_ROUND 3:0, FP_DENORM 7:4, DX10_CLAMP 8,
+# IEEE 9, ..., FP16_OVFL 23. The dispatch loads it from the kernel descriptor's COMPUTE_PGM_RSRC1.
+MODE_DX10_CLAMP, MODE_IEEE, MODE_FP16_OVFL = 8, 9, 23
+
+
+def initial_mode(kd) -> int:
+    """MODE at the first instruction of a wave: from the descriptor, or with kd None FlyDSL's
+    (round to nearest even, no denormal flush, DX10 clamp and IEEE mode on)."""
+    if kd is None:
+        return 0xF << 4 | 1 << MODE_DX10_CLAMP | 1 << MODE_IEEE
+    return (kd.float_round_mode_32 | kd.float_round_mode_16_64 << 2 | kd.float_denorm_mode_32 << 4
+            | kd.float_denorm_mode_16_64 << 6 | kd.enable_dx10_clamp << MODE_DX10_CLAMP
+            | kd.enable_ieee_mode << MODE_IEEE | kd.fp16_overflow << MODE_FP16_OVFL)
+
+
+def fp16_ovfl(w) -> bool:
+    """MODE.FP16_OVFL of wave `w`: FP16 overflow (and, for the FP8/BF8 conversions, overflow) saturates."""
+    return bool(w.mode >> MODE_FP16_OVFL & 1)
+
+
+def without_fp16_ovfl(ctx, inst, op):
+    """`op` (an instruction with f16 results), failing when MODE.FP16_OVFL is set: clamping an
+    overflowed f16 result to +-MAX_FP16 (true infinities kept) is not modelled."""
+    err = ctx.error(inst, "an f16 result with MODE.FP16_OVFL set (clamped f16 overflow) is not modelled")
+
+    def run(w):
+        if fp16_ovfl(w):
+            raise err
+        return op(w)
+    return run
 
 
 # --- build context --------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Formats (bits: sign | exponent | mantissa):
 - FNUZ E5M2 "bf8" (gfx942): bias 16, max 57344 (0x7F), NaN 0x80, no -0, no infinity.
 - FP4 E2M1: bias 1, values 0, 0.5, 1, 1.5, 2, 3, 4, 6; no infinity/NaN.
 Narrowing conversions round to nearest even. Without saturation (the hardware default; AMD's
-libraries clamp the input with v_med3 first when they want saturation) a finite value that
+libraries clamp the input with v_med3 first when they want saturation; with MODE.FP16_OVFL set,
+as Triton's gfx950 kernels do, the FP8/BF8 conversions saturate instead) a finite value that
 rounds past the largest finite one becomes NaN (E4M3, both FNUZ formats) or infinity (OCP E5M2);
 an infinity becomes the same. A NaN input gives the format's NaN with the input's sign (OCP:
 S.1111.111 / S.11111.10; FNUZ: 0x80). FP4, which has neither, saturates: NaN and overflow give
@@ -28,7 +29,9 @@ import math
 
 import numpy as np
 
-from .isa_base import F16, F32, F64, I32, U8, U16, U32, vsrc, vwriter
+from . import table
+from .isa_base import F16, F32, F64, I32, U8, U16, U32, fp16_ovfl, vsrc, vwriter
+from .isa_valu import vop_builders
 
 F32_EXP_BIAS = 127
 
@@ -230,11 +233,6 @@ def _no_mods(ctx, inst, allow_opsel=False):
         raise ctx.error(inst, "DPP on this conversion is not supported")
 
 
-def _check_saturation_mode(ctx, inst):
-    if ctx.kd is not None and ctx.kd.fp16_overflow:
-        raise ctx.error(inst, "FP8 conversion with MODE.FP16_OVFL set (saturating mode) is not modelled")
-
-
 def _sdwa_byte_sel(inst) -> int | None:
     """Byte selected by SDWA src0_sel (0..3) for the fp8 -> f32 conversions, else None."""
     if inst.sdwa is None:
@@ -245,14 +243,13 @@ def _sdwa_byte_sel(inst) -> int | None:
 
 def build_cvt_pk_f8(inst, ctx):
     """v_cvt_pk_fp8_f32 / v_cvt_pk_bf8_f32: two f32 -> two 8-bit floats in the low (op_sel[3]=0)
-    or high 16 bits of vdst; the other half is kept."""
-    _check_saturation_mode(ctx, inst)
+    or high 16 bits of vdst; the other half is kept. Saturating when MODE.FP16_OVFL is set."""
     fmt = fp8_formats(ctx.arch)[inst.name == "v_cvt_pk_bf8_f32"]
     a, b = _float_src(ctx, inst, 0), _float_src(ctx, inst, 1)
     if inst.clamp or inst.omod:
         raise ctx.error(inst, "clamp/omod on an FP8 conversion are not modelled")
     put = vwriter(ctx, inst, "u16", hi=(inst.opsel >> 3) & 1)
-    return lambda w: put(w, encode_pairs(fmt, a(w), b(w)))
+    return lambda w: put(w, encode_pairs(fmt, a(w), b(w), saturate=fp16_ovfl(w)))
 
 
 def _lanes(x, dtype) -> np.ndarray:
@@ -261,15 +258,16 @@ def _lanes(x, dtype) -> np.ndarray:
     return a if a.ndim else np.full(64, a)
 
 
-def encode_pairs(fmt: F8Format, lo, hi, scale=None) -> np.ndarray:
+def encode_pairs(fmt: F8Format, lo, hi, scale=None, saturate=False) -> np.ndarray:
     """uint16[64] holding code(lo) in bits 7:0 and code(hi) in bits 15:8 of each lane (f32
-    inputs; `scale`: a v_cvt_scalef32 scale operand to divide by). One encode of 128 values."""
+    inputs; `scale`: a v_cvt_scalef32 scale operand to divide by; `saturate`: MODE.FP16_OVFL).
+    One encode of 128 values."""
     pairs = np.empty((64, 2), F32)  # lo first (little-endian)
     pairs[:, 0] = lo
     pairs[:, 1] = hi
     if scale is not None:
         pairs = unscale(pairs, np.asarray(scale, F32)[..., None] if np.ndim(scale) else scale)
-    return fmt.encode(pairs).view(U16).reshape(64)
+    return fmt.encode(pairs, saturate).view(U16).reshape(64)
 
 
 def _float_src(ctx, inst, i):
@@ -319,17 +317,18 @@ def build_cvt_pk_f32_f8(inst, ctx):
 
 def build_cvt_scalef32_pk_f8(inst, ctx):
     """v_cvt_scalef32_pk_{fp8,bf8}_f32 (gfx950): fp8(S0 / 2**(s-127)), fp8(S1 / ...) into the
-    op_sel[3] half of vdst; s = exponent field of S2."""
+    op_sel[3] half of vdst; s = exponent field of S2. Saturating when MODE.FP16_OVFL is set."""
     _no_mods(ctx, inst, allow_opsel=True)
     fmt = fp8_formats(ctx.arch)[inst.name.endswith("bf8_f32")]
     a, b, sc = vsrc(ctx, inst, 0, "f32"), vsrc(ctx, inst, 1, "f32"), vsrc(ctx, inst, 2, "f32")
     put = vwriter(ctx, inst, "u16", hi=(inst.opsel >> 3) & 1)
 
-    return lambda w: put(w, encode_pairs(fmt, a(w), b(w), sc(w)))
+    return lambda w: put(w, encode_pairs(fmt, a(w), b(w), sc(w), fp16_ovfl(w)))
 
 
 def build_cvt_scalef32_pk_f8_16(inst, ctx):
-    """v_cvt_scalef32_pk_{fp8,bf8}_{f16,bf16} (gfx950): the two 16-bit halves of S0, scale S1."""
+    """v_cvt_scalef32_pk_{fp8,bf8}_{f16,bf16} (gfx950): the two 16-bit halves of S0, scale S1;
+    saturating when MODE.FP16_OVFL is set."""
     _no_mods(ctx, inst, allow_opsel=True)
     fmt = fp8_formats(ctx.arch)[inst.name.startswith("v_cvt_scalef32_pk_bf8")]
     src, sc = vsrc(ctx, inst, 0, "u32"), vsrc(ctx, inst, 1, "f32")
@@ -341,7 +340,7 @@ def build_cvt_scalef32_pk_f8_16(inst, ctx):
         values = (halves.astype(U32) << U32(16)).view(F32) if is_bf16 else halves.view(F16).astype(F32)
         scale = sc(w)
         values = unscale(values, np.asarray(scale, F32)[..., None] if np.ndim(scale) else scale)
-        put(w, fmt.encode(values).view(U16).reshape(64))
+        put(w, fmt.encode(values, fp16_ovfl(w)).view(U16).reshape(64))
     return run
 
 
@@ -561,3 +560,5 @@ BUILDERS = {
                     build_cvt_scalef32_fp4_in),
     **dict.fromkeys(("v_cvt_pk_bf16_f32", "v_cvt_pk_f16_f32", "v_cvt_pkrtz_f16_f32"), build_cvt_pk_16_f32),
 }
+table.register(BUILDERS)
+table.register(vop_builders(SIMPLE, SIMPLE2))

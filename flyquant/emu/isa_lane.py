@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import decode as D
+from . import table
 from .isa_base import LANE_IDS, LANES, U32, sreader, swriter, vsrc, vwriter
 
 ROW = 16  # lanes per DPP row
@@ -177,3 +178,4 @@ BUILDERS = {
     "v_mbcnt_lo_u32_b32": build_mbcnt,
     "v_mbcnt_hi_u32_b32": build_mbcnt,
 }
+table.register(BUILDERS)

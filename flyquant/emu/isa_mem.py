@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import decode as D
+from . import table
 from .isa_base import AGPR_BASE, F32, LANE_IDS, LANES, U8, U16, U32, U64, sext, sreader
 from .isa_cvt import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -36,7 +37,7 @@ _WIDTH = {"ubyte": (1, False), "sbyte": (1, True), "ushort": (2, False), "sshort
           "dwordx4": (16, False)}
 
 
-def _parse(name: str):
+def parse_access(name: str):
     """('load'|'store', bytes, signed, d16 mode) of a global/buffer/flat load/store mnemonic.
 
     d16 mode: None (full dwords / zero- or sign-extended to 32 bits), 'lo' (write bits 15:0,
@@ -56,12 +57,12 @@ def _parse(name: str):
     return kind, n, signed, d16
 
 
-def _data_rows(inst, field: str) -> int:
+def data_rows(inst, field: str) -> int:
     row = inst.f[field]
     return row + (AGPR_BASE if inst.f.get("acc") else 0)
 
 
-def _gather_store_bytes(w, row: int, nbytes: int, d16: str | None) -> np.ndarray:
+def gather_store_bytes(w, row: int, nbytes: int, d16: str | None) -> np.ndarray:
     """(64, nbytes) uint8 of the data registers of a store."""
     if nbytes >= DWORD:
         words = w.v[row:row + nbytes // DWORD]
@@ -72,7 +73,7 @@ def _gather_store_bytes(w, row: int, nbytes: int, d16: str | None) -> np.ndarray
     return np.ascontiguousarray(word).view(U8).reshape(LANES, DWORD)[:, :nbytes]
 
 
-def _write_load(w, row: int, data: np.ndarray, nbytes: int, signed: bool, d16: str | None, mask) -> None:
+def write_load(w, row: int, data: np.ndarray, nbytes: int, signed: bool, d16: str | None, mask) -> None:
     """Write (64, nbytes) uint8 loaded data to the destination registers of the active lanes."""
     if nbytes >= DWORD:
         words = np.ascontiguousarray(data).view(U32).reshape(LANES, nbytes // DWORD).T
@@ -171,8 +172,6 @@ def _global_address(ctx, inst):
     f = inst.f
     offset = U64(sext(f["offset"], 13) & 0xFFFFFFFFFFFFFFFF) if inst.enc != "FLAT" else U64(f["offset"])
     vaddr = f["addr"]
-    if inst.enc == "SCRATCH":
-        raise ctx.error(inst, "scratch memory is not supported")
     if inst.enc == "GLOBAL" and f["saddr"] != D.GLOBAL_SADDR_OFF:
         base = sreader(ctx, inst, f["saddr"], 64)
         off = int(offset)
@@ -188,26 +187,26 @@ def build_global(inst, ctx):
     index = ctx.index
     if "_atomic_" in name:
         return _build_global_atomic(inst, ctx, address, index)
-    parsed = _parse(name)
+    parsed = parse_access(name)
     if parsed is None:
         return None
     kind, nbytes, signed, d16 = parsed
     if kind == "load":
-        row = _data_rows(inst, "vdst")
+        row = data_rows(inst, "vdst")
 
         def load(w):
             mask = _active(w)
             addrs = address(w)
             data = w.launch.memory.load(addrs, nbytes, mask)
-            _write_load(w, row, data, nbytes, signed, d16, mask)
+            write_load(w, row, data, nbytes, signed, d16, mask)
             w.launch.rec.global_access(index, addrs, mask, nbytes, False)
         return load
-    row = _data_rows(inst, "data")
+    row = data_rows(inst, "data")
 
     def store(w):
         mask = _active(w)
         addrs = address(w)
-        w.launch.memory.store(addrs, _gather_store_bytes(w, row, nbytes, d16), mask)
+        w.launch.memory.store(addrs, gather_store_bytes(w, row, nbytes, d16), mask)
         w.launch.rec.global_access(index, addrs, mask, nbytes, True)
     return store
 
@@ -217,8 +216,8 @@ def _build_global_atomic(inst, ctx, address, index):
     op = _atomic_op(name)
     if op is None or name.endswith("_x2"):
         return None
-    data_row = _data_rows(inst, "data")
-    ret_row = _data_rows(inst, "vdst") if inst.f["sc0"] else None  # sc0 (glc): return the old value
+    data_row = data_rows(inst, "data")
+    ret_row = data_rows(inst, "vdst") if inst.f["sc0"] else None  # sc0 (glc): return the old value
 
     def atomic(w):
         mask = w.exec_mask
@@ -281,7 +280,7 @@ def build_buffer(inst, ctx):
     index = ctx.index
     if "_atomic_" in name:
         return _build_buffer_atomic(inst, ctx, descriptor, offsets, index)
-    parsed = _parse(name)
+    parsed = parse_access(name)
     if parsed is None:
         return None
     kind, nbytes, signed, d16 = parsed
@@ -292,7 +291,7 @@ def build_buffer(inst, ctx):
     inst_offset = inst.f["offset"]
     vaddr = inst.f["vaddr"]
     offen = inst.f["offen"]
-    row = _data_rows(inst, "vdata")
+    row = data_rows(inst, "vdata")
 
     def addresses(w):
         """(lane addresses, every component of every lane in range?, num_records): the
@@ -336,13 +335,13 @@ def build_buffer(inst, ctx):
                 caddrs, ok = components(w, addrs, num_records, active)
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
                 rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
-            _write_load(w, row, data, nbytes, signed, d16, active)
+            write_load(w, row, data, nbytes, signed, d16, active)
         return load
 
     def store(w):
         addrs, all_in, num_records = addresses(w)
         active = None if w.exec_full else w.exec_mask
-        data = _gather_store_bytes(w, row, nbytes, d16)
+        data = gather_store_bytes(w, row, nbytes, d16)
         mem, rec = w.launch.memory, w.launch.rec
         if all_in:
             mem.store(addrs, data, active)
@@ -358,7 +357,7 @@ def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
     op = _atomic_op(inst.name)
     if op is None or inst.name.endswith("_x2"):
         return None
-    data_row = _data_rows(inst, "vdata")
+    data_row = data_rows(inst, "vdata")
     ret = bool(inst.f["sc0"])  # return the old value into vdata
 
     def atomic(w):
@@ -470,14 +469,14 @@ def build_ds(inst, ctx):
         if kind == "write":
             def ds_write(w):
                 mask = _active(w)
-                _Lds.write(w, addrs(w), _gather_store_bytes(w, d0, nbytes, d16), mask)
+                _Lds.write(w, addrs(w), gather_store_bytes(w, d0, nbytes, d16), mask)
                 w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), nbytes)
             return ds_write
 
         def ds_read(w):
             mask = _active(w)
             data = _Lds.read(w, addrs(w), nbytes, mask)
-            _write_load(w, vdst, data, nbytes, signed, d16, mask)
+            write_load(w, vdst, data, nbytes, signed, d16, mask)
             w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), nbytes)
         return ds_read
     return _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index)
@@ -496,8 +495,8 @@ def _build_ds_pair(inst, ctx, op, addr_row, d0, d1, vdst, index):
         def write2(w):
             mask = _active(w)
             a = w.v[addr_row].astype(np.int64)
-            _Lds.write(w, a + o0, _gather_store_bytes(w, d0, nbytes, None), mask)
-            _Lds.write(w, a + o1, _gather_store_bytes(w, d1, nbytes, None), mask)
+            _Lds.write(w, a + o0, gather_store_bytes(w, d0, nbytes, None), mask)
+            _Lds.write(w, a + o1, gather_store_bytes(w, d1, nbytes, None), mask)
             w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), 2 * nbytes)
         return write2
     words = nbytes // DWORD
@@ -507,8 +506,8 @@ def _build_ds_pair(inst, ctx, op, addr_row, d0, d1, vdst, index):
         a = w.v[addr_row].astype(np.int64)
         first = _Lds.read(w, a + o0, nbytes, mask)
         second = _Lds.read(w, a + o1, nbytes, mask)
-        _write_load(w, vdst, first, nbytes, False, None, mask)
-        _write_load(w, vdst + words, second, nbytes, False, None, mask)
+        write_load(w, vdst, first, nbytes, False, None, mask)
+        write_load(w, vdst + words, second, nbytes, False, None, mask)
         w.launch.rec.lds_access(index, int(np.count_nonzero(w.exec_mask)), 2 * nbytes)
     return read2
 
@@ -558,7 +557,7 @@ def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
     ret = "_rtn_" in op
     base = op.replace("rtn_", "")
     if base in ("min_f32", "max_f32"):
-        from .isa_valu import max_f32, min_f32
+        from .isa_vmath import max_f32, min_f32
         fn = max_f32 if base == "max_f32" else min_f32
         atomic = "custom"
     else:
@@ -595,5 +594,5 @@ def _build_ds_atomic(inst, ctx, op, addrs, d0, d1, vdst, index):
     return run
 
 
-BUILDERS_BY_ENC = {"GLOBAL": build_global, "FLAT": build_global, "SCRATCH": build_global,
-                   "MUBUF": build_buffer, "DS": build_ds}
+BUILDERS_BY_ENC = {"GLOBAL": build_global, "FLAT": build_global, "MUBUF": build_buffer, "DS": build_ds}
+table.register_encoding(BUILDERS_BY_ENC)

@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from . import decode as D
+from . import table
 from .isa_base import AGPR_BASE, F16, F32, F64, I32, LANES, U8, U16, U32, vsrc, vwriter
 from .isa_cvt import E2M1, bf16_bits_to_f32, fp8_formats
 
@@ -188,5 +189,10 @@ def build_accvgpr(inst, ctx):
 BUILDERS = {"v_accvgpr_read": build_accvgpr, "v_accvgpr_write": build_accvgpr, "v_accvgpr_mov_b32": build_accvgpr}
 
 
-def mfma_builder(name: str):
-    return build_mfma if name.startswith("v_mfma_") else None
+def _build_mai(inst, ctx):
+    """The MAI encoding's matrix instructions (v_mfma_*); any other of its opcodes is unsupported."""
+    return build_mfma(inst, ctx) if inst.name.startswith("v_mfma_") else None
+
+
+table.register(BUILDERS)
+table.register_encoding({"MAI": _build_mai})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import decode as D
+from . import table
 from .isa_base import BARRIER, END, FULL_MASK, U32_MASK, const_operand, plain_sgpr, sext, sreader, swriter
 
 M32, M64 = U32_MASK, FULL_MASK
@@ -427,3 +428,4 @@ for _name in list(_NOPS) + ["s_endpgm", "s_barrier", "s_branch", "s_cbranch_scc0
     BUILDERS[_name] = _build_sopp
 for _name in list(_SMEM_DWORDS) + ["s_dcache_inv", "s_dcache_wb", "s_dcache_inv_vol", "s_dcache_wb_vol"]:
     BUILDERS[_name] = _build_smem
+table.register(BUILDERS)

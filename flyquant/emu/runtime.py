@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import codeobject
+from .errors import EmuError
 from .memory import Memory
 
 SONAME = "libamdhip64.so.7"
@@ -37,10 +38,6 @@ KERNARG_GRANULE = 16  # strict memory: the segment counts as readable up to a mu
 # hipModuleLaunchKernel always describes a 3-dimensional NDRange, whose grid is a whole number
 # of workgroups: hidden_grid_dims is 3 and every hidden_remainder_* is 0.
 GRID_DIMS = 3
-
-
-class EmuError(RuntimeError):
-    """The emulator cannot be set up (no C compiler, FlyDSL runtime already loaded, ...)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +147,22 @@ def pack_kernargs(
     return segment
 
 
+def kernarg_buffer(segment: bytes) -> tuple[np.ndarray, int]:
+    """The kernarg segment in host memory, KERNARG_ALIGN-aligned: (the buffer holding it, which
+    must stay alive while the launch runs, and the segment's address)."""
+    buffer = np.zeros(len(segment) + KERNARG_ALIGN, dtype=np.uint8)
+    start = -buffer.ctypes.data % KERNARG_ALIGN
+    buffer[start : start + len(segment)] = np.frombuffer(bytes(segment), dtype=np.uint8)
+    return buffer, buffer.ctypes.data + start
+
+
+def kernarg_readable_bytes(segment: bytes) -> int:
+    """The bytes of a kernarg segment a launch may read: up to the next KERNARG_GRANULE boundary.
+    LLVM widens scalar kernarg loads (7 dwords -> s_load_dwordx8) when the extra bytes share an
+    aligned granule with used ones (such a read cannot cross a page); kernarg_buffer leaves room."""
+    return max(-(-len(segment) // KERNARG_GRANULE) * KERNARG_GRANULE, 1)
+
+
 def read_kernel_params(kernel: codeobject.KernelInfo, kernel_params: int) -> list[bytes]:
     """The bytes of each explicit argument from HIP's ``void **kernelParams``."""
     explicit = [a for a in kernel.args if not a.value_kind.startswith("hidden_")]
@@ -223,14 +236,8 @@ class Runtime:
         """Pack the arguments, run the interpreter, record the launch."""
         kernel = self._kernel(co, name)
         segment = pack_kernargs(kernel, read_kernel_params(kernel, kernel_params), grid, block, dynamic_lds)
-        buffer = np.zeros(len(segment) + KERNARG_ALIGN, dtype=np.uint8)
-        start = -buffer.ctypes.data % KERNARG_ALIGN
-        buffer[start : start + len(segment)] = np.frombuffer(bytes(segment), dtype=np.uint8)
-        address = buffer.ctypes.data + start
-        # readable to the next 16-byte boundary: LLVM widens scalar kernarg loads (7 dwords -> s_load_dwordx8)
-        # when the extra bytes share an aligned granule with used ones (such a read cannot cross a page)
-        key = self.memory.register(address, max(-(-len(segment) // KERNARG_GRANULE) * KERNARG_GRANULE, 1),
-                                   writable=False)
+        buffer, address = kernarg_buffer(segment)  # noqa: F841 (buffer: keeps the segment alive)
+        key = self.memory.register(address, kernarg_readable_bytes(segment), writable=False)
         try:
             if self.executor is None:
                 from .interp import execute
