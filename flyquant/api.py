@@ -402,6 +402,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
 # Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
 # ---------------------------------------------------------------------------------------------
 
+mxfp4_quantize = reference.mxfp4_quantize
 quantize_mxfp4 = reference.quantize_mxfp4
 mxfp8_dequantize = reference.mxfp8_dequantize
 dequantize_mxfp4 = reference.dequantize_mxfp4

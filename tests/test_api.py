@@ -8,7 +8,7 @@ import torch
 import flyquant as fq
 
 DESIGN_NAMES = [
-    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "shuffle_weight_a16w4",
+    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "mxfp4_quantize", "shuffle_weight_a16w4",
     "shuffle_scale_a16w4", "moe_sorting", "moe_gemm2_a16w4", "explain", "mxfp8_dequantize", "dequantize_mxfp4",
     "reference", "emu", "moe_block_m",
 ]
@@ -44,7 +44,7 @@ X = torch.zeros(64, 64, dtype=torch.bfloat16)
     (lambda: fq.mxfp8_quantize_dual(X[:, :40]), ValueError, "K, quantized in blocks of 32"),
     (lambda: fq.mxfp8_quantize_3d(X), ValueError, "w must be 3D"),
     (lambda: fq.mxfp8_quantize_3d(X[None], scale_block_k=16), ValueError, "scale_block_k must be one of"),
-    (lambda: fq.quantize_mxfp4(X[:, :48]), ValueError, "blocks of 32"),
+    (lambda: fq.quantize_mxfp4(X[:, :48]), ValueError, "w must be contiguous"),
     (lambda: fq.moe_sorting(torch.tensor([[0, 9]]), torch.ones(1, 2), 8, 16), ValueError, "expert"),
 ])
 def test_bad_input_is_a_clear_error(call, error, match, reference_backend):
