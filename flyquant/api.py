@@ -5,8 +5,9 @@ reference. The kernel-backed ops are ``torch.library`` custom ops with fake impl
 
 from __future__ import annotations
 
-import operator
 import functools
+import math
+import operator
 from typing import Optional
 
 import torch
@@ -96,6 +97,43 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks)."""
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 quantize
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
+def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp4_quantize(x, axis, scaling_mode)
+    if plan.backend == "reference":
+        return reference.mxfp4_quantize(x, axis, scaling_mode)
+    from .kernels import mxfp4_quantize as k
+
+    return k.quantize_rows(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch, scaling_mode=scaling_mode)
+
+
+@_mxfp4_quantize_op.register_fake
+def _(x, axis, scaling_mode):
+    return reference.mxfp4_quantize_empty(x, axis)
+
+
+def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
+    """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows, in blocks of 32
+    along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
+    ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
+    (K, ceil(M/32)). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
+    states the contract). scale_layout and shuffle: only None so far."""
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    return _mxfp4_quantize_op(x, axis, scaling_mode)
+
+
+def quantize_mxfp4(w, scaling_mode="floor"):
+    """The weight-oriented name of mxfp4_quantize(w, axis=-1), w's leading dims kept: (...,
+    ceil(K/32) * 16) uint8 and (..., ceil(K/32)) float8_e8m0fnu."""
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    return reference.weight_shaped(w, *_mxfp4_quantize_op(w, -1, scaling_mode))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,8 +440,6 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
 # Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
 # ---------------------------------------------------------------------------------------------
 
-mxfp4_quantize = reference.mxfp4_quantize
-quantize_mxfp4 = reference.quantize_mxfp4
 mxfp8_dequantize = reference.mxfp8_dequantize
 dequantize_mxfp4 = reference.dequantize_mxfp4
 shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
@@ -417,6 +453,8 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp8_quantize: _explain_mxfp8,
         mxfp8_quantize_dual: _explain_dual,
         mxfp8_quantize_3d: _explain_3d,
+        mxfp4_quantize: _explain_mxfp4,
+        quantize_mxfp4: _explain_quantize_mxfp4,
         moe_gemm2_a16w4: _explain_moe,
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
@@ -444,6 +482,16 @@ def _explain_mxfp8(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
 def _explain_dual(x, scaling_mode="rceil"):
     reference.check_mxfp8_dual(x, scaling_mode)
     return select.plan_mxfp8_quantize_dual(x, scaling_mode)
+
+
+def _explain_mxfp4(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    return select.plan_mxfp4_quantize(x, axis, scaling_mode)
+
+
+def _explain_quantize_mxfp4(w, scaling_mode="floor"):
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    return select.plan_mxfp4_quantize(w, -1, scaling_mode)
 
 
 def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):

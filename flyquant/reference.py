@@ -247,7 +247,11 @@ def quantize_mxfp4(w, scaling_mode="floor"):
     """The weight-oriented name of mxfp4_quantize(w, axis=-1): (..., K) -> (uint8 (..., ceil(K/32)
     * 16), float8_e8m0fnu (..., ceil(K/32))), w's leading dims kept."""
     validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
-    packed, scales = mxfp4_quantize(w, -1, scaling_mode)
+    return weight_shaped(w, *mxfp4_quantize(w, -1, scaling_mode))
+
+
+def weight_shaped(w, packed, scales):
+    """Rowwise (M, .) outputs viewed with w's leading dims (quantize_mxfp4's shapes)."""
     lead = tuple(w.shape[:-1])
     return packed.view(*lead, packed.shape[-1]), scales.view(*lead, scales.shape[-1])
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,6 +329,31 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
         return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
                            "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows")
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
+
+
+def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str) -> Plan:
+    """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
+    rowwise (axis -1) on the kernel, columnwise (axis 0) on the reference for now."""
+    op = "mxfp4_quantize"
+    target = _kernel_target(op, x.device)
+    if isinstance(target, Plan):
+        return target
+    if axis == 0:
+        reason = "columnwise (axis=0) MXFP4 has no kernel yet"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    from .kernels import mxfp4_quantize as k
+
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
+    too_large = k.too_large(shape, x.dtype)
+    if too_large:
+        _forced_reference(too_large)
+        return reference_plan(op, target, too_large)
+    config = dataclasses.asdict(k.plan_rows(shape, target.arch))
+    name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+    conversion = ("hardware scaled FP4 conversion (v_cvt_scalef32_pk_fp4)" if target.arch == "gfx950"
+                  else "software FP4 conversion (no FP4 instruction on gfx942)")
+    return _kernel_plan(op, target, name, config, "one lane per block of 32, 16-byte loads and stores", conversion)
 
 
 def _moe_config_values(config: dict, source: str) -> None:

@@ -114,6 +114,8 @@ def test_explain_prints_the_plan(capsys, reference_backend):
     plan = fq.explain(fq.mxfp8_quantize, X, axis=0)
     assert plan.backend == "reference" and "FLYQUANT_BACKEND=reference" in capsys.readouterr().out
     plan = fq.explain(fq.quantize_mxfp4, X)
+    assert plan.op == "mxfp4_quantize" and plan.backend == "reference" and plan.reasons == ("FLYQUANT_BACKEND=reference",)
+    plan = fq.explain(fq.dequantize_mxfp4, X.to(torch.uint8)[:, :16], X.to(torch.float8_e8m0fnu)[:, :1])
     assert plan.backend == "reference" and "no kernel" in plan.reasons[0]
 
 

@@ -62,7 +62,7 @@ def fp4_blocks(dtype):
     (rceil), at 1.5 / 1.75 times a power of two ("even" rounds from mantissa 0.75), the element
     ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (round to even) and values up to 8 (saturation)."""
     blocks = crafted_blocks(dtype)
-    for k in (-100, -1, 0, 20):
+    for k in ((-20, -1, 0, 12) if dtype == torch.float16 else (-100, -1, 0, 20)):
         blocks[f"amax_6_pow2_{k}"] = torch.full((32,), 6 * 2.0**k, dtype=dtype)
         blocks[f"amax_above_6_pow2_{k}"] = torch.full((32,), _next_up(6 * 2.0**k, dtype), dtype=dtype)
         blocks[f"amax_1.5_pow2_{k}"] = torch.full((32,), 1.5 * 2.0**k, dtype=dtype)

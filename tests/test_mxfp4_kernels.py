@@ -1,0 +1,190 @@
+"""MXFP4 quantize kernels (kernels/mxfp4_quantize.py) against flyquant.reference, byte for byte,
+executed under flyquant.emu for gfx950 (hardware scaled FP4 conversion) and gfx942 (software
+conversion); `gpu`-marked tests repeat them on a real MI300X/MI355X.
+
+A block worked by hand (floor, BF16): {6.0, -0.75, 1.25, 0.25, 0 ...}: amax 6 = 1.5 * 2^2 ->
+code 2 - 2 + 127 = 127, elements unscaled: 6 -> 0x7, -0.75 -> -1.0 (tie to even) = 0xA,
+1.25 -> 1.0 (tie to even) = 0x2, 0.25 -> 0 (tie to even) = 0x0: bytes 0xA7, 0x02, 0x00 ...
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flyquant as fq
+import flyquant.emu as emu
+from flyquant import formats, reference, toolchain
+from flyquant.kernels import mxfp4_quantize as k4
+
+from test_reference_mxfp4 import fp4_blocks
+
+ARCHS = ("gfx950", "gfx942")
+MODES = ("floor", "rceil", "even")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+U8 = torch.uint8
+ALL = [(a, m, d) for a in ARCHS for m in MODES for d in DTYPES]
+IDS = [f"{a}-{m}-{str(d).replace('torch.', '')}" for a, m, d in ALL]
+
+
+def assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape) and g.stride() == w.stride(), (what, i)
+        bad = (g.view(U8) != w.view(U8)).nonzero()
+        assert bad.numel() == 0, f"{what} output {i}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
+
+
+def special_blocks(dtype) -> torch.Tensor:
+    """(n, 32): the reference tests' crafted blocks (zeros, -0, subnormals, code-0 edges, dtype
+    max, amax at 1.5 / 1.75 / 6 times powers of two, element ties, saturation) and non-finite
+    ones (NaN, +-Inf among finite values, all NaN)."""
+    blocks = list(fp4_blocks(dtype).values())
+    ones = torch.ones(32, dtype=dtype)
+    for i, v in ((3, float("nan")), (31, float("inf")), (0, -float("inf"))):
+        b = ones.clone()
+        b[i] = v
+        blocks.append(b)
+    blocks.append(torch.full((32,), float("nan"), dtype=dtype))
+    worked = torch.zeros(32)
+    worked[:4] = torch.tensor([6.0, -0.75, 1.25, 0.25])
+    blocks.append(worked.to(dtype))
+    return torch.stack(blocks)
+
+
+def random_rows(m, k, dtype, seed):
+    """Normal samples times 2^e, e per element in [-12, 12): scales vary within rows."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-12, 12, (m, k), generator=g).float()
+    return (torch.randn(m, k, generator=g) * torch.exp2(e)).to(dtype)
+
+
+def rows_tensor(dtype, k_blocks=3, extra_rows=40):
+    """(rows, 32 * k_blocks): the special blocks first (block order is row-major), then random
+    rows; 2+ waves' worth of blocks with a partial last tile."""
+    special = special_blocks(dtype)
+    pad = -special.shape[0] % k_blocks
+    special = torch.cat([special, torch.zeros(pad, 32, dtype=dtype)]).reshape(-1, 32 * k_blocks)
+    return torch.cat([special, random_rows(extra_rows, 32 * k_blocks, dtype, 1)]).contiguous()
+
+
+@pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
+def test_rows(arch, mode, dtype):
+    x = rows_tensor(dtype)
+    assert_same(k4.quantize_rows(x, arch=arch, scaling_mode=mode), reference.mxfp4_quantize(x, -1, mode), "rows")
+
+
+def test_worked_block():
+    x = special_blocks(torch.bfloat16)[-1:]
+    for arch in ARCHS:
+        packed, scales = k4.quantize_rows(x, arch=arch, scaling_mode="floor")
+        assert scales.view(U8).item() == 127
+        assert packed[0, :3].tolist() == [0xA7, 0x02, 0x00] and (packed[0, 3:] == 0).all()
+
+
+# Shapes with tails, each for a reason: one element; one partial block; a prime K (BF16 rows at
+# 2-byte alignment, a partial last block per row); a prime M with K one block; K = 40 with a
+# NaN in the partial block (padding nibbles stay 0); more rows than a tile.
+TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tails(arch, dtype):
+    for i, (m, k) in enumerate(TAIL_SHAPES):
+        mode = MODES[i % 3]
+        x = random_rows(m, k, dtype, seed=i)
+        if k == 40:
+            x[1, 37], x[4, 2] = float("nan"), -float("inf")
+        got = k4.quantize_rows(x, arch=arch, scaling_mode=mode)
+        assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
+
+
+@pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
+def test_rceil_is_an_amax_mantissa_threshold(exp_field):
+    """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
+    except code 0 for amax 0x01400001, equals the contract's e8m0_rceil(amax * fl32(1/6)) for every
+    amax with this exponent field (all 2^23 mantissas). Normal descales scale exactly by powers of
+    two, so the binades listed stand for all; eb <= 3 give subnormal descales (eb = 2 holds the
+    exception)."""
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    bits = (exp_field << 23) | mant
+    want = formats.e8m0_rceil(bits.view(torch.float32) * formats.f32_reciprocal(formats.E2M1_MAX)).to(torch.int32)
+    rule = (exp_field - 2 + (mant > k4.E2M1_RCEIL_MANT).to(torch.int32)).clamp(min=0)
+    rule = torch.where(bits == k4.E2M1_RCEIL_TIE, 0, rule)
+    assert torch.equal(rule, want)
+
+
+def test_api_op_plan_and_errors():
+    """fq.mxfp4_quantize runs the kernel under the emulator (the op's plan), leading dims
+    flattened; quantize_mxfp4 keeps them; bad input is the reference's ValueError."""
+    emu.enable("gfx950")
+    x = random_rows(6, 64, torch.bfloat16, seed=9).reshape(2, 3, 64)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize(x, scaling_mode="even")
+    assert [r.kernel for r in launches] == ["mxfp4_rows_even_bf16_gfx950_w1"]
+    assert_same(got, reference.mxfp4_quantize(x, -1, "even"), "api")
+    packed, scales = fq.quantize_mxfp4(x)
+    assert packed.shape == (2, 3, 32) and scales.shape == (2, 3, 2)
+    plan = fq.explain(fq.mxfp4_quantize, x)
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp4_rows_floor_bf16_gfx950"
+    assert fq.explain(fq.mxfp4_quantize, x, axis=0).backend == "reference"
+    for bad, match in (((x.transpose(0, 1),), "x must be contiguous"), ((x, -1, "ceil"), "scaling_mode"),
+                       ((x.int(),), "x must have dtype")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fq.mxfp4_quantize(*bad)
+    empty = fq.mxfp4_quantize(torch.zeros(0, 70))
+    assert empty[0].shape == (0, 48) and empty[1].shape == (0, 3)
+
+
+def _compile(arch, dtype, mode, tail):
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x = torch.zeros(64, 256, dtype=torch_dtype)
+    q, s = torch.zeros(64, 128, dtype=U8), torch.zeros(64, 8, dtype=U8)
+    (r,) = toolchain.compile_only(arch, k4.build_rows(arch, dtype, mode, tail), x, q, s, 512, 2, 8,
+                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, stream=0)
+    return r
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_compile(arch, dtype):
+    """No scratch; 16-byte loads and data stores only (plus the code bytes); the scaled FP4
+    conversion on gfx950 and none on gfx942 (which has no such instruction)."""
+    cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
+    for mode, tail in (("rceil", False), ("even", True)):
+        r = _compile(arch, dtype, mode, tail)
+        print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
+        assert r.spills == 0 and r.lds_bytes == 0, r.name
+        loads = 8 if dtype == "fp32" else 4  # one block: 64 or 128 bytes
+        assert r.count("buffer_load_dwordx4") == loads, r.name
+        assert sum(r.count(f"buffer_load_{w}") for w in ("dword", "dwordx2", "dwordx3", "ubyte")) == 0, r.name
+        assert r.count("buffer_load_ushort") == (1 if tail and dtype != "fp32" else 0), r.name  # the last element
+        assert r.count("buffer_store_dwordx4") == 1 and r.count("buffer_store_byte") == 1, r.name
+        assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
+        assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_instructions_and_coalescing(arch):
+    """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
+    stores, 1 KiB contiguous per wave instruction (fully coalesced), the codes one byte each."""
+    x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
+    with emu.device_like_allocations(), emu.record() as launches:
+        k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
+    (r,) = launches
+    mem = r.stats.memory
+    print(f"{arch}: {r.stats.wave_instructions} wave-instructions, {r.stats.wave_instructions / x.numel():.4f} per "
+          f"element; coalescing " + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
+    assert mem["buffer_store_dwordx4"].bytes == x.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
+    assert mem["buffer_store_byte"].bytes == x.numel() // 32
+    assert mem["buffer_load_dwordx4"].bytes == x.numel() * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu(mode, dtype):
+    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    for x in (rows_tensor(dtype), random_rows(5, 67, dtype, 0)):
+        got = k4.quantize_rows(x.cuda(), arch=arch, scaling_mode=mode)
+        assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode), f"gpu {arch}")
