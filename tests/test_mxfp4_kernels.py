@@ -15,6 +15,7 @@ import torch
 import flyquant as fq
 import flyquant.emu as emu
 from flyquant import formats, reference, toolchain
+from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 
 from test_reference_mxfp4 import fp4_blocks
@@ -109,8 +110,8 @@ def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     mant = torch.arange(1 << 23, dtype=torch.int32)
     bits = (exp_field << 23) | mant
     want = formats.e8m0_rceil(bits.view(torch.float32) * formats.f32_reciprocal(formats.E2M1_MAX)).to(torch.int32)
-    rule = (exp_field - 2 + (mant > k4.E2M1_RCEIL_MANT).to(torch.int32)).clamp(min=0)
-    rule = torch.where(bits == k4.E2M1_RCEIL_TIE, 0, rule)
+    rule = (exp_field - 2 + (mant > c4.E2M1_RCEIL_MANT).to(torch.int32)).clamp(min=0)
+    rule = torch.where(bits == c4.E2M1_RCEIL_TIE, 0, rule)
     assert torch.equal(rule, want)
 
 
