@@ -109,9 +109,11 @@ def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str) -> tuple[t
     plan = select.plan_mxfp4_quantize(x, axis, scaling_mode)
     if plan.backend == "reference":
         return reference.mxfp4_quantize(x, axis, scaling_mode)
-    from .kernels import mxfp4_quantize as k
+    from .kernels import mxfp4_quantize as rows
+    from .kernels import mxfp4_quantize_cols as cols
 
-    return k.quantize_rows(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch, scaling_mode=scaling_mode)
+    launch = rows.quantize_rows if axis == -1 else cols.quantize_cols
+    return launch(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch, scaling_mode=scaling_mode)
 
 
 @_mxfp4_quantize_op.register_fake

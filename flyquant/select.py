@@ -333,27 +333,32 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
 
 def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str) -> Plan:
     """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
-    rowwise (axis -1) on the kernel, columnwise (axis 0) on the reference for now."""
+    rowwise (axis -1) or columnwise (axis 0, cast-transpose)."""
     op = "mxfp4_quantize"
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
-    if axis == 0:
-        reason = "columnwise (axis=0) MXFP4 has no kernel yet"
-        _forced_reference(reason)
-        return reference_plan(op, target, reason)
-    from .kernels import mxfp4_quantize as k
+    from .kernels import mxfp4_quantize as rows
+    from .kernels import mxfp4_quantize_cols as cols
 
     shape = (math.prod(x.shape[:-1]), x.shape[-1])
-    too_large = k.too_large(shape, x.dtype)
+    kernel = rows if axis == -1 else cols
+    too_large = kernel.too_large(shape, x.dtype)
     if too_large:
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
-    config = dataclasses.asdict(k.plan_rows(shape, target.arch))
-    name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+    if axis == -1:
+        config = dataclasses.asdict(rows.plan_rows(shape, target.arch))
+        name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+        split = "one lane per block of 32, 16-byte loads and stores"
+    else:
+        config = dataclasses.asdict(cols.plan_cols(shape, x.dtype, target.arch))
+        odd = x.element_size() == 2 and shape[1] % 2
+        name = f"mxfp4_cols_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_odd" if odd else "")
+        split = "a lane per 32 rows x 16 bytes of columns, 16-byte loads (whole lines) and stores"
     conversion = ("hardware scaled FP4 conversion (v_cvt_scalef32_pk_fp4)" if target.arch == "gfx950"
                   else "software FP4 conversion (no FP4 instruction on gfx942)")
-    return _kernel_plan(op, target, name, config, "one lane per block of 32, 16-byte loads and stores", conversion)
+    return _kernel_plan(op, target, name, config, split, conversion)
 
 
 def _moe_config_values(config: dict, source: str) -> None:

@@ -327,6 +327,11 @@ def perm(hi, lo, sel):
     return llvm.call_intrinsic(i32_t(), "llvm.amdgcn.perm", [val(hi), val(lo), val(sel)], [], [])
 
 
+def alignbit(hi, lo, shift):
+    """v_alignbit_b32: the low 32 bits of (hi:lo) >> (shift & 31)."""
+    return llvm.call_intrinsic(i32_t(), "llvm.fshr.i32", [val(hi), val(lo), val(shift)], [], [])
+
+
 def extract(vec, i):
     return vector.extract(vec, static_position=[i], dynamic_position=[])
 

@@ -131,3 +131,10 @@ def nan_words(valid):
         part = sub(shl(1, shl(n, 2)), 1)  # 4n low bits (n < 8)
         out.append(band(E2M1_NAN_X8, mx.select(mx.cmp_uge(n, 8), -1, part)))
     return out
+
+
+def allocate(rows: int, blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (data (rows, blocks * 16), codes (rows, blocks)) uint8 outputs: the kernels
+    write every byte."""
+    return (torch.empty((rows, blocks * OUT_BLOCK_BYTES), dtype=torch.uint8, device=device),
+            torch.empty((rows, blocks), dtype=torch.uint8, device=device))

@@ -35,7 +35,7 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from . import _mxfp4_common
 from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, sub, val
-from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, hw_convert, nan_words, scale_code, sw_convert
+from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, hw_convert, nan_words, scale_code, sw_convert
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
@@ -207,12 +207,11 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     flyquant.reference.mxfp4_quantize(x, -1, scaling_mode): (uint8 (M, ceil(K/32) * 16), float8_e8m0fnu
     (M, ceil(K/32))). Inputs are validated by the caller (flyquant.api / reference checks)."""
     m, k = x.shape
-    nkb = -(-k // MX_BLOCK)
-    data = torch.empty((m, nkb * OUT_BLOCK_BYTES), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((m, nkb), dtype=torch.uint8, device=x.device)
     reason = too_large(x.shape, x.dtype)
     if reason:
         raise ValueError(reason)
+    nkb = -(-k // MX_BLOCK)
+    data, scales = allocate(m, nkb, x.device)
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0

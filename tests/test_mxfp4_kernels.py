@@ -1,4 +1,5 @@
-"""MXFP4 quantize kernels (kernels/mxfp4_quantize.py) against flyquant.reference, byte for byte,
+"""MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise, kernels/mxfp4_quantize_cols.py
+columnwise) against flyquant.reference, byte for byte,
 executed under flyquant.emu for gfx950 (hardware scaled FP4 conversion) and gfx942 (software
 conversion); `gpu`-marked tests repeat them on a real MI300X/MI355X.
 
@@ -17,6 +18,7 @@ import flyquant.emu as emu
 from flyquant import formats, reference, toolchain
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
+from flyquant.kernels import mxfp4_quantize_cols as kc
 
 from test_reference_mxfp4 import fp4_blocks
 
@@ -100,6 +102,44 @@ def test_tails(arch, dtype):
         assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
 
 
+def cols_tensor(dtype, m=84, k=40):
+    """(m, k) whose column blocks (32 rows of a column, column-major block order) start with the
+    special blocks, then random values; m = 84: 3 row blocks (the last 20 rows), k = 40: 5
+    (16-bit) or 10 (FP32) column groups, a partial column tile."""
+    x = random_rows(m, k, dtype, seed=5)
+    special = special_blocks(dtype)
+    nb = m // 32
+    for i in range(min(special.shape[0], nb * k)):
+        col, blk = divmod(i, nb)
+        x[32 * blk:32 * blk + 32, col] = special[i]
+    return x.contiguous()
+
+
+@pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
+def test_cols(arch, mode, dtype):
+    x = cols_tensor(dtype)
+    assert_same(kc.quantize_cols(x, arch=arch, scaling_mode=mode), reference.mxfp4_quantize(x, 0, mode), "cols")
+
+
+# Columnwise tails: one element; 1 x 7 (16-bit: the last element at offset 0 of an odd row); a
+# column of 3 rows (odd K = 1: the last row's load moved back); a prime M and K (rows at 2-byte
+# alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group). One
+# mode per dtype (the modes differ only in the scale rule, which test_cols covers).
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cols_tails(arch, dtype):
+    mode = MODES[DTYPES.index(dtype)]
+    for i, (m, k) in enumerate(COL_TAIL_SHAPES):
+        x = random_rows(m, k, dtype, seed=i)
+        if (m, k) == (40, 9):
+            x[37, 2], x[3, 8] = float("nan"), float("inf")
+        got = kc.quantize_cols(x, arch=arch, scaling_mode=mode)
+        assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
+
+
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
 def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
@@ -128,7 +168,12 @@ def test_api_op_plan_and_errors():
     assert packed.shape == (2, 3, 32) and scales.shape == (2, 3, 2)
     plan = fq.explain(fq.mxfp4_quantize, x)
     assert plan.backend == "flydsl" and plan.kernel == "mxfp4_rows_floor_bf16_gfx950"
-    assert fq.explain(fq.mxfp4_quantize, x, axis=0).backend == "reference"
+    plan = fq.explain(fq.mxfp4_quantize, x, axis=0)
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp4_cols_floor_bf16_gfx950"
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize(x, axis=0, scaling_mode="rceil")
+    assert [r.kernel for r in launches] == ["mxfp4_cols_rceil_bf16_gfx950_w1"]
+    assert_same(got, reference.mxfp4_quantize(x, 0, "rceil"), "api cols")
     for bad, match in (((x.transpose(0, 1),), "x must be contiguous"), ((x, -1, "ceil"), "scaling_mode"),
                        ((x.int(),), "x must have dtype")):
         with pytest.raises((ValueError, TypeError), match=match):
@@ -166,19 +211,46 @@ def test_compile(arch, dtype):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_compile_cols(arch, dtype):
+    """Columnwise: no scratch; 32 16-byte row loads (odd: plus the 2-byte load of the last
+    element), one 16-byte data store and one code byte per column; the scaled FP4 conversion on
+    gfx950 only."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
+    x = torch.zeros(256, 256, dtype=torch_dtype)
+    q, s = torch.zeros(256, 128, dtype=U8), torch.zeros(256, 8, dtype=U8)
+    cols = 16 // x.element_size()
+    for odd in (dtype != "fp32",):  # 16-bit: the odd-K variant (the plain one's code plus the realigned loads)
+        (r,) = toolchain.compile_only(arch, kc.build_cols(arch, dtype, "floor", odd), x, q, s, 256, 256, 8, 256 * x.element_size(),
+                                      8, 2, 4, 0, 2, 1,
+                                      stream=0)
+        print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, {r.workgroups_per_cu()} workgroups/CU")
+        assert r.spills == 0 and r.lds_bytes == 0, r.name
+        assert r.count("buffer_load_dwordx4") == 32 and r.count("buffer_load_ushort") == int(odd), r.name
+        assert r.count("buffer_store_dwordx4") == cols and r.count("buffer_store_byte") == cols, r.name
+        assert r.count(cvt) == (16 * cols if arch == "gfx950" else 0), r.name
+        assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
-    stores, 1 KiB contiguous per wave instruction (fully coalesced), the codes one byte each."""
+    stores, fully coalesced, the codes one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
+    xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
-    (r,) = launches
-    mem = r.stats.memory
-    print(f"{arch}: {r.stats.wave_instructions} wave-instructions, {r.stats.wave_instructions / x.numel():.4f} per "
-          f"element; coalescing " + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
-    assert mem["buffer_store_dwordx4"].bytes == x.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
-    assert mem["buffer_store_byte"].bytes == x.numel() // 32
-    assert mem["buffer_load_dwordx4"].bytes == x.numel() * 2
+        kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
+    for r, t in zip(launches, (x, xc)):
+        mem = r.stats.memory
+        print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
+              f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
+              + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
+        assert mem["buffer_store_dwordx4"].bytes == t.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
+        assert mem["buffer_store_byte"].bytes == t.numel() // 32
+        assert mem["buffer_load_dwordx4"].bytes == t.numel() * 2
+    assert launches[1].stats.memory["buffer_load_dwordx4"].coalescing == 1.0  # columnwise: whole lines
 
 
 @pytest.mark.gpu
@@ -189,3 +261,6 @@ def test_gpu(mode, dtype):
     for x in (rows_tensor(dtype), random_rows(5, 67, dtype, 0)):
         got = k4.quantize_rows(x.cuda(), arch=arch, scaling_mode=mode)
         assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode), f"gpu {arch}")
+    for x in (cols_tensor(dtype), random_rows(37, 67, dtype, 0), random_rows(1, 7, dtype, 0)):
+        got = kc.quantize_cols(x.cuda(), arch=arch, scaling_mode=mode)
+        assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, 0, mode), f"gpu cols {arch}")
