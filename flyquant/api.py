@@ -138,6 +138,35 @@ def quantize_mxfp4(w, scaling_mode="floor"):
     return reference.weight_shaped(w, *_mxfp4_quantize_op(w, -1, scaling_mode))
 
 
+@torch.library.custom_op("flyquant::mxfp4_quantize_3d", mutates_args=())
+def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[str], gate_up: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    e, n, k = w.shape
+    plan = select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
+    if plan.backend == "reference":
+        return reference.mxfp4_quantize_3d(w, scaling_mode, shuffle, gate_up)
+    from .kernels import mxfp4_quantize as rows
+
+    variant = ("a16w4_gate_up" if gate_up else "a16w4") if shuffle else None
+    packed, scales = rows.quantize_rows(w.reshape(e * n, k), arch=plan.arch, scaling_mode=scaling_mode, shuffle=variant,
+                                        rows_per_expert=n)
+    return packed.view(e, n, -1), scales.view(e, n, -1)
+
+
+@_mxfp4_quantize_3d_op.register_fake
+def _(w, scaling_mode, shuffle, gate_up):
+    return reference.weight_shaped(w, *reference.mxfp4_quantize_empty(w, -1))
+
+
+def mxfp4_quantize_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    """MXFP4-quantize expert weights w (E, N, K) along K in one launch: (uint8 (E, N, ceil(K/32) *
+    16), float8_e8m0fnu (E, N, ceil(K/32))); shuffle="a16w4" writes them directly in the layouts
+    of shuffle_weight_a16w4(., 16, gate_up) / shuffle_scale_a16w4(., E, gate_up) (N % 32 == 0,
+    K % 256 == 0)."""
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    return _mxfp4_quantize_3d_op(w, scaling_mode, shuffle, gate_up)
+
+
 # ---------------------------------------------------------------------------------------------
 # A16W4 MoE stage 2
 # ---------------------------------------------------------------------------------------------
@@ -457,6 +486,7 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp8_quantize_3d: _explain_3d,
         mxfp4_quantize: _explain_mxfp4,
         quantize_mxfp4: _explain_quantize_mxfp4,
+        mxfp4_quantize_3d: _explain_mxfp4_3d,
         moe_gemm2_a16w4: _explain_moe,
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
@@ -494,6 +524,11 @@ def _explain_mxfp4(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
 def _explain_quantize_mxfp4(w, scaling_mode="floor"):
     validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
     return select.plan_mxfp4_quantize(w, -1, scaling_mode)
+
+
+def _explain_mxfp4_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    return select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
 
 
 def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):

@@ -250,6 +250,38 @@ def quantize_mxfp4(w, scaling_mode="floor"):
     return weight_shaped(w, *mxfp4_quantize(w, -1, scaling_mode))
 
 
+MXFP4_3D_SHUFFLES = (None, "a16w4")
+
+
+def check_mxfp4_3d(w, scaling_mode, shuffle, gate_up) -> None:
+    """mxfp4_quantize_3d's checks (both backends): w (E, N, K) BF16/FP16/FP32 contiguous; shuffle
+    None or "a16w4" (then N % 32 == 0 and K % 256 == 0: the layouts' tiles); gate_up a bool, only
+    with the shuffle."""
+    validate.high_precision(w, "w", ndim=3)
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    if shuffle not in MXFP4_3D_SHUFFLES:
+        raise ValueError(f"shuffle must be one of {MXFP4_3D_SHUFFLES}, got {shuffle!r}")
+    if not isinstance(gate_up, bool):
+        raise ValueError(f"gate_up must be a bool, got {gate_up!r}")
+    if gate_up and shuffle is None:
+        raise ValueError("gate_up=True describes the a16w4 shuffle's row order: pass shuffle='a16w4'")
+    if shuffle:
+        validate.multiple_of(w.shape[1], layouts.A16W4_SCALE_ROWS, "w.shape[1] (N, rows per expert, for the a16w4 shuffle)")
+        validate.multiple_of(w.shape[2], MX_BLOCK * layouts.A16W4_SCALE_COLS, "w.shape[2] (K, for the a16w4 shuffle)")
+
+
+def mxfp4_quantize_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    """MXFP4-quantize expert weights w (E, N, K) along K: (uint8 (E, N, ceil(K/32) * 16),
+    float8_e8m0fnu (E, N, ceil(K/32))), quantize_mxfp4's bytes; shuffle="a16w4": those bytes
+    permuted by shuffle_weight_a16w4(data, 16, gate_up) and shuffle_scale_a16w4(scales, E,
+    gate_up) (aiter's layouts for its A16W4 MoE; same shapes)."""
+    check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    packed, scales = quantize_mxfp4(w, scaling_mode)
+    if shuffle:
+        return layouts.shuffle_weight_a16w4(packed, 16, gate_up), layouts.shuffle_scale_a16w4(scales, w.shape[0], gate_up)
+    return packed, scales
+
+
 def weight_shaped(w, packed, scales):
     """Rowwise (M, .) outputs viewed with w's leading dims (quantize_mxfp4's shapes)."""
     lead = tuple(w.shape[:-1])

@@ -331,10 +331,11 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 
-def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str) -> Plan:
+def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=None, gate_up=False,
+                        op: str = "mxfp4_quantize") -> Plan:
     """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
-    rowwise (axis -1) or columnwise (axis 0, cast-transpose)."""
-    op = "mxfp4_quantize"
+    rowwise (axis -1) or columnwise (axis 0, cast-transpose); shuffle "a16w4" (3D expert weights,
+    rowwise): the outputs written in aiter's A16W4 layouts by the same kernel."""
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
@@ -350,7 +351,10 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str) -> Plan:
     if axis == -1:
         config = dataclasses.asdict(rows.plan_rows(shape, target.arch))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+        name += ("_a16w4_gate_up" if gate_up else "_a16w4") if shuffle else ""
         split = "one lane per block of 32, 16-byte loads and stores"
+        if shuffle:
+            split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
     else:
         config = dataclasses.asdict(cols.plan_cols(shape, x.dtype, target.arch))
         odd = x.element_size() == 2 and shape[1] % 2

@@ -20,6 +20,7 @@ from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 from flyquant.kernels import mxfp4_quantize_cols as kc
 
+import oracles
 from test_reference_mxfp4 import fp4_blocks
 
 ARCHS = ("gfx950", "gfx942")
@@ -140,6 +141,39 @@ def test_cols_tails(arch, dtype):
         assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
+    """fq.mxfp4_quantize_3d(w, shuffle="a16w4") writes in one launch the bytes of aiter's own
+    shuffle_weight_a16w4 / shuffle_scale_a16w4 (aiter/ops/shuffle.py, loaded by path) applied to
+    the plain quantize (E = 3, N = 64: two 32-row scale tiles, two gate/up halves of 32; K = 512:
+    two 256-wide scale tiles, a NaN block among them); without the shuffle it is quantize_mxfp4."""
+    aiter = oracles.aiter_shuffle()
+    emu.enable(arch)
+    w = random_rows(3 * 64, 512, torch.bfloat16, seed=11).reshape(3, 64, 512)
+    w[1, 40, 300] = float("nan")
+    packed, scales = reference.quantize_mxfp4(w, "even")
+    want = (aiter.shuffle_weight_a16w4(packed, 16, gate_up).reshape(packed.shape),
+            aiter.shuffle_scale_a16w4(scales.view(3 * 64, 16), 3, gate_up).view(3, 64, 16))  # aiter: (E*N, K/32)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=gate_up)
+    (launch,) = launches
+    assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+    assert_same(got, want, "a16w4")
+    assert_same(reference.mxfp4_quantize_3d(w, "even", "a16w4", gate_up), want, "reference a16w4")
+    if not gate_up:
+        assert_same(fq.mxfp4_quantize_3d(w[:, :, :500].contiguous(), "rceil"),
+                    reference.quantize_mxfp4(w[:, :, :500].contiguous(), "rceil"), "3d plain")
+    for kwargs, match in ((dict(shuffle="a16w4x"), "shuffle must be one of"), (dict(gate_up=True), "gate_up=True"),
+                          (dict(shuffle="a16w4", gate_up=1), "gate_up must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            fq.mxfp4_quantize_3d(w, **kwargs)
+    with pytest.raises(ValueError, match=r"w.shape\[2\] \(K, for the a16w4 shuffle\) = 480"):
+        fq.mxfp4_quantize_3d(w[:, :, :480].contiguous(), shuffle="a16w4")
+    with pytest.raises(ValueError, match=r"w.shape\[1\] \(N"):
+        fq.mxfp4_quantize_3d(w[:, :48].contiguous(), shuffle="a16w4")
+
+
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
 def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
@@ -187,7 +221,7 @@ def _compile(arch, dtype, mode, tail):
     x = torch.zeros(64, 256, dtype=torch_dtype)
     q, s = torch.zeros(64, 128, dtype=U8), torch.zeros(64, 8, dtype=U8)
     (r,) = toolchain.compile_only(arch, k4.build_rows(arch, dtype, mode, tail), x, q, s, 512, 2, 8,
-                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, stream=0)
+                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 1, stream=0)
     return r
 
 
