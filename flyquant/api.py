@@ -5,8 +5,9 @@ reference. The kernel-backed ops are ``torch.library`` custom ops with fake impl
 
 from __future__ import annotations
 
-import operator
 import functools
+import math
+import operator
 from typing import Optional
 
 import torch
@@ -97,6 +98,74 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights)."""
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 quantize
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
+def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp4_quantize(x, axis, scaling_mode)
+    if plan.backend == "reference":
+        return reference.mxfp4_quantize(x, axis, scaling_mode)
+    from .kernels import mxfp4_quantize as rows
+    from .kernels import mxfp4_quantize_cols as cols
+
+    launch = rows.quantize_rows if axis == -1 else cols.quantize_cols
+    return launch(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch, scaling_mode=scaling_mode)
+
+
+@_mxfp4_quantize_op.register_fake
+def _(x, axis, scaling_mode):
+    return reference.mxfp4_quantize_empty(x, axis)
+
+
+def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
+    """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows, in blocks of 32
+    along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
+    ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
+    (K, ceil(M/32)). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
+    states the contract). scale_layout and shuffle: only None so far."""
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    return _mxfp4_quantize_op(x, axis, scaling_mode)
+
+
+def quantize_mxfp4(w, scaling_mode="floor"):
+    """The weight-oriented name of mxfp4_quantize(w, axis=-1), w's leading dims kept: (...,
+    ceil(K/32) * 16) uint8 and (..., ceil(K/32)) float8_e8m0fnu."""
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    return reference.weight_shaped(w, *_mxfp4_quantize_op(w, -1, scaling_mode))
+
+
+@torch.library.custom_op("flyquant::mxfp4_quantize_3d", mutates_args=())
+def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[str], gate_up: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    e, n, k = w.shape
+    plan = select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
+    if plan.backend == "reference":
+        return reference.mxfp4_quantize_3d(w, scaling_mode, shuffle, gate_up)
+    from .kernels import mxfp4_quantize as rows
+
+    variant = ("a16w4_gate_up" if gate_up else "a16w4") if shuffle else None
+    packed, scales = rows.quantize_rows(w.reshape(e * n, k), arch=plan.arch, scaling_mode=scaling_mode, shuffle=variant,
+                                        rows_per_expert=n)
+    return packed.view(e, n, -1), scales.view(e, n, -1)
+
+
+@_mxfp4_quantize_3d_op.register_fake
+def _(w, scaling_mode, shuffle, gate_up):
+    return reference.weight_shaped(w, *reference.mxfp4_quantize_empty(w, -1))
+
+
+def mxfp4_quantize_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    """MXFP4-quantize expert weights w (E, N, K) along K in one launch: (uint8 (E, N, ceil(K/32) *
+    16), float8_e8m0fnu (E, N, ceil(K/32))); shuffle="a16w4" writes them directly in the layouts
+    of shuffle_weight_a16w4(., 16, gate_up) / shuffle_scale_a16w4(., E, gate_up) (N % 32 == 0,
+    K % 256 == 0)."""
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    return _mxfp4_quantize_3d_op(w, scaling_mode, shuffle, gate_up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +472,6 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
 # Pure-PyTorch ops: they run on the tensors' device; the selector's plan says so.
 # ---------------------------------------------------------------------------------------------
 
-quantize_mxfp4 = reference.quantize_mxfp4
 mxfp8_dequantize = reference.mxfp8_dequantize
 dequantize_mxfp4 = reference.dequantize_mxfp4
 shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
@@ -417,6 +485,9 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp8_quantize: _explain_mxfp8,
         mxfp8_quantize_dual: _explain_dual,
         mxfp8_quantize_3d: _explain_3d,
+        mxfp4_quantize: _explain_mxfp4,
+        quantize_mxfp4: _explain_quantize_mxfp4,
+        mxfp4_quantize_3d: _explain_mxfp4_3d,
         moe_gemm2_a16w4: _explain_moe,
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
@@ -444,6 +515,21 @@ def _explain_mxfp8(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
 def _explain_dual(x, scaling_mode="rceil"):
     reference.check_mxfp8_dual(x, scaling_mode)
     return select.plan_mxfp8_quantize_dual(x, scaling_mode)
+
+
+def _explain_mxfp4(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    return select.plan_mxfp4_quantize(x, axis, scaling_mode)
+
+
+def _explain_quantize_mxfp4(w, scaling_mode="floor"):
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    return select.plan_mxfp4_quantize(w, -1, scaling_mode)
+
+
+def _explain_mxfp4_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    return select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
 
 
 def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):

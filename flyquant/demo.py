@@ -115,7 +115,7 @@ def check_gpt_oss() -> bool:
         for layer in model.model.layers:
             ex = layer.mlp.experts
             for proj in ("gate_up_proj", "down_proj"):  # (E, in, out): MXFP4 blocks along `in`
-                w = torch.randn(getattr(ex, proj).shape, generator=g).transpose(1, 2) * 0.3
+                w = (torch.randn(getattr(ex, proj).shape, generator=g).transpose(1, 2) * 0.3).contiguous()
                 getattr(ex, proj).copy_(fq.dequantize_mxfp4(*fq.quantize_mxfp4(w)).transpose(1, 2))
             ex.gate_up_proj_bias.copy_(torch.randn(ex.gate_up_proj_bias.shape, generator=g) * 0.5)
             ex.down_proj_bias.copy_(torch.randn(ex.down_proj_bias.shape, generator=g) * 0.5)

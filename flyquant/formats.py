@@ -20,14 +20,17 @@ at main), exact bit rules with no float rounding quirks:
   bit is set; a subnormal is code 0 up to 2^-127 and code 1 above.
 - elements: e4m3(x * 2^(127 - code)) in FP32, round to nearest even, saturating to +-448; code
   0 means 2^-127 and is used (the multiplier is then 2^127).
-MXFP4 (E2M1) still follows torchao 0.18's to_mx bit for bit on finite input, including its float
-arithmetic quirks (named below; E2M1 has torchao_018_scale set), until the MXFP4 issue moves it
-to the same contract; its non-finite blocks follow the rule above with the E2M1 NaN-block code.
+MXFP4 (E2M1, max 6 = 1.5 * 2^2) follows the same contract with its own constants (floor: field
+- 2; rceil: amax * fl32(1/6)), plus the mode "even" (torchao's ScaleCalculationMode.EVEN): amax's
+FP32 bits rounded at E2M1's one mantissa bit (+ 2^21, then the mantissa cleared: mantissas from
+0.75 carry into the exponent), then floor's rule on the rounded exponent field. A rounded field
+of 255 (amax >= 1.75 * 2^127, finite) gives code 253 as torchao 0.18 does; torchao main's to_mx
+takes that rounded value for Inf and gives 0xFF. Elements e2m1(x * 2^(127 - code)), nearest
+even, saturating at +-6; a NaN/Inf block gets scale 0xFF and every element E2M1_NAN_BLOCK_CODE.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -80,13 +83,14 @@ class ElementFormat:
     name: str
     max_value: float  # largest finite magnitude
     max_pow2: int  # exponent of the largest power of two <= max_value (torchao's *_MAX_POW2)
-    torchao_018_scale: bool = False  # torchao 0.18's scale arithmetic (quirks) instead of main's contract
+    mant_bits: int  # element mantissa bits ("even" rounds amax at this precision)
 
 
-E4M3 = ElementFormat("e4m3", E4M3_MAX, E4M3_MAX_POW2)
-E2M1 = ElementFormat("e2m1", E2M1_MAX, E2M1_MAX_POW2, torchao_018_scale=True)
+E4M3 = ElementFormat("e4m3", E4M3_MAX, E4M3_MAX_POW2, E4M3_MANT_BITS)
+E2M1 = ElementFormat("e2m1", E2M1_MAX, E2M1_MAX_POW2, E2M1_MANT_BITS)
 
-SCALING_MODES = ("floor", "rceil")
+SCALING_MODES = ("floor", "rceil")  # MXFP8
+MXFP4_SCALING_MODES = ("floor", "rceil", "even")
 
 
 def _f32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -224,10 +228,17 @@ def e8m0_reciprocal(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c == E8M0_NAN, float("nan"), e8m0_decode((2 * E8M0_BIAS - c).clamp(min=0).to(torch.uint8)))
 
 
+def even_round_amax(amax: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """"even" mode: amax's FP32 bits plus half an element-mantissa step (2^(22 - mant_bits)),
+    mantissa cleared: the exponent field of amax rounded at the element's precision (FP32 bits)."""
+    return (_f32_bits(amax) + (1 << (F32_MANT_BITS - fmt.mant_bits - 1))) & ~F32_MANT_MASK
+
+
 def _mx_scale_contract(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(amax)
-    if scaling_mode == "floor":
-        exp_field = torch.bitwise_right_shift(_f32_bits(amax), F32_MANT_BITS) & F32_EXP_MASK
+    if scaling_mode in ("floor", "even"):
+        bits = _f32_bits(amax) if scaling_mode == "floor" else even_round_amax(amax, fmt)
+        exp_field = torch.bitwise_right_shift(bits, F32_MANT_BITS) & F32_EXP_MASK
         code = (exp_field - fmt.max_pow2).clamp(min=0).to(torch.uint8)
     else:
         code = e8m0_rceil(amax * f32_reciprocal(fmt.max_value).to(amax.device))
@@ -235,101 +246,15 @@ def _mx_scale_contract(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat
     return code, e8m0_reciprocal(code)
 
 
-# ------------------------------------------------------------------------------------------------
-# MX block scale as torchao 0.18 computes it (MXFP4 only, until it moves to the contract above)
-# ------------------------------------------------------------------------------------------------
-
-
-def _log2_rounds_down_table() -> list[int]:
-    """TORCHAO_RCEIL_LOG2 quirk table, indexed by e + 127 for e in [-127, 127].
-
-    torchao 0.18 computes the rceil exponent as ceil(log2(descale)) in FP32. For
-    descale = 2^e * (1 + n * 2^-23) with small n >= 1, the true log2 is e + n * 2^-23 / ln 2
-    + O(n^2 2^-46); when that offset is below half an FP32 ulp of the result, log2 rounds to
-    exactly e and the ceil stays at e instead of e + 1. The result has magnitude |e| for e > 0
-    and just under |e| for e < 0, so its binade is b = floor(log2(L)) with L = e or -e - 1,
-    its half-ulp 2^(b - 24), and the largest n that still rounds down is
-    ceil(ln 2 * 2^(b - 1)) - 1 (never an integer boundary). Checked exhaustively against
-    torch.log2 on every positive FP32 (see tests/test_formats.py).
-    """
-    table = []
-    for e in range(E8M0_MIN_EXP, E8M0_MAX_EXP + 1):
-        magnitude = e if e > 0 else -e - 1
-        if magnitude < 4:  # binade < 2: even n = 1 moves log2 by more than half an ulp
-            table.append(0)
-            continue
-        binade = magnitude.bit_length() - 1
-        table.append(math.ceil(math.log(2) * 2.0 ** (binade - 1)) - 1)
-    return table
-
-
-LOG2_ROUNDS_DOWN = _log2_rounds_down_table()
-
-
-def rceil_exponent_torchao(descale: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(descale)) as torchao 0.18 computes it in FP32, from bits, for finite
-    descale >= 0, clamped to [-127, 127] (codes 0..254) as torchao does.
-
-    Quirk TORCHAO_RCEIL_LOG2: just above a power of two, FP32 log2 rounds to the integer and the
-    ceil does not step up (table above). Descales in (2^-127, 2^-126) are FP32 subnormals with
-    22 fraction bits: n counts units of 2^-22 there, i.e. 2 units of 2^-23.
-    """
-    bits = descale.view(torch.int32)
-    exp_field = torch.bitwise_right_shift(bits, F32_MANT_BITS) & F32_EXP_MASK
-    mant = bits & ((1 << F32_MANT_BITS) - 1)
-    subnormal_lead = 1 << (F32_MANT_BITS - 1)  # 2^-127 as an FP32 subnormal mantissa
-    is_sub = exp_field == 0
-    e = torch.where(is_sub, E8M0_MIN_EXP, exp_field - F32_EXP_BIAS)
-    n = torch.where(is_sub, (mant - subnormal_lead) * 2, mant)
-    table = torch.tensor(LOG2_ROUNDS_DOWN, dtype=torch.int32, device=descale.device)
-    steps_up = n > table[(e - E8M0_MIN_EXP).long()]
-    # below 2^-127 (and zero) the ceil is <= -127 and clamps to -127
-    ceil_exp = (e + steps_up.to(torch.int32)).clamp(max=E8M0_MAX_EXP)
-    return torch.where(is_sub & (mant <= subnormal_lead), E8M0_MIN_EXP, ceil_exp)
-
-
 def mx_scale(amax: torch.Tensor, scaling_mode: str, fmt: ElementFormat = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block amax (FP32, >= 0 or NaN/Inf) -> (E8M0 code uint8, FP32 multiplier for the elements).
-
-    The elements are then encoded from clamp(x * multiplier, -max, max).
-
-    E4M3 (and any format without torchao_018_scale): torchao main's contract (module docstring):
-    the multiplier is exactly 2^(127 - code), code 0 included. E2M1 (torchao_018_scale) as follows:
-
-    floor (OCP MX): scale exponent = floor(log2(amax)) - fmt.max_pow2, read from amax's FP32
-    exponent field (an FP32-subnormal amax counts as exponent -127), clamped at -127.
-    rceil: scale exponent = ceil(log2(amax / fmt.max_value)), the smallest power of two that keeps
-    the block within range, with descale = amax / max_value rounded to FP32 first (as torchao).
-    A kernel must form descale as the correctly rounded FP32 quotient (IEEE division: a multiply
-    by the inexact 1/448 differs), then needs only integer ops (rceil_exponent_torchao).
-
-    The multiplier is 2^-(scale exponent), exact, except for torchao 0.18's handling of code 0:
-    - quirk TORCHAO_FLOOR_CODE0: floor divides by max(2^(code-127), 2^-126) (torchao clamps the
-      FP32 scale to the smallest normal), so a code-0 block (nominally 2^-127) is multiplied by
-      2^126, not 2^127: its elements decode to half their value.
-    - quirk TORCHAO_RCEIL_CODE0: rceil uses the reciprocal 1.0 for code 0, so a code-0 block is
-      not scaled at all (its elements, all below ~448 * 2^-127, underflow to +-0).
-    - quirk TORCHAO_RCEIL_LOG2: see rceil_exponent_torchao.
-    NaN or Inf amax: code 0xFF and a NaN multiplier (the caller writes the NaN element pattern).
-    """
-    if scaling_mode not in SCALING_MODES:
-        raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {scaling_mode!r}")
-    amax = amax.to(torch.float32)
-    if not fmt.torchao_018_scale:
-        return _mx_scale_contract(amax, scaling_mode, fmt)
-    finite = torch.isfinite(amax)
-    safe = torch.where(finite, amax, 0.0)
-    if scaling_mode == "floor":
-        exp_field = torch.bitwise_right_shift(safe.view(torch.int32), F32_MANT_BITS) & F32_EXP_MASK
-        code = (exp_field - fmt.max_pow2).clamp(min=0)  # exponent field - bias - max_pow2 + bias
-        multiplier = torch.where(code == 0, 2.0**126, _pow2_f32(E8M0_BIAS - code))
-    else:
-        descale = safe / fmt.max_value
-        code = rceil_exponent_torchao(descale) + E8M0_BIAS
-        multiplier = torch.where(code == 0, 1.0, _pow2_f32(E8M0_BIAS - code))
-    code = torch.where(finite, code, E8M0_NAN).to(torch.uint8)
-    multiplier = torch.where(finite, multiplier, float("nan"))
-    return code, multiplier
+    """Block amax (FP32, >= 0 or NaN/Inf) -> (E8M0 code uint8, FP32 multiplier 2^(127 - code)
+    for the elements; NaN for a NaN/Inf amax, code 0xFF), the contract in the module docstring.
+    The elements are then encoded from clamp(x * multiplier, -max, max). "even" is an MXFP4
+    (E2M1) mode."""
+    modes = MXFP4_SCALING_MODES if fmt is E2M1 else SCALING_MODES
+    if scaling_mode not in modes:
+        raise ValueError(f"scaling_mode must be one of {modes}, got {scaling_mode!r}")
+    return _mx_scale_contract(amax.to(torch.float32), scaling_mode, fmt)
 
 
 def mx_quantize_blocks(blocks: torch.Tensor, scaling_mode: str, fmt: ElementFormat) -> tuple[torch.Tensor, torch.Tensor]:

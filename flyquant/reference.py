@@ -4,7 +4,8 @@ MXFP8 quantize ops follow torchao main's MXFP8 bitwise contract (pytorch/ao PR 4
 states it): E8M0 code 0 is 2^-127 and used, rceil rounds amax * fl32(1/448) up from its FP32
 bits, floor takes amax's FP32 exponent, a NaN/Inf block is scale 0xFF with NaN elements. They
 equal torchao 0.18's to_mx except on the blocks listed in tests/test_reference_mxfp8.py
-(DIFFERS_FROM_018). MXFP4 still follows 0.18 (formats.py). Everything runs on any device;
+(DIFFERS_FROM_018). MXFP4 follows the same contract with E2M1's constants and the extra mode
+"even" (formats.py; tests/test_reference_mxfp4.py lists where 0.18 differs). Everything runs on any device;
 nothing here imports a kernel.
 
 Layouts (DESIGN.md):
@@ -24,6 +25,7 @@ Layouts (DESIGN.md):
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -204,18 +206,87 @@ def mxfp8_quantize_3d_empty(w, scale_block_k=1, scale_layout=None):
     return data, torch.empty(shape, dtype=SCALE_DTYPE, device=w.device)
 
 
-def quantize_mxfp4(w, scaling_mode="floor"):
-    """MXFP4-quantize along the last dim (blocks of 32): (..., K) BF16/FP16/FP32 ->
-    (uint8 (..., K/2) packed E2M1, element 2i in the low nibble; float8_e8m0fnu (..., K/32)).
-    Bit-exact with torchao 0.18 to_mx(w, torch.float4_e2m1fn_x2, 32, mode) on finite input; a
-    block with NaN/Inf gets scale 0xFF and nibbles E2M1_NAN_BLOCK_CODE."""
-    validate.high_precision(w, "w")
-    if w.dim() < 1:
-        raise ValueError("w must have at least 1 dimension")
-    validate.scaling_mode(scaling_mode)
-    validate.block_dim(w, w.dim() - 1, "w", "K")
-    codes, scales = _quantize_rows(w, scaling_mode, E2M1)
+def mxfp4_blocks(n: int) -> int:
+    """Blocks of 32 covering n elements (a trailing partial block counts as a whole one)."""
+    return -(-n // MX_BLOCK)
+
+
+def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
+    """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows (a 1-D x is one
+    row), in blocks of 32 along `axis`:
+
+    - axis=-1 (rowwise): data (M, ceil(K/32) * 16) uint8, scales (M, ceil(K/32)).
+    - axis=0 (columnwise, cast-transpose): x^T quantized along M: data (K, ceil(M/32) * 16),
+      scales (K, ceil(M/32)).
+
+    Data: packed E2M1, element 2i in the low nibble. Scales: float8_e8m0fnu. scaling_mode "floor",
+    "rceil" or "even" (formats' module docstring: torchao main's contract with E2M1's constants).
+    A trailing partial block is quantized as if zero-padded to 32 elements; its padding nibbles are
+    0, also in a NaN/Inf block (whose other nibbles are E2M1_NAN_BLOCK_CODE, scale 0xFF).
+    Zero-size x gives empty outputs of these shapes.
+    """
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    rows = x2 if axis == -1 else x2.t()
+    n = rows.shape[1]
+    padded = torch.nn.functional.pad(rows, (0, mxfp4_blocks(n) * MX_BLOCK - n))
+    codes, scales = _quantize_rows(padded, scaling_mode, E2M1)
+    codes[:, n:] = 0
     return formats.pack_fp4(codes), scales.view(SCALE_DTYPE)
+
+
+def mxfp4_quantize_empty(x, axis=-1):
+    """Uninitialised outputs with the shapes and dtypes of mxfp4_quantize (fake tensors)."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    rows, n = (m, k) if axis == -1 else (k, m)
+    nb = mxfp4_blocks(n)
+    return (torch.empty((rows, nb * MX_BLOCK // 2), dtype=torch.uint8, device=x.device),
+            torch.empty((rows, nb), dtype=SCALE_DTYPE, device=x.device))
+
+
+def quantize_mxfp4(w, scaling_mode="floor"):
+    """The weight-oriented name of mxfp4_quantize(w, axis=-1): (..., K) -> (uint8 (..., ceil(K/32)
+    * 16), float8_e8m0fnu (..., ceil(K/32))), w's leading dims kept."""
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    return weight_shaped(w, *mxfp4_quantize(w, -1, scaling_mode))
+
+
+MXFP4_3D_SHUFFLES = (None, "a16w4")
+
+
+def check_mxfp4_3d(w, scaling_mode, shuffle, gate_up) -> None:
+    """mxfp4_quantize_3d's checks (both backends): w (E, N, K) BF16/FP16/FP32 contiguous; shuffle
+    None or "a16w4" (then N % 32 == 0 and K % 256 == 0: the layouts' tiles); gate_up a bool, only
+    with the shuffle."""
+    validate.high_precision(w, "w", ndim=3)
+    validate.mxfp4_quantize_args(w, -1, scaling_mode, None, None, name="w")
+    if shuffle not in MXFP4_3D_SHUFFLES:
+        raise ValueError(f"shuffle must be one of {MXFP4_3D_SHUFFLES}, got {shuffle!r}")
+    if not isinstance(gate_up, bool):
+        raise ValueError(f"gate_up must be a bool, got {gate_up!r}")
+    if gate_up and shuffle is None:
+        raise ValueError("gate_up=True describes the a16w4 shuffle's row order: pass shuffle='a16w4'")
+    if shuffle:
+        validate.multiple_of(w.shape[1], layouts.A16W4_SCALE_ROWS, "w.shape[1] (N, rows per expert, for the a16w4 shuffle)")
+        validate.multiple_of(w.shape[2], MX_BLOCK * layouts.A16W4_SCALE_COLS, "w.shape[2] (K, for the a16w4 shuffle)")
+
+
+def mxfp4_quantize_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
+    """MXFP4-quantize expert weights w (E, N, K) along K: (uint8 (E, N, ceil(K/32) * 16),
+    float8_e8m0fnu (E, N, ceil(K/32))), quantize_mxfp4's bytes; shuffle="a16w4": those bytes
+    permuted by shuffle_weight_a16w4(data, 16, gate_up) and shuffle_scale_a16w4(scales, E,
+    gate_up) (aiter's layouts for its A16W4 MoE; same shapes)."""
+    check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
+    packed, scales = quantize_mxfp4(w, scaling_mode)
+    if shuffle:
+        return layouts.shuffle_weight_a16w4(packed, 16, gate_up), layouts.shuffle_scale_a16w4(scales, w.shape[0], gate_up)
+    return packed, scales
+
+
+def weight_shaped(w, packed, scales):
+    """Rowwise (M, .) outputs viewed with w's leading dims (quantize_mxfp4's shapes)."""
+    lead = tuple(w.shape[:-1])
+    return packed.view(*lead, packed.shape[-1]), scales.view(*lead, scales.shape[-1])
 
 
 def _check_scales(scales, name="scales"):
@@ -228,7 +299,8 @@ def dequantize_mxfp4(packed, scales):
     validate.tensor(packed, "packed", (torch.uint8, torch.float4_e2m1fn_x2))
     _check_scales(scales)
     k = packed.shape[-1] * 2
-    validate.block_dim(packed, packed.dim() - 1, "packed", "K/2", block=MX_BLOCK // 2)
+    if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):
+        raise ValueError(f"packed.shape[-1] (K/2) must be a multiple of {MX_BLOCK // 2} (whole blocks), got shape {tuple(packed.shape)}")
     validate.shape(scales, "scales", tuple(packed.shape[:-1]) + (k // MX_BLOCK,))
     values = formats.e2m1_decode(formats.unpack_fp4(packed))
     s = formats.e8m0_decode(scales)

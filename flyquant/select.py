@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -334,6 +335,40 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
                            "w is the transpose of a contiguous (E, K, N): the column kernel's 32x32 variant on "
                            "that tensor, data stored row-major (w's layout)", scale_block_k=scale_block_k)
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
+
+
+def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=None, gate_up=False,
+                        op: str = "mxfp4_quantize") -> Plan:
+    """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
+    rowwise (axis -1) or columnwise (axis 0, cast-transpose); shuffle "a16w4" (3D expert weights,
+    rowwise): the outputs written in aiter's A16W4 layouts by the same kernel."""
+    target = _kernel_target(op, x.device)
+    if isinstance(target, Plan):
+        return target
+    from .kernels import mxfp4_quantize as rows
+    from .kernels import mxfp4_quantize_cols as cols
+
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
+    kernel = rows if axis == -1 else cols
+    too_large = kernel.too_large(shape, x.dtype)
+    if too_large:
+        _forced_reference(too_large)
+        return reference_plan(op, target, too_large)
+    if axis == -1:
+        config = dataclasses.asdict(rows.plan_rows(shape, target.arch))
+        name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+        name += ("_a16w4_gate_up" if gate_up else "_a16w4") if shuffle else ""
+        split = "one lane per block of 32, 16-byte loads and stores"
+        if shuffle:
+            split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
+    else:
+        config = dataclasses.asdict(cols.plan_cols(shape, x.dtype, target.arch))
+        odd = x.element_size() == 2 and shape[1] % 2
+        name = f"mxfp4_cols_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_odd" if odd else "")
+        split = "a lane per 32 rows x 16 bytes of columns, 16-byte loads (whole lines) and stores"
+    conversion = ("hardware scaled FP4 conversion (v_cvt_scalef32_pk_fp4)" if target.arch == "gfx950"
+                  else "software FP4 conversion (no FP4 instruction on gfx942)")
+    return _kernel_plan(op, target, name, config, split, conversion)
 
 
 def _moe_config_values(config: dict, source: str) -> None:

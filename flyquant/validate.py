@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .formats import MX_BLOCK, SCALING_MODES
+from .formats import MX_BLOCK, MXFP4_SCALING_MODES, SCALING_MODES
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_LAYOUTS = (None, "tcgen05", "mfma")
@@ -52,9 +52,27 @@ def block_dim(x: torch.Tensor, dim: int, name: str, label: str, block: int = MX_
     multiple_of(x.shape[dim], block, f"{name}.shape[{dim}] ({label}, quantized in blocks of {block})")
 
 
-def scaling_mode(mode) -> None:
-    if mode not in SCALING_MODES:
-        raise ValueError(f"scaling_mode must be one of {SCALING_MODES}, got {mode!r}")
+def scaling_mode(mode, modes=SCALING_MODES) -> None:
+    if mode not in modes:
+        raise ValueError(f"scaling_mode must be one of {modes}, got {mode!r}")
+
+
+def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: str = "x") -> int:
+    """The checks of every MXFP4 quantize path: x BF16/FP16/FP32 of rank >= 1, contiguous; axis
+    -1 (rowwise) or 0 (columnwise); a mode of MXFP4_SCALING_MODES; only the plain layouts so far.
+    Returns the axis as -1 or 0."""
+    high_precision(x, name)
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dimension")
+    if axis not in (-1, 0) and not (axis == x.dim() - 1 and axis > 0):
+        raise ValueError(f"axis must be -1 (rowwise, blocks along the last dim) or 0 (columnwise), got {axis!r}")
+    scaling_mode(scaling_mode_, MXFP4_SCALING_MODES)
+    if scale_layout_ is not None:
+        raise ValueError(f"scale_layout must be None (plain scales; 'mfma' is not implemented yet), got {scale_layout_!r}")
+    if shuffle is not None:
+        raise ValueError(f"shuffle must be None ('a4w4' is not implemented yet), got {shuffle!r}")
+    contiguous(x, name)
+    return -1 if axis != 0 else 0
 
 
 def scale_layout(layout) -> None:

@@ -327,6 +327,11 @@ def perm(hi, lo, sel):
     return llvm.call_intrinsic(i32_t(), "llvm.amdgcn.perm", [val(hi), val(lo), val(sel)], [], [])
 
 
+def alignbit(hi, lo, shift):
+    """v_alignbit_b32: the low 32 bits of (hi:lo) >> (shift & 31)."""
+    return llvm.call_intrinsic(i32_t(), "llvm.fshr.i32", [val(hi), val(lo), val(shift)], [], [])
+
+
 def extract(vec, i):
     return vector.extract(vec, static_position=[i], dynamic_position=[])
 
@@ -466,6 +471,28 @@ def dwords_of(vec, n=PIECE_DWORDS):
 # ------------------------------------------------------------------------------------------------
 # Launch helpers and scale layouts
 # ------------------------------------------------------------------------------------------------
+
+
+def divide_magic(d: int) -> tuple[int, int]:
+    """(magic, shift) with floor(g / d) == (umulhi(g, magic) + g) >> shift for 0 <= g < 2^31:
+    magic = ceil(2^(32 + shift) / d) - 2^32, shift = ceil(log2(d)) (the error of the rounded-up
+    reciprocal, below d * g / 2^(32 + shift) < 1/2, never reaches the next integer)."""
+    shift = (d - 1).bit_length()
+    return -(-(1 << (32 + shift)) // d) - (1 << 32), shift
+
+
+def i32_bits(v: int) -> int:
+    """An unsigned 32-bit value as the signed i32 argument with the same bits."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def wave_split(tiles: int, max_waves: int, max_tiles_per_wave: int) -> tuple[int, int, int]:
+    """(waves per workgroup, tiles per wave, workgroups) for `tiles` units of a wave's work: each
+    wave takes up to max_tiles_per_wave consecutive tiles (spreading its setup), workgroups of up
+    to max_waves waves."""
+    tpw = max(1, min(max_tiles_per_wave, tiles))
+    waves = max(1, min(max_waves, -(-tiles // tpw)))
+    return waves, tpw, -(-tiles // (waves * tpw))
 
 
 def torch_stream(x):
@@ -680,20 +707,39 @@ def block_scale(spec: Spec, amax):
             step = (1 << BF16_MANT_BITS) - 1 - BF16_MANT_175  # j > 0x60 carries into the exponent
             code = lshr(usub_sat(amax, (E4M3_MAX_POW2 << BF16_MANT_BITS) - step), BF16_MANT_BITS)
     else:
-        bits = amax
-        if spec.dtype == "fp16":
-            half = arith.trunci(ir.IntegerType.get_signless(16), val(amax))
-            bits = as_i32(arith.extf(f32_t(), arith.bitcast(ir.F16Type.get(), half)))
-        if spec.mode == "floor":
-            code = lshr(usub_sat(bits, E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
-        else:
-            step = (1 << F32_MANT_BITS) - 1 - F32_MANT_175
-            code = lshr(usub_sat(add(bits, step), E4M3_MAX_POW2 << F32_MANT_BITS), F32_MANT_BITS)
-            if spec.dtype == "fp32":
-                code = select(cmp_eq(bits, RCEIL_SUBNORMAL_TIE), 0, code)
+        tie = RCEIL_SUBNORMAL_TIE if spec.dtype == "fp32" else None
+        code = f32_scale_code(amax_f32_bits(spec, amax), spec.mode, E4M3_MAX_POW2, F32_MANT_175, tie)
     if spec.scaled_cvt:
         return code, as_f32(shl(code, F32_MANT_BITS))
     return code, as_f32(shl(sub(FNUZ_MULT_FIELD, code), F32_MANT_BITS))
+
+
+def amax_f32_bits(spec: Spec, amax):
+    """An amax pattern (16-bit types: in the low half) -> the FP32 bits of the same value (exact:
+    BF16 shifted, FP16 widened, FP16 subnormals becoming normal FP32)."""
+    if spec.dtype == "bf16":
+        return shl(amax, 16)
+    if spec.dtype == "fp16":
+        half = arith.trunci(ir.IntegerType.get_signless(16), val(amax))
+        return as_i32(arith.extf(f32_t(), arith.bitcast(ir.F16Type.get(), half)))
+    return amax
+
+
+def f32_scale_code(bits, mode: str, max_pow2: int, rceil_mant: int, tie=None, even_mant_bits=None):
+    """The E8M0 code of a block from its FP32 amax bits (eb = exponent field, j = mantissa field)
+    for an element format whose largest value is (1 + rceil_mant / 2^23) * 2^max_pow2:
+      floor: max(eb - max_pow2, 0)
+      even:  floor's rule on bits + 2^(22 - even_mant_bits) (amax rounded at the element's
+             precision: the carry reaches the exponent from mantissa 1 - 2^-(m+1))
+      rceil: max(eb - max_pow2 + [j > rceil_mant], 0), and 0 for the amax pattern `tie` (the
+             one subnormal-descale exception of the format, checked exhaustively in tests)."""
+    carry = {"floor": 0, "rceil": (1 << F32_MANT_BITS) - 1 - rceil_mant}.get(mode)
+    if mode == "even":
+        carry = 1 << (F32_MANT_BITS - 1 - even_mant_bits)
+    code = lshr(usub_sat(add(bits, carry) if carry else bits, max_pow2 << F32_MANT_BITS), F32_MANT_BITS)
+    if tie is not None and mode == "rceil":
+        code = select(cmp_eq(bits, tie), 0, code)
+    return code
 
 
 def pack_pair(hi, lo):

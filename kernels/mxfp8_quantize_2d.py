@@ -93,9 +93,7 @@ def plan_1x32(shape, dtype: torch.dtype, arch: str) -> Plan1x32:
     arch_info(arch)
     m, k = shape
     tiles = -(-(m * k // MX_BLOCK) // (WAVE * BLOCKS_PER_LANE[TORCH_DTYPES[dtype]]))
-    tpw = max(1, min(TILES_PER_WAVE, tiles))
-    waves = max(1, min(MAX_WAVES, -(-tiles // tpw)))
-    return Plan1x32(waves, tpw, -(-tiles // (waves * tpw)))
+    return Plan1x32(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE))
 
 
 def plan(kind: str, shape, dtype: torch.dtype, arch: str, scale_block_k: int = 1):
@@ -319,14 +317,6 @@ def _check_input(x: torch.Tensor, name: str, ndim: int, scaling_mode, scale_layo
     validate.contiguous(x, name)
 
 
-def divide_magic(d: int) -> tuple[int, int]:
-    """(magic, shift) with floor(g / d) == (umulhi(g, magic) + g) >> shift for 0 <= g < 2^31:
-    magic = ceil(2^(32 + shift) / d) - 2^32, shift = ceil(log2(d)) (the error of the rounded-up
-    reciprocal, below d * g / 2^(32 + shift) < 1/2, never reaches the next integer)."""
-    shift = (d - 1).bit_length()
-    return -(-(1 << (32 + shift)) // d) - (1 << 32), shift
-
-
 def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None):
     """MXFP8 1x32 quantize of a contiguous (M, K) BF16/FP16/FP32 tensor on `arch`.
 
@@ -346,8 +336,8 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
     dtype = TORCH_DTYPES[x.dtype]
     q, s = data.view(torch.uint8), scales
     rows_per_launch = _rows_per_launch(m, k * x.element_size(), LAYOUT_ROW_ALIGN if scale_layout else 1)
-    magic, shift = divide_magic(nkb)
-    magic = magic - (1 << 32) if magic >= 1 << 31 else magic  # the i32 argument's bits
+    magic, shift = mx.divide_magic(nkb)
+    magic = mx.i32_bits(magic)
     dims = mx.layout_dims(scale_layout, pcols) if scale_layout else 0
     if m * nkb >= MAX_LAUNCH_BYTES:
         raise ValueError(f"x has {m * nkb} blocks of 32; at most {MAX_LAUNCH_BYTES - 1} are supported")

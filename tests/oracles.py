@@ -97,3 +97,23 @@ def aiter_fp4_utils():
         root / "utility" / "fp4_utils.py", ["e8m0_shuffle", "mxfp4_to_f32", "e8m0_to_f32"],
         {"torch": torch, "dtypes": dtypes, "math": math},
     )
+
+
+def aiter_per_1x32_f4_quant():
+    """aiter's pure-torch MXFP4 quantize, per_1x32_f4_quant from aiter/ops/quant.py, with the
+    fp4_utils torch helpers it calls (f32_to_e8m0, e8m0_to_f32, f32_to_mxfp4 and what that uses;
+    fp4_utils' module constants supplied with the values that file defines). Its scale is
+    f32_to_e8m0(amax / 4): amax's exponent, +1 from mantissa 0.5 on (its line with torchao's EVEN
+    rounding, + 0x200000, is commented out in this aiter), so it equals "even" on blocks whose
+    amax mantissa is outside [0.5, 0.75)."""
+    root = _package_dir("aiter")
+    if root is None:
+        pytest.skip("amd-aiter (the oracle) is not installed")
+    dtypes = SimpleNamespace(fp8_e8m0=torch.float8_e8m0fnu, fp32=torch.float32, fp4x2=torch.float4_e2m1fn_x2)
+    ns = {"torch": torch, "Tensor": torch.Tensor, "dtypes": dtypes, "EBITS_F32": 8, "MBITS_F32": 23,
+          "F32_EXP_BIAS": 127}
+    fp4 = load_functions(root / "utility" / "fp4_utils.py",
+                         ["f32_to_e8m0", "e8m0_to_f32", "f32_to_mxfp4", "e8m0_shuffle", "pack_uint4", "down_size",
+                          "_n_ones", "_f32_to_floatx_unpacked"], ns)
+    return load_functions(root / "ops" / "quant.py", ["per_1x32_f4_quant"],
+                          {"torch": torch, "dtypes": dtypes, "fp4_utils": fp4}).per_1x32_f4_quant

@@ -8,7 +8,7 @@ import torch
 import flyquant as fq
 
 DESIGN_NAMES = [
-    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "shuffle_weight_a16w4",
+    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "mxfp4_quantize", "shuffle_weight_a16w4",
     "shuffle_scale_a16w4", "moe_sorting", "moe_gemm2_a16w4", "explain", "mxfp8_dequantize", "dequantize_mxfp4",
     "reference", "emu", "moe_block_m",
 ]
@@ -44,7 +44,7 @@ X = torch.zeros(64, 64, dtype=torch.bfloat16)
     (lambda: fq.mxfp8_quantize_dual(X[:, :40]), ValueError, "K, quantized in blocks of 32"),
     (lambda: fq.mxfp8_quantize_3d(X), ValueError, "w must be 3D"),
     (lambda: fq.mxfp8_quantize_3d(X[None], scale_block_k=16), ValueError, "scale_block_k must be one of"),
-    (lambda: fq.quantize_mxfp4(X[:, :48]), ValueError, "blocks of 32"),
+    (lambda: fq.quantize_mxfp4(X[:, :48]), ValueError, "w must be contiguous"),
     (lambda: fq.moe_sorting(torch.tensor([[0, 9]]), torch.ones(1, 2), 8, 16), ValueError, "expert"),
 ])
 def test_bad_input_is_a_clear_error(call, error, match, reference_backend):
@@ -97,7 +97,9 @@ def test_torch_compile_traces_without_graph_breaks(reference_backend):
     def step(x):
         (d0, s0), (d1, s1) = fq.mxfp8_quantize_dual(x)
         d3, s3 = fq.mxfp8_quantize_3d(x.view(2, 32, 64))
-        return d0, s0, d1, s1, d3, s3
+        p4, t4 = fq.mxfp4_quantize(x[:, :40].contiguous(), axis=0, scaling_mode="even")
+        w4, u4 = fq.mxfp4_quantize_3d(x.view(2, 32, 64))
+        return d0, s0, d1, s1, d3, s3, p4, t4, w4, u4
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     for got, want in zip(compiled(x), step(x)):
@@ -114,6 +116,8 @@ def test_explain_prints_the_plan(capsys, reference_backend):
     plan = fq.explain(fq.mxfp8_quantize, X, axis=0)
     assert plan.backend == "reference" and "FLYQUANT_BACKEND=reference" in capsys.readouterr().out
     plan = fq.explain(fq.quantize_mxfp4, X)
+    assert plan.op == "mxfp4_quantize" and plan.backend == "reference" and plan.reasons == ("FLYQUANT_BACKEND=reference",)
+    plan = fq.explain(fq.dequantize_mxfp4, X.to(torch.uint8)[:, :16], X.to(torch.float8_e8m0fnu)[:, :1])
     assert plan.backend == "reference" and "no kernel" in plan.reasons[0]
 
 

@@ -135,18 +135,6 @@ def test_e2m1_decode_and_pack_order():
 # ------------------------------------------------------------------------------------------------
 
 
-def _near_powers_of_two() -> torch.Tensor:
-    """Every FP32 exponent field with the 256 smallest and 256 largest mantissas (where log2 sits
-    next to an integer), every 4th subnormal near 2^-127, and 2^18 random positive FP32s."""
-    exp_field = torch.arange(0, 255, dtype=torch.int64)
-    mant = torch.cat((torch.arange(256), (1 << 23) - 1 - torch.arange(256)))
-    normal = ((exp_field[:, None] << 23) | mant[None, :]).flatten()
-    subnormal = torch.arange((1 << 22) - 4096, (1 << 22) + 4096, 4)
-    gen = torch.Generator().manual_seed(2)
-    rand = torch.randint(1, 0x7F800000, (1 << 18,), generator=gen)
-    return torch.cat((normal, subnormal, rand)).to(torch.int32).view(torch.float32)
-
-
 def test_e8m0_reciprocal_every_code():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     got = F.e8m0_reciprocal(codes)
@@ -186,22 +174,26 @@ def test_mx_scale_contract_codes_and_multipliers(mode, amax, code, mult):
     assert c.item() == code and m.item() == mult
 
 
-def test_rceil_exponent_is_torchaos_fp32_log2_ceil():
-    """(MXFP4 only: E2M1 still follows 0.18.) Quirk TORCHAO_RCEIL_LOG2: torchao 0.18 takes ceil(log2(descale)) in FP32. Our bitwise rule
-    (with its table of mantissas for which log2 rounds down to the integer) reproduces it. The
-    same comparison over all 2^31 positive FP32 values passed during development (2.5 min)."""
-    d = _near_powers_of_two()
-    expected = torch.ceil(torch.log2(d)).clamp(-127, 127).to(torch.int32)
-    assert torch.equal(F.rceil_exponent_torchao(d), expected)
+@pytest.mark.parametrize("mode,amax,code", [
+    # E2M1 (max 6 = 1.5 * 2^2). floor: field - 2. 1.7 = 1.7 * 2^0 -> 125.
+    ("floor", 1.7, 125),
+    # even: + 2^21 carries from mantissa 0.75: 1.7 (0.7) stays -> 125; 1.75 -> 2^1 -> 126.
+    ("even", 1.7, 125), ("even", 1.75, 126), ("even", 1.5, 125),
+    # rceil: 1.7 * fl32(1/6) = 0.2833 -> 2^-1 -> 126; 6 * fl32(1/6) rounds to exactly 1 -> 127.
+    ("rceil", 1.7, 126), ("rceil", 6.0, 127), ("rceil", 1.5, 125),
+    # code 0 is 2^-127 (floor/even field <= 2; rceil descale <= 2^-127)
+    ("floor", 2.0**-125, 0), ("even", 1.75 * 2.0**-126, 0), ("rceil", 6 * 2.0**-127, 0),
+    # even: the largest finite FP32 rounds to field 255 -> code 253 (not NaN: the block is finite)
+    ("even", 3.4028234663852886e38, 253), ("floor", 3.4028234663852886e38, 252),
+])
+def test_mx_scale_e2m1_codes(mode, amax, code):
+    c, m = F.mx_scale(torch.tensor([amax]), mode, F.E2M1)
+    assert c.item() == code and m.item() == math.ldexp(1.0, 127 - code)
 
 
-def test_rceil_log2_quirk_named_cases():
-    """descale = 2^e (1 + n 2^-23): exact ceil is e + 1 for n >= 1, torchao gives e while n is
-    within the table (|e| = 100: binade 6, up to n = 22)."""
-    for e, n, torchao_exp in [(100, 22, 100), (100, 23, 101), (5, 1, 5), (5, 2, 6), (3, 1, 4), (-4, 1, -3),
-                              (-5, 1, -5), (-126, 22, -126), (-126, 23, -125)]:
-        d = _bits_to_f32([((e + 127) << 23) | n])
-        assert F.rceil_exponent_torchao(d).item() == torchao_exp, (e, n)
+def test_even_is_an_mxfp4_mode():
+    with pytest.raises(ValueError, match="scaling_mode"):
+        F.mx_scale(torch.ones(1), "even", F.E4M3)
 
 
 @pytest.mark.parametrize("mode", F.SCALING_MODES)

@@ -107,8 +107,11 @@ def test_from_dense_matches_the_exact_moe_on_the_kernels(arch, monkeypatch):
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     with fq.emu.record() as launches:
         m = check_layer(torch.float32)
-    assert [r.kernel.split("_a16w4")[0].split("_e")[0] for r in launches] == ["moe_sorting", "moe_gemm1", "moe_gemm2"]
-    assert all(r.kernel.endswith(arch) for r in launches)
+    quantize = [r.kernel for r in launches if r.kernel.startswith("mxfp4_rows_")]  # from_dense: 2 per expert
+    assert len(quantize) == 2 * EXPERTS and all(f"_fp32_{arch}_" in name for name in quantize)
+    layer = [r for r in launches if not r.kernel.startswith("mxfp4_rows_")]
+    assert [r.kernel.split("_a16w4")[0].split("_e")[0] for r in layer] == ["moe_sorting", "moe_gemm1", "moe_gemm2"]
+    assert all(r.kernel.endswith(arch) for r in layer)
     assert m.padded_dims == dict(K=256, P=256, N=96)
 
 

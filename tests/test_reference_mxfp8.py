@@ -57,35 +57,37 @@ DIFFERS_FROM_018 = {
 }
 
 
-def difference_classes(x: torch.Tensor, mode: str) -> dict:
-    """(..., 32) blocks -> {DIFFERS_FROM_018 class: bool (...)}: the blocks in that class."""
+def difference_classes(x: torch.Tensor, mode: str, fmt=formats.E4M3) -> dict:
+    """(..., 32) blocks -> {DIFFERS_FROM_018 class: bool (...)}: the blocks in that class (for
+    MXFP4, fmt E2M1, the same classes with 6 in place of 448; "even" has floor's)."""
     x = x.to(torch.float32)
     nan, inf = x.isnan().any(-1), x.isinf().any(-1)
     amax = x.abs().amax(-1)
-    codes, elems = formats.mx_quantize_blocks(x, mode, formats.E4M3)
-    code0 = (codes == 0) & ((elems & 0x7F) != 0).any(-1)
-    if mode == "floor":
+    codes, elems = formats.mx_quantize_blocks(x, mode, fmt)
+    magnitude = 0x7F if fmt is formats.E4M3 else 0x7
+    code0 = (codes == 0) & ((elems & magnitude) != 0).any(-1)
+    if mode in ("floor", "even"):
         return {"nonfinite": nan | inf, "floor_code0": code0}
-    descale = (amax * formats.f32_reciprocal(formats.E4M3_MAX)).double()
+    descale = (amax * formats.f32_reciprocal(fmt.max_value)).double()
     mant, _ = torch.frexp(descale)  # descale = mant * 2^e, mant in [0.5, 1)
     excess = mant * 2 - 1  # relative excess over the power of two below
     return {"nonfinite": inf & ~nan, "rceil_code0": code0, "rceil_log2": (excess > 0) & (excess <= 2.0**-17)}
 
 
-def documented_018_differences(x: torch.Tensor, mode: str) -> torch.Tensor:
+def documented_018_differences(x: torch.Tensor, mode: str, fmt=formats.E4M3) -> torch.Tensor:
     """(..., 32) blocks -> bool (...): the block is in a DIFFERS_FROM_018 class."""
-    classes = list(difference_classes(x, mode).values())
+    classes = list(difference_classes(x, mode, fmt).values())
     return torch.stack(classes).any(0)
 
 
-def assert_matches_018(data, scales, ref_data, ref_scales, x, mode, what=""):
+def assert_matches_018(data, scales, ref_data, ref_scales, x, mode, what="", fmt=formats.E4M3):
     """Our (data, scales) equal 0.18's on every block outside documented_018_differences; returns
     the number of blocks that differ (all of them documented). x, data, ref_data: (..., 32)
-    blocks along the last dim; scales: (...)."""
+    blocks along the last dim (data: a block's bytes, 32 E4M3 or 16 packed E2M1); scales: (...)."""
     x = x.reshape(-1, 32)
-    d, rd = _bytes(data).reshape(-1, 32), _bytes(ref_data).reshape(-1, 32)
+    d, rd = _bytes(data).reshape(x.shape[0], -1), _bytes(ref_data).reshape(x.shape[0], -1)
     differ = (_bytes(scales).reshape(-1) != _bytes(ref_scales).reshape(-1)) | (d != rd).any(-1)
-    documented = documented_018_differences(x, mode)
+    documented = documented_018_differences(x, mode, fmt)
     undocumented = (differ & ~documented).nonzero().flatten()
     assert undocumented.numel() == 0, f"{what}: blocks {undocumented[:8].tolist()} differ from torchao 0.18 undocumented"
     return int(differ.sum())

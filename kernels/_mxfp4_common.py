@@ -1,0 +1,140 @@
+"""Shared pieces of the MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise,
+kernels/mxfp4_quantize_cols.py columnwise): the E8M0 code of a block and the E2M1 conversion
+of its 32 elements, emitted into FlyDSL kernels.
+
+Math (flyquant.reference.mxfp4_quantize, bit-exact): per block of 32 elements, amax = max |x|
+(FP32), the E8M0 code c of the floor / rceil / even rule on amax's FP32 bits
+(_mx_common.f32_scale_code with E2M1's constants: 6 = 1.5 * 2^2), elements
+e2m1(x * 2^(127 - c)), nearest even, saturating at +-6; a block holding NaN or Inf gets code
+0xFF and every element E2M1_NAN_BLOCK_CODE (0x7), padding elements of a partial block 0.
+
+rceil on bits: the contract's e8m0_rceil(amax * fl32(1/6)) equals max(eb - 2 + [j > 0x400000],
+0) for every FP32 amax (eb, j: exponent and mantissa fields) except amax = 0x01400001, whose
+subnormal descale rounds down to 2^-127 (code 0): checked exhaustively per binade in
+tests/test_mxfp4_kernels.py. No FP32 arithmetic is involved, so the FP32 denormal mode does not
+matter.
+
+Elements. gfx950: v_cvt_scalef32_pk_fp4_{bf16,f16,f32} convert two elements to E2M1 as
+x / 2^(s - 127), s the exponent field of the scale operand (CDNA4 ISA, "VOP3 instructions":
+V_CVT_SCALEF32_PK_FP4_BF16 and siblings), writing one byte of the destination: 16 conversions
+per block. They round to nearest even and saturate (overflow and Inf give +-6), the contract's
+clamp; NaN input gives +-6, so the kernels patch NaN/Inf blocks (code 0xFF, nibbles 0x7) in a
+rare branch taken when any lane of the wave holds one.
+gfx942 has no FP4 conversion: y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
+normal, and a y that underflows is below 0.25 either way), then from a = |y| bits clamped to
+6.0: for a < 2 the code is round(2a) by the FP32 adder (a + 2^22 has a 0.5 grid, nearest even:
+0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0 as E2M1's ties), for a >= 1 it is the FP32 bits rounded to
+one mantissa bit, nearest even ((a + 0x1FFFFF + bit 22) >> 22) minus the exponent rebias (252).
+The sign is bit 31 of x (-0 -> 0x8, as the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from flydsl._mlir import ir
+from flydsl._mlir.dialects import arith, rocdl, vector
+
+from flyquant.formats import E2M1_MANT_BITS, E2M1_MAX_POW2, E2M1_NAN_BLOCK_CODE
+
+from . import _mx_common as mx
+from ._mx_common import MX_BLOCK, Spec, add, band, bor, const, lshr, shl, sub
+
+TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+OUT_BLOCK_BYTES = MX_BLOCK // 2  # 32 nibbles
+E2M1_RCEIL_MANT = 0x400000  # mantissa field of 1.5: 6 = 1.5 * 2^2
+E2M1_RCEIL_TIE = 0x01400001  # the FP32 amax whose rceil descale rounds down to 2^-127 (module doc)
+E2M1_NAN_X8 = E2M1_NAN_BLOCK_CODE * 0x11111111  # eight NaN-block nibbles
+# gfx942 software encoder constants (module docstring)
+F32_SIX = 0x40C00000  # 6.0: saturation
+F32_TWO = 0x40000000  # below 2.0 the adder path is exact
+HALF_GRID = 4194304.0  # 2^22: FP32 values there are spaced 0.5
+HALF_GRID_BITS = 0x4A800000
+ROUND_BELOW_BIT22 = (1 << 21) - 1  # round to one mantissa bit: + 0x1FFFFF + bit 22, >> 22
+E2M1_REBIAS = (127 - 1) << E2M1_MANT_BITS  # FP32 (exponent, 1 mantissa bit) -> E2M1 code
+F32_MULT_FIELD = 254  # 2^(127 - c) has exponent field 254 - c
+
+def scale_code(spec: Spec, amax):
+    """E8M0 code of a block from its amax pattern (module docstring)."""
+    tie = E2M1_RCEIL_TIE if spec.dtype == "fp32" else None
+    return mx.f32_scale_code(mx.amax_f32_bits(spec, amax), spec.mode, E2M1_MAX_POW2, E2M1_RCEIL_MANT, tie,
+                             E2M1_MANT_BITS)
+
+
+def hw_convert(spec: Spec, words, code):
+    """gfx950: 32 elements -> 4 dwords of nibbles with the scaled FP4 conversions."""
+    scale = mx.as_f32(shl(code, mx.F32_MANT_BITS))
+    out = []
+    for j in range(4):
+        acc = mx.poison(mx.i32_t())
+        for b in range(4):
+            if spec.wide:
+                a, c = words[8 * j + 2 * b], words[8 * j + 2 * b + 1]
+                acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
+            else:
+                op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
+                src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[4 * j + b])
+                acc = op(mx.i32_t(), acc, src, scale, b)
+        out.append(acc)
+    return out
+
+
+def f32_elements(spec: Spec, words):
+    """The 32 elements as FP32 bit patterns (16-bit types widened exactly)."""
+    if spec.wide:
+        return list(words)
+    out = []
+    for d in words:
+        if spec.dtype == "bf16":
+            out += [shl(d, 16), band(d, 0xFFFF0000)]
+        else:
+            halves = mx.bitcast(mx.v2f16_t(), d)
+            out += [mx.as_i32(arith.extf(mx.f32_t(), mx.extract(halves, h))) for h in range(2)]
+    return out
+
+
+def sw_nibble(y, x):
+    """gfx942: the E2M1 code of the scaled value y (FP32 bits) with the sign of x (bits)."""
+    a = mx.umin(band(y, 0x7FFFFFFF), F32_SIX)
+    grid = arith.addf(mx.as_f32(a), arith.constant(mx.f32_t(), HALF_GRID))
+    small = sub(mx.as_i32(grid), HALF_GRID_BITS)
+    big = sub(lshr(add(add(a, ROUND_BELOW_BIT22), band(lshr(a, 22), 1)), 22), E2M1_REBIAS)
+    code = mx.select(mx.cmp_ult(a, F32_TWO), small, big)
+    return bor(code, band(lshr(x, 28), 8))
+
+
+def sw_convert(spec: Spec, words, code):
+    """gfx942: 32 elements -> 4 dwords of nibbles in software (module docstring)."""
+    mult = mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
+    xs = f32_elements(spec, words)
+    pair_t = ir.VectorType.get([2], mx.f32_t())
+    ys = []
+    for i in range(0, MX_BLOCK, 2):  # v_pk_mul_f32
+        v = vector.from_elements(pair_t, [mx.as_f32(xs[i]), mx.as_f32(xs[i + 1])])
+        p = arith.mulf(v, vector.broadcast(pair_t, mult))
+        ys += [mx.as_i32(mx.extract(p, 0)), mx.as_i32(mx.extract(p, 1))]
+    out = []
+    for j in range(4):
+        acc = const(0)
+        for n in range(8):
+            e = 8 * j + n
+            nib = sw_nibble(ys[e], xs[e])
+            acc = nib if n == 0 else bor(acc, shl(nib, 4 * n))
+        out.append(acc)
+    return out
+
+
+def nan_words(valid):
+    """Data of a NaN/Inf block: nibble 0x7 for the elements present, 0 for the padding."""
+    out = []
+    for j in range(4):
+        n = mx.umin(mx.usub_sat(valid, 8 * j), 8)  # elements present in this dword's 8
+        part = sub(shl(1, shl(n, 2)), 1)  # 4n low bits (n < 8)
+        out.append(band(E2M1_NAN_X8, mx.select(mx.cmp_uge(n, 8), -1, part)))
+    return out
+
+
+def allocate(rows: int, blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (data (rows, blocks * 16), codes (rows, blocks)) uint8 outputs: the kernels
+    write every byte."""
+    return (torch.empty((rows, blocks * OUT_BLOCK_BYTES), dtype=torch.uint8, device=device),
+            torch.empty((rows, blocks), dtype=torch.uint8, device=device))

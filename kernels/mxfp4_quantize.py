@@ -1,0 +1,271 @@
+"""MXFP4 quantize, rowwise (blocks of 32 along the last dim): x (M, K) -> packed E2M1 data
+(M, ceil(K/32) * 16) and E8M0 scales (M, ceil(K/32)). The scale rule and the element conversion
+(gfx950 hardware, gfx942 software) are in _mxfp4_common; a trailing partial block (K % 32 != 0)
+is the zero-padded block: its missing elements are masked to +0 after the load.
+
+amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 16-bit pairs
+through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
+integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
+
+Work split: one lane per block. Block g of the (M, nkb) block grid reads row g / nkb at
+(g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per lane, one 16-byte store of
+its 32 nibbles at 16 g (consecutive lanes: consecutive 16 bytes, a wave's store is 1 KiB
+contiguous) and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive blocks;
+blocks past the end read zeros and their stores are dropped (buffer range checks). With K %
+32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte length is
+not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer access ROCm
+enables; not verified on hardware).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl._mlir.dialects import arith
+
+from flyquant import toolchain
+from flyquant.arch import arch_info
+
+from . import _mx_common as mx
+from . import _mxfp4_common
+from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
+from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, hw_convert, nan_words, scale_code, sw_convert
+
+SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
+
+MAX_WAVES = 4
+TILES_PER_WAVE = 4
+A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
+A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    waves: int  # waves per workgroup
+    tiles_per_wave: int  # runs of 64 blocks a wave quantizes
+    workgroups: int
+
+
+def plan_rows(shape, arch: str) -> RowPlan:
+    """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
+    split on both arches)."""
+    arch_info(arch)
+    m, k = shape
+    tiles = -(-(m * -(-k // MX_BLOCK)) // WAVE)
+    return RowPlan(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE))
+
+
+def _tail_masks(spec: Spec, valid):
+    """Per input dword, the bits of the elements below `valid` (the block's elements present)."""
+    per = 4 // spec.elem_bytes
+    masks = []
+    for i in range(MX_BLOCK // per):
+        if per == 1:
+            masks.append(mx.select(mx.cmp_ult(i, valid), -1, 0))
+        else:
+            masks.append(mx.select(mx.cmp_ult(2 * i + 1, valid), -1, mx.select(mx.cmp_ult(2 * i, valid), 0xFFFF, 0)))
+    return masks
+
+
+def _last_element(words, g, valid, bufs, sizes):
+    """16-bit types, a last block with an odd element count: the tensor's last element is the low
+    half of a loaded dword whose high half lies past the buffer's end, and the range check, which
+    checks whole dwords, reads that dword as 0. The lane of the last block takes the element from
+    a 2-byte load instead (a wave-uniform branch, taken by one wave of the launch)."""
+    rx = bufs[0]
+    nblocks, x_bytes = sizes
+    hit = arith.andi(mx.cmp_eq(band(valid, 1), 1), mx.cmp_eq(g, sub(nblocks, 1)))
+    last = lshr(sub(valid, 1), 1)  # the word holding it, in its low half
+
+    def patched():
+        value = mx.load_short(rx, sub(x_bytes, 2))
+        return [mx.select(arith.andi(hit, mx.cmp_eq(last, i)), value, w) for i, w in enumerate(words)]
+
+    return mx.if_else(mx.wave_any(hit), patched, lambda: words, types=[mx.i32_t()] * len(words))
+
+
+def _a16w4_offsets(row, kb, nkb, n1_args, gate_up: bool):
+    """(data byte offset, scale byte offset) of block (row, kb) of (E * N, K / 32) in the layouts
+    of aiter's shuffle_weight_a16w4 (NLANE 16) and shuffle_scale_a16w4 (flyquant.layouts: its
+    splits and permutations, written out per block). A block's 16 data bytes are one KPACK unit.
+    row = e * N + n; q = row / 16. Weights, unit index (E, N0, [2,] K0, KLANE 4, NLANE 16):
+    plain ((q * K0 + kb / 4) * 4 + kb % 4) * 16 + row % 16 with K0 = nkb / 4; gate_up (n = h * N / 2
+    + n0 * 16 + row % 16, N1 = N / 32): q = (2 e + h) * N1 + n0, the unit ((((e * N1 + n0) * 2 + h)
+    * K0 + k0) * 4 + kl) * 16 + nl. Scales (E, N1, K1, KL 4, LANE 16, KP 2, P 2) with n = n1 * 32 + p
+    * 16 + lane (gate_up: n = p * N / 2 + n1 * 16 + lane), kb = k1 * 8 + kp * 4 + kl, K1 = nkb / 8."""
+    n1, magic, shift = n1_args
+    q, nl = lshr(row, 4), band(row, A16W4_NLANE - 1)
+    k0, kl = lshr(kb, 2), band(kb, A16W4_KLANE - 1)
+    kp, k1 = band(lshr(kb, 2), 1), lshr(kb, 3)
+    if gate_up:
+        t = lshr(add(mx.umulhi(q, magic), q), shift)  # 2 e + h
+        n0 = sub(q, mul(t, n1))
+        pair = add(mul(add(mul(lshr(t, 1), n1), n0), 2), band(t, 1))  # (e * N1 + n0) * 2 + h
+        unit_row, s_row, p = pair, add(mul(lshr(t, 1), n1), n0), band(t, 1)
+    else:
+        unit_row, s_row, p = q, lshr(row, 5), band(lshr(row, 4), 1)
+    unit = add(mul(add(mul(unit_row, lshr(nkb, 2)), k0), A16W4_KLANE * A16W4_NLANE), add(shl(kl, 4), nl))
+    s_off = add(mul(add(mul(s_row, lshr(nkb, 3)), k1), 4 * 16 * 2 * 2), add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), p)))
+    return mul(unit, OUT_BLOCK_BYTES), s_off
+
+
+def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves: int = MAX_WAVES):
+    """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
+    != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
+    outputs written in aiter's A16W4 layouts, K % 256 == 0)."""
+    spec = Spec(arch, dtype, mode)
+    in_block = MX_BLOCK * spec.elem_bytes
+    loads = in_block // PIECE_BYTES
+    name = f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "") + f"_w{waves}"
+    source = SOURCE_TAG
+    convert = hw_convert if spec.scaled_cvt else sw_convert
+
+    def block(g, bufs, shape, nblocks_bytes, n1_args):
+        """Block g (per lane) of the block grid; nblocks_bytes: (blocks, x's bytes)."""
+        rx, rq, rs = bufs
+        nkb, row_bytes, k, magic, shift = shape
+        if tail or shuffle:
+            row = lshr(add(mx.umulhi(g, magic), g), shift)
+            kb = sub(g, mul(row, nkb))
+        if tail:
+            off = add(mul(row, row_bytes), mul(kb, in_block))
+            valid = sub(k, mul(kb, MX_BLOCK))
+        else:
+            off, valid = mul(g, in_block), const(MX_BLOCK)
+        regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
+        words = [w for r in regs for w in mx.dwords_of(r)]
+        if tail:
+            words = [band(w, m) for w, m in zip(words, _tail_masks(spec, valid))]
+            if not spec.wide:
+                words = _last_element(words, g, valid, bufs, nblocks_bytes)
+        # two interleaved chains: consecutive max instructions do not depend on each other
+        amax = mx.amax_halves(spec, mx.amax_max(spec, *mx.chain_amax_interleaved(spec, [words[0::2], words[1::2]])))
+        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): blocks from 2^121 up redo it exactly
+            exact = lambda: [mx.amax_halves(spec, mx.chain_amax(spec, words, exact=True))]  # noqa: E731
+            amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), exact, lambda: [amax],
+                              types=[mx.i32_t()])[0]
+        code = scale_code(spec, amax)
+        data = convert(spec, words, code)
+        bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+        i32 = mx.i32_t()
+        patched = mx.if_else(
+            mx.wave_any(bad),
+            lambda: [mx.select(bad, n, d) for n, d in zip(nan_words(valid), data)] + [mx.select(bad, mx.E8M0_NAN, code)],
+            lambda: data + [code],
+            types=[i32] * 5,
+        )
+        d_off, s_off = mul(g, OUT_BLOCK_BYTES), g
+        if shuffle:  # past the last block: out of range (the layout's offsets would wrap into it)
+            d_off, s_off = _a16w4_offsets(row, kb, nkb, n1_args, shuffle == "a16w4_gate_up")
+            inside = mx.cmp_ult(g, nblocks_bytes[0])
+            d_off, s_off = mx.select(inside, d_off, mx.OOB), mx.select(inside, s_off, mx.OOB)
+        mx.store_byte(patched[4], rs, s_off)
+        mx.store(mx.from_elements(patched[:4]), rq, d_off)
+
+    def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1):
+        tid = val(fx.Int32(fx.thread_idx.x))
+        wave = mx.readfirstlane(lshr(tid, 6))
+        lane = band(tid, WAVE - 1)
+        nb = val(nblocks)
+        zero = const(0, mx.i64_t())
+        rx = mx.buffer(x, zero, mx.to_i64(x_bytes))
+        rq = mx.buffer(q, zero, mul(mx.to_i64(nb), OUT_BLOCK_BYTES))
+        rs = mx.buffer(s, zero, mx.to_i64(nb))
+        first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
+        bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift))
+        sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
+        mx.for_range(tiles_per_wave,
+                     lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
+
+    @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
+    def kernel(
+        x: fx.Tensor,  # (M, K) BF16/FP16/FP32, row-major
+        q: fx.Tensor,  # (M, nkb * 16) uint8: packed E2M1
+        s: fx.Tensor,  # (M, nkb) uint8: E8M0 codes
+        nblocks: fx.Int32,  # M * nkb, nkb = ceil(K / 32)
+        tiles_per_wave: fx.Int32,
+        nkb: fx.Int32,
+        row_bytes: fx.Int32,  # K * element bytes
+        k: fx.Int32,  # K
+        magic: fx.Int32,  # floor(g / nkb) = (umulhi(g, magic) + g) >> shift (tail only)
+        shift: fx.Int32,
+        x_bytes: fx.Int32,  # M * K * element bytes
+        n1: fx.Int32,  # shuffle: N / 32 (rows per expert / 32)
+        magic_n1: fx.Int32,  # floor(q / n1) = (umulhi(q, magic_n1) + q) >> shift_n1 (gate_up)
+        shift_n1: fx.Int32,
+    ):
+        body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1)
+
+    @flyc.jit
+    def launch(
+        x: fx.Tensor,
+        q: fx.Tensor,
+        s: fx.Tensor,
+        nblocks: fx.Int32,
+        tiles_per_wave: fx.Int32,
+        nkb: fx.Int32,
+        row_bytes: fx.Int32,
+        k: fx.Int32,
+        magic: fx.Int32,
+        shift: fx.Int32,
+        x_bytes: fx.Int32,
+        n1: fx.Int32,
+        magic_n1: fx.Int32,
+        shift_n1: fx.Int32,
+        workgroups: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
+        kernel(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1,
+               shift_n1).launch(
+            grid=(workgroups, 1, 1), block=(WAVE * waves, 1, 1), stream=stream
+        )
+
+    return launch
+
+
+_cached_rows = functools.lru_cache(maxsize=None)(build_rows)
+
+
+def too_large(shape, dtype: torch.dtype) -> str | None:
+    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets), or None."""
+    m, k = shape
+    x_bytes = m * k * torch.empty((), dtype=dtype).element_size()
+    out_bytes = m * -(-k // MX_BLOCK) * OUT_BLOCK_BYTES
+    if max(x_bytes, out_bytes) >= mx.MAX_LAUNCH_BYTES:
+        return f"x ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB (32-bit buffer offsets)"
+    return None
+
+
+def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", shuffle=None, rows_per_expert=None):
+    """Rowwise MXFP4 quantize of a contiguous (M, K) BF16/FP16/FP32 tensor on `arch`, as
+    flyquant.reference.mxfp4_quantize(x, -1, scaling_mode): (uint8 (M, ceil(K/32) * 16), float8_e8m0fnu
+    (M, ceil(K/32))). shuffle "a16w4" / "a16w4_gate_up": x is (E * N, K) expert weights (N =
+    rows_per_expert), the outputs' bytes are those of aiter's shuffle_weight_a16w4(data, 16,
+    gate_up) and shuffle_scale_a16w4(scales, E, gate_up) (N % 32 == 0, K % 256 == 0). Inputs are
+    validated by the caller (flyquant.api / reference checks)."""
+    m, k = x.shape
+    reason = too_large(x.shape, x.dtype)
+    if reason:
+        raise ValueError(reason)
+    nkb = -(-k // MX_BLOCK)
+    data, scales = allocate(m, nkb, x.device)
+    if m * nkb == 0:
+        return data, scales.view(torch.float8_e8m0fnu)
+    tail = k % MX_BLOCK != 0
+    magic, shift = mx.divide_magic(nkb)
+    n1 = (rows_per_expert or A16W4_NLANE * 2) // (A16W4_NLANE * 2)
+    magic_n1, shift_n1 = mx.divide_magic(n1)
+    cfg = plan_rows((m, k), arch)
+    with toolchain.target(arch):
+        launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, cfg.waves)
+        launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
+               x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, cfg.workgroups,
+               stream=mx.torch_stream(x))
+    return data, scales.view(torch.float8_e8m0fnu)

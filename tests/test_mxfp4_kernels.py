@@ -1,0 +1,304 @@
+"""MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise, kernels/mxfp4_quantize_cols.py
+columnwise) against flyquant.reference, byte for byte,
+executed under flyquant.emu for gfx950 (hardware scaled FP4 conversion) and gfx942 (software
+conversion); `gpu`-marked tests repeat them on a real MI300X/MI355X.
+
+A block worked by hand (floor, BF16): {6.0, -0.75, 1.25, 0.25, 0 ...}: amax 6 = 1.5 * 2^2 ->
+code 2 - 2 + 127 = 127, elements unscaled: 6 -> 0x7, -0.75 -> -1.0 (tie to even) = 0xA,
+1.25 -> 1.0 (tie to even) = 0x2, 0.25 -> 0 (tie to even) = 0x0: bytes 0xA7, 0x02, 0x00 ...
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flyquant as fq
+import flyquant.emu as emu
+from flyquant import formats, reference, toolchain
+from flyquant.kernels import _mxfp4_common as c4
+from flyquant.kernels import mxfp4_quantize as k4
+from flyquant.kernels import mxfp4_quantize_cols as kc
+
+import oracles
+from test_reference_mxfp4 import fp4_blocks
+
+ARCHS = ("gfx950", "gfx942")
+MODES = ("floor", "rceil", "even")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+U8 = torch.uint8
+ALL = [(a, m, d) for a in ARCHS for m in MODES for d in DTYPES]
+IDS = [f"{a}-{m}-{str(d).replace('torch.', '')}" for a, m, d in ALL]
+
+
+def assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape) and g.stride() == w.stride(), (what, i)
+        bad = (g.view(U8) != w.view(U8)).nonzero()
+        assert bad.numel() == 0, f"{what} output {i}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
+
+
+def special_blocks(dtype) -> torch.Tensor:
+    """(n, 32): the reference tests' crafted blocks (zeros, -0, subnormals, code-0 edges, dtype
+    max, amax at 1.5 / 1.75 / 6 times powers of two, element ties, saturation) and non-finite
+    ones (NaN, +-Inf among finite values, all NaN)."""
+    blocks = list(fp4_blocks(dtype).values())
+    ones = torch.ones(32, dtype=dtype)
+    for i, v in ((3, float("nan")), (31, float("inf")), (0, -float("inf"))):
+        b = ones.clone()
+        b[i] = v
+        blocks.append(b)
+    blocks.append(torch.full((32,), float("nan"), dtype=dtype))
+    worked = torch.zeros(32)
+    worked[:4] = torch.tensor([6.0, -0.75, 1.25, 0.25])
+    blocks.append(worked.to(dtype))
+    return torch.stack(blocks)
+
+
+def random_rows(m, k, dtype, seed):
+    """Normal samples times 2^e, e per element in [-12, 12): scales vary within rows."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-12, 12, (m, k), generator=g).float()
+    return (torch.randn(m, k, generator=g) * torch.exp2(e)).to(dtype)
+
+
+def rows_tensor(dtype, k_blocks=3, extra_rows=40):
+    """(rows, 32 * k_blocks): the special blocks first (block order is row-major), then random
+    rows; 2+ waves' worth of blocks with a partial last tile."""
+    special = special_blocks(dtype)
+    pad = -special.shape[0] % k_blocks
+    special = torch.cat([special, torch.zeros(pad, 32, dtype=dtype)]).reshape(-1, 32 * k_blocks)
+    return torch.cat([special, random_rows(extra_rows, 32 * k_blocks, dtype, 1)]).contiguous()
+
+
+@pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
+def test_rows(arch, mode, dtype):
+    x = rows_tensor(dtype)
+    assert_same(k4.quantize_rows(x, arch=arch, scaling_mode=mode), reference.mxfp4_quantize(x, -1, mode), "rows")
+
+
+def test_worked_block():
+    x = special_blocks(torch.bfloat16)[-1:]
+    for arch in ARCHS:
+        packed, scales = k4.quantize_rows(x, arch=arch, scaling_mode="floor")
+        assert scales.view(U8).item() == 127
+        assert packed[0, :3].tolist() == [0xA7, 0x02, 0x00] and (packed[0, 3:] == 0).all()
+
+
+# Shapes with tails, each for a reason: one element; one partial block; a prime K (BF16 rows at
+# 2-byte alignment, a partial last block per row); a prime M with K one block; K = 40 with a
+# NaN in the partial block (padding nibbles stay 0); more rows than a tile.
+TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tails(arch, dtype):
+    mode = MODES[DTYPES.index(dtype)]  # one per dtype: the modes differ only in the scale rule (test_rows)
+    for i, (m, k) in enumerate(TAIL_SHAPES):
+        x = random_rows(m, k, dtype, seed=i)
+        if k == 40:
+            x[1, 37], x[4, 2] = float("nan"), -float("inf")
+        got = k4.quantize_rows(x, arch=arch, scaling_mode=mode)
+        assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
+
+
+def cols_tensor(dtype, m=84, k=40):
+    """(m, k) whose column blocks (32 rows of a column, column-major block order) start with the
+    special blocks, then random values; m = 84: 3 row blocks (the last 20 rows), k = 40: 5
+    (16-bit) or 10 (FP32) column groups, a partial column tile."""
+    x = random_rows(m, k, dtype, seed=5)
+    special = special_blocks(dtype)
+    nb = m // 32
+    for i in range(min(special.shape[0], nb * k)):
+        col, blk = divmod(i, nb)
+        x[32 * blk:32 * blk + 32, col] = special[i]
+    return x.contiguous()
+
+
+@pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
+def test_cols(arch, mode, dtype):
+    x = cols_tensor(dtype)
+    assert_same(kc.quantize_cols(x, arch=arch, scaling_mode=mode), reference.mxfp4_quantize(x, 0, mode), "cols")
+
+
+# Columnwise tails: one element; 1 x 7 (16-bit: the last element at offset 0 of an odd row); a
+# column of 3 rows (odd K = 1: the last row's load moved back); a prime M and K (rows at 2-byte
+# alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group). One
+# mode per dtype (the modes differ only in the scale rule, which test_cols covers).
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cols_tails(arch, dtype):
+    mode = MODES[DTYPES.index(dtype)]
+    for i, (m, k) in enumerate(COL_TAIL_SHAPES):
+        x = random_rows(m, k, dtype, seed=i)
+        if (m, k) == (40, 9):
+            x[37, 2], x[3, 8] = float("nan"), float("inf")
+        got = kc.quantize_cols(x, arch=arch, scaling_mode=mode)
+        assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
+    """fq.mxfp4_quantize_3d(w, shuffle="a16w4") writes in one launch the bytes of aiter's own
+    shuffle_weight_a16w4 / shuffle_scale_a16w4 (aiter/ops/shuffle.py, loaded by path) applied to
+    the plain quantize (E = 3, N = 64: two 32-row scale tiles, two gate/up halves of 32; K = 512:
+    two 256-wide scale tiles, a NaN block among them); without the shuffle it is quantize_mxfp4."""
+    aiter = oracles.aiter_shuffle()
+    emu.enable(arch)
+    w = random_rows(3 * 64, 512, torch.bfloat16, seed=11).reshape(3, 64, 512)
+    w[1, 40, 300] = float("nan")
+    packed, scales = reference.quantize_mxfp4(w, "even")
+    want = (aiter.shuffle_weight_a16w4(packed, 16, gate_up).reshape(packed.shape),
+            aiter.shuffle_scale_a16w4(scales.view(3 * 64, 16), 3, gate_up).view(3, 64, 16))  # aiter: (E*N, K/32)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=gate_up)
+    (launch,) = launches
+    assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+    assert_same(got, want, "a16w4")
+    assert_same(reference.mxfp4_quantize_3d(w, "even", "a16w4", gate_up), want, "reference a16w4")
+    if not gate_up:
+        assert_same(fq.mxfp4_quantize_3d(w[:, :, :500].contiguous(), "rceil"),
+                    reference.quantize_mxfp4(w[:, :, :500].contiguous(), "rceil"), "3d plain")
+    for kwargs, match in ((dict(shuffle="a16w4x"), "shuffle must be one of"), (dict(gate_up=True), "gate_up=True"),
+                          (dict(shuffle="a16w4", gate_up=1), "gate_up must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            fq.mxfp4_quantize_3d(w, **kwargs)
+    with pytest.raises(ValueError, match=r"w.shape\[2\] \(K, for the a16w4 shuffle\) = 480"):
+        fq.mxfp4_quantize_3d(w[:, :, :480].contiguous(), shuffle="a16w4")
+    with pytest.raises(ValueError, match=r"w.shape\[1\] \(N"):
+        fq.mxfp4_quantize_3d(w[:, :48].contiguous(), shuffle="a16w4")
+
+
+@pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
+def test_rceil_is_an_amax_mantissa_threshold(exp_field):
+    """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
+    except code 0 for amax 0x01400001, equals the contract's e8m0_rceil(amax * fl32(1/6)) for every
+    amax with this exponent field (all 2^23 mantissas). Normal descales scale exactly by powers of
+    two, so the binades listed stand for all; eb <= 3 give subnormal descales (eb = 2 holds the
+    exception)."""
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    bits = (exp_field << 23) | mant
+    want = formats.e8m0_rceil(bits.view(torch.float32) * formats.f32_reciprocal(formats.E2M1_MAX)).to(torch.int32)
+    rule = (exp_field - 2 + (mant > c4.E2M1_RCEIL_MANT).to(torch.int32)).clamp(min=0)
+    rule = torch.where(bits == c4.E2M1_RCEIL_TIE, 0, rule)
+    assert torch.equal(rule, want)
+
+
+def test_api_op_plan_and_errors():
+    """fq.mxfp4_quantize runs the kernel under the emulator (the op's plan), leading dims
+    flattened; quantize_mxfp4 keeps them; bad input is the reference's ValueError."""
+    emu.enable("gfx950")
+    x = random_rows(6, 64, torch.bfloat16, seed=9).reshape(2, 3, 64)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize(x, scaling_mode="even")
+    assert [r.kernel for r in launches] == ["mxfp4_rows_even_bf16_gfx950_w1"]
+    assert_same(got, reference.mxfp4_quantize(x, -1, "even"), "api")
+    packed, scales = fq.quantize_mxfp4(x)
+    assert packed.shape == (2, 3, 32) and scales.shape == (2, 3, 2)
+    plan = fq.explain(fq.mxfp4_quantize, x)
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp4_rows_floor_bf16_gfx950"
+    plan = fq.explain(fq.mxfp4_quantize, x, axis=0)
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp4_cols_floor_bf16_gfx950"
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize(x, axis=0, scaling_mode="rceil")
+    assert [r.kernel for r in launches] == ["mxfp4_cols_rceil_bf16_gfx950_w1"]
+    assert_same(got, reference.mxfp4_quantize(x, 0, "rceil"), "api cols")
+    for bad, match in (((x.transpose(0, 1),), "x must be contiguous"), ((x, -1, "ceil"), "scaling_mode"),
+                       ((x.int(),), "x must have dtype")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fq.mxfp4_quantize(*bad)
+    empty = fq.mxfp4_quantize(torch.zeros(0, 70))
+    assert empty[0].shape == (0, 48) and empty[1].shape == (0, 3)
+
+
+def _compile(arch, dtype, mode, tail):
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x = torch.zeros(64, 256, dtype=torch_dtype)
+    q, s = torch.zeros(64, 128, dtype=U8), torch.zeros(64, 8, dtype=U8)
+    (r,) = toolchain.compile_only(arch, k4.build_rows(arch, dtype, mode, tail), x, q, s, 512, 2, 8,
+                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 1, stream=0)
+    return r
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_compile(arch, dtype):
+    """No scratch; 16-byte loads and data stores only (plus the code bytes); the scaled FP4
+    conversion on gfx950 and none on gfx942 (which has no such instruction)."""
+    cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
+    for mode, tail in (("even", True),):  # the tail variant: the plain one's code plus the masks
+        r = _compile(arch, dtype, mode, tail)
+        print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
+        assert r.spills == 0 and r.lds_bytes == 0, r.name
+        loads = 8 if dtype == "fp32" else 4  # one block: 64 or 128 bytes
+        assert r.count("buffer_load_dwordx4") == loads, r.name
+        assert sum(r.count(f"buffer_load_{w}") for w in ("dword", "dwordx2", "dwordx3", "ubyte")) == 0, r.name
+        assert r.count("buffer_load_ushort") == (1 if tail and dtype != "fp32" else 0), r.name  # the last element
+        assert r.count("buffer_store_dwordx4") == 1 and r.count("buffer_store_byte") == 1, r.name
+        assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
+        assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_compile_cols(arch, dtype):
+    """Columnwise: no scratch; 32 16-byte row loads (odd: plus the 2-byte load of the last
+    element), one 16-byte data store and one code byte per column; the scaled FP4 conversion on
+    gfx950 only."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
+    x = torch.zeros(256, 256, dtype=torch_dtype)
+    q, s = torch.zeros(256, 128, dtype=U8), torch.zeros(256, 8, dtype=U8)
+    cols = 16 // x.element_size()
+    for odd in (dtype != "fp32",):  # 16-bit: the odd-K variant (the plain one's code plus the realigned loads)
+        (r,) = toolchain.compile_only(arch, kc.build_cols(arch, dtype, "floor", odd), x, q, s, 256, 256, 8, 256 * x.element_size(),
+                                      8, 2, 4, 0, 2, 1,
+                                      stream=0)
+        print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, {r.workgroups_per_cu()} workgroups/CU")
+        assert r.spills == 0 and r.lds_bytes == 0, r.name
+        assert r.count("buffer_load_dwordx4") == 32 and r.count("buffer_load_ushort") == int(odd), r.name
+        assert r.count("buffer_store_dwordx4") == cols and r.count("buffer_store_byte") == cols, r.name
+        assert r.count(cvt) == (16 * cols if arch == "gfx950" else 0), r.name
+        assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_instructions_and_coalescing(arch):
+    """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
+    stores, fully coalesced, the codes one byte each."""
+    x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
+    xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
+    with emu.device_like_allocations(), emu.record() as launches:
+        k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
+        kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
+    for r, t in zip(launches, (x, xc)):
+        mem = r.stats.memory
+        print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
+              f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
+              + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
+        assert mem["buffer_store_dwordx4"].bytes == t.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
+        assert mem["buffer_store_byte"].bytes == t.numel() // 32
+        assert mem["buffer_load_dwordx4"].bytes == t.numel() * 2
+    assert launches[1].stats.memory["buffer_load_dwordx4"].coalescing == 1.0  # columnwise: whole lines
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu(mode, dtype):
+    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    for x in (rows_tensor(dtype), random_rows(5, 67, dtype, 0)):
+        got = k4.quantize_rows(x.cuda(), arch=arch, scaling_mode=mode)
+        assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode), f"gpu {arch}")
+    for x in (cols_tensor(dtype), random_rows(37, 67, dtype, 0), random_rows(1, 7, dtype, 0)):
+        got = kc.quantize_cols(x.cuda(), arch=arch, scaling_mode=mode)
+        assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, 0, mode), f"gpu cols {arch}")
+    w = random_rows(2 * 64, 256, dtype, 1).reshape(2, 64, 256)
+    for gate_up in (False, True):
+        got = fq.mxfp4_quantize_3d(w.cuda(), mode, shuffle="a16w4", gate_up=gate_up)
+        assert_same([t.cpu() for t in got], reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"gpu 3d {arch}")
