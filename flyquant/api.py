@@ -106,20 +106,23 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
 
 
 @torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
-def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = select.plan_mxfp4_quantize(x, axis, scaling_mode)
+def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str] = None,
+                       shuffle: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp4_quantize(x, axis, scaling_mode, shuffle, scale_layout=scale_layout)
     if plan.backend == "reference":
-        return reference.mxfp4_quantize(x, axis, scaling_mode)
+        return reference.mxfp4_quantize(x, axis, scaling_mode, scale_layout, shuffle)
     from .kernels import mxfp4_quantize as rows
     from .kernels import mxfp4_quantize_cols as cols
 
-    launch = rows.quantize_rows if axis == -1 else cols.quantize_cols
-    return launch(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch, scaling_mode=scaling_mode)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if axis == 0:
+        return cols.quantize_cols(x2, arch=plan.arch, scaling_mode=scaling_mode)
+    return rows.quantize_rows(x2, arch=plan.arch, scaling_mode=scaling_mode, shuffle=shuffle, scale_layout=scale_layout)
 
 
 @_mxfp4_quantize_op.register_fake
-def _(x, axis, scaling_mode):
-    return reference.mxfp4_quantize_empty(x, axis)
+def _(x, axis, scaling_mode, scale_layout=None, shuffle=None):
+    return reference.mxfp4_quantize_empty(x, axis, scale_layout)
 
 
 def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
@@ -127,9 +130,12 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
     ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
     (K, ceil(M/32)). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
-    states the contract). scale_layout and shuffle: only None so far."""
+    states the contract). Rowwise only, written by the same kernel in one pass: scale_layout="mfma"
+    gives the scales as aiter's e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0;
+    shuffle="a4w4" gives the data as aiter's shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's
+    layout; M % 16 == 0 and K % 64 == 0)."""
     axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
-    return _mxfp4_quantize_op(x, axis, scaling_mode)
+    return _mxfp4_quantize_op(x, axis, scaling_mode, scale_layout, shuffle)
 
 
 def quantize_mxfp4(w, scaling_mode="floor"):
@@ -519,7 +525,7 @@ def _explain_dual(x, scaling_mode="rceil"):
 
 def _explain_mxfp4(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
     axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
-    return select.plan_mxfp4_quantize(x, axis, scaling_mode)
+    return select.plan_mxfp4_quantize(x, axis, scaling_mode, shuffle, scale_layout=scale_layout)
 
 
 def _explain_quantize_mxfp4(w, scaling_mode="floor"):

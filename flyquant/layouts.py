@@ -103,6 +103,30 @@ def mfma_shuffle_scales(scales: torch.Tensor) -> torch.Tensor:
     return out.view(scales.dtype)
 
 
+# aiter's gemm_a4w4 B operand (shuffle_weight(x, layout=(16, 16)) on packed FP4 bytes): tiles of
+# 16 rows x 32 bytes (64 FP4 values), each stored as (2 halves of 16 bytes along K, 16 rows, 16
+# bytes): a 16-byte K unit of 16 consecutive rows is contiguous.
+A4W4_ROWS = 16
+A4W4_UNIT = 16  # bytes per lane: one MX block of 32 FP4 values
+A4W4_UNITS = 2  # units per tile along K: 32 bytes = 64 elements
+
+
+def shuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
+    """aiter's shuffle_weight(x, layout=(16, 16)) on packed MXFP4 (..., M, K/2) uint8 or
+    float4_e2m1fn_x2, byte for byte: same shape and dtype, the 16-byte unit (row r, kb) stored at
+    unit ((r // 16) * (K/32) + kb) * 16 + r % 16 of its matrix (leading dims are separate
+    matrices). Needs M % 16 == 0 and K % 64 == 0 (named in the error)."""
+    validate.tensor(x, "x", (torch.uint8, torch.float4_e2m1fn_x2))
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dimensions (M, K/2), got shape {tuple(x.shape)}")
+    m, kp = x.shape[-2:]
+    validate.multiple_of(m, A4W4_ROWS, "x.shape[-2] (M, for the a4w4 shuffle)")
+    validate.multiple_of(kp, A4W4_UNIT * A4W4_UNITS, "x.shape[-1] (K/2 packed bytes, for the a4w4 shuffle)")
+    split = (-1, m // A4W4_ROWS, A4W4_ROWS, kp // A4W4_UNIT, A4W4_UNIT)  # (batch, M0, row, kb, byte)
+    out = _bytes(x.contiguous()).view(split).permute(0, 1, 3, 2, 4).contiguous().view(x.shape)
+    return out.view(x.dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # aiter A16W4 MoE weight and scale pre-shuffles
 # ------------------------------------------------------------------------------------------------

@@ -224,6 +224,11 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     A trailing partial block is quantized as if zero-padded to 32 elements; its padding nibbles are
     0, also in a NaN/Inf block (whose other nibbles are E2M1_NAN_BLOCK_CODE, scale 0xFF).
     Zero-size x gives empty outputs of these shapes.
+
+    Rowwise only: scale_layout="mfma" returns layouts.mfma_shuffle_scales(scales) (aiter's
+    e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0); shuffle="a4w4" returns
+    layouts.shuffle_weight_a4w4(data) (aiter's shuffle_weight(data, layout=(16, 16)); M % 16 == 0,
+    K % 64 == 0).
     """
     axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -232,16 +237,19 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     padded = torch.nn.functional.pad(rows, (0, mxfp4_blocks(n) * MX_BLOCK - n))
     codes, scales = _quantize_rows(padded, scaling_mode, E2M1)
     codes[:, n:] = 0
-    return formats.pack_fp4(codes), scales.view(SCALE_DTYPE)
+    data = formats.pack_fp4(codes)
+    if shuffle == "a4w4" and data.numel():
+        data = layouts.shuffle_weight_a4w4(data)
+    return data, _layout_scales_2d(scales.view(SCALE_DTYPE), scale_layout, flat=False)
 
 
-def mxfp4_quantize_empty(x, axis=-1):
+def mxfp4_quantize_empty(x, axis=-1, scale_layout=None):
     """Uninitialised outputs with the shapes and dtypes of mxfp4_quantize (fake tensors)."""
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     rows, n = (m, k) if axis == -1 else (k, m)
     nb = mxfp4_blocks(n)
     return (torch.empty((rows, nb * MX_BLOCK // 2), dtype=torch.uint8, device=x.device),
-            torch.empty((rows, nb), dtype=SCALE_DTYPE, device=x.device))
+            torch.empty(_scale_shape_2d(rows, nb, scale_layout, flat=False), dtype=SCALE_DTYPE, device=x.device))
 
 
 def quantize_mxfp4(w, scaling_mode="floor"):

@@ -338,10 +338,11 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
 
 
 def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=None, gate_up=False,
-                        op: str = "mxfp4_quantize") -> Plan:
+                        op: str = "mxfp4_quantize", scale_layout=None) -> Plan:
     """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
     rowwise (axis -1) or columnwise (axis 0, cast-transpose); shuffle "a16w4" (3D expert weights,
-    rowwise): the outputs written in aiter's A16W4 layouts by the same kernel."""
+    rowwise): the outputs written in aiter's A16W4 layouts by the same kernel; rowwise shuffle
+    "a4w4" / scale_layout "mfma": the data / scales in aiter's gemm_a4w4 layouts, same kernel."""
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
@@ -357,10 +358,18 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
     if axis == -1:
         config = dataclasses.asdict(rows.plan_rows(shape, target.arch))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
-        name += ("_a16w4_gate_up" if gate_up else "_a16w4") if shuffle else ""
+        if shuffle == "a4w4":
+            name += "_a4w4"
+        elif shuffle:
+            name += "_a16w4_gate_up" if gate_up else "_a16w4"
+        name += f"_{scale_layout}" if scale_layout else ""
         split = "one lane per block of 32, 16-byte loads and stores"
-        if shuffle:
+        if shuffle == "a4w4":
+            split += "; data stored in aiter's shuffle_weight (16, 16) layout"
+        elif shuffle:
             split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
+        if scale_layout:
+            split += "; scales stored in aiter's e8m0_shuffle layout (zero padding)"
     else:
         config = dataclasses.asdict(cols.plan_cols(shape, x.dtype, target.arch))
         odd = x.element_size() == 2 and shape[1] % 2

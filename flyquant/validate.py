@@ -6,6 +6,7 @@ device or layout) with a message that names the argument and the rule it broke.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
@@ -57,22 +58,38 @@ def scaling_mode(mode, modes=SCALING_MODES) -> None:
         raise ValueError(f"scaling_mode must be one of {modes}, got {mode!r}")
 
 
+MXFP4_SCALE_LAYOUTS = (None, "mfma")
+MXFP4_SHUFFLES = (None, "a4w4")
+A4W4_ROW_MULTIPLE, A4W4_K_MULTIPLE = 16, 64  # aiter shuffle_weight(layout=(16, 16)): 16 rows x 32 bytes
+
+
 def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: str = "x") -> int:
     """The checks of every MXFP4 quantize path: x BF16/FP16/FP32 of rank >= 1, contiguous; axis
-    -1 (rowwise) or 0 (columnwise); a mode of MXFP4_SCALING_MODES; only the plain layouts so far.
-    Returns the axis as -1 or 0."""
+    -1 (rowwise) or 0 (columnwise); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
+    shuffle None or "a4w4", both rowwise only, "a4w4" with M (leading dims flattened) % 16 == 0
+    and K % 64 == 0. Returns the axis as -1 or 0."""
     high_precision(x, name)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension")
     if axis not in (-1, 0) and not (axis == x.dim() - 1 and axis > 0):
         raise ValueError(f"axis must be -1 (rowwise, blocks along the last dim) or 0 (columnwise), got {axis!r}")
     scaling_mode(scaling_mode_, MXFP4_SCALING_MODES)
-    if scale_layout_ is not None:
-        raise ValueError(f"scale_layout must be None (plain scales; 'mfma' is not implemented yet), got {scale_layout_!r}")
-    if shuffle is not None:
-        raise ValueError(f"shuffle must be None ('a4w4' is not implemented yet), got {shuffle!r}")
+    if scale_layout_ not in MXFP4_SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {MXFP4_SCALE_LAYOUTS}, got {scale_layout_!r}")
+    if shuffle not in MXFP4_SHUFFLES:
+        raise ValueError(f"shuffle must be one of {MXFP4_SHUFFLES}, got {shuffle!r}")
     contiguous(x, name)
-    return -1 if axis != 0 else 0
+    axis = -1 if axis != 0 else 0
+    if axis == 0 and (scale_layout_ is not None or shuffle is not None):
+        raise ValueError(f"scale_layout={scale_layout_!r} / shuffle={shuffle!r} are rowwise only (axis=-1); "
+                         "the columnwise quantize returns plain outputs")
+    if shuffle == "a4w4":
+        m = math.prod(x.shape[:-1])
+        if m % A4W4_ROW_MULTIPLE or x.shape[-1] % A4W4_K_MULTIPLE:
+            raise ValueError(f"shuffle='a4w4' needs M (rows, leading dims flattened) = {m} a multiple of "
+                             f"{A4W4_ROW_MULTIPLE} and K = {x.shape[-1]} a multiple of {A4W4_K_MULTIPLE} "
+                             "(aiter's shuffle_weight tiles of 16 rows x 64 FP4 values)")
+    return axis
 
 
 def scale_layout(layout) -> None:

@@ -15,6 +15,14 @@ blocks past the end read zeros and their stores are dropped (buffer range checks
 32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte length is
 not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer access ROCm
 enables; not verified on hardware).
+
+Layouts written in the same pass (each lane stores its block's 16 bytes and code byte at their
+places): scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the
+MXFP8 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the
+M x nkb real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
+K % 64 == 0): lane g quantizes the block whose data is unit g of that layout, so the data stores
+stay 1 KiB contiguous per wave; each lane's 4 (8) loads read 64 (128) contiguous bytes of its
+row, four lanes cover 256 contiguous bytes. shuffle "a16w4" (3D expert weights): _a16w4_offsets.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl._mlir.dialects import arith
 
-from flyquant import toolchain
+from flyquant import layouts, toolchain
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
@@ -115,29 +123,45 @@ def _a16w4_offsets(row, kb, nkb, n1_args, gate_up: bool):
     return mul(unit, OUT_BLOCK_BYTES), s_off
 
 
-def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves: int = MAX_WAVES):
+def _a4w4_block(u, nkb, magic, shift):
+    """(row, kb) of the block whose 16 data bytes are unit u of aiter's shuffle_weight(data,
+    layout=(16, 16)) (flyquant.layouts.shuffle_weight_a4w4: block (row, kb) is unit ((row / 16) *
+    nkb + kb) * 16 + row % 16): t = u / 16, row = (t / nkb) * 16 + u % 16, kb = t % nkb."""
+    t = lshr(u, 4)
+    q = lshr(add(mx.umulhi(t, magic), t), shift)
+    return add(shl(q, 4), band(u, layouts.A4W4_ROWS - 1)), sub(t, mul(q, nkb))
+
+
+def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
+               waves: int = MAX_WAVES):
     """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
     != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
-    outputs written in aiter's A16W4 layouts, K % 256 == 0)."""
+    outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
+    shuffle_weight(layout=(16, 16)) layout, M % 16 == 0, K % 64 == 0; scale_layout None or "mfma",
+    the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
+    caller's zeros))."""
     spec = Spec(arch, dtype, mode)
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
-    name = f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "") + f"_w{waves}"
+    name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
+            + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
     source = SOURCE_TAG
     convert = hw_convert if spec.scaled_cvt else sw_convert
 
     def block(g, bufs, shape, nblocks_bytes, n1_args):
         """Block g (per lane) of the block grid; nblocks_bytes: (blocks, x's bytes)."""
         rx, rq, rs = bufs
-        nkb, row_bytes, k, magic, shift = shape
-        if tail or shuffle:
+        nkb, row_bytes, k, magic, shift, dims = shape
+        if shuffle == "a4w4":  # g runs over the layout's units: the data stores stay contiguous
+            row, kb = _a4w4_block(g, nkb, magic, shift)
+        elif tail or shuffle or scale_layout:
             row = lshr(add(mx.umulhi(g, magic), g), shift)
             kb = sub(g, mul(row, nkb))
-        if tail:
+        if tail or shuffle == "a4w4":
             off = add(mul(row, row_bytes), mul(kb, in_block))
-            valid = sub(k, mul(kb, MX_BLOCK))
         else:
-            off, valid = mul(g, in_block), const(MX_BLOCK)
+            off = mul(g, in_block)
+        valid = sub(k, mul(kb, MX_BLOCK)) if tail else const(MX_BLOCK)
         regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
         words = [w for r in regs for w in mx.dwords_of(r)]
         if tail:
@@ -161,14 +185,20 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves
             types=[i32] * 5,
         )
         d_off, s_off = mul(g, OUT_BLOCK_BYTES), g
-        if shuffle:  # past the last block: out of range (the layout's offsets would wrap into it)
+        if shuffle == "a4w4":
+            s_off = add(mul(row, nkb), kb)
+        elif shuffle:
             d_off, s_off = _a16w4_offsets(row, kb, nkb, n1_args, shuffle == "a16w4_gate_up")
+        if scale_layout:
+            s_off = mx.scale_offset(scale_layout, row, kb, dims)
+        if shuffle or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
             inside = mx.cmp_ult(g, nblocks_bytes[0])
             d_off, s_off = mx.select(inside, d_off, mx.OOB), mx.select(inside, s_off, mx.OOB)
         mx.store_byte(patched[4], rs, s_off)
         mx.store(mx.from_elements(patched[:4]), rq, d_off)
 
-    def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1):
+    def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
+             s_bytes, dims):
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)
@@ -176,9 +206,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves
         zero = const(0, mx.i64_t())
         rx = mx.buffer(x, zero, mx.to_i64(x_bytes))
         rq = mx.buffer(q, zero, mul(mx.to_i64(nb), OUT_BLOCK_BYTES))
-        rs = mx.buffer(s, zero, mx.to_i64(nb))
+        rs = mx.buffer(s, zero, mx.to_i64(val(s_bytes)))
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
-        bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift))
+        bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims))
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
         mx.for_range(tiles_per_wave,
                      lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
@@ -199,8 +229,11 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves
         n1: fx.Int32,  # shuffle: N / 32 (rows per expert / 32)
         magic_n1: fx.Int32,  # floor(q / n1) = (umulhi(q, magic_n1) + q) >> shift_n1 (gate_up)
         shift_n1: fx.Int32,
+        s_bytes: fx.Int32,  # s's size: M * nkb, or the padded mfma layout's
+        dims: fx.Int32,  # mfma: padded scale columns / 8
     ):
-        body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1)
+        body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
+             s_bytes, dims)
 
     @flyc.jit
     def launch(
@@ -218,12 +251,14 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, waves
         n1: fx.Int32,
         magic_n1: fx.Int32,
         shift_n1: fx.Int32,
+        s_bytes: fx.Int32,
+        dims: fx.Int32,
         workgroups: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
         kernel(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1,
-               shift_n1).launch(
+               shift_n1, s_bytes, dims).launch(
             grid=(workgroups, 1, 1), block=(WAVE * waves, 1, 1), stream=stream
         )
 
@@ -243,19 +278,26 @@ def too_large(shape, dtype: torch.dtype) -> str | None:
     return None
 
 
-def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", shuffle=None, rows_per_expert=None):
+def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", shuffle=None, rows_per_expert=None,
+                  scale_layout=None):
     """Rowwise MXFP4 quantize of a contiguous (M, K) BF16/FP16/FP32 tensor on `arch`, as
     flyquant.reference.mxfp4_quantize(x, -1, scaling_mode): (uint8 (M, ceil(K/32) * 16), float8_e8m0fnu
     (M, ceil(K/32))). shuffle "a16w4" / "a16w4_gate_up": x is (E * N, K) expert weights (N =
     rows_per_expert), the outputs' bytes are those of aiter's shuffle_weight_a16w4(data, 16,
-    gate_up) and shuffle_scale_a16w4(scales, E, gate_up) (N % 32 == 0, K % 256 == 0). Inputs are
-    validated by the caller (flyquant.api / reference checks)."""
+    gate_up) and shuffle_scale_a16w4(scales, E, gate_up) (N % 32 == 0, K % 256 == 0); "a4w4":
+    the data's bytes are those of aiter's shuffle_weight(data, layout=(16, 16)) (M % 16 == 0, K %
+    64 == 0). scale_layout "mfma": the scales are aiter's e8m0_shuffle of them, (ceil(M/256) *
+    256, ceil(nkb/8) * 8) with zero padding. Inputs are validated by the caller (flyquant.api /
+    reference checks)."""
     m, k = x.shape
     reason = too_large(x.shape, x.dtype)
     if reason:
         raise ValueError(reason)
     nkb = -(-k // MX_BLOCK)
     data, scales = allocate(m, nkb, x.device)
+    prows, pcols = mx.scale_layout_shape(m, nkb, scale_layout)
+    if scale_layout:
+        scales = mx.scale_tensor((prows, pcols), True, x.device)
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
@@ -264,8 +306,9 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     magic_n1, shift_n1 = mx.divide_magic(n1)
     cfg = plan_rows((m, k), arch)
     with toolchain.target(arch):
-        launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, cfg.waves)
+        launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves)
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
-               x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, cfg.workgroups,
+               x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
+               mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,
                stream=mx.torch_stream(x))
     return data, scales.view(torch.float8_e8m0fnu)

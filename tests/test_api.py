@@ -99,7 +99,8 @@ def test_torch_compile_traces_without_graph_breaks(reference_backend):
         d3, s3 = fq.mxfp8_quantize_3d(x.view(2, 32, 64))
         p4, t4 = fq.mxfp4_quantize(x[:, :40].contiguous(), axis=0, scaling_mode="even")
         w4, u4 = fq.mxfp4_quantize_3d(x.view(2, 32, 64))
-        return d0, s0, d1, s1, d3, s3, p4, t4, w4, u4
+        a4, b4 = fq.mxfp4_quantize(x, scale_layout="mfma", shuffle="a4w4")  # the fake's padded scales
+        return d0, s0, d1, s1, d3, s3, p4, t4, w4, u4, a4, b4
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     for got, want in zip(compiled(x), step(x)):

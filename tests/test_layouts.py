@@ -105,6 +105,23 @@ def test_shuffle_scale_a16w4_is_aiters(gate_up):
     assert torch.equal(L.unshuffle_scale_a16w4(out3, experts, gate_up).view(U8), s.view(U8).view(experts, n, kb))
 
 
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (2, 32, 64)])
+def test_shuffle_weight_a4w4_is_aiters(shape):
+    """aiter's shuffle_weight(x, layout=(16, 16)) (gemm_a4w4's B layout) on packed FP4 bytes: one
+    tile, several tiles both ways, a leading batch dim; float4_e2m1fn_x2 kept."""
+    aiter = oracles.aiter_shuffle()
+    x = _random_bytes(shape, seed=7)
+    out = L.shuffle_weight_a4w4(x)
+    assert out.shape == x.shape and torch.equal(out, aiter.shuffle_weight(x, layout=(16, 16)))
+    assert not torch.equal(out, x)
+    fp4 = L.shuffle_weight_a4w4(x.view(torch.float4_e2m1fn_x2))
+    assert fp4.dtype == torch.float4_e2m1fn_x2 and torch.equal(fp4.view(U8), out)
+    with pytest.raises(ValueError, match=r"x.shape\[-2\] \(M, for the a4w4 shuffle\) = 24 must be a positive multiple of 16"):
+        L.shuffle_weight_a4w4(torch.zeros(24, 32, dtype=U8))
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] \(K/2 packed bytes, for the a4w4 shuffle\) = 48 must be a positive multiple of 32"):
+        L.shuffle_weight_a4w4(torch.zeros(16, 48, dtype=U8))
+
+
 def test_shuffle_errors_name_the_constraint():
     s = torch.zeros(2 * 48, 8, dtype=E8M0)  # N = 48
     with pytest.raises(ValueError, match=r"N \(rows per expert\) = 48 must be a positive multiple of 32"):

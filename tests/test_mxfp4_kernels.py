@@ -174,6 +174,73 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
         fq.mxfp4_quantize_3d(w[:, :48].contiguous(), shuffle="a16w4")
 
 
+def _aiter_e8m0_shuffle(aiter, scales):
+    """aiter's e8m0_shuffle of (rows, cols) scales, its padding zeroed (aiter leaves it
+    uninitialised: the input is zero-padded to its padded shape first, which it keeps)."""
+    rows, cols = scales.shape
+    padded = torch.zeros(-(-rows // 256) * 256, -(-cols // 8) * 8, dtype=U8)
+    padded[:rows, :cols] = scales.view(U8)
+    return aiter.e8m0_shuffle(padded.view(torch.float8_e8m0fnu))
+
+
+# (arch, dtype, mode, (M, K)): odd M and K tails; 263 rows: two 256-row tiles, the second mostly
+# padding; nkb 6 and 101: columns padded to 8 and 104
+MFMA_CASES = [("gfx950", torch.bfloat16, "even", (263, 165)), ("gfx942", torch.float16, "floor", (263, 165)),
+              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))]
+
+
+@pytest.mark.parametrize("arch,dtype,mode,shape", MFMA_CASES, ids=[f"{c[0]}-{c[2]}-{c[3][0]}x{c[3][1]}" for c in MFMA_CASES])
+def test_mfma_scales_are_aiters(arch, dtype, mode, shape):
+    """fq.mxfp4_quantize(x, scale_layout="mfma"): one launch of the rowwise kernel writing the codes
+    at their places in aiter's e8m0_shuffle (aiter/utility/fp4_utils.py, loaded by path) of the
+    plain scales, padding 0; the data is the plain quantize's. A NaN block included."""
+    aiter = oracles.aiter_fp4_utils()
+    emu.enable(arch)
+    x = random_rows(*shape, dtype, seed=21)
+    x[shape[0] // 2, shape[1] - 1] = float("nan")
+    packed, scales = reference.mxfp4_quantize(x, -1, mode)
+    want = (packed, _aiter_e8m0_shuffle(aiter, scales))
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
+    (launch,) = launches
+    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_tail_mfma_w")
+    assert_same(got, want, "mfma")
+    assert_same(reference.mxfp4_quantize(x, -1, mode, "mfma"), want, "reference mfma")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a4w4_shuffle_is_aiters(arch):
+    """fq.mxfp4_quantize(x, shuffle="a4w4"[, scale_layout="mfma"]): the data bytes of aiter's own
+    shuffle_weight(data, layout=(16, 16)) (aiter/ops/shuffle.py by path) of the plain quantize, in
+    one launch (M = 48: three 16-row tiles; K = 320: five 64-wide tiles, nkb 10 padded to 16 in
+    the mfma scales); the constraints named up front."""
+    shuffle, fp4 = oracles.aiter_shuffle(), oracles.aiter_fp4_utils()
+    emu.enable(arch)
+    dtype = torch.float32 if arch == "gfx950" else torch.bfloat16
+    x = random_rows(48, 320, dtype, seed=22).reshape(2, 24, 320)  # leading dims flattened: M = 48
+    x[1, 5, 100] = float("inf")
+    packed, scales = reference.mxfp4_quantize(x, -1, "rceil")
+    data = shuffle.shuffle_weight(packed, layout=(16, 16))
+    for layout, want in ((None, (data, scales)), ("mfma", (data, _aiter_e8m0_shuffle(fp4, scales)))):
+        with emu.record() as launches:
+            got = fq.mxfp4_quantize(x, scaling_mode="rceil", scale_layout=layout, shuffle="a4w4")
+        (launch,) = launches
+        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4{'_mfma' if layout else ''}_w")
+        assert_same(got, want, f"a4w4 {layout}")
+        assert_same(reference.mxfp4_quantize(x, -1, "rceil", layout, "a4w4"), want, f"reference a4w4 {layout}")
+    plan = fq.explain(fq.mxfp4_quantize, x, scale_layout="mfma", shuffle="a4w4")
+    assert plan.kernel.endswith(f"_{arch}_a4w4_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
+    for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
+                       ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
+                       ((x, 0), "rowwise only")):
+        with pytest.raises(ValueError, match=match):
+            fq.mxfp4_quantize(*bad, shuffle="a4w4")
+    with pytest.raises(ValueError, match="shuffle must be one of"):
+        fq.mxfp4_quantize(x, shuffle="a16w4")
+    with pytest.raises(ValueError, match="scale_layout must be one of"):
+        fq.mxfp4_quantize(x, scale_layout="tcgen05")
+
+
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
 def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
@@ -221,7 +288,8 @@ def _compile(arch, dtype, mode, tail):
     x = torch.zeros(64, 256, dtype=torch_dtype)
     q, s = torch.zeros(64, 128, dtype=U8), torch.zeros(64, 8, dtype=U8)
     (r,) = toolchain.compile_only(arch, k4.build_rows(arch, dtype, mode, tail), x, q, s, 512, 2, 8,
-                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 1, stream=0)
+                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 512, 0, 1,
+                                  stream=0)
     return r
 
 
@@ -270,13 +338,14 @@ def test_compile_cols(arch, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
-    stores, fully coalesced, the codes one byte each."""
+    stores, fully coalesced (also with the a4w4 shuffle), the codes one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
         kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
-    for r, t in zip(launches, (x, xc)):
+        k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
+    for r, t in zip(launches, (x, xc, x)):
         mem = r.stats.memory
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
@@ -298,6 +367,9 @@ def test_gpu(mode, dtype):
     for x in (cols_tensor(dtype), random_rows(37, 67, dtype, 0), random_rows(1, 7, dtype, 0)):
         got = kc.quantize_cols(x.cuda(), arch=arch, scaling_mode=mode)
         assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, 0, mode), f"gpu cols {arch}")
+    x = random_rows(48, 320, dtype, 2)
+    got = fq.mxfp4_quantize(x.cuda(), scaling_mode=mode, scale_layout="mfma", shuffle="a4w4")
+    assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode, "mfma", "a4w4"), f"gpu a4w4 {arch}")
     w = random_rows(2 * 64, 256, dtype, 1).reshape(2, 64, 256)
     for gate_up in (False, True):
         got = fq.mxfp4_quantize_3d(w.cuda(), mode, shuffle="a16w4", gate_up=gate_up)
