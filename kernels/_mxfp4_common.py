@@ -133,6 +133,28 @@ def nan_words(valid):
     return out
 
 
+def quantize_words(spec: Spec, words, valid):
+    """One block of 32 elements held as dwords in row order (16 of 16-bit pairs, element 2i in the
+    low half, or 32 FP32; missing elements already 0; `valid`: how many are present, >= 32 for a
+    whole block) -> its 4 data dwords and its code (5 i32): amax by two interleaved chains, the
+    exact redo for BF16 read as FP16, the code, the conversion, NaN/Inf blocks patched in a rare
+    wave-uniform branch."""
+    amax = mx.amax_halves(spec, mx.amax_max(spec, *mx.chain_amax_interleaved(spec, [words[0::2], words[1::2]])))
+    if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): blocks from 2^121 up redo it exactly
+        exact = lambda: [mx.amax_halves(spec, mx.chain_amax(spec, words, exact=True))]  # noqa: E731
+        amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), exact, lambda: [amax],
+                          types=[mx.i32_t()])[0]
+    code = scale_code(spec, amax)
+    data = (hw_convert if spec.scaled_cvt else sw_convert)(spec, words, code)
+    bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype])
+    return mx.if_else(
+        mx.wave_any(bad),
+        lambda: [mx.select(bad, n, d) for n, d in zip(nan_words(valid), data)] + [mx.select(bad, mx.E8M0_NAN, code)],
+        lambda: data + [code],
+        types=[mx.i32_t()] * 5,
+    )
+
+
 def allocate(rows: int, blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised (data (rows, blocks * 16), codes (rows, blocks)) uint8 outputs: the kernels
     write every byte."""

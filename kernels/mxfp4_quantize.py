@@ -43,7 +43,7 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from . import _mxfp4_common
 from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
-from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, hw_convert, nan_words, scale_code, sw_convert
+from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
@@ -146,7 +146,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
             + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
     source = SOURCE_TAG
-    convert = hw_convert if spec.scaled_cvt else sw_convert
 
     def block(g, bufs, shape, nblocks_bytes, n1_args):
         """Block g (per lane) of the block grid; nblocks_bytes: (blocks, x's bytes)."""
@@ -168,22 +167,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             words = [band(w, m) for w, m in zip(words, _tail_masks(spec, valid))]
             if not spec.wide:
                 words = _last_element(words, g, valid, bufs, nblocks_bytes)
-        # two interleaved chains: consecutive max instructions do not depend on each other
-        amax = mx.amax_halves(spec, mx.amax_max(spec, *mx.chain_amax_interleaved(spec, [words[0::2], words[1::2]])))
-        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): blocks from 2^121 up redo it exactly
-            exact = lambda: [mx.amax_halves(spec, mx.chain_amax(spec, words, exact=True))]  # noqa: E731
-            amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), exact, lambda: [amax],
-                              types=[mx.i32_t()])[0]
-        code = scale_code(spec, amax)
-        data = convert(spec, words, code)
-        bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
-        i32 = mx.i32_t()
-        patched = mx.if_else(
-            mx.wave_any(bad),
-            lambda: [mx.select(bad, n, d) for n, d in zip(nan_words(valid), data)] + [mx.select(bad, mx.E8M0_NAN, code)],
-            lambda: data + [code],
-            types=[i32] * 5,
-        )
+        patched = quantize_words(spec, words, valid)
         d_off, s_off = mul(g, OUT_BLOCK_BYTES), g
         if shuffle == "a4w4":
             s_off = add(mul(row, nkb), kb)
