@@ -138,6 +138,34 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     return _mxfp4_quantize_op(x, axis, scaling_mode, scale_layout, shuffle)
 
 
+@torch.library.custom_op("flyquant::mxfp4_quantize_dual", mutates_args=())
+def _mxfp4_quantize_dual_op(x: torch.Tensor, scaling_mode: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = select.plan_mxfp4_quantize_dual(x, scaling_mode)
+    if plan.backend == "reference":
+        (d1, s1), (d0, s0) = reference.mxfp4_quantize_dual(x, scaling_mode)
+    else:
+        from .kernels import mxfp4_quantize_dual as k
+
+        (d1, s1), (d0, s0) = k.quantize_dual(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch,
+                                             scaling_mode=scaling_mode)
+    return d1, s1, d0, s0
+
+
+@_mxfp4_quantize_dual_op.register_fake
+def _(x, scaling_mode):
+    return (*reference.mxfp4_quantize_empty(x, -1), *reference.mxfp4_quantize_empty(x, 0))
+
+
+def mxfp4_quantize_dual(x, scaling_mode="floor"):
+    """Both orientations of mxfp4_quantize from one read of x, in one kernel launch:
+    ((rowwise data, scales), (columnwise data, scales)), the bytes of mxfp4_quantize(x, -1) and
+    mxfp4_quantize(x, 0) (plain layouts)."""
+    validate.mxfp4_quantize_args(x, -1, scaling_mode, None, None)
+    d1, s1, d0, s0 = _mxfp4_quantize_dual_op(x, scaling_mode)
+    return (d1, s1), (d0, s0)
+
+
 def quantize_mxfp4(w, scaling_mode="floor"):
     """The weight-oriented name of mxfp4_quantize(w, axis=-1), w's leading dims kept: (...,
     ceil(K/32) * 16) uint8 and (..., ceil(K/32)) float8_e8m0fnu."""
@@ -494,6 +522,7 @@ def explain(fn, *args, **kwargs) -> Plan:
         mxfp4_quantize: _explain_mxfp4,
         quantize_mxfp4: _explain_quantize_mxfp4,
         mxfp4_quantize_3d: _explain_mxfp4_3d,
+        mxfp4_quantize_dual: _explain_mxfp4_dual,
         moe_gemm2_a16w4: _explain_moe,
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
@@ -526,6 +555,11 @@ def _explain_dual(x, scaling_mode="rceil"):
 def _explain_mxfp4(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
     axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
     return select.plan_mxfp4_quantize(x, axis, scaling_mode, shuffle, scale_layout=scale_layout)
+
+
+def _explain_mxfp4_dual(x, scaling_mode="floor"):
+    validate.mxfp4_quantize_args(x, -1, scaling_mode, None, None)
+    return select.plan_mxfp4_quantize_dual(x, scaling_mode)
 
 
 def _explain_quantize_mxfp4(w, scaling_mode="floor"):

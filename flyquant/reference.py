@@ -252,6 +252,12 @@ def mxfp4_quantize_empty(x, axis=-1, scale_layout=None):
             torch.empty(_scale_shape_2d(rows, nb, scale_layout, flat=False), dtype=SCALE_DTYPE, device=x.device))
 
 
+def mxfp4_quantize_dual(x, scaling_mode="floor"):
+    """Both orientations of mxfp4_quantize: ((rowwise data, scales), (columnwise data, scales))."""
+    validate.mxfp4_quantize_args(x, -1, scaling_mode, None, None)
+    return mxfp4_quantize(x, -1, scaling_mode), mxfp4_quantize(x, 0, scaling_mode)
+
+
 def quantize_mxfp4(w, scaling_mode="floor"):
     """The weight-oriented name of mxfp4_quantize(w, axis=-1): (..., K) -> (uint8 (..., ceil(K/32)
     * 16), float8_e8m0fnu (..., ceil(K/32))), w's leading dims kept."""

@@ -337,6 +337,11 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
 
 
+def _mxfp4_conversion(arch: str) -> str:
+    return ("hardware scaled FP4 conversion (v_cvt_scalef32_pk_fp4)" if arch == "gfx950"
+            else "software FP4 conversion (no FP4 instruction on gfx942)")
+
+
 def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=None, gate_up=False,
                         op: str = "mxfp4_quantize", scale_layout=None) -> Plan:
     """MXFP4 quantize of x (inputs already validated; leading dims flattened to (M, K) rows):
@@ -375,8 +380,28 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         odd = x.element_size() == 2 and shape[1] % 2
         name = f"mxfp4_cols_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_odd" if odd else "")
         split = "a lane per 32 rows x 16 bytes of columns, 16-byte loads (whole lines) and stores"
-    conversion = ("hardware scaled FP4 conversion (v_cvt_scalef32_pk_fp4)" if target.arch == "gfx950"
-                  else "software FP4 conversion (no FP4 instruction on gfx942)")
+    conversion = _mxfp4_conversion(target.arch)
+    return _kernel_plan(op, target, name, config, split, conversion)
+
+
+def plan_mxfp4_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
+    """Both MXFP4 quantizes of x (validated; flattened to (M, K)) in one kernel."""
+    op = "mxfp4_quantize_dual"
+    target = _kernel_target(op, x.device)
+    if isinstance(target, Plan):
+        return target
+    from .kernels import mxfp4_quantize_dual as dual
+
+    shape = (math.prod(x.shape[:-1]), x.shape[-1])
+    too_large = dual.too_large(shape, x.dtype)
+    if too_large:
+        _forced_reference(too_large)
+        return reference_plan(op, target, too_large)
+    config = dataclasses.asdict(dual.plan_dual(shape, target.arch))
+    name = f"mxfp4_dual_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
+    split = ("a wave tile of 32 rows x 64 columns: a lane per row block (16-byte loads), its elements "
+             "transposed through LDS, a lane per column block")
+    conversion = _mxfp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, split, conversion)
 
 

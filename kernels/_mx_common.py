@@ -459,6 +459,11 @@ def lds_store(data, addr):
     llvm.StoreOp(data, _lds_ptr(addr), alignment=4 * dwords)
 
 
+def lds_store_short(data, addr):
+    """Store the low 16 bits of an i32 at LDS byte address `addr` (i32)."""
+    llvm.StoreOp(arith.trunci(ir.IntegerType.get_signless(16), val(data)), _lds_ptr(addr), alignment=2)
+
+
 def lds_load(dwords, addr):
     """`dwords` consecutive dwords (a vector for dwords > 1) from LDS byte address `addr` (i32)."""
     return llvm.load(vec_i32_t(dwords) if dwords > 1 else i32_t(), _lds_ptr(addr), alignment=4 * dwords)

@@ -8,7 +8,7 @@ import torch
 import flyquant as fq
 
 DESIGN_NAMES = [
-    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "mxfp4_quantize", "shuffle_weight_a16w4",
+    "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "mxfp4_quantize", "mxfp4_quantize_dual", "shuffle_weight_a16w4",
     "shuffle_scale_a16w4", "moe_sorting", "moe_gemm2_a16w4", "explain", "mxfp8_dequantize", "dequantize_mxfp4",
     "reference", "emu", "moe_block_m",
 ]
@@ -100,7 +100,8 @@ def test_torch_compile_traces_without_graph_breaks(reference_backend):
         p4, t4 = fq.mxfp4_quantize(x[:, :40].contiguous(), axis=0, scaling_mode="even")
         w4, u4 = fq.mxfp4_quantize_3d(x.view(2, 32, 64))
         a4, b4 = fq.mxfp4_quantize(x, scale_layout="mfma", shuffle="a4w4")  # the fake's padded scales
-        return d0, s0, d1, s1, d3, s3, p4, t4, w4, u4, a4, b4
+        (e4, f4), (g4, h4) = fq.mxfp4_quantize_dual(x[:, :40].contiguous())
+        return d0, s0, d1, s1, d3, s3, p4, t4, w4, u4, a4, b4, e4, f4, g4, h4
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     for got, want in zip(compiled(x), step(x)):

@@ -19,6 +19,7 @@ from flyquant import formats, reference, toolchain
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 from flyquant.kernels import mxfp4_quantize_cols as kc
+from flyquant.kernels import mxfp4_quantize_dual as kd
 
 import oracles
 from test_reference_mxfp4 import fp4_blocks
@@ -241,6 +242,67 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
+DUAL = [(a, MODES[i % 3], d) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
+
+
+@pytest.mark.parametrize("arch,mode,dtype", DUAL, ids=[f"{a}-{m}-{str(d).replace('torch.', '')}" for a, m, d in DUAL])
+def test_dual(arch, mode, dtype):
+    """kernels/mxfp4_quantize_dual.py: both orientations in one launch, each byte-identical to the
+    reference's (so to the rowwise and columnwise kernels'): the special blocks (as rows, and
+    their values across the columns; NaN/Inf, -0, subnormals, saturation), an odd row count
+    with a K tail (odd K: the 16-bit last element), one row, one column."""
+    emu.enable(arch)
+    for x in (rows_tensor(dtype), random_rows(37, 75, dtype, 6), random_rows(1, 3221, dtype, 7),
+              random_rows(2333, 1, dtype, 8)):
+        with emu.record() as launches:
+            got = kd.quantize_dual(x, arch=arch, scaling_mode=mode)
+        assert len(launches) == 1 and launches[0].kernel.startswith(f"mxfp4_dual_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}")
+        shape = tuple(x.shape)
+        assert_same(got[0], reference.mxfp4_quantize(x, -1, mode), f"dual rows {shape}")
+        assert_same(got[1], reference.mxfp4_quantize(x, 0, mode), f"dual cols {shape}")
+
+
+def test_dual_api():
+    """fq.mxfp4_quantize_dual: one kernel launch (the op's plan), leading dims flattened, the
+    outputs of fq.mxfp4_quantize on both axes; explain; bad input and empty input."""
+    emu.enable("gfx950")
+    x = random_rows(6, 70, torch.float16, seed=10).reshape(2, 3, 70)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize_dual(x, "even")
+    assert [r.kernel[: r.kernel.rindex("_w")] for r in launches] == ["mxfp4_dual_even_fp16_gfx950_tail"]
+    assert_same(got[0], reference.mxfp4_quantize(x, -1, "even"), "dual api rows")
+    assert_same(got[1], reference.mxfp4_quantize(x, 0, "even"), "dual api cols")
+    plan = fq.explain(fq.mxfp4_quantize_dual, x, "rceil")
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp4_dual_rceil_fp16_gfx950_tail"
+    with pytest.raises(ValueError, match="scaling_mode"):
+        fq.mxfp4_quantize_dual(x, "ceil")
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        fq.mxfp4_quantize_dual(x.transpose(0, 1))
+    (d1, s1), (d0, s0) = fq.mxfp4_quantize_dual(torch.zeros(0, 70))
+    assert d1.shape == (0, 48) and s1.shape == (0, 3) and d0.shape == (70, 0) and s0.shape == (70, 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_compile_dual(arch, dtype):
+    """Dual: no scratch; the block's 16-byte loads once (plus the 2-byte load of the last element,
+    16-bit tail variant); 32 transposed LDS stores, 16-byte LDS loads of the column; two
+    16-byte data stores and two code bytes per lane."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    x = torch.zeros(64, 256, dtype=torch_dtype)
+    q1, s1, q0, s0 = (torch.zeros(s, dtype=U8) for s in ((64, 128), (64, 8), (256, 32), (256, 2)))
+    (r,) = toolchain.compile_only(arch, kd.build_dual(arch, dtype, "even", True), x, q1, s1, q0, s0, 64, 256, 8, 2, 4,
+                                  0, 2, 256 * x.element_size(), x.numel() * x.element_size(), 2, 1, stream=0)
+    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, LDS {r.lds_bytes}")
+    loads = 8 if dtype == "fp32" else 4
+    assert r.spills == 0 and r.lds_bytes == kd.MAX_WAVES * kd.TILE_COLS * (32 * x.element_size() + kd.LDS_PAD)
+    assert r.count("buffer_load_dwordx4") == loads and r.count("buffer_load_ushort") == (0 if dtype == "fp32" else 1)
+    assert r.count("ds_read_b128") == loads
+    writes = 2 * r.count("ds_write2_b32") if dtype == "fp32" else r.count("ds_write_b16") + r.count("ds_write_b16_d16_hi")
+    assert writes == 32
+    assert r.count("buffer_store_dwordx4") == 2 and r.count("buffer_store_byte") == 2
+
+
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
 def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     """The kernel's rceil rule on amax's FP32 bits, code = max(eb - 2 + [mantissa > 0x400000], 0)
@@ -367,6 +429,10 @@ def test_gpu(mode, dtype):
     for x in (cols_tensor(dtype), random_rows(37, 67, dtype, 0), random_rows(1, 7, dtype, 0)):
         got = kc.quantize_cols(x.cuda(), arch=arch, scaling_mode=mode)
         assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, 0, mode), f"gpu cols {arch}")
+    for x in (rows_tensor(dtype), random_rows(37, 75, dtype, 6)):
+        got = kd.quantize_dual(x.cuda(), arch=arch, scaling_mode=mode)
+        for axis, pair in zip((-1, 0), got):
+            assert_same([t.cpu() for t in pair], reference.mxfp4_quantize(x, axis, mode), f"gpu dual {axis} {arch}")
     x = random_rows(48, 320, dtype, 2)
     got = fq.mxfp4_quantize(x.cuda(), scaling_mode=mode, scale_layout="mfma", shuffle="a4w4")
     assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode, "mfma", "a4w4"), f"gpu a4w4 {arch}")
