@@ -148,7 +148,7 @@ def _lds_addr(base, index):
 
 def _lds_add(addr, value):
     """ds_add_u32 (result unused)."""
-    llvm.AtomicRMWOp(llvm.AtomicBinOp.add, mx._lds_ptr(addr), val(value), llvm.AtomicOrdering.monotonic,
+    llvm.AtomicRMWOp(llvm.AtomicBinOp.add, mx.lds_ptr(addr), val(value), llvm.AtomicOrdering.monotonic,
                      syncscope="workgroup")
 
 
