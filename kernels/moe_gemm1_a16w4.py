@@ -114,7 +114,8 @@ def moe_gemm1_a16w4(
         return result.copy_(fresh)
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
-    windows = token_windows(tokens, 1, x.shape[1], x.stride(0), topk * out.stride(0) * 2)
+    x_row_bytes, out_token_bytes = x.stride(0) * 2, topk * out.stride(0) * 2
+    windows = token_windows(tokens, 1, x.shape[1], x.stride(0), out_token_bytes)
 
     auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
     tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
@@ -135,7 +136,6 @@ def moe_gemm1_a16w4(
     if grid_m == 0:
         return out
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
-    x_row_bytes, out_token_bytes = x.stride(0) * 2, topk * out.stride(0) * 2
     with toolchain.target(info.name):
         for t0, n in windows:
             # the window's x rows and a2 rows start at 64-bit host-computed addresses
