@@ -31,6 +31,7 @@ from flyquant.kernels import moe_gemm1_a16w4 as K1
 from flyquant.kernels import moe_gemm2_a16w4 as K
 
 from test_moe_gemm2_kernel import GFX950_ONLY, _routing
+from test_moe_safety import WINDOW_TOKENS, window_sorting
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
@@ -186,18 +187,8 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     p = make_problem(1, topk, 4, 256, 32, 32, 256, block_m, seed=12, bias_dtype=torch.float32)
     p["x"] = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :256]
     assert len(K1.token_windows(rows, 1, 256, stride, topk * stride * 2)) == 3
-    gen = torch.Generator().manual_seed(12)
-    blocks = [(2, [5, 231, 32767, 32768, 32999]), (0, [32998]), (3, [0, 7])]
-    pad = (topk << 24) | rows
-    ids, eids = [], []
-    for e, toks in blocks:
-        ids += toks + [pad] * (block_m - len(toks))
-        eids.append(e)
-        p["x"][toks] = torch.randn(len(toks), 256, generator=gen).to(torch.bfloat16)
-    ids = torch.tensor(ids + [pad] * block_m, dtype=torch.int32)
-    weights = torch.where(ids == pad, 0.0, torch.rand(ids.numel(), generator=gen) + 0.25)
-    p["sorting"] = (ids, weights, torch.tensor(eids + [-1], dtype=torch.int32),
-                    torch.tensor([3 * block_m, rows], dtype=torch.int32))
+    blocks = [(2, WINDOW_TOKENS[0]), (0, WINDOW_TOKENS[1]), (3, WINDOW_TOKENS[2])]
+    p["sorting"] = window_sorting(p["x"], blocks, block_m, torch.Generator().manual_seed(12))
     out = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :32]
     routed = [t for _, toks in blocks for t in toks]
     neighbours = [4, 6, 230, 232, 32766, 32997]  # rows no token maps to, beside routed ones

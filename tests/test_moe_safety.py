@@ -183,21 +183,33 @@ def _big_a2_problem(seed=3):
     w2 = layouts.shuffle_weight_a16w4(packed)
     w2_scale = layouts.shuffle_scale_a16w4(scales.reshape(experts * model_dim, -1), experts)
     a2 = torch.empty(rows, 65536, dtype=torch.bfloat16)[:, :inter_dim]
-    blocks = [(2, [5, 231, 32767, 32768, 32999]), (0, [32998]), (1, [0, 7])]
-    pad = (topk << 24) | rows
+    sorting = window_sorting(a2, [(2, WINDOW_TOKENS[0]), (0, WINDOW_TOKENS[1]), (1, WINDOW_TOKENS[2])], block_m, gen)
+    dense = reference.dequantize_mxfp4(packed, scales).double()
+    used = [r for r in range(sorting[0].numel()) if int(sorting[0][r]) != (topk << 24) | rows]
+    return dict(a2=a2, w2=w2, w2_scale=w2_scale, sorting=sorting, topk=topk, block_m=block_m,
+                model_dim=model_dim, inter_dim=inter_dim, dense=dense, used=used)
+
+
+# Token blocks whose rows straddle the 4 GiB a 32-bit offset of a 128 KiB row stride reaches at
+# row 32768: one block on both sides, one past it only, one below it only.
+WINDOW_TOKENS = ([5, 231, 32767, 32768, 32999], [32998], [0, 7])
+
+
+def window_sorting(act, blocks, block_m, gen):
+    """moe_sorting-shaped arrays (topk 1) of `blocks` [(expert, tokens)], one block_m block each,
+    then a block of padding; act's rows of those tokens filled with random bf16 (the others are
+    never read). Returns (sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)."""
+    rows = act.shape[0]
+    pad = (1 << 24) | rows
     ids, eids = [], []
     for e, toks in blocks:
         ids += toks + [pad] * (block_m - len(toks))
         eids.append(e)
-        a2[toks] = torch.randn(len(toks), inter_dim, generator=gen).to(torch.bfloat16)
+        act[toks] = torch.randn(len(toks), act.shape[1], generator=gen).to(torch.bfloat16)
     ids = torch.tensor(ids + [pad] * block_m, dtype=torch.int32)
     weights = torch.where(ids == pad, 0.0, torch.rand(ids.numel(), generator=gen) + 0.25)
-    eids = torch.tensor(eids + [-1], dtype=torch.int32)
-    nvalid = torch.tensor([3 * block_m, rows], dtype=torch.int32)
-    dense = reference.dequantize_mxfp4(packed, scales).double()
-    used = [r for r in range(ids.numel()) if int(ids[r]) != pad]
-    return dict(a2=a2, w2=w2, w2_scale=w2_scale, sorting=(ids, weights, eids, nvalid), topk=topk, block_m=block_m,
-                model_dim=model_dim, inter_dim=inter_dim, dense=dense, used=used)
+    return (ids, weights, torch.tensor(eids + [-1], dtype=torch.int32),
+            torch.tensor([len(blocks) * block_m, rows], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
