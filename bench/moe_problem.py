@@ -295,12 +295,12 @@ def configs_for(stage: Stage, shape: MoeShape, args, chosen: Config | None, auto
 def launch(p: Problem, arch: str, cfg: Config, sorting, weights: Weights, out=None):
     """The stage's torch-facing launcher with an explicit config."""
     s, kernel = p.shape, p.stage.kernel()
-    common = dict(arch=arch, topk=s.topk, block_m=p.tile_m, out=out, model_dim=s.model_dim, inter_dim=s.inter_dim,
-                  tile_m=cfg.tile_m, tile_n=cfg.tile_n, waves=cfg.waves)
+    both = dict(arch=arch, topk=s.topk, block_m=p.tile_m, out=out, model_dim=s.model_dim, inter_dim=s.inter_dim,
+                tile_m=cfg.tile_m, tile_n=cfg.tile_n, waves=cfg.waves)  # the arguments both stages take
     if p.stage.number == 1:
         return kernel.moe_gemm1_a16w4(p.a, weights.w, weights.scale, *sorting, bias=weights.bias,
-                                      activation=s.activation, **common)
-    return kernel.moe_gemm2_a16w4(p.a, weights.w, weights.scale, *sorting, k_batch=cfg.k_batch, **common)
+                                      activation=s.activation, **both)
+    return kernel.moe_gemm2_a16w4(p.a, weights.w, weights.scale, *sorting, k_batch=cfg.k_batch, **both)
 
 
 def new_out(p: Problem, device) -> torch.Tensor:
