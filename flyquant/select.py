@@ -441,6 +441,17 @@ def _fp4_conversion(arch: str) -> str:
     return "hardware FP4->BF16 conversion" if arch == "gfx950" else "software FP4 unpack"
 
 
+def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inter_dim) -> dict:
+    """What overrides an A16W4 GEMM's first-principles config, each checked: the tuning table's
+    entry for exactly this shape, then FLYQUANT_CONFIG's fields that the op has (TUNED_OPS)."""
+    shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
+    tuned = tuned_config(op, arch, shape)
+    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
+    forced = {f: v for f, v in config_overrides().items() if f in TUNED_OPS[op][1]}
+    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
+    return tuned | forced
+
+
 def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
     """(tile_m, tile_n, k_batch, waves): first principles (the kernel's choose_config and
     default_waves), then the tuning table, then FLYQUANT_CONFIG; tile_m must divide the caller's
@@ -449,13 +460,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
 
     tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n, "k_batch": k_batch}
-    shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
-    tuned = tuned_config("moe_gemm2_a16w4", target.arch, shape)
-    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
-    forced = config_overrides()
-    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
-    config.update(tuned)
-    config.update(forced)
+    config.update(_tuned_and_forced("moe_gemm2_a16w4", target.arch, tokens, topk, experts, model_dim, inter_dim))
     if block_m is not None:
         config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:  # for the tiles and split actually chosen
@@ -490,13 +495,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n}
-    shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
-    tuned = tuned_config(op, target.arch, shape)
-    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
-    forced = {f: v for f, v in config_overrides().items() if f != "k_batch"}
-    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
-    config.update(tuned)
-    config.update(forced)
+    config.update(_tuned_and_forced(op, target.arch, tokens, topk, experts, model_dim, inter_dim))
     config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
