@@ -1,6 +1,7 @@
 """A16W4 MoE stage 1 vs stage 2 under flyquant.emu: executed wave-instructions per MFMA, per stage,
 on a GPT-OSS-like shape (hidden 2880 -> K 3072, inter 2880 -> 3072 rows per half, 128 experts, top-4,
-swiglu_oai with a bf16 bias), each stage on the config its selector picks for the full shape.
+swiglu_oai; both stages with a bias, as GPT-OSS has, bf16 as in its checkpoint or fp32 as
+flyquant.nn stores it: --bias-dtype), each stage on the config its selector picks for the full shape.
 
     python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --out results
 
@@ -25,7 +26,10 @@ EXPERTS, TOPK, HIDDEN, INTER, PAD = 128, 4, 2880, 2880, 3072
 STAGE1_INTER, STAGE2_MODEL = 128, 256  # the cut N of each stage (see the docstring)
 
 
-def measure(arch: str, tokens: int, seed: int = 0) -> list[dict]:
+BIAS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16") -> list[dict]:
     emu.enable(arch)
     from flyquant import layouts, reference, toolchain
     from flyquant.kernels import moe_gemm1_a16w4 as k1
@@ -47,12 +51,13 @@ def measure(arch: str, tokens: int, seed: int = 0) -> list[dict]:
                                layouts.shuffle_scale_a16w4(s1, EXPERTS, gate_up=True),
                                *moe_sorting(ids, wts, EXPERTS, tm1), arch=arch, topk=TOPK, block_m=tm1,
                                activation="swiglu_oai",
-                               bias=torch.randn(EXPERTS, 2 * STAGE1_INTER, generator=gen).bfloat16(),
+                               bias=torch.randn(EXPERTS, 2 * STAGE1_INTER, generator=gen).to(BIAS_DTYPES[bias_dtype]),
                                model_dim=HIDDEN, inter_dim=STAGE1_INTER, tile_m=tm1, tile_n=tn1)
         with emu.record() as rec2:
             k2.moe_gemm2_a16w4(torch.randn(tokens * TOPK, INTER, generator=gen).bfloat16(),
                                layouts.shuffle_weight_a16w4(p2), layouts.shuffle_scale_a16w4(s2, EXPERTS),
                                *moe_sorting(ids, wts, EXPERTS, tm2), arch=arch, topk=TOPK, block_m=tm2,
+                               bias=torch.randn(EXPERTS, STAGE2_MODEL, generator=gen).to(BIAS_DTYPES[bias_dtype]),
                                model_dim=STAGE2_MODEL, inter_dim=INTER, tile_m=tm2, tile_n=tn2, k_batch=kb2)
     for stage, rec, cfg in ((1, rec1, (tm1, tn1, 1)), (2, rec2, (tm2, tn2, kb2))):
         st = rec[0].stats
@@ -61,7 +66,7 @@ def measure(arch: str, tokens: int, seed: int = 0) -> list[dict]:
                      "tile_n": cfg[1], "k_batch": cfg[2], "waves": st.waves_per_workgroup,
                      "wg_launched": st.workgroups_launched, "wg_working": st.workgroups_with_global_store,
                      "wave_instr": st.wave_instructions, "mfma": mfma,
-                     "instr_per_mfma": st.wave_instructions / mfma if mfma else None})
+                     "instr_per_mfma": st.wave_instructions / mfma if mfma else None, "bias_dtype": bias_dtype})
     return rows
 
 
@@ -69,9 +74,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="gfx950,gfx942", help="comma-separated: gfx950, gfx942")
     ap.add_argument("--tokens", default="1,4,16", help="comma-separated token counts")
+    ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias")
     ap.add_argument("--out", default="results", help="output directory")
     args = ap.parse_args(argv)
-    rows = [r for arch in args.arch.split(",") for t in map(int, args.tokens.split(",")) for r in measure(arch, t)]
+    rows = [r for arch in args.arch.split(",") for t in map(int, args.tokens.split(","))
+            for r in measure(arch, t, bias_dtype=args.bias_dtype)]
     print(f"{'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  (modelled, not timed)")
     for r in rows:
         print(f"{r['arch']:7} {r['tokens']:3} {r['stage']:5} {r['tile_m']:>4}x{r['tile_n']:<5} {r['k_batch']:3} "

@@ -18,6 +18,8 @@ from flydsl.expr.typing import Vector as Vec
 
 from flyquant import validate
 
+from . import _mx_common as mx
+
 # ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
 WAVE = 64
 WAVES = 4  # default waves per workgroup
@@ -321,33 +323,152 @@ def _vec_i32(words):
 LOG2E = 1.4426950408889634
 GELU_2C = 2 * 0.7978845608028654  # 1 + tanh(y) = 2 sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
 GELU_CUBIC = 0.044715
+F32_MAX = 3.4028234663852886e38
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 
 
-def _sigmoid(z, scale: float = 1.0):
-    """sigmoid(scale * z) = 1 / (1 + 2^(z * (-scale log2 e))) by v_exp_f32 and v_rcp_f32, the two
-    constants folded into one multiply: +-inf give 1 / 0 exactly, NaN stays NaN."""
-    e = fx.Float32(rocdl.exp2(T.f32, (z * fx.Float32(-scale * LOG2E)).ir_value()))
-    return fx.Float32(rocdl.rcp(T.f32, (e + fx.Float32(1.0)).ir_value()))
+def _pairs(f, xs):
+    """f on the 2-vectors (x0, x1), (x2, x3), .. of the lists in xs (the first one a list; the
+    others lists too, or 2-vector constants): FP32 multiplies and adds on 2-vectors are
+    v_pk_mul_f32 / v_pk_add_f32, one instruction per two elements."""
+    out = []
+    for j in range(0, len(xs[0]), 2):
+        v = Vec(f(*[Vec.from_elements(x[j:j + 2], fx.Float32) if isinstance(x, list) else x for x in xs]))
+        out += [fx.Float32(v[0]), fx.Float32(v[1])]
+    return out
 
 
-def _activation(kind: str, g, u, alpha: float, limit: float):
-    """act(g, u) in FP32 (flyquant.reference.moe_activation's formulas). The GPT-OSS clamps are
-    v_min_f32 / v_med3_f32, which return the other operand for a NaN, so one unordered compare of
-    (g, u) puts the NaN back at the end (3 instructions fewer per element than a NaN-propagating
-    compare-and-select per bound); +-inf clamp as torch's do."""
+def _any_nonfinite_pair(accs):
+    """Whether an element of the 4 x f32 vectors `accs` ((g, u) blocks in turn) may be NaN or Inf:
+    one packed FMA t = g u + t per two elements (NaN in, NaN out; an Inf gives Inf or NaN, and so
+    may an overflow of finite values: a false alarm costs only the exact branch), then whether
+    t0 + t1 is not finite."""
+    t = Vec.filled(2, 0.0, fx.Float32)
+    for j in range(0, len(accs), 2):
+        g, u = Vec(accs[j]), Vec(accs[j + 1])
+        for h in range(2):
+            pair = lambda v: Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)  # noqa: E731
+            t = Vec(fx.math.fma(pair(g), pair(u), t))
+    s = fx.Float32(t[0]) + fx.Float32(t[1])
+    d = (s - s).ir_value()  # 0, or NaN when s is not finite
+    return fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, d, d))
+
+
+def _sigmoids(zs, scale: float):
+    """sigmoid(scale * z) per element of zs = 1 / (1 + 2^(z * (-scale log2 e))) by v_exp_f32 and
+    v_rcp_f32, the two constants folded into one multiply: +-inf give 1 / 0 exactly, NaN stays
+    NaN. The multiply and the add are packed."""
+    c = Vec.filled(2, -scale * LOG2E, fx.Float32)
+    one = Vec.filled(2, 1.0, fx.Float32)
+    e = [fx.Float32(rocdl.exp2(T.f32, z.ir_value())) for z in _pairs(lambda z: z * c, [zs])]
+    return [fx.Float32(rocdl.rcp(T.f32, d.ir_value())) for d in _pairs(lambda d: d + one, [e])]
+
+
+def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = False):
+    """act(g, u) in FP32 for the lists gs, us (flyquant.reference.moe_activation's formulas), the
+    multiplies and adds on element pairs. swiglu_oai: (u + 1) g s as fma(u, g s, g s) (one
+    rounding fewer than the formula's). Its clamps are v_med3_f32, which return another operand
+    for a NaN, so an unordered compare of (g, u) per element puts the NaN back, and +-inf clamp
+    as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
+    g's lower bound can be -FLT_MAX (a med3 with -inf is folded to a minnum, which adds a
+    canonicalizing v_max per element)."""
+    mul = lambda a, b: a * b  # noqa: E731
     if kind == "silu":
-        return g * _sigmoid(g) * u
+        return _pairs(mul, [_pairs(mul, [gs, _sigmoids(gs, 1.0)]), us])
     if kind == "gelu":  # g (g^2 c + 1) = g + c g^3: one multiply-add
-        return g * _sigmoid(g * (g * g * fx.Float32(GELU_CUBIC) + fx.Float32(1.0)), GELU_2C) * u
+        cubic, one = Vec.filled(2, GELU_CUBIC, fx.Float32), Vec.filled(2, 1.0, fx.Float32)
+        zs = _pairs(lambda g: g * (g * g * cubic + one), [gs])
+        return _pairs(mul, [_pairs(mul, [gs, _sigmoids(zs, GELU_2C)]), us])
     if kind == "swiglu_oai":
-        lim, neg_lim = fx.Float32(limit).ir_value(), fx.Float32(-limit).ir_value()
-        gc = fx.Float32(arith.minnumf(g.ir_value(), lim))
-        uc = fx.Float32(rocdl.fmed3(T.f32, u.ir_value(), neg_lim, lim))
-        act = (uc + fx.Float32(1.0)) * (gc * _sigmoid(gc, alpha))
-        nan = fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, g.ir_value(), u.ir_value()))
-        return nan.select(fx.Float32(float("nan")), act)
+        lim = fx.Float32(limit).ir_value()
+        med3 = lambda x, lo: fx.Float32(rocdl.fmed3(T.f32, x.ir_value(), fx.Float32(lo).ir_value(), lim))  # noqa: E731
+        gc = [med3(g, -F32_MAX if finite else float("-inf")) for g in gs]
+        uc = [med3(u, -limit) for u in us]
+        gs_ = _pairs(mul, [gc, _sigmoids(gc, alpha)])
+        act = _pairs(lambda u, t: fx.math.fma(u, t, t), [uc, gs_])
+        if not finite:
+            nan = [fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, g.ir_value(), u.ir_value())) for g, u in zip(gs, us)]
+            act = [n.select(fx.Float32(float("nan")), a) for n, a in zip(nan, act)]
+        return act
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+def bias_blocks(bias, bias_stride, expert, first, col_wave, kl, nb: int, pair: bool, row_elems: int, bias_bytes: int):
+    """The expert's bias at lane (kl, .)'s 4 columns of each of the wave's nb 16-column blocks, as
+    4 x f32 vectors (bf16 widened exactly); `first` false gives an empty buffer (loads read 0).
+    pair (stage 1): blocks are (gate, up) pairs, gate columns [0, P) and up columns [P, 2P) of the
+    expert's row of row_elems = 2P; stage 2: columns past row_elems = model_dim read 0. (Starting
+    the accumulators from it instead saves the adds but costs every other K worker the loads and
+    conversions: more instructions at the split-K token counts.)"""
+    b_row = bias + _zext(expert) * _zext(bias_stride) * bias_bytes
+    b_rsrc = _rsrc(b_row, first.select(fx.Int64(row_elems * bias_bytes), fx.Int64(0)))
+    blocks = []
+    for j in range_constexpr(nb):
+        if pair:
+            col = col_wave.shrui(fx.Int32(1)) + kl * 4 + (j % 2) * (row_elems // 2) + j // 2 * MFMA_MN
+        else:
+            col = col_wave + kl * 4 + j * MFMA_MN
+        words = _load(b_rsrc, col * bias_bytes, 0, bias_bytes)
+        if bias_bytes == 4:
+            vals = [words[i].bitcast(fx.Float32) for i in range_constexpr(4)]
+        else:  # bf16 = the high half of an f32
+            vals = [((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+                    for i in range_constexpr(4)]
+        blocks.append(Vec.from_elements(vals, fx.Float32).ir_value())
+    return blocks
+
+
+def store_activation(accs, toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out, out_bytes,
+                     mb: int, nb: int, topk: int, n_cols: int, n_tail: bool, out_row_bytes: int, apply_weights: bool,
+                     act: str, alpha: float, limit: float):
+    """Stage 1's epilogue: a2[t * topk + slot, j] = bf16(act(g_j, u_j) (* w_r)) from registers (the
+    caller has added the bias to g and u).
+
+    The wave's nb 16-column blocks come in (gate, up) pairs (virtual blocks 2j, 2j + 1 of the
+    gate_up shuffle are gate rows and up rows 16j .. 16j + 15), so lane (kl, l16) holds g and u
+    of the same four output columns 16j + 4kl .. + 3 of token row l16: the activation needs no
+    exchange. Stores are 8 bytes (4 bf16) per lane and pair, through a buffer over a2; a row
+    without a pair and a pair past n_cols (2 inter_dim) get the OOB offset (the store is dropped).
+    swiglu_oai's clamps drop a NaN and its finite form is cheaper (_activation), so the words
+    take that form unless a packed FMA chain over every (g, u) of the wave meets a NaN or an
+    Inf: that rare branch puts NaN back per element and clamps Inf."""
+    gcol = col_wave.shrui(fx.Int32(1)) + kl * 4  # this lane's first output column of the wave's pair 0
+    n_pairs = nb // 2
+    wts = []
+    if apply_weights:
+        w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
+        wts = [_load(w_rsrc_rows, (row0 + m * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32) for m in range_constexpr(mb)]
+
+    def words(finite):
+        """The bf16 pairs of every (row block, pair): 2 dwords each, in (row block, pair) order."""
+        out_words = []
+        for m in range_constexpr(mb):
+            for p in range_constexpr(n_pairs):
+                g, u = Vec(accs[m * nb + 2 * p]), Vec(accs[m * nb + 2 * p + 1])
+                vals = _activation(act, [fx.Float32(g[i]) for i in range_constexpr(4)],
+                                   [fx.Float32(u[i]) for i in range_constexpr(4)], alpha, limit, finite)
+                if apply_weights:
+                    vals = [v * wts[m] for v in vals]
+                packed = Vec(Vec.from_elements(vals, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32))
+                out_words += [packed[0], packed[1]]
+        return out_words
+
+    if act == "swiglu_oai":
+        odd = _any_nonfinite_pair(list(accs[:mb * nb]))
+        packed = [fx.Int32(v) for v in mx.if_else(mx.wave_any(odd.ir_value()), lambda: words(False), lambda: words(True),
+                                                  types=[T.i32] * (2 * mb * n_pairs))]
+    else:
+        packed = words(True)
+    out_rsrc = _rsrc(out, out_bytes)
+    for m in range_constexpr(mb):
+        a2_row = toks[m] * topk + rids[m].shrui(fx.Int32(TOKEN_BITS))
+        row_off = live[m].select(a2_row * out_row_bytes + gcol * 2, fx.Int32(OOB))
+        for p in range_constexpr(n_pairs):
+            off = row_off
+            if n_tail:  # a pair past n_cols (wave-uniform): dropped
+                off = (col_wave + 2 * p * MFMA_MN < n_cols).select(row_off, fx.Int32(OOB))
+            w = 2 * (m * n_pairs + p)
+            mx.store(Vec.from_elements(packed[w:w + 2], fx.Int32), out_rsrc, off + p * MFMA_MN * 2)
 
 
 def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) -> tuple[int, bool]:

@@ -2,7 +2,7 @@
 MXFP4 expert weights.
 Stage 1 (gate/up projection, activation fused) is the same builder and main loop with
 Gemm2Config.stage = 1: other A rows (x[token]), (gate, up) block pairs per wave and its own
-epilogue (stage1_epilogue below; the launcher and STAGE1_DOC in kernels/moe_gemm1_a16w4.py). This
+epilogue (_a16w4_common.store_activation; the launcher and STAGE1_DOC in kernels/moe_gemm1_a16w4.py). This
 module is the kernel both stages launch; kernels/_a16w4_common.py holds its constants and helpers.
 
 Math. For every sorted row r that holds a routing pair (token t, top-k slot k) of expert e
@@ -67,7 +67,8 @@ slot is not below topk is dropped like a padding row (no a2 read, no output).
 Output. The MFMAs compute out^T blocks (weights as the A operand), so after the K loop lane
 (kl, l16) holds token row l16 and the four consecutive columns 4 kl .. 4 kl + 3 of every 16x16
 block. The waves of K group 0 add the bias (once per contribution: only the k-split 0
-workgroup adds it), multiply by the routing weight and atomically add into out: fp32 by
+workgroup adds it; packed adds, _a16w4_common.bias_blocks), multiply by the routing weight and
+atomically add into out: fp32 by
 buffer_atomic_add_f32 per element, bf16 by buffer_atomic_pk_add_bf16 per column pair (gfx942,
 which has no buffer form: global_atomic_pk_add_bf16 at a 64-bit address), straight from
 registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
@@ -114,8 +115,9 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from ._a16w4_common import (
     A_BYTES_PER_LANE, K_CHUNK, K_STEP, KT, MFMA_MN, OOB, S_TILE_BYTES, TOKEN_BITS, TOKEN_MASK, W_PAST_END,
-    W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _activation, _as_f32, _ballot, _lanes_below, _load, _rsrc,
-    _s32, _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, wave_fits,
+    W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _as_f32, _ballot, _lanes_below, _load, _rsrc,
+    _s32, _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks,
+    store_activation, wave_fits,
 )
 
 # ---- kernel builder ----------------------------------------------------------------------------
@@ -176,55 +178,6 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         a16 = _vec_i32(a_words).bitcast(fx.Int16)
         b16 = _vec_i32(b_words).bitcast(fx.Int16)
         return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [b16, a16, acc])
-
-    def stage1_epilogue(accs, toks, rids, live, row0, expert, col_wave, kl, l16, bias, bias_stride, sorted_weights,
-                        ids_bytes, out, out_bytes):
-        """Stage 1: a2[t * topk + slot, j] = bf16(act(g_j + bg_j, u_j + bu_j) (* w_r)) from registers.
-
-        The wave's 16-column blocks come in (gate, up) pairs (virtual blocks 2j, 2j + 1 of the
-        gate_up shuffle are gate rows and up rows 16j .. 16j + 15), so lane (kl, l16) holds g and u
-        of the same four output columns 16j + 4kl .. + 3 of token row l16: the activation needs no
-        exchange. Stores are 8 bytes (4 bf16) per lane and pair, through a buffer over a2; a row
-        without a pair and a pair past inter_dim get the OOB offset (the store is dropped)."""
-        gcol = col_wave.shrui(fx.Int32(1)) + kl * 4  # this lane's first output column of the wave's pair 0
-        n_pairs = NB // 2
-        bias_g, bias_u = [], []
-        if const_expr(HAS_BIAS):
-            # (E, w_n) row of the expert: gate columns [0, P), up columns [P, 2P), P = w_n / 2
-            b_rsrc = _rsrc(bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES, fx.Int64(W_N * BIAS_BYTES))
-            for p in range_constexpr(n_pairs):
-                for half, dst in ((0, bias_g), (W_N // 2, bias_u)):
-                    words = _load(b_rsrc, gcol * BIAS_BYTES + (half + p * MFMA_MN) * BIAS_BYTES, 0, BIAS_BYTES)
-                    if const_expr(BIAS_BYTES == 4):
-                        dst.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
-                    else:  # bf16 = the high half of an f32
-                        dst.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
-                                    for i in range_constexpr(4)])
-        if const_expr(APPLY_W1):
-            w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
-        out_rsrc = _rsrc(out, out_bytes)
-        for mb in range_constexpr(MB):
-            if const_expr(APPLY_W1):
-                wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
-            a2_row = toks[mb] * TOPK + rids[mb].shrui(fx.Int32(TOKEN_BITS))
-            row_off = live[mb].select(a2_row * OUT_ROW_BYTES + gcol * 2, fx.Int32(OOB))
-            for p in range_constexpr(n_pairs):
-                g = Vec(accs[mb * NB + 2 * p])
-                u = Vec(accs[mb * NB + 2 * p + 1])
-                vals = []
-                for i in range_constexpr(4):
-                    gi, ui = fx.Float32(g[i]), fx.Float32(u[i])
-                    if const_expr(HAS_BIAS):
-                        gi, ui = gi + bias_g[p][i], ui + bias_u[p][i]
-                    v = _activation(ACT, gi, ui, ALPHA, LIMIT)
-                    if const_expr(APPLY_W1):
-                        v = v * wt
-                    vals.append(v)
-                packed = Vec.from_elements(vals, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
-                off = row_off
-                if const_expr(N_TAIL):  # a pair past inter_dim (wave-uniform): dropped
-                    off = (col_wave + 2 * p * MFMA_MN < MODEL_DIM).select(row_off, fx.Int32(OOB))
-                mx.store(packed, out_rsrc, off + p * MFMA_MN * 2)
 
     @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
     def gemm2_kernel(
@@ -544,28 +497,24 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     # Lane (kl, l16) holds token row l16 of each 16-row block and columns 4 kl .. 4 kl + 3
                     # of each 16-column block (see mfma): one row predicate per block row covers all the
                     # wave's atomics, and a 16-column block is wholly inside or outside model_dim.
+                    def with_bias(accs):
+                        """accs + the bias (packed adds); only k-split 0 adds it (the others get an
+                        empty buffer: loads read 0)."""
+                        if const_expr(not HAS_BIAS):
+                            return accs
+                        bias_v = bias_blocks(bias, bias_stride, expert, k_split == 0, col_wave, kl, NB, STAGE1,
+                                             W_N if STAGE1 else MODEL_DIM, BIAS_BYTES)
+                        return [(Vec(a) + Vec(bias_v[i % NB])).ir_value() for i, a in enumerate(accs)]
+
                     if const_expr(STAGE1):
                         if wk_i == 0:
-                            stage1_epilogue(accs, toks, rids, live, row0, expert, col_wave, kl, l16, bias, bias_stride,
-                                            sorted_weights, ids_bytes, out, out_bytes)
+                            store_activation(with_bias(accs), toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out,
+                                             out_bytes, MB, NB, TOPK, MODEL_DIM, N_TAIL, OUT_ROW_BYTES, APPLY_W1, ACT,
+                                             ALPHA, LIMIT)
                     else:
                         if wk_i == 0:
+                            accs = with_bias(accs)
                             lane_col = col_wave + kl * 4
-                            if const_expr(HAS_BIAS):
-                                # only k-split 0 adds the bias: the others get an empty buffer (loads read 0)
-                                # (expert's row: model_dim elements, the columns past it read 0)
-                                b_row = bias + _zext(expert) * _zext(bias_stride) * BIAS_BYTES
-                                b_rsrc = _rsrc(b_row, (k_split == 0).select(fx.Int64(MODEL_DIM * BIAS_BYTES), fx.Int64(0)))
-                                bias_v = []  # bias_v[nb][i]: column 4 kl + i of block nb
-                                for nb in range_constexpr(NB):
-                                    # 4 columns: BIAS_BYTES dwords; the block's offset in the (range-checked)
-                                    # instruction offset, not the scalar offset, which the check leaves out
-                                    words = _load(b_rsrc, lane_col * BIAS_BYTES + nb * MFMA_MN * BIAS_BYTES, 0, BIAS_BYTES)
-                                    if const_expr(BIAS_BYTES == 4):
-                                        bias_v.append([words[i].bitcast(fx.Float32) for i in range_constexpr(4)])
-                                    else:  # bf16 = the high half of an f32
-                                        bias_v.append([((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
-                                                       for i in range_constexpr(4)])
                             if const_expr(cfg.apply_weights):
                                 w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
                             p1 = ir.Type.parse("!llvm.ptr<1>")
@@ -579,8 +528,6 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                                 for nb in range_constexpr(NB):
                                     acc = Vec(accs[mb * NB + nb])
                                     v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
-                                    if const_expr(HAS_BIAS):
-                                        v = [v[i] + bias_v[nb][i] for i in range_constexpr(4)]
                                     if const_expr(cfg.apply_weights):
                                         v = [x * wt for x in v]
                                     vals.append(v)
