@@ -20,7 +20,21 @@ V_CVT_SCALEF32_PK_FP4_BF16 and siblings), writing one byte of the destination: 1
 per block. They round to nearest even and saturate (overflow and Inf give +-6), the contract's
 clamp; NaN input gives +-6, so the kernels patch NaN/Inf blocks (code 0xFF, nibbles 0x7) in a
 rare branch taken when any lane of the wave holds one.
-gfx942 has no FP4 conversion: y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
+gfx942 has no FP4 conversion. BF16/FP16 (sw_convert, two elements per packed 16-bit
+instruction): the code of |y| (y = x * 2^(127 - c)) is round-half-even of the piecewise-linear
+v(y) = min(2y, y + 2, y/2 + 4) (E2M1's grid: step 0.5 below 2, 1 below 4, 2 above; every tie
+of E2M1 sits at a half-integer of v and the even code is the even mantissa). Y = 2|y| * 2^-12 is
+an FP16 value: BF16 re-biased by integer ops (sat(|x| - ((c - 4) << 7)) << 3: exact for Y >=
+2^-14, and everything below is code 0), FP16 multiplied by 2^(116 - c). Then
+min(fma(Y, 2^12, 1024), fma(Y, 2^11, 1026), fma(Y, 2^10, 1028)) (floor: and 1031, the
+saturation at 6) rounds each term once to FP16's integer grid at 1024 (min of roundings = rounding
+of the min), so its low byte is the code. v_perm_b32 gathers the code bytes and the signs (its
+sign-replicating selectors read bits 15 and 31, the 16-bit inputs' sign bits: -0 -> 0x8) and
+one shift-or packs eight nibbles. Exact for every input pattern where the scale fits (BF16: c >=
+4; FP16: c <= 140, zero blocks taken as c = 101): checked exhaustively in
+tests/test_mxfp4_kernels.py; other blocks (amax below 2^-122 or, FP16, above 49152) take the FP32
+encoder in a rare wave-uniform branch.
+FP32 (sw_convert_f32): y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
 normal, and a y that underflows is below 0.25 either way), then from a = |y| bits clamped to
 6.0: for a < 2 the code is round(2a) by the FP32 adder (a + 2^22 has a 0.5 grid, nearest even:
 0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0 as E2M1's ties), for a >= 1 it is the FP32 bits rounded to
@@ -30,9 +44,10 @@ The sign is bit 31 of x (-0 -> 0x8, as the reference).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from flydsl._mlir import ir
-from flydsl._mlir.dialects import arith, rocdl, vector
+from flydsl._mlir.dialects import arith, llvm, rocdl, vector
 
 from flyquant.formats import E2M1_MANT_BITS, E2M1_MAX_POW2, E2M1_NAN_BLOCK_CODE
 
@@ -52,6 +67,19 @@ HALF_GRID_BITS = 0x4A800000
 ROUND_BELOW_BIT22 = (1 << 21) - 1  # round to one mantissa bit: + 0x1FFFFF + bit 22, >> 22
 E2M1_REBIAS = (127 - 1) << E2M1_MANT_BITS  # FP32 (exponent, 1 mantissa bit) -> E2M1 code
 F32_MULT_FIELD = 254  # 2^(127 - c) has exponent field 254 - c
+# gfx942 16-bit encoder (module docstring): Y = 2|y| * 2^-Y_SHIFT in FP16
+Y_SHIFT = 12
+F16_GRID = 0x6400  # 1024.0: FP16 values in [1024, 2048) are the integers
+V_TERMS = ((1 << Y_SHIFT, 1024.0), (1 << (Y_SHIFT - 1), 1026.0), (1 << (Y_SHIFT - 2), 1028.0))  # 2y, y + 2, y/2 + 4
+F16_SAT = 1031.0  # floor: code 7 (6.0) at most
+BF16_MIN_CODE = 16 - Y_SHIFT  # BF16: the re-bias (c - 4) << 7 is a saturating subtraction from c >= 4
+F16_MULT_POW = 128 - Y_SHIFT  # FP16: Y = |x| * 2^(116 - c)
+F16_CODES = (101, 140)  # FP16: 2^(116 - c) is an FP16 number (2^15 .. 2^-24, subnormal from c = 131); nonzero FP16 blocks have c >= 101
+BF16_TO_F16_MANT = 3  # 10 - 7 mantissa bits
+BYTES_02 = 0x06040200  # v_perm_b32: bytes 0 and 2 of lo, then of hi
+BYTES_13 = 0x07050301
+SIGNS_4 = 0x0B0A0908  # v_perm_b32: bits 15, 31 of lo, 15, 31 of hi, each replicated to a byte
+NIBBLE_SIGNS = 0x08080808
 
 def scale_code(spec: Spec, amax):
     """E8M0 code of a block from its amax pattern (module docstring)."""
@@ -60,8 +88,9 @@ def scale_code(spec: Spec, amax):
                              E2M1_MANT_BITS)
 
 
-def hw_convert(spec: Spec, words, code):
-    """gfx950: 32 elements -> 4 dwords of nibbles with the scaled FP4 conversions."""
+def hw_convert(spec: Spec, words, code, amax=None):
+    """gfx950: 32 elements -> 4 dwords of nibbles with the scaled FP4 conversions (amax unused:
+    sw_convert's signature)."""
     scale = mx.as_f32(shl(code, mx.F32_MANT_BITS))
     out = []
     for j in range(4):
@@ -93,7 +122,7 @@ def f32_elements(spec: Spec, words):
 
 
 def sw_nibble(y, x):
-    """gfx942: the E2M1 code of the scaled value y (FP32 bits) with the sign of x (bits)."""
+    """gfx942 FP32: the E2M1 code of the scaled value y (FP32 bits) with the sign of x (bits)."""
     a = mx.umin(band(y, 0x7FFFFFFF), F32_SIX)
     grid = arith.addf(mx.as_f32(a), arith.constant(mx.f32_t(), HALF_GRID))
     small = sub(mx.as_i32(grid), HALF_GRID_BITS)
@@ -102,8 +131,8 @@ def sw_nibble(y, x):
     return bor(code, band(lshr(x, 28), 8))
 
 
-def sw_convert(spec: Spec, words, code):
-    """gfx942: 32 elements -> 4 dwords of nibbles in software (module docstring)."""
+def sw_convert_f32(spec: Spec, words, code):
+    """gfx942: 32 elements -> 4 dwords of nibbles through FP32 (module docstring; any dtype)."""
     mult = mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
     xs = f32_elements(spec, words)
     pair_t = ir.VectorType.get([2], mx.f32_t())
@@ -121,6 +150,69 @@ def sw_convert(spec: Spec, words, code):
             acc = nib if n == 0 else bor(acc, shl(nib, 4 * n))
         out.append(acc)
     return out
+
+
+def _f16(x):
+    return mx.bitcast(mx.v2f16_t(), x)
+
+
+def _f16_const(v: float):
+    return _f16(const(mx.splat16(int(np.float16(v).view(np.uint16)))))
+
+
+def _code_pair(spec: Spec, pair, scale, floor: bool):
+    """Two 16-bit elements (a dword) -> a dword whose bytes 0 and 2 are the codes of |x| (module
+    docstring); `scale`: the re-bias (BF16) or the FP16 multiplier, both halves."""
+    a = band(pair, 0x7FFF7FFF)
+    if spec.dtype == "bf16":
+        y = _f16(mx.pk(arith.shli, mx.pk(llvm.intr_usub_sat, a, scale), mx.splat16(BF16_TO_F16_MANT)))
+    else:
+        y = arith.mulf(_f16(a), _f16(scale))
+    v = None
+    for k, c in V_TERMS:
+        t = llvm.intr_fma(y, _f16_const(k), _f16_const(c))
+        v = t if v is None else arith.minnumf(v, t)
+    if floor:
+        v = arith.minnumf(v, _f16_const(F16_SAT))
+    return mx.bitcast(mx.i32_t(), v)
+
+
+def _sw_convert16(spec: Spec, words, code):
+    """gfx942 BF16/FP16: 16 dwords of element pairs -> 4 dwords of nibbles (module docstring)."""
+    if spec.dtype == "bf16":
+        half = shl(mx.usub_sat(code, BF16_MIN_CODE), 7)
+    else:
+        # 2^(116 - c) in FP32, converted exactly to FP16 (subnormal from c = 131 on)
+        mult = mx.as_f32(shl(sub(127 + F16_MULT_POW, mx.umax(code, F16_CODES[0])), mx.F32_MANT_BITS))
+        half = arith.extui(mx.i32_t(), arith.bitcast(ir.IntegerType.get_signless(16), arith.truncf(ir.F16Type.get(), mult)))
+    scale = bor(shl(half, 16), half)
+    ms = [_code_pair(spec, w, scale, spec.mode == "floor") for w in words]
+    out = []
+    for j in range(4):
+        m, p = ms[4 * j:4 * j + 4], words[4 * j:4 * j + 4]
+        # elements 0-3 and 4-7 as code bytes with their signs
+        q = [bor(band(mx.perm(p[i + 1], p[i], SIGNS_4), NIBBLE_SIGNS), mx.perm(m[i + 1], m[i], BYTES_02)) for i in (0, 2)]
+        even, odd = mx.perm(q[1], q[0], BYTES_02), mx.perm(q[1], q[0], BYTES_13)
+        out.append(add(shl(odd, 4), even))  # disjoint bits: one v_lshl_add_u32
+    return out
+
+
+def sw_outside16(spec: Spec, code, amax):
+    """i1: a block the 16-bit encoder does not cover (module docstring: BF16 c < 4 and not a zero
+    block; FP16 c > 140)."""
+    if spec.dtype == "bf16":
+        return arith.andi(mx.cmp_ult(code, BF16_MIN_CODE), mx.cmp_ne(amax, 0))
+    return mx.cmp_ult(F16_CODES[1], code)
+
+
+def sw_convert(spec: Spec, words, code, amax):
+    """gfx942: 32 elements -> 4 dwords of nibbles in software: the packed 16-bit encoder, or the
+    FP32 one for FP32 input and, in a wave-uniform branch, for blocks outside its range."""
+    if spec.wide:
+        return sw_convert_f32(spec, words, code)
+    return mx.if_else(mx.wave_any(sw_outside16(spec, code, amax)),
+                      lambda: sw_convert_f32(spec, words, code), lambda: _sw_convert16(spec, words, code),
+                      types=[mx.i32_t()] * 4)
 
 
 def nan_words(valid):
@@ -145,7 +237,7 @@ def quantize_words(spec: Spec, words, valid):
         amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), exact, lambda: [amax],
                           types=[mx.i32_t()])[0]
     code = scale_code(spec, amax)
-    data = (hw_convert if spec.scaled_cvt else sw_convert)(spec, words, code)
+    data = (hw_convert if spec.scaled_cvt else sw_convert)(spec, words, code, amax)
     bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype])
     return mx.if_else(
         mx.wave_any(bad),

@@ -104,6 +104,40 @@ def test_tails(arch, dtype):
         assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
 
 
+def pattern_blocks(dtype, code, mode):
+    """(n, 32) blocks whose scale code is `code` in `mode`: element 0 the largest value with that
+    code (floor: exponent field code + 2, mantissa all ones; rceil: 6 * 2^(code - 127), FP16 at
+    most 65504), the others every finite pattern of dtype whose magnitude is at most it, both
+    signs and -0, so the element encoder sees each input it can meet under that scale."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    if mode == "floor":
+        below = (bits.float().abs() < 2.0 ** (code + 3 - 127)) & bits.isfinite()
+        amax = bits[below].float().abs().max().to(dtype)
+    else:
+        amax = torch.tensor(min(6.0 * 2.0 ** (code - 127), torch.finfo(dtype).max), dtype=dtype)
+    elems = bits[bits.isfinite() & (bits.float().abs() <= amax.float())]
+    elems = torch.cat([elems, torch.zeros(-elems.numel() % 31, dtype=dtype)]).reshape(-1, 31)
+    return torch.cat([amax.expand(elems.shape[0], 1), elems], dim=1).contiguous()
+
+
+# (dtype, code, mode): gfx942's 16-bit encoder at the ends of its range (BF16 c >= 4; FP16 c in
+# [101, 140], subnormal FP16 multipliers from c = 131) and in the middle, and the FP32 encoder's
+# wave-uniform fallback beyond it (BF16 c < 4, FP16 c = 141, reached by rceil from amax > 49152)
+ENCODER_CASES = [(torch.bfloat16, c, "floor") for c in (1, 3, 4, 5, 127, 252)] + [
+    (torch.float16, c, "floor") for c in (104, 118, 130, 131, 140)] + [(torch.float16, 141, "rceil"), (torch.bfloat16, 126, "even")]
+
+
+@pytest.mark.parametrize("dtype,code,mode", ENCODER_CASES, ids=[f"{str(d)[6:]}-{c}-{m}" for d, c, m in ENCODER_CASES])
+def test_encoder_all_patterns(dtype, code, mode):
+    """Every 16-bit input pattern an element can have under a scale code, through the gfx942
+    kernel (its packed FP16 encoder, or the FP32 one in the rare branch), byte for byte against
+    the reference."""
+    x = pattern_blocks(dtype, code, mode)
+    want = reference.mxfp4_quantize(x, -1, mode)
+    assert (want[1].view(U8) == code).all()
+    assert_same(k4.quantize_rows(x, arch="gfx942", scaling_mode=mode), want, f"code {code}")
+
+
 def cols_tensor(dtype, m=84, k=40):
     """(m, k) whose column blocks (32 rows of a column, column-major block order) start with the
     special blocks, then random values; m = 84: 3 row blocks (the last 20 rows), k = 40: 5
@@ -372,6 +406,9 @@ def test_compile(arch, dtype):
         assert r.count("buffer_store_dwordx4") == 1 and r.count("buffer_store_byte") == 1, r.name
         assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+        if arch == "gfx942" and dtype != "fp32":  # the packed FP16 encoder: three terms per pair
+            assert r.count("v_pk_fma_f16") == 3 * 16 and r.count("v_pk_min_f16") == 2 * 16, r.name
+            assert ".amdhsa_float_denorm_mode_16_64 3" in r.isa  # FP16 subnormal multipliers kept
 
 
 @pytest.mark.parametrize("arch", ARCHS)
