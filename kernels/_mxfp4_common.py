@@ -88,23 +88,30 @@ def scale_code(spec: Spec, amax):
                              E2M1_MANT_BITS)
 
 
+def hw_piece(spec: Spec, words, scale):
+    """gfx950: 8 elements (4 dwords of 16-bit pairs, or 8 FP32) -> a dword of nibbles with the
+    scaled FP4 conversions (`scale`: the code in an FP32 exponent field)."""
+    acc = mx.poison(mx.i32_t())
+    for b in range(4):
+        if spec.wide:
+            a, c = words[2 * b], words[2 * b + 1]
+            acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
+        else:
+            op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
+            src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[b])
+            acc = op(mx.i32_t(), acc, src, scale, b)
+    return acc
+
+
+def pieces(spec: Spec, words):
+    """A block's dwords split into its 4 pieces of 8 elements (one output dword each)."""
+    n = len(words) // 4
+    return [words[n * j:n * j + n] for j in range(4)]
+
+
 def hw_convert(spec: Spec, words, code, amax=None):
-    """gfx950: 32 elements -> 4 dwords of nibbles with the scaled FP4 conversions (amax unused:
-    sw_convert's signature)."""
-    scale = mx.as_f32(shl(code, mx.F32_MANT_BITS))
-    out = []
-    for j in range(4):
-        acc = mx.poison(mx.i32_t())
-        for b in range(4):
-            if spec.wide:
-                a, c = words[8 * j + 2 * b], words[8 * j + 2 * b + 1]
-                acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
-            else:
-                op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
-                src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[4 * j + b])
-                acc = op(mx.i32_t(), acc, src, scale, b)
-        out.append(acc)
-    return out
+    """gfx950: 32 elements -> 4 dwords of nibbles (amax unused: sw_convert's signature)."""
+    return convert_pieces(spec, pieces(spec, words), [piece_operand(spec, code)] * 4)
 
 
 def f32_elements(spec: Spec, words):
@@ -131,25 +138,23 @@ def sw_nibble(y, x):
     return bor(code, band(lshr(x, 28), 8))
 
 
-def sw_convert_f32(spec: Spec, words, code):
-    """gfx942: 32 elements -> 4 dwords of nibbles through FP32 (module docstring; any dtype)."""
-    mult = mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
+def sw32_mult(code):
+    return mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
+
+
+def sw32_piece(spec: Spec, words, mult):
+    """gfx942: 8 elements -> a dword of nibbles through FP32 (module docstring; any dtype);
+    `mult`: sw32_mult(code)."""
     xs = f32_elements(spec, words)
     pair_t = ir.VectorType.get([2], mx.f32_t())
-    ys = []
-    for i in range(0, MX_BLOCK, 2):  # v_pk_mul_f32
+    acc = None
+    for i in range(0, len(xs), 2):  # v_pk_mul_f32
         v = vector.from_elements(pair_t, [mx.as_f32(xs[i]), mx.as_f32(xs[i + 1])])
         p = arith.mulf(v, vector.broadcast(pair_t, mult))
-        ys += [mx.as_i32(mx.extract(p, 0)), mx.as_i32(mx.extract(p, 1))]
-    out = []
-    for j in range(4):
-        acc = const(0)
-        for n in range(8):
-            e = 8 * j + n
-            nib = sw_nibble(ys[e], xs[e])
-            acc = nib if n == 0 else bor(acc, shl(nib, 4 * n))
-        out.append(acc)
-    return out
+        for h in range(2):
+            nib = sw_nibble(mx.as_i32(mx.extract(p, h)), xs[i + h])
+            acc = nib if acc is None else bor(acc, shl(nib, 4 * (i + h)))
+    return acc
 
 
 def _f16(x):
@@ -177,19 +182,25 @@ def _code_pair(spec: Spec, pair, scale, floor: bool):
     return mx.bitcast(mx.i32_t(), v)
 
 
-def _sw_convert16(spec: Spec, words, code):
-    """gfx942 BF16/FP16: 16 dwords of element pairs -> 4 dwords of nibbles (module docstring)."""
+def sw16_scale(spec: Spec, code):
+    """The per-block operand of the 16-bit encoder, both halves: BF16 the re-bias (c - 4) << 7,
+    FP16 the multiplier 2^(116 - c) (module docstring)."""
     if spec.dtype == "bf16":
         half = shl(mx.usub_sat(code, BF16_MIN_CODE), 7)
     else:
         # 2^(116 - c) in FP32, converted exactly to FP16 (subnormal from c = 131 on)
         mult = mx.as_f32(shl(sub(127 + F16_MULT_POW, mx.umax(code, F16_CODES[0])), mx.F32_MANT_BITS))
         half = arith.extui(mx.i32_t(), arith.bitcast(ir.IntegerType.get_signless(16), arith.truncf(ir.F16Type.get(), mult)))
-    scale = bor(shl(half, 16), half)
-    ms = [_code_pair(spec, w, scale, spec.mode == "floor") for w in words]
+    return bor(shl(half, 16), half)
+
+
+def sw16_pieces(spec: Spec, groups, scales):
+    """gfx942 BF16/FP16: pieces of 8 elements (4 dwords of pairs each, with their sw16_scale) ->
+    a dword of nibbles each (module docstring). All codes first, then the packing: interleaving
+    independent chains keeps the dependent packed ops apart (no hazard s_nops)."""
+    ms = [[_code_pair(spec, w, sc, spec.mode == "floor") for w in p] for p, sc in zip(groups, scales)]
     out = []
-    for j in range(4):
-        m, p = ms[4 * j:4 * j + 4], words[4 * j:4 * j + 4]
+    for p, m in zip(groups, ms):
         # elements 0-3 and 4-7 as code bytes with their signs
         q = [bor(band(mx.perm(p[i + 1], p[i], SIGNS_4), NIBBLE_SIGNS), mx.perm(m[i + 1], m[i], BYTES_02)) for i in (0, 2)]
         even, odd = mx.perm(q[1], q[0], BYTES_02), mx.perm(q[1], q[0], BYTES_13)
@@ -205,14 +216,32 @@ def sw_outside16(spec: Spec, code, amax):
     return mx.cmp_ult(F16_CODES[1], code)
 
 
-def sw_convert(spec: Spec, words, code, amax):
-    """gfx942: 32 elements -> 4 dwords of nibbles in software: the packed 16-bit encoder, or the
-    FP32 one for FP32 input and, in a wave-uniform branch, for blocks outside its range."""
+def piece_operand(spec: Spec, code):
+    """What convert_pieces needs of a block's code: gfx950 the FP32 scale bits, gfx942 16-bit
+    the encoder's sw16_scale, FP32 input the code (computed once per block, before lanes share it)."""
+    if spec.scaled_cvt:
+        return shl(code, mx.F32_MANT_BITS)
+    return code if spec.wide else sw16_scale(spec, code)
+
+
+def convert_pieces(spec: Spec, groups, operands, rare=None, codes=None):
+    """Pieces of 8 elements (4 dwords of 16-bit pairs, or 8 FP32), each with its block's
+    piece_operand -> a dword of nibbles each: gfx950's scaled conversions; gfx942's packed 16-bit
+    encoder, or the FP32 one for FP32 input or when `rare` (wave-uniform i1: a block outside the
+    16-bit range; `codes()` then gives the pieces' codes)."""
+    if spec.scaled_cvt:
+        return [hw_piece(spec, w, mx.as_f32(op)) for w, op in zip(groups, operands)]
+    via_f32 = lambda cs: [sw32_piece(spec, w, sw32_mult(c)) for w, c in zip(groups, cs)]  # noqa: E731
     if spec.wide:
-        return sw_convert_f32(spec, words, code)
-    return mx.if_else(mx.wave_any(sw_outside16(spec, code, amax)),
-                      lambda: sw_convert_f32(spec, words, code), lambda: _sw_convert16(spec, words, code),
-                      types=[mx.i32_t()] * 4)
+        return via_f32(operands)
+    return mx.if_else(rare, lambda: via_f32(codes()), lambda: sw16_pieces(spec, groups, operands),
+                      types=[mx.i32_t()] * len(groups))
+
+
+def sw_convert(spec: Spec, words, code, amax):
+    """gfx942: 32 elements -> 4 dwords of nibbles in software (convert_pieces)."""
+    rare = None if spec.wide else mx.wave_any(sw_outside16(spec, code, amax))
+    return convert_pieces(spec, pieces(spec, words), [piece_operand(spec, code)] * 4, rare, lambda: [code] * 4)
 
 
 def nan_words(valid):

@@ -7,19 +7,28 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split: one lane per block. Block g of the (M, nkb) block grid reads row g / nkb at
-(g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per lane, one 16-byte store of
-its 32 nibbles at 16 g (consecutive lanes: consecutive 16 bytes, a wave's store is 1 KiB
-contiguous) and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive blocks;
-blocks past the end read zeros and their stores are dropped (buffer range checks). With K %
-32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte length is
-not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer access ROCm
-enables; not verified on hardware).
+Work split. 16-bit x with K % 32 == 0 and no data shuffle (`lined`, scale layouts allowed): a
+wave quantizes tiles of 64 blocks (4 KiB of input); lane (col, piece) (mxfp8_quantize_2d's
+lane split: piece = the lane's bits at DISTS, lane distances 32, 16 on gfx950 for
+v_permlane32/16_swap, 2, 1 on gfx942 for DPP) loads piece `piece` (16 bytes, 8 elements) of
+blocks t0 + 16 k + col, k = 0..3: each load instruction reads 1 KiB contiguous (whole lines).
+The per-piece amax partials are reduce-scattered (the lane owns block t0 + 16 piece + col: its
+code, its code byte store, each store instruction 64 consecutive codes), the block's conversion
+operand (_mxfp4_common.piece_operand) is gathered back and each lane converts its 4 pieces into
+4 dwords of nibbles, stored at 16 b + 4 piece (256 contiguous bytes per instruction). Other
+variants (FP32, K % 32 != 0, data shuffles): one lane per block. Block g of the (M, nkb) block
+grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
+lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
+nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
+blocks; blocks past the end read zeros and their stores are dropped (buffer range checks). With
+K % 32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte
+length is not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer
+access ROCm enables; not verified on hardware).
 
-Layouts written in the same pass (each lane stores its block's 16 bytes and code byte at their
-places): scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the
-MXFP8 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the
-M x nkb real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
+Layouts written in the same pass (each block's 16 bytes and code byte stored at their places):
+scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
+kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
+real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
 K % 64 == 0): lane g quantizes the block whose data is unit g of that layout, so the data stores
 stay 1 KiB contiguous per wave; each lane's 4 (8) loads read 64 (128) contiguous bytes of its
 row, four lanes cover 256 contiguous bytes. shuffle "a16w4" (3D expert weights): _a16w4_offsets.
@@ -42,8 +51,9 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
-from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
+from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
+from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
@@ -51,6 +61,13 @@ MAX_WAVES = 4
 TILES_PER_WAVE = 4
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+PIECE_OUT_BYTES = 4  # 8 elements -> 8 nibbles
+
+
+def lined(dtype: str, tail: bool, shuffle) -> bool:
+    """The variants that split a block over 4 lanes (whole-line loads): 16-bit x, K % 32 == 0,
+    no data shuffle (module docstring)."""
+    return dtype != "fp32" and not tail and not shuffle
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,50 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         mx.store_byte(patched[4], rs, s_off)
         mx.store(mx.from_elements(patched[:4]), rq, d_off)
 
+    dists = DISTS[(arch, spec.elem_bytes)]
+
+    def lined_amax(words, exact):
+        """The amax pattern of the block this lane owns after the reduce-scatter (register k =
+        its bits at dists)."""
+        parts = [mx.chain_amax(spec, w, exact) for w in reversed(words)][::-1]  # last load first: one wait
+        return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
+
+    def lined_tile(t0, bufs, lane, shape, nb):
+        """Blocks t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
+        of block t0 + 16 k + col, so each load reads 1 KiB contiguous and each data store 256
+        bytes; the block amaxes are reduce-scattered (lane owns block t0 + 16 piece + col), the
+        codes gathered back."""
+        rx, rq, rs = bufs
+        lane_in, lane_out, own = lane
+        nkb, row_bytes, k, magic, shift, dims = shape
+        v_in = add(lane_in, mul(t0, in_block))
+        words = [mx.dwords_of(mx.load(rx, add(v_in, i * LOAD_BYTES))) for i in range(loads)]
+        mx.wait_loads()
+        amax = lined_amax(words, False)
+        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
+            amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), lambda: [lined_amax(words, True)],
+                              lambda: [amax], types=[mx.i32_t()])[0]
+        code = _mxfp4_common.scale_code(spec, amax)
+        bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+        g = add(t0, own)
+        s_off = g
+        if scale_layout:
+            row = lshr(add(mx.umulhi(g, magic), g), shift)
+            s_off = mx.select(mx.cmp_ult(g, nb), mx.scale_offset(scale_layout, row, sub(g, mul(row, nkb)), dims), mx.OOB)
+        mx.store_byte(mx.select(bad, mx.E8M0_NAN, code), rs, s_off)
+        operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
+        rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
+        data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
+
+        def nan_patched():  # NaN/Inf blocks: every nibble 0x7 (no partial blocks here)
+            flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
+            return [mx.select(mx.cmp_ne(f, 0), _mxfp4_common.E2M1_NAN_X8, d) for f, d in zip(flags, data)]
+
+        data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
+        v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
+        for i, d in enumerate(data):
+            mx.store(d, rq, add(v_out, i * (LOAD_BYTES // in_block) * OUT_BLOCK_BYTES))
+
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
         tid = val(fx.Int32(fx.thread_idx.x))
@@ -194,8 +255,15 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
         bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims))
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
-        mx.for_range(tiles_per_wave,
-                     lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
+        if lined(dtype, tail, shuffle):
+            col, piece = _lane_split(lane, dists)
+            lanes = (add(mul(col, in_block), shl(piece, 4)), add(mul(col, OUT_BLOCK_BYTES), mul(piece, PIECE_OUT_BYTES)),
+                     add(shl(piece, 4), col))
+            mx.for_range(tiles_per_wave,
+                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb))
+        else:
+            mx.for_range(tiles_per_wave,
+                         lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(

@@ -412,6 +412,19 @@ def test_compile(arch, dtype):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_compile_lined(arch):
+    """The rowwise kernel with a block over 4 lanes (16-bit, K % 32 == 0): no scratch; 4 16-byte
+    loads, 4 dword data stores and one code byte per lane and tile; the block's amax and its
+    operand exchanged with gfx950's permlane swaps or gfx942's DPP moves."""
+    r = _compile(arch, "bf16", "floor", False)
+    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
+    assert r.spills == 0 and r.lds_bytes == 0
+    assert r.count("buffer_load_dwordx4") == 4 and r.count("buffer_store_dword") == 4 and r.count("buffer_store_byte") == 1
+    assert r.count("buffer_store_dwordx4") == 0
+    assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950") and ("quad_perm" in r.isa) == (arch == "gfx942")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile_cols(arch, dtype):
     """Columnwise: no scratch; 32 16-byte row loads (odd: plus the 2-byte load of the last
@@ -436,23 +449,25 @@ def test_compile_cols(arch, dtype):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_instructions_and_coalescing(arch):
-    """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
-    stores, fully coalesced (also with the a4w4 shuffle), the codes one byte each."""
+    """Executed wave-instructions per element (printed), and the stores: all data fully coalesced
+    (rowwise plain: 4-byte stores of a piece each; columnwise and the a4w4 shuffle: 16-byte
+    stores), the codes one byte each; plain rowwise and columnwise loads read whole lines."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
         kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
-    for r, t in zip(launches, (x, xc, x)):
+    for r, t, data_store in zip(launches, (x, xc, x), ("buffer_store_dword", "buffer_store_dwordx4", "buffer_store_dwordx4")):
         mem = r.stats.memory
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
               + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
-        assert mem["buffer_store_dwordx4"].bytes == t.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
+        assert mem[data_store].bytes == t.numel() // 2 and mem[data_store].coalescing == 1.0
         assert mem["buffer_store_byte"].bytes == t.numel() // 32
         assert mem["buffer_load_dwordx4"].bytes == t.numel() * 2
-    assert launches[1].stats.memory["buffer_load_dwordx4"].coalescing == 1.0  # columnwise: whole lines
+    for r in launches[:2]:  # rowwise (a block over 4 lanes) and columnwise: loads of whole lines
+        assert r.stats.memory["buffer_load_dwordx4"].coalescing == 1.0
 
 
 @pytest.mark.gpu
