@@ -7,17 +7,17 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split. 16-bit x with K % 32 == 0 and no data shuffle (`lined`, scale layouts allowed): a
-wave quantizes tiles of 64 blocks (4 KiB of input); lane (col, piece) (mxfp8_quantize_2d's
-lane split: piece = the lane's bits at DISTS, lane distances 32, 16 on gfx950 for
-v_permlane32/16_swap, 2, 1 on gfx942 for DPP) loads piece `piece` (16 bytes, 8 elements) of
-blocks t0 + 16 k + col, k = 0..3: each load instruction reads 1 KiB contiguous (whole lines).
-The per-piece amax partials are reduce-scattered (the lane owns block t0 + 16 piece + col: its
-code, its code byte store, each store instruction 64 consecutive codes), the block's conversion
-operand (_mxfp4_common.piece_operand) is gathered back and each lane converts its 4 pieces into
-4 dwords of nibbles, stored at 16 b + 4 piece (256 contiguous bytes per instruction). Other
-variants (FP32, K % 32 != 0, data shuffles): one lane per block. Block g of the (M, nkb) block
-grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
+Work split. 16-bit x with K % 32 == 0 and no data shuffle or the a4w4 one (`lined`, scale
+layouts allowed): a wave quantizes tiles of 64 units (blocks; a4w4: units of that layout, 4 KiB
+of input); lane (col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS,
+lane distances 32, 16 on gfx950 for v_permlane32/16_swap, 2, 1 on gfx942 for DPP) loads piece
+`piece` (16 bytes, 8 elements) of 4 units (plain: blocks t0 + 16 k + col, each load instruction
+1 KiB contiguous; a4w4: lined_units, 8 rows x 128 bytes). The per-piece amax partials are
+reduce-scattered (the lane owns one block: its code, its code byte store), the block's
+conversion operand (_mxfp4_common.piece_operand) is gathered back and each lane converts its 4
+pieces into 4 dwords of nibbles, stored at 16 u + 4 piece (256 contiguous bytes per
+instruction). Other variants (FP32, K % 32 != 0, the a16w4 shuffle): one lane per block. Block g
+of the (M, nkb) block grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
 lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
 nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
 blocks; blocks past the end read zeros and their stores are dropped (buffer range checks). With
@@ -29,9 +29,9 @@ Layouts written in the same pass (each block's 16 bytes and code byte stored at 
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
-K % 64 == 0): lane g quantizes the block whose data is unit g of that layout, so the data stores
-stay 1 KiB contiguous per wave; each lane's 4 (8) loads read 64 (128) contiguous bytes of its
-row, four lanes cover 256 contiguous bytes. shuffle "a16w4" (3D expert weights): _a16w4_offsets.
+K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous (FP32,
+one lane per unit: each lane's 8 loads read 128 contiguous bytes of its row). shuffle "a16w4"
+(3D expert weights): _a16w4_offsets.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ PIECE_OUT_BYTES = 4  # 8 elements -> 8 nibbles
 
 def lined(dtype: str, tail: bool, shuffle) -> bool:
     """The variants that split a block over 4 lanes (whole-line loads): 16-bit x, K % 32 == 0,
-    no data shuffle (module docstring)."""
-    return dtype != "fp32" and not tail and not shuffle
+    no data shuffle or the a4w4 one (module docstring)."""
+    return dtype != "fp32" and not tail and shuffle in (None, "a4w4")
 
 
 @dataclass(frozen=True)
@@ -206,16 +206,40 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         parts = [mx.chain_amax(spec, w, exact) for w in reversed(words)][::-1]  # last load first: one wait
         return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
 
-    def lined_tile(t0, bufs, lane, shape, nb):
-        """Blocks t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
-        of block t0 + 16 k + col, so each load reads 1 KiB contiguous and each data store 256
-        bytes; the block amaxes are reduce-scattered (lane owns block t0 + 16 piece + col), the
-        codes gathered back."""
-        rx, rq, rs = bufs
-        lane_in, lane_out, own = lane
+    def lined_units(k):
+        """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain 16 k; a4w4
+        (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
+        x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
+        return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else 16 * k
+
+    def a4w4_tiles(t0, shape):
+        """a4w4: (row, kb) of the first unit of each of the tile's two pairs of row tiles t = t0 /
+        16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even)."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        v_in = add(lane_in, mul(t0, in_block))
-        words = [mx.dwords_of(mx.load(rx, add(v_in, i * LOAD_BYTES))) for i in range(loads)]
+        return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
+
+    def lined_loads(t0, rx, lane, shape, firsts):
+        """The 4 registers' 16-byte pieces as dwords (a4w4: lined_units; `lane[0]` its offset
+        within a tile pair, firsts: a4w4_tiles)."""
+        row_bytes = shape[1]
+        if shuffle != "a4w4":
+            v_in = add(lane[0], mul(t0, in_block))
+            offs = [add(v_in, i * LOAD_BYTES) for i in range(loads)]
+        else:
+            bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
+            offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
+        return [mx.dwords_of(mx.load(rx, o)) for o in offs]
+
+    def lined_tile(t0, bufs, lane, shape, nb):
+        """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
+        of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
+        store 256 contiguous bytes; the block amaxes are reduce-scattered (the lane owns register
+        `piece`'s block), the conversion operands gathered back."""
+        rx, rq, rs = bufs
+        lane_out, own = lane[:2]
+        nkb, row_bytes, k, magic, shift, dims = shape
+        firsts = a4w4_tiles(t0, shape) if shuffle == "a4w4" else None
+        words = lined_loads(t0, rx, lane[2:], shape, firsts)
         mx.wait_loads()
         amax = lined_amax(words, False)
         if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
@@ -225,9 +249,19 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
         g = add(t0, own)
         s_off = g
-        if scale_layout:
+        if shuffle == "a4w4":  # the owned register `piece`: tile pair piece % 2, rows 8 (piece / 2) + col % 8
+            col, piece = lane[3:]
+            odd = mx.cmp_ne(band(piece, 1), 0)
+            row = add(mx.select(odd, firsts[1][0], firsts[0][0]), add(shl(lshr(piece, 1), 3), band(col, 7)))
+            kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), lshr(col, 3))
+            s_off = add(mul(row, nkb), kb)
+        elif scale_layout:
             row = lshr(add(mx.umulhi(g, magic), g), shift)
-            s_off = mx.select(mx.cmp_ult(g, nb), mx.scale_offset(scale_layout, row, sub(g, mul(row, nkb)), dims), mx.OOB)
+            kb = sub(g, mul(row, nkb))
+        if scale_layout:
+            s_off = mx.scale_offset(scale_layout, row, kb, dims)
+        if shuffle or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
+            s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
         mx.store_byte(mx.select(bad, mx.E8M0_NAN, code), rs, s_off)
         operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
         rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
@@ -240,7 +274,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
         for i, d in enumerate(data):
-            mx.store(d, rq, add(v_out, i * (LOAD_BYTES // in_block) * OUT_BLOCK_BYTES))
+            mx.store(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
@@ -257,8 +291,15 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
         if lined(dtype, tail, shuffle):
             col, piece = _lane_split(lane, dists)
-            lanes = (add(mul(col, in_block), shl(piece, 4)), add(mul(col, OUT_BLOCK_BYTES), mul(piece, PIECE_OUT_BYTES)),
-                     add(shl(piece, 4), col))
+            lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle == "a4w4" else col
+            # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
+            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle == "a4w4" else shl(piece, 4)
+            if shuffle == "a4w4":  # lined_units: row col % 8, block col / 8 of a tile pair
+                lane_in = add(add(mul(band(col, 7), val(row_bytes)), mul(lshr(col, 3), in_block)), shl(piece, 4))
+            else:
+                lane_in = add(mul(col, in_block), shl(piece, 4))
+            lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, PIECE_OUT_BYTES)), add(lane_unit, own_reg), lane_in, col,
+                     piece)
             mx.for_range(tiles_per_wave,
                          lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb))
         else:
