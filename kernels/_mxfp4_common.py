@@ -1,6 +1,8 @@
 """Shared pieces of the MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise,
-kernels/mxfp4_quantize_cols.py columnwise): the E8M0 code of a block and the E2M1 conversion
-of its 32 elements, emitted into FlyDSL kernels.
+kernels/mxfp4_quantize_cols.py columnwise, kernels/mxfp4_quantize_dual.py): the E8M0 code of a
+block and the E2M1 conversion of its elements, by pieces of 8 (or 4 FP32) elements, one output
+dword (2 bytes) each (convert_pieces: a whole block in one lane, or a block over lanes, each
+with the block's piece_operand), emitted into FlyDSL kernels.
 
 Math (flyquant.reference.mxfp4_quantize, bit-exact): per block of 32 elements, amax = max |x|
 (FP32), the E8M0 code c of the floor / rceil / even rule on amax's FP32 bits
@@ -20,7 +22,7 @@ V_CVT_SCALEF32_PK_FP4_BF16 and siblings), writing one byte of the destination: 1
 per block. They round to nearest even and saturate (overflow and Inf give +-6), the contract's
 clamp; NaN input gives +-6, so the kernels patch NaN/Inf blocks (code 0xFF, nibbles 0x7) in a
 rare branch taken when any lane of the wave holds one.
-gfx942 has no FP4 conversion. BF16/FP16 (sw_convert, two elements per packed 16-bit
+gfx942 has no FP4 conversion. BF16/FP16 (sw16_pieces, two elements per packed 16-bit
 instruction): the code of |y| (y = x * 2^(127 - c)) is round-half-even of the piecewise-linear
 v(y) = min(2y, y + 2, y/2 + 4) (E2M1's grid: step 0.5 below 2, 1 below 4, 2 above; every tie
 of E2M1 sits at a half-integer of v and the even code is the even mantissa). Y = 2|y| * 2^-12 is
@@ -30,11 +32,11 @@ min(fma(Y, 2^12, 1024), fma(Y, 2^11, 1026), fma(Y, 2^10, 1028)) (floor: and 1031
 saturation at 6) rounds each term once to FP16's integer grid at 1024 (min of roundings = rounding
 of the min), so its low byte is the code. v_perm_b32 gathers the code bytes and the signs (its
 sign-replicating selectors read bits 15 and 31, the 16-bit inputs' sign bits: -0 -> 0x8) and
-one shift-or packs eight nibbles. Exact for every input pattern where the scale fits (BF16: c >=
+one shift-add packs eight nibbles. Exact for every input pattern where the scale fits (BF16: c >=
 4; FP16: c <= 140, zero blocks taken as c = 101): checked exhaustively in
 tests/test_mxfp4_kernels.py; other blocks (amax below 2^-122 or, FP16, above 49152) take the FP32
 encoder in a rare wave-uniform branch.
-FP32 (sw_convert_f32): y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
+FP32 (sw32_piece; also the fallback above): y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
 normal, and a y that underflows is below 0.25 either way), then from a = |y| bits clamped to
 6.0: for a < 2 the code is round(2a) by the FP32 adder (a + 2^22 has a 0.5 grid, nearest even:
 0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0 as E2M1's ties), for a >= 1 it is the FP32 bits rounded to
@@ -89,10 +91,11 @@ def scale_code(spec: Spec, amax):
 
 
 def hw_piece(spec: Spec, words, scale):
-    """gfx950: 8 elements (4 dwords of 16-bit pairs, or 8 FP32) -> a dword of nibbles with the
-    scaled FP4 conversions (`scale`: the code in an FP32 exponent field)."""
+    """gfx950: 8 elements (4 dwords of 16-bit pairs, or 8 FP32; or a 16-byte piece of 4 FP32, 2
+    bytes) -> a dword of nibbles with the scaled FP4 conversions (`scale`: the code in an FP32
+    exponent field)."""
     acc = mx.poison(mx.i32_t())
-    for b in range(4):
+    for b in range(len(words) // 2 if spec.wide else len(words)):
         if spec.wide:
             a, c = words[2 * b], words[2 * b + 1]
             acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)

@@ -7,16 +7,17 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split. 16-bit x with K % 32 == 0 and no data shuffle or the a4w4 one (`lined`, scale
-layouts allowed): a wave quantizes tiles of 64 units (blocks; a4w4: units of that layout, 4 KiB
-of input); lane (col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS,
-lane distances 32, 16 on gfx950 for v_permlane32/16_swap, 2, 1 on gfx942 for DPP) loads piece
-`piece` (16 bytes, 8 elements) of 4 units (plain: blocks t0 + 16 k + col, each load instruction
-1 KiB contiguous; a4w4: lined_units, 8 rows x 128 bytes). The per-piece amax partials are
-reduce-scattered (the lane owns one block: its code, its code byte store), the block's
-conversion operand (_mxfp4_common.piece_operand) is gathered back and each lane converts its 4
-pieces into 4 dwords of nibbles, stored at 16 u + 4 piece (256 contiguous bytes per
-instruction). Other variants (FP32, K % 32 != 0, the a16w4 shuffle): one lane per block. Block g
+Work split. K % 32 == 0 with no data shuffle, or 16-bit x with the a4w4 one (`lined`, scale
+layouts allowed): a wave quantizes tiles of 64 units (blocks; a4w4: units of that layout); lane
+(col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances
+32, 16 (, 8) on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece
+`piece` (16 bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k +
+col, C = 16 or 8 blocks per KiB, each load instruction 1 KiB contiguous; a4w4: lined_units, 8
+rows x 128 bytes). The per-piece amax partials are reduce-scattered (the lane owns one block:
+its code, its code byte store), the block's conversion operand (_mxfp4_common.piece_operand) is
+gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
+piece (2 piece): 256 (128) contiguous bytes per instruction. Other variants (K % 32 != 0, the
+a16w4 shuffle, FP32 with a4w4): one lane per block. Block g
 of the (M, nkb) block grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
 lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
 nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
@@ -61,13 +62,12 @@ MAX_WAVES = 4
 TILES_PER_WAVE = 4
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
-PIECE_OUT_BYTES = 4  # 8 elements -> 8 nibbles
 
 
 def lined(dtype: str, tail: bool, shuffle) -> bool:
-    """The variants that split a block over 4 lanes (whole-line loads): 16-bit x, K % 32 == 0,
-    no data shuffle or the a4w4 one (module docstring)."""
-    return dtype != "fp32" and not tail and shuffle in (None, "a4w4")
+    """The variants that split a block over lanes (whole-line loads): K % 32 == 0 and no data
+    shuffle, or 16-bit x with the a4w4 one (module docstring)."""
+    return not tail and (shuffle is None or (shuffle == "a4w4" and dtype != "fp32"))
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain 16 k; a4w4
         (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
         x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
-        return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else 16 * k
+        return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else k * (LOAD_BYTES // in_block)
 
     def a4w4_tiles(t0, shape):
         """a4w4: (row, kb) of the first unit of each of the tile's two pairs of row tiles t = t0 /
@@ -273,8 +273,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 
         data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
-        for i, d in enumerate(data):
-            mx.store(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
+        for i, d in enumerate(data):  # FP32: a piece of 4 elements is 2 bytes
+            (mx.store_short if spec.wide else mx.store)(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
@@ -293,12 +293,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             col, piece = _lane_split(lane, dists)
             lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle == "a4w4" else col
             # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
-            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle == "a4w4" else shl(piece, 4)
+            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle == "a4w4" else mul(piece, LOAD_BYTES // in_block)
             if shuffle == "a4w4":  # lined_units: row col % 8, block col / 8 of a tile pair
                 lane_in = add(add(mul(band(col, 7), val(row_bytes)), mul(lshr(col, 3), in_block)), shl(piece, 4))
             else:
                 lane_in = add(mul(col, in_block), shl(piece, 4))
-            lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, PIECE_OUT_BYTES)), add(lane_unit, own_reg), lane_in, col,
+            lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
                      piece)
             mx.for_range(tiles_per_wave,
                          lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb))

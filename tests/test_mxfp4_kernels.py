@@ -219,9 +219,12 @@ def _aiter_e8m0_shuffle(aiter, scales):
 
 
 # (arch, dtype, mode, (M, K)): odd M and K tails; 263 rows: two 256-row tiles, the second mostly
-# padding; nkb 6 and 101: columns padded to 8 and 104
+# padding; nkb 6 and 101: columns padded to 8 and 104; then K % 32 == 0 (nkb 5 and 3)
 MFMA_CASES = [("gfx950", torch.bfloat16, "even", (263, 165)), ("gfx942", torch.float16, "floor", (263, 165)),
-              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))]
+              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))] + [
+    # K % 32 == 0: the block split over lanes (a partial last tile of 64 blocks; FP32: 8 lanes per block)
+    ("gfx950", torch.float32, "floor", (263, 160)), ("gfx942", torch.float32, "even", (37, 96)),
+    ("gfx942", torch.bfloat16, "floor", (263, 160))]
 
 
 @pytest.mark.parametrize("arch,dtype,mode,shape", MFMA_CASES, ids=[f"{c[0]}-{c[2]}-{c[3][0]}x{c[3][1]}" for c in MFMA_CASES])
@@ -238,7 +241,8 @@ def test_mfma_scales_are_aiters(arch, dtype, mode, shape):
     with emu.record() as launches:
         got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
     (launch,) = launches
-    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_tail_mfma_w")
+    tail = "_tail" if shape[1] % 32 else ""
+    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}{tail}_mfma_w")
     assert_same(got, want, "mfma")
     assert_same(reference.mxfp4_quantize(x, -1, mode, "mfma"), want, "reference mfma")
 
@@ -412,14 +416,17 @@ def test_compile(arch, dtype):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compile_lined(arch):
-    """The rowwise kernel with a block over 4 lanes (16-bit, K % 32 == 0): no scratch; 4 16-byte
-    loads, 4 dword data stores and one code byte per lane and tile; the block's amax and its
-    operand exchanged with gfx950's permlane swaps or gfx942's DPP moves."""
-    r = _compile(arch, "bf16", "floor", False)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_compile_lined(arch, dtype):
+    """The rowwise kernel with a block over lanes (K % 32 == 0): no scratch; per lane and tile one
+    16-byte load per piece (4 or 8), a 4-byte (FP32: 2-byte) data store per piece and one code
+    byte; the block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP."""
+    r = _compile(arch, dtype, "floor", False)
     print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
+    n = 8 if dtype == "fp32" else 4
     assert r.spills == 0 and r.lds_bytes == 0
-    assert r.count("buffer_load_dwordx4") == 4 and r.count("buffer_store_dword") == 4 and r.count("buffer_store_byte") == 1
+    assert r.count("buffer_load_dwordx4") == n and r.count("buffer_store_byte") == 1
+    assert r.count("buffer_store_short" if dtype == "fp32" else "buffer_store_dword") == n
     assert r.count("buffer_store_dwordx4") == 0
     assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950") and ("quad_perm" in r.isa) == (arch == "gfx942")
 
