@@ -207,7 +207,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
 
     def lined_units(k):
-        """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain 16 k; a4w4
+        """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain C k (C = 16
+        or, FP32, 8 blocks per KiB); a4w4
         (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
         x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
         return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else k * (LOAD_BYTES // in_block)
@@ -219,8 +220,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
 
     def lined_loads(t0, rx, lane, shape, firsts):
-        """The 4 registers' 16-byte pieces as dwords (a4w4: lined_units; `lane[0]` its offset
-        within a tile pair, firsts: a4w4_tiles)."""
+        """The registers' 16-byte pieces (4, FP32 8) as dwords (a4w4: lined_units; `lane[0]` the
+        lane's byte offset in a tile (a4w4: in a row tile pair), firsts: a4w4_tiles)."""
         row_bytes = shape[1]
         if shuffle != "a4w4":
             v_in = add(lane[0], mul(t0, in_block))
@@ -233,8 +234,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     def lined_tile(t0, bufs, lane, shape, nb):
         """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
         of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
-        store 256 contiguous bytes; the block amaxes are reduce-scattered (the lane owns register
-        `piece`'s block), the conversion operands gathered back."""
+        store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
+        owns register `piece`'s block), the conversion operands gathered back."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
