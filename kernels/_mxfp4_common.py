@@ -1,6 +1,8 @@
 """Shared pieces of the MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise,
-kernels/mxfp4_quantize_cols.py columnwise): the E8M0 code of a block and the E2M1 conversion
-of its 32 elements, emitted into FlyDSL kernels.
+kernels/mxfp4_quantize_cols.py columnwise, kernels/mxfp4_quantize_dual.py): the E8M0 code of a
+block and the E2M1 conversion of its elements, by pieces of 8 (or 4 FP32) elements, one output
+dword (2 bytes) each (convert_pieces: a whole block in one lane, or a block over lanes, each
+with the block's piece_operand), emitted into FlyDSL kernels.
 
 Math (flyquant.reference.mxfp4_quantize, bit-exact): per block of 32 elements, amax = max |x|
 (FP32), the E8M0 code c of the floor / rceil / even rule on amax's FP32 bits
@@ -20,7 +22,21 @@ V_CVT_SCALEF32_PK_FP4_BF16 and siblings), writing one byte of the destination: 1
 per block. They round to nearest even and saturate (overflow and Inf give +-6), the contract's
 clamp; NaN input gives +-6, so the kernels patch NaN/Inf blocks (code 0xFF, nibbles 0x7) in a
 rare branch taken when any lane of the wave holds one.
-gfx942 has no FP4 conversion: y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
+gfx942 has no FP4 conversion. BF16/FP16 (sw16_pieces, two elements per packed 16-bit
+instruction): the code of |y| (y = x * 2^(127 - c)) is round-half-even of the piecewise-linear
+v(y) = min(2y, y + 2, y/2 + 4) (E2M1's grid: step 0.5 below 2, 1 below 4, 2 above; every tie
+of E2M1 sits at a half-integer of v and the even code is the even mantissa). Y = 2|y| * 2^-12 is
+an FP16 value: BF16 re-biased by integer ops (sat(|x| - ((c - 4) << 7)) << 3: exact for Y >=
+2^-14, and everything below is code 0), FP16 multiplied by 2^(116 - c). Then
+min(fma(Y, 2^12, 1024), fma(Y, 2^11, 1026), fma(Y, 2^10, 1028)) (floor: and 1031, the
+saturation at 6) rounds each term once to FP16's integer grid at 1024 (min of roundings = rounding
+of the min), so its low byte is the code. v_perm_b32 gathers the code bytes and the signs (its
+sign-replicating selectors read bits 15 and 31, the 16-bit inputs' sign bits: -0 -> 0x8) and
+one shift-add packs eight nibbles. Exact for every input pattern where the scale fits (BF16: c >=
+4; FP16: c <= 140, zero blocks taken as c = 101): checked exhaustively in
+tests/test_mxfp4_kernels.py; other blocks (amax below 2^-122 or, FP16, above 49152) take the FP32
+encoder in a rare wave-uniform branch.
+FP32 (sw32_piece; also the fallback above): y = x * 2^(127 - c) in FP32 (exact: c <= 253 keeps the multiplier
 normal, and a y that underflows is below 0.25 either way), then from a = |y| bits clamped to
 6.0: for a < 2 the code is round(2a) by the FP32 adder (a + 2^22 has a 0.5 grid, nearest even:
 0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0 as E2M1's ties), for a >= 1 it is the FP32 bits rounded to
@@ -30,9 +46,10 @@ The sign is bit 31 of x (-0 -> 0x8, as the reference).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from flydsl._mlir import ir
-from flydsl._mlir.dialects import arith, rocdl, vector
+from flydsl._mlir.dialects import arith, llvm, rocdl, vector
 
 from flyquant.formats import E2M1_MANT_BITS, E2M1_MAX_POW2, E2M1_NAN_BLOCK_CODE
 
@@ -52,6 +69,19 @@ HALF_GRID_BITS = 0x4A800000
 ROUND_BELOW_BIT22 = (1 << 21) - 1  # round to one mantissa bit: + 0x1FFFFF + bit 22, >> 22
 E2M1_REBIAS = (127 - 1) << E2M1_MANT_BITS  # FP32 (exponent, 1 mantissa bit) -> E2M1 code
 F32_MULT_FIELD = 254  # 2^(127 - c) has exponent field 254 - c
+# gfx942 16-bit encoder (module docstring): Y = 2|y| * 2^-Y_SHIFT in FP16
+Y_SHIFT = 12
+F16_GRID = 0x6400  # 1024.0: FP16 values in [1024, 2048) are the integers
+V_TERMS = ((1 << Y_SHIFT, 1024.0), (1 << (Y_SHIFT - 1), 1026.0), (1 << (Y_SHIFT - 2), 1028.0))  # 2y, y + 2, y/2 + 4
+F16_SAT = 1031.0  # floor: code 7 (6.0) at most
+BF16_MIN_CODE = 16 - Y_SHIFT  # BF16: the re-bias (c - 4) << 7 is a saturating subtraction from c >= 4
+F16_MULT_POW = 128 - Y_SHIFT  # FP16: Y = |x| * 2^(116 - c)
+F16_CODES = (101, 140)  # FP16: 2^(116 - c) is an FP16 number (2^15 .. 2^-24, subnormal from c = 131); nonzero FP16 blocks have c >= 101
+BF16_TO_F16_MANT = 3  # 10 - 7 mantissa bits
+BYTES_02 = 0x06040200  # v_perm_b32: bytes 0 and 2 of lo, then of hi
+BYTES_13 = 0x07050301
+SIGNS_4 = 0x0B0A0908  # v_perm_b32: bits 15, 31 of lo, 15, 31 of hi, each replicated to a byte
+NIBBLE_SIGNS = 0x08080808
 
 def scale_code(spec: Spec, amax):
     """E8M0 code of a block from its amax pattern (module docstring)."""
@@ -60,22 +90,31 @@ def scale_code(spec: Spec, amax):
                              E2M1_MANT_BITS)
 
 
-def hw_convert(spec: Spec, words, code):
-    """gfx950: 32 elements -> 4 dwords of nibbles with the scaled FP4 conversions."""
-    scale = mx.as_f32(shl(code, mx.F32_MANT_BITS))
-    out = []
-    for j in range(4):
-        acc = mx.poison(mx.i32_t())
-        for b in range(4):
-            if spec.wide:
-                a, c = words[8 * j + 2 * b], words[8 * j + 2 * b + 1]
-                acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
-            else:
-                op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
-                src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[4 * j + b])
-                acc = op(mx.i32_t(), acc, src, scale, b)
-        out.append(acc)
-    return out
+def hw_piece(spec: Spec, words, scale):
+    """gfx950: 8 elements (4 dwords of 16-bit pairs, or 8 FP32; or a 16-byte piece of 4 FP32, 2
+    bytes) -> a dword of nibbles with the scaled FP4 conversions (`scale`: the code in an FP32
+    exponent field)."""
+    acc = mx.poison(mx.i32_t())
+    for b in range(len(words) // 2 if spec.wide else len(words)):
+        if spec.wide:
+            a, c = words[2 * b], words[2 * b + 1]
+            acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
+        else:
+            op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
+            src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[b])
+            acc = op(mx.i32_t(), acc, src, scale, b)
+    return acc
+
+
+def pieces(spec: Spec, words):
+    """A block's dwords split into its 4 pieces of 8 elements (one output dword each)."""
+    n = len(words) // 4
+    return [words[n * j:n * j + n] for j in range(4)]
+
+
+def hw_convert(spec: Spec, words, code, amax=None):
+    """gfx950: 32 elements -> 4 dwords of nibbles (amax unused: sw_convert's signature)."""
+    return convert_pieces(spec, pieces(spec, words), [piece_operand(spec, code)] * 4)
 
 
 def f32_elements(spec: Spec, words):
@@ -93,7 +132,7 @@ def f32_elements(spec: Spec, words):
 
 
 def sw_nibble(y, x):
-    """gfx942: the E2M1 code of the scaled value y (FP32 bits) with the sign of x (bits)."""
+    """gfx942 FP32: the E2M1 code of the scaled value y (FP32 bits) with the sign of x (bits)."""
     a = mx.umin(band(y, 0x7FFFFFFF), F32_SIX)
     grid = arith.addf(mx.as_f32(a), arith.constant(mx.f32_t(), HALF_GRID))
     small = sub(mx.as_i32(grid), HALF_GRID_BITS)
@@ -102,25 +141,110 @@ def sw_nibble(y, x):
     return bor(code, band(lshr(x, 28), 8))
 
 
-def sw_convert(spec: Spec, words, code):
-    """gfx942: 32 elements -> 4 dwords of nibbles in software (module docstring)."""
-    mult = mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
+def sw32_mult(code):
+    return mx.as_f32(shl(sub(F32_MULT_FIELD, code), mx.F32_MANT_BITS))
+
+
+def sw32_piece(spec: Spec, words, mult):
+    """gfx942: 8 elements -> a dword of nibbles through FP32 (module docstring; any dtype);
+    `mult`: sw32_mult(code)."""
     xs = f32_elements(spec, words)
     pair_t = ir.VectorType.get([2], mx.f32_t())
-    ys = []
-    for i in range(0, MX_BLOCK, 2):  # v_pk_mul_f32
+    acc = None
+    for i in range(0, len(xs), 2):  # v_pk_mul_f32
         v = vector.from_elements(pair_t, [mx.as_f32(xs[i]), mx.as_f32(xs[i + 1])])
         p = arith.mulf(v, vector.broadcast(pair_t, mult))
-        ys += [mx.as_i32(mx.extract(p, 0)), mx.as_i32(mx.extract(p, 1))]
+        for h in range(2):
+            nib = sw_nibble(mx.as_i32(mx.extract(p, h)), xs[i + h])
+            acc = nib if acc is None else bor(acc, shl(nib, 4 * (i + h)))
+    return acc
+
+
+def _f16(x):
+    return mx.bitcast(mx.v2f16_t(), x)
+
+
+def _f16_const(v: float):
+    return _f16(const(mx.splat16(int(np.float16(v).view(np.uint16)))))
+
+
+def _code_pair(spec: Spec, pair, scale, floor: bool):
+    """Two 16-bit elements (a dword) -> a dword whose bytes 0 and 2 are the codes of |x| (module
+    docstring); `scale`: the re-bias (BF16) or the FP16 multiplier, both halves."""
+    a = band(pair, 0x7FFF7FFF)
+    if spec.dtype == "bf16":
+        y = _f16(mx.pk(arith.shli, mx.pk(llvm.intr_usub_sat, a, scale), mx.splat16(BF16_TO_F16_MANT)))
+    else:
+        y = arith.mulf(_f16(a), _f16(scale))
+    v = None
+    for k, c in V_TERMS:
+        t = llvm.intr_fma(y, _f16_const(k), _f16_const(c))
+        v = t if v is None else arith.minnumf(v, t)
+    if floor:
+        v = arith.minnumf(v, _f16_const(F16_SAT))
+    return mx.bitcast(mx.i32_t(), v)
+
+
+def sw16_scale(spec: Spec, code):
+    """The per-block operand of the 16-bit encoder, both halves: BF16 the re-bias (c - 4) << 7,
+    FP16 the multiplier 2^(116 - c) (module docstring)."""
+    if spec.dtype == "bf16":
+        half = shl(mx.usub_sat(code, BF16_MIN_CODE), 7)
+    else:
+        # 2^(116 - c) in FP32, converted exactly to FP16 (subnormal from c = 131 on)
+        mult = mx.as_f32(shl(sub(127 + F16_MULT_POW, mx.umax(code, F16_CODES[0])), mx.F32_MANT_BITS))
+        half = arith.extui(mx.i32_t(), arith.bitcast(ir.IntegerType.get_signless(16), arith.truncf(ir.F16Type.get(), mult)))
+    return bor(shl(half, 16), half)
+
+
+def sw16_pieces(spec: Spec, groups, scales):
+    """gfx942 BF16/FP16: pieces of 8 elements (4 dwords of pairs each, with their sw16_scale) ->
+    a dword of nibbles each (module docstring). All codes first, then the packing: interleaving
+    independent chains keeps the dependent packed ops apart (no hazard s_nops)."""
+    ms = [[_code_pair(spec, w, sc, spec.mode == "floor") for w in p] for p, sc in zip(groups, scales)]
     out = []
-    for j in range(4):
-        acc = const(0)
-        for n in range(8):
-            e = 8 * j + n
-            nib = sw_nibble(ys[e], xs[e])
-            acc = nib if n == 0 else bor(acc, shl(nib, 4 * n))
-        out.append(acc)
+    for p, m in zip(groups, ms):
+        # elements 0-3 and 4-7 as code bytes with their signs
+        q = [bor(band(mx.perm(p[i + 1], p[i], SIGNS_4), NIBBLE_SIGNS), mx.perm(m[i + 1], m[i], BYTES_02)) for i in (0, 2)]
+        even, odd = mx.perm(q[1], q[0], BYTES_02), mx.perm(q[1], q[0], BYTES_13)
+        out.append(add(shl(odd, 4), even))  # disjoint bits: one v_lshl_add_u32
     return out
+
+
+def sw_outside16(spec: Spec, code, amax):
+    """i1: a block the 16-bit encoder does not cover (module docstring: BF16 c < 4 and not a zero
+    block; FP16 c > 140)."""
+    if spec.dtype == "bf16":
+        return arith.andi(mx.cmp_ult(code, BF16_MIN_CODE), mx.cmp_ne(amax, 0))
+    return mx.cmp_ult(F16_CODES[1], code)
+
+
+def piece_operand(spec: Spec, code):
+    """What convert_pieces needs of a block's code: gfx950 the FP32 scale bits, gfx942 16-bit
+    the encoder's sw16_scale, FP32 input the code (computed once per block, before lanes share it)."""
+    if spec.scaled_cvt:
+        return shl(code, mx.F32_MANT_BITS)
+    return code if spec.wide else sw16_scale(spec, code)
+
+
+def convert_pieces(spec: Spec, groups, operands, rare=None, codes=None):
+    """Pieces of 8 elements (4 dwords of 16-bit pairs, or 8 FP32), each with its block's
+    piece_operand -> a dword of nibbles each: gfx950's scaled conversions; gfx942's packed 16-bit
+    encoder, or the FP32 one for FP32 input or when `rare` (wave-uniform i1: a block outside the
+    16-bit range; `codes()` then gives the pieces' codes)."""
+    if spec.scaled_cvt:
+        return [hw_piece(spec, w, mx.as_f32(op)) for w, op in zip(groups, operands)]
+    via_f32 = lambda cs: [sw32_piece(spec, w, sw32_mult(c)) for w, c in zip(groups, cs)]  # noqa: E731
+    if spec.wide:
+        return via_f32(operands)
+    return mx.if_else(rare, lambda: via_f32(codes()), lambda: sw16_pieces(spec, groups, operands),
+                      types=[mx.i32_t()] * len(groups))
+
+
+def sw_convert(spec: Spec, words, code, amax):
+    """gfx942: 32 elements -> 4 dwords of nibbles in software (convert_pieces)."""
+    rare = None if spec.wide else mx.wave_any(sw_outside16(spec, code, amax))
+    return convert_pieces(spec, pieces(spec, words), [piece_operand(spec, code)] * 4, rare, lambda: [code] * 4)
 
 
 def nan_words(valid):
@@ -145,7 +269,7 @@ def quantize_words(spec: Spec, words, valid):
         amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), exact, lambda: [amax],
                           types=[mx.i32_t()])[0]
     code = scale_code(spec, amax)
-    data = (hw_convert if spec.scaled_cvt else sw_convert)(spec, words, code)
+    data = (hw_convert if spec.scaled_cvt else sw_convert)(spec, words, code, amax)
     bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype])
     return mx.if_else(
         mx.wave_any(bad),

@@ -7,22 +7,32 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split: one lane per block. Block g of the (M, nkb) block grid reads row g / nkb at
-(g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per lane, one 16-byte store of
-its 32 nibbles at 16 g (consecutive lanes: consecutive 16 bytes, a wave's store is 1 KiB
-contiguous) and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive blocks;
-blocks past the end read zeros and their stores are dropped (buffer range checks). With K %
-32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte length is
-not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer access ROCm
-enables; not verified on hardware).
+Work split. K % 32 == 0 with no data shuffle, or 16-bit x with the a4w4 one (`lined`, scale
+layouts allowed): a wave quantizes tiles of 64 units (blocks; a4w4: units of that layout); lane
+(col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances
+32, 16 (, 8) on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece
+`piece` (16 bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k +
+col, C = 16 or 8 blocks per KiB, each load instruction 1 KiB contiguous; a4w4: lined_units, 8
+rows x 128 bytes). The per-piece amax partials are reduce-scattered (the lane owns one block:
+its code, its code byte store), the block's conversion operand (_mxfp4_common.piece_operand) is
+gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
+piece (2 piece): 256 (128) contiguous bytes per instruction. Other variants (K % 32 != 0, the
+a16w4 shuffle, FP32 with a4w4): one lane per block. Block g
+of the (M, nkb) block grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
+lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
+nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
+blocks; blocks past the end read zeros and their stores are dropped (buffer range checks). With
+K % 32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte
+length is not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer
+access ROCm enables; not verified on hardware).
 
-Layouts written in the same pass (each lane stores its block's 16 bytes and code byte at their
-places): scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the
-MXFP8 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the
-M x nkb real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
-K % 64 == 0): lane g quantizes the block whose data is unit g of that layout, so the data stores
-stay 1 KiB contiguous per wave; each lane's 4 (8) loads read 64 (128) contiguous bytes of its
-row, four lanes cover 256 contiguous bytes. shuffle "a16w4" (3D expert weights): _a16w4_offsets.
+Layouts written in the same pass (each block's 16 bytes and code byte stored at their places):
+scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
+kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
+real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
+K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous (FP32,
+one lane per unit: each lane's 8 loads read 128 contiguous bytes of its row). shuffle "a16w4"
+(3D expert weights): _a16w4_offsets.
 """
 
 from __future__ import annotations
@@ -42,8 +52,9 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
-from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
+from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
+from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
@@ -51,6 +62,12 @@ MAX_WAVES = 4
 TILES_PER_WAVE = 4
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+
+
+def lined(dtype: str, tail: bool, shuffle) -> bool:
+    """The variants that split a block over lanes (whole-line loads): K % 32 == 0 and no data
+    shuffle, or 16-bit x with the a4w4 one (module docstring)."""
+    return not tail and (shuffle is None or (shuffle == "a4w4" and dtype != "fp32"))
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,85 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         mx.store_byte(patched[4], rs, s_off)
         mx.store(mx.from_elements(patched[:4]), rq, d_off)
 
+    dists = DISTS[(arch, spec.elem_bytes)]
+
+    def lined_amax(words, exact):
+        """The amax pattern of the block this lane owns after the reduce-scatter (register k =
+        its bits at dists)."""
+        parts = [mx.chain_amax(spec, w, exact) for w in reversed(words)][::-1]  # last load first: one wait
+        return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
+
+    def lined_units(k):
+        """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain C k (C = 16
+        or, FP32, 8 blocks per KiB); a4w4
+        (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
+        x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
+        return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else k * (LOAD_BYTES // in_block)
+
+    def a4w4_tiles(t0, shape):
+        """a4w4: (row, kb) of the first unit of each of the tile's two pairs of row tiles t = t0 /
+        16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even)."""
+        nkb, row_bytes, k, magic, shift, dims = shape
+        return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
+
+    def lined_loads(t0, rx, lane, shape, firsts):
+        """The registers' 16-byte pieces (4, FP32 8) as dwords (a4w4: lined_units; `lane[0]` the
+        lane's byte offset in a tile (a4w4: in a row tile pair), firsts: a4w4_tiles)."""
+        row_bytes = shape[1]
+        if shuffle != "a4w4":
+            v_in = add(lane[0], mul(t0, in_block))
+            offs = [add(v_in, i * LOAD_BYTES) for i in range(loads)]
+        else:
+            bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
+            offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
+        return [mx.dwords_of(mx.load(rx, o)) for o in offs]
+
+    def lined_tile(t0, bufs, lane, shape, nb):
+        """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
+        of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
+        store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
+        owns register `piece`'s block), the conversion operands gathered back."""
+        rx, rq, rs = bufs
+        lane_out, own = lane[:2]
+        nkb, row_bytes, k, magic, shift, dims = shape
+        firsts = a4w4_tiles(t0, shape) if shuffle == "a4w4" else None
+        words = lined_loads(t0, rx, lane[2:], shape, firsts)
+        mx.wait_loads()
+        amax = lined_amax(words, False)
+        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
+            amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), lambda: [lined_amax(words, True)],
+                              lambda: [amax], types=[mx.i32_t()])[0]
+        code = _mxfp4_common.scale_code(spec, amax)
+        bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+        g = add(t0, own)
+        s_off = g
+        if shuffle == "a4w4":  # the owned register `piece`: tile pair piece % 2, rows 8 (piece / 2) + col % 8
+            col, piece = lane[3:]
+            odd = mx.cmp_ne(band(piece, 1), 0)
+            row = add(mx.select(odd, firsts[1][0], firsts[0][0]), add(shl(lshr(piece, 1), 3), band(col, 7)))
+            kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), lshr(col, 3))
+            s_off = add(mul(row, nkb), kb)
+        elif scale_layout:
+            row = lshr(add(mx.umulhi(g, magic), g), shift)
+            kb = sub(g, mul(row, nkb))
+        if scale_layout:
+            s_off = mx.scale_offset(scale_layout, row, kb, dims)
+        if shuffle or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
+            s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
+        mx.store_byte(mx.select(bad, mx.E8M0_NAN, code), rs, s_off)
+        operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
+        rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
+        data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
+
+        def nan_patched():  # NaN/Inf blocks: every nibble 0x7 (no partial blocks here)
+            flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
+            return [mx.select(mx.cmp_ne(f, 0), _mxfp4_common.E2M1_NAN_X8, d) for f, d in zip(flags, data)]
+
+        data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
+        v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
+        for i, d in enumerate(data):  # FP32: a piece of 4 elements is 2 bytes
+            (mx.store_short if spec.wide else mx.store)(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
+
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
         tid = val(fx.Int32(fx.thread_idx.x))
@@ -194,8 +290,22 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
         bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims))
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
-        mx.for_range(tiles_per_wave,
-                     lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
+        if lined(dtype, tail, shuffle):
+            col, piece = _lane_split(lane, dists)
+            lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle == "a4w4" else col
+            # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
+            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle == "a4w4" else mul(piece, LOAD_BYTES // in_block)
+            if shuffle == "a4w4":  # lined_units: row col % 8, block col / 8 of a tile pair
+                lane_in = add(add(mul(band(col, 7), val(row_bytes)), mul(lshr(col, 3), in_block)), shl(piece, 4))
+            else:
+                lane_in = add(mul(col, in_block), shl(piece, 4))
+            lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
+                     piece)
+            mx.for_range(tiles_per_wave,
+                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb))
+        else:
+            mx.for_range(tiles_per_wave,
+                         lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(

@@ -138,7 +138,7 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
         regs = [load_row(rx, o, x_bytes, r == 0) for r, o in enumerate(offs)]
         amaxes = column_amaxes(regs)
         codes = [scale_code(spec, a) for a in amaxes]
-        data = [convert(spec, column_words(regs, c), codes[c]) for c in range(cpl)]
+        data = [convert(spec, column_words(regs, c), codes[c], amaxes[c]) for c in range(cpl)]
         bads = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in amaxes]
         any_bad = bads[0]
         for b in bads[1:]:

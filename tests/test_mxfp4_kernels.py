@@ -104,6 +104,40 @@ def test_tails(arch, dtype):
         assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
 
 
+def pattern_blocks(dtype, code, mode):
+    """(n, 32) blocks whose scale code is `code` in `mode`: element 0 the largest value with that
+    code (floor: exponent field code + 2, mantissa all ones; rceil: 6 * 2^(code - 127), FP16 at
+    most 65504), the others every finite pattern of dtype whose magnitude is at most it, both
+    signs and -0, so the element encoder sees each input it can meet under that scale."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    if mode == "floor":
+        below = (bits.float().abs() < 2.0 ** (code + 3 - 127)) & bits.isfinite()
+        amax = bits[below].float().abs().max().to(dtype)
+    else:
+        amax = torch.tensor(min(6.0 * 2.0 ** (code - 127), torch.finfo(dtype).max), dtype=dtype)
+    elems = bits[bits.isfinite() & (bits.float().abs() <= amax.float())]
+    elems = torch.cat([elems, torch.zeros(-elems.numel() % 31, dtype=dtype)]).reshape(-1, 31)
+    return torch.cat([amax.expand(elems.shape[0], 1), elems], dim=1).contiguous()
+
+
+# (dtype, code, mode): gfx942's 16-bit encoder at the ends of its range (BF16 c >= 4; FP16 c in
+# [101, 140], subnormal FP16 multipliers from c = 131) and in the middle, and the FP32 encoder's
+# wave-uniform fallback beyond it (BF16 c < 4, FP16 c = 141, reached by rceil from amax > 49152)
+ENCODER_CASES = [(torch.bfloat16, c, "floor") for c in (1, 3, 4, 5, 127, 252)] + [
+    (torch.float16, c, "floor") for c in (104, 118, 130, 131, 140)] + [(torch.float16, 141, "rceil"), (torch.bfloat16, 126, "even")]
+
+
+@pytest.mark.parametrize("dtype,code,mode", ENCODER_CASES, ids=[f"{str(d)[6:]}-{c}-{m}" for d, c, m in ENCODER_CASES])
+def test_encoder_all_patterns(dtype, code, mode):
+    """Every 16-bit input pattern an element can have under a scale code, through the gfx942
+    kernel (its packed FP16 encoder, or the FP32 one in the rare branch), byte for byte against
+    the reference."""
+    x = pattern_blocks(dtype, code, mode)
+    want = reference.mxfp4_quantize(x, -1, mode)
+    assert (want[1].view(U8) == code).all()
+    assert_same(k4.quantize_rows(x, arch="gfx942", scaling_mode=mode), want, f"code {code}")
+
+
 def cols_tensor(dtype, m=84, k=40):
     """(m, k) whose column blocks (32 rows of a column, column-major block order) start with the
     special blocks, then random values; m = 84: 3 row blocks (the last 20 rows), k = 40: 5
@@ -185,9 +219,12 @@ def _aiter_e8m0_shuffle(aiter, scales):
 
 
 # (arch, dtype, mode, (M, K)): odd M and K tails; 263 rows: two 256-row tiles, the second mostly
-# padding; nkb 6 and 101: columns padded to 8 and 104
+# padding; nkb 6 and 101: columns padded to 8 and 104; then K % 32 == 0 (nkb 5 and 3)
 MFMA_CASES = [("gfx950", torch.bfloat16, "even", (263, 165)), ("gfx942", torch.float16, "floor", (263, 165)),
-              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))]
+              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))] + [
+    # K % 32 == 0: the block split over lanes (a partial last tile of 64 blocks; FP32: 8 lanes per block)
+    ("gfx950", torch.float32, "floor", (263, 160)), ("gfx942", torch.float32, "even", (37, 96)),
+    ("gfx942", torch.bfloat16, "floor", (263, 160))]
 
 
 @pytest.mark.parametrize("arch,dtype,mode,shape", MFMA_CASES, ids=[f"{c[0]}-{c[2]}-{c[3][0]}x{c[3][1]}" for c in MFMA_CASES])
@@ -204,7 +241,8 @@ def test_mfma_scales_are_aiters(arch, dtype, mode, shape):
     with emu.record() as launches:
         got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
     (launch,) = launches
-    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_tail_mfma_w")
+    tail = "_tail" if shape[1] % 32 else ""
+    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}{tail}_mfma_w")
     assert_same(got, want, "mfma")
     assert_same(reference.mxfp4_quantize(x, -1, mode, "mfma"), want, "reference mfma")
 
@@ -372,6 +410,25 @@ def test_compile(arch, dtype):
         assert r.count("buffer_store_dwordx4") == 1 and r.count("buffer_store_byte") == 1, r.name
         assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
+        if arch == "gfx942" and dtype != "fp32":  # the packed FP16 encoder: three terms per pair
+            assert r.count("v_pk_fma_f16") == 3 * 16 and r.count("v_pk_min_f16") == 2 * 16, r.name
+            assert ".amdhsa_float_denorm_mode_16_64 3" in r.isa  # FP16 subnormal multipliers kept
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_compile_lined(arch, dtype):
+    """The rowwise kernel with a block over lanes (K % 32 == 0): no scratch; per lane and tile one
+    16-byte load per piece (4 or 8), a 4-byte (FP32: 2-byte) data store per piece and one code
+    byte; the block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP."""
+    r = _compile(arch, dtype, "floor", False)
+    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
+    n = 8 if dtype == "fp32" else 4
+    assert r.spills == 0 and r.lds_bytes == 0
+    assert r.count("buffer_load_dwordx4") == n and r.count("buffer_store_byte") == 1
+    assert r.count("buffer_store_short" if dtype == "fp32" else "buffer_store_dword") == n
+    assert r.count("buffer_store_dwordx4") == 0
+    assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950") and ("quad_perm" in r.isa) == (arch == "gfx942")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -399,23 +456,24 @@ def test_compile_cols(arch, dtype):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_instructions_and_coalescing(arch):
-    """Executed wave-instructions per element (printed), and the stores: all data in 16-byte
-    stores, fully coalesced (also with the a4w4 shuffle), the codes one byte each."""
+    """Executed wave-instructions per element (printed); loads of whole lines and all data stores
+    fully coalesced (rowwise, also with the a4w4 shuffle: 4-byte stores of a piece each;
+    columnwise: 16-byte stores), the codes one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
         kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
-    for r, t in zip(launches, (x, xc, x)):
+    for r, t, data_store in zip(launches, (x, xc, x), ("buffer_store_dword", "buffer_store_dwordx4", "buffer_store_dword")):
         mem = r.stats.memory
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
               + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
-        assert mem["buffer_store_dwordx4"].bytes == t.numel() // 2 and mem["buffer_store_dwordx4"].coalescing == 1.0
+        assert mem[data_store].bytes == t.numel() // 2 and mem[data_store].coalescing == 1.0
         assert mem["buffer_store_byte"].bytes == t.numel() // 32
         assert mem["buffer_load_dwordx4"].bytes == t.numel() * 2
-    assert launches[1].stats.memory["buffer_load_dwordx4"].coalescing == 1.0  # columnwise: whole lines
+        assert mem["buffer_load_dwordx4"].coalescing == 1.0  # whole lines (rowwise: a block over 4 lanes)
 
 
 @pytest.mark.gpu
