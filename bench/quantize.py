@@ -26,9 +26,9 @@ figures from issue 4 where the case matches), coalescing of loads and of each st
 reads, modifies and writes them), global traffic against the compulsory bytes, workgroups,
 VGPR/LDS and the occupancy they allow, and a static estimate of the load bytes in flight per
 CU (occupancy x the most load bytes a wave has outstanding, from the ISA). Shapes above
---max-elements are reduced along the leading dimension (rows; for 3D, experts and then K, or N
-for MXFP4's 3D, which quantizes along K and whose a16w4 layout is tiled along K) and the totals
-scaled by elements: per-element figures and coalescing are ratios and carry over,
+--max-elements are reduced along the leading dimension (rows; for 3D, experts and then K; the
+MXFP4 kinds fp4_32x1 and fp4_3d_a16w4 keep their quantized dimension whole: quantize_mxfp4.KEEP)
+and the totals scaled by elements: per-element figures and coalescing are ratios and carry over,
 but the selector plans the reduced shape itself, so the table says when its configuration
 differs from the full shape's. Registers, LDS and occupancy are the emulated kernel's (the JSON
 adds the model-sized input's as full_shape_resources when that compiles another
@@ -197,17 +197,25 @@ def make_input(case: Case, shape, device) -> torch.Tensor:
     return emu.aligned((torch.randn(shape, generator=gen) * INPUT_SCALE).to(case.dtype).to(device))
 
 
-def reduced_shape(shape: tuple, max_elements: int, keep_k: bool = False) -> tuple:
+def reduced_shape(shape: tuple, max_elements: int, keep: str | None = None) -> tuple:
     """The shape emulated for `shape`: unchanged up to max_elements, else fewer rows (2D) or one
-    expert and fewer columns K (3D; keep_k: fewer rows N), a multiple of REDUCE_STEP (so no tail
-    the full shape lacks)."""
+    expert and fewer columns K (3D); keep "k": fewer rows N, K whole (3D: one expert); keep "m"
+    (2D): fewer columns, M whole. Reduced sizes are multiples of REDUCE_STEP (so no tail the full
+    shape lacks)."""
     if math.prod(shape) <= max_elements:
         return shape
-    if len(shape) == 2 or keep_k:
+    if keep == "m":
+        m, k = shape
+        return (m, _fewer(k, max_elements // m))
+    if len(shape) == 2 or keep == "k":
         *_, n, k = shape
-        return (1,) * (len(shape) - 2) + (min(n, max(REDUCE_STEP, max_elements // k // REDUCE_STEP * REDUCE_STEP)), k)
+        return (1,) * (len(shape) - 2) + (_fewer(n, max_elements // k), k)
     _, n, k = shape
-    return (1, n, min(k, max(REDUCE_STEP, max_elements // n // REDUCE_STEP * REDUCE_STEP)))
+    return (1, n, _fewer(k, max_elements // n))
+
+
+def _fewer(size: int, budget: int) -> int:
+    return min(size, max(REDUCE_STEP, budget // REDUCE_STEP * REDUCE_STEP))
 
 
 def _config_diff(emulated: select.Plan, full: select.Plan) -> str:
@@ -239,7 +247,7 @@ def model_case(case: Case, arch: str, max_elements: int) -> dict:
     row["plan"] = str(full_plan)
     if full_plan.backend != "flydsl":
         return row | {"status": f"the selector chose the reference: {'; '.join(full_plan.reasons)}"}
-    shape = reduced_shape(case.shape, max_elements, keep_k=case.kind in fp4.KINDS_3D)
+    shape = reduced_shape(case.shape, max_elements, fp4.KEEP.get(case.kind))
     x = make_input(case, shape, "cpu")
     small_plan = plan(case, x)
     # Every input is compiled (without running) before it is emulated, so each specialization's

@@ -42,6 +42,10 @@ OUTPUTS = {
     "fp4_a4w4": ((-1, "mfma"),),
     "fp4_3d_a16w4": ((-1, None),),
 }
+# modelled mode, shapes above --max-elements: the dimension kept whole (quantize.reduced_shape), the
+# one each kind quantizes along: the a16w4 layout is tiled along K (its store coalescing depends on
+# K), and aiter's wrapper picks its blocks by the length of the quantized dimension (the fp4_32x1 peer)
+KEEP = {"fp4_32x1": "m", "fp4_3d_a16w4": "k"}
 MIN_TRAFFIC_KINDS = ("fp4_dual", "fp4_a4w4", "fp4_3d_a16w4")  # the dual and shuffled variants
 TRAFFIC_TARGET = 1.02  # bytes moved within 2% of the minimum
 PEER_TARGET = 0.6  # ours <= 0.6x the best Triton MXFP4 quantize's wave-instructions per element
