@@ -210,6 +210,17 @@ def test_quantize_bench_mxfp4_rows(tmp_path, keep_emu_arch):
         assert row["traffic_vs_compulsory"] == row["global_bytes"] / row["compulsory_bytes"]
 
 
+def test_quantize_bench_reduction_keeps_the_quantized_dimension():
+    """Above --max-elements (2^22 here) the MXFP4 rows keep whole the dimension they quantize
+    along: fp4_32x1 its M (whose length also picks aiter's blocks), fp4_3d_a16w4 its K (its a16w4
+    layout is tiled along K); rowwise 2D kinds lose rows as the MXFP8 rows do."""
+    bench = load("quantize")
+    budget, keep = 1 << 22, bench.fp4.KEEP
+    assert bench.reduced_shape((8192, 7168), budget, keep.get("fp4_32x1")) == (8192, 2**22 // 8192)
+    assert bench.reduced_shape((8, 5120, 5120), budget, keep.get("fp4_3d_a16w4")) == (1, 768, 5120)  # 819 -> 768
+    assert bench.reduced_shape((8192, 7168), budget, keep.get("fp4_1x32")) == (512, 7168)  # 585 -> 512
+
+
 def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
     """--vs aiter on MXFP4 rows (64x256, both arches): aiter's Triton dynamic_mxfp4_quant, launched
     by its own wrapper, compiled for each arch and run under flyquant.emu, has our scales byte for
