@@ -11,7 +11,8 @@ CPU tensors, with the dynamic LDS Triton launches with (its metadata's `shared`)
 
 Each peer module (peers_torchao, peers_aiter) has NAME and peer_rows(kind, mode, x, arch, which);
 `compare` puts a peer's rows beside one of our rows (same input) and `difference` checks a peer's
-MXFP8 output byte for byte against torchao's to_mx, the numerical oracle of the quantize rows.
+MXFP8 output byte for byte against torchao's to_mx, the numerical oracle of the quantize rows
+(`byte_difference` compares any outputs with an oracle's: the MXFP4 peer's with flyquant.reference).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def _compiling_for(arch: str):
         driver._active = previous
 
 
-def compile_kernel(jit_fn, arch: str, args: dict, num_warps: int, num_stages: int):
+def compile_kernel(jit_fn, arch: str, args: dict, num_warps: int, num_stages: int, **options):
     """The Triton CompiledKernel of `jit_fn` for `arch`, specialized on `args` (every parameter by
-    name, constexprs included) as a launch with them would be."""
+    name, constexprs included) as a launch with them would be; `options`: other launch options
+    (waves_per_eu, ...)."""
     with _compiling_for(arch):
-        return jit_fn.warmup(grid=(1,), num_warps=num_warps, num_stages=num_stages, **args)
+        return jit_fn.warmup(grid=(1,), num_warps=num_warps, num_stages=num_stages, **options, **args)
 
 
 @dataclass(frozen=True)
@@ -154,14 +156,24 @@ def difference(kind: str, mode: str, x: torch.Tensor, data: torch.Tensor, scales
 
     rows_major = x if kind == "1x32" else x.t().contiguous()
     want_s, want_d = to_mx(rows_major, torch.float8_e4m3fn, 32, ScaleCalculationMode[mode.upper()])
+    return byte_difference("to_mx", (("data", data, want_d), ("scales", scales, want_s)))
+
+
+def byte_difference(oracle: str, outputs) -> str | None:
+    """None when every (what, got, want) of `outputs` holds the same bytes (want reshaped to got's
+    shape), else where they differ."""
     out = []
-    for what, got, want in (("data", data, want_d), ("scales", scales, want_s)):
-        got, want = got.view(torch.uint8), want.view(torch.uint8).reshape(got.shape)
+    for what, got, want in outputs:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+        if got.numel() != want.numel():
+            out.append(f"{what}: {tuple(got.shape)} vs {oracle} {tuple(want.shape)}")
+            continue
+        want = want.reshape(got.shape)
         bad = (got != want).nonzero()
         if len(bad):
             first = tuple(bad[0].tolist())
             out.append(f"{len(bad)} of {got.numel()} {what} bytes differ (first at {first}: "
-                       f"{got[first].item():#04x} vs to_mx {want[first].item():#04x})")
+                       f"{got[first].item():#04x} vs {oracle} {want[first].item():#04x})")
     return "; ".join(out) or None
 
 
@@ -212,7 +224,7 @@ PEER_COLUMNS = [
     ("spills", "spill"),
     ("scratch_bytes", "scratch B"),
     ("workgroups_per_cu", "WG/CU"),
-    ("bit_exact", "exact vs to_mx"),
+    ("bit_exact", "exact"),
 ]
 
 
@@ -221,7 +233,8 @@ def print_rows(rows: list[dict]) -> None:
         return " ".join(name for name in ("best", "default") if r.get(name))
 
     ran = [r | {"tag": tag(r)} for r in rows if r.get("status") == "ok"]
-    print("\npeers under flyquant.emu (modelled, not timed; inputs identical to the flyquant rows):")
+    print("\npeers under flyquant.emu (modelled, not timed; inputs identical to the flyquant rows; exact: "
+          "MXFP8 outputs byte for byte vs torchao's to_mx, MXFP4 outputs vs flyquant.reference):")
     common.print_table(ran, PEER_COLUMNS)
     for r in rows:
         if r.get("status") != "ok":

@@ -33,6 +33,8 @@ NO_KERNEL = {
     "dual": "torchao has no Triton kernel for both orientations at once (two casts: the 1x32 and 32x1 rows)",
     "3d": "torchao has no Triton 3D (per-expert) cast",
 }
+NO_MXFP4 = ("torchao 0.18 has no Triton MXFP4 quantize (its mx_formats Triton kernels are MXFP8; its FP4 casts "
+            "are torch code)")
 NAME = "torchao triton"
 DEFAULT_CONFIG = 0  # torchao's first autotune config (ROW_TILE 128, COL_TILE 128, 4 warps, 2 stages)
 _module = None
@@ -119,6 +121,8 @@ def _launch(kind: str, cfg, mode: str, x: torch.Tensor, arch: str):
 def peer_rows(kind: str, mode: str, x: torch.Tensor, arch: str, which: str) -> list[dict]:
     """One row per config run (`which`: "default" = torchao's first config, "all" = every one;
     the row of the config with the fewest wave-instructions is marked best)."""
+    if kind.startswith("fp4_"):
+        return [{"peer": NAME, "status": NO_MXFP4}]
     if kind in NO_KERNEL:
         return [{"peer": NAME, "status": NO_KERNEL[kind]}]
     candidates = configs(kind)

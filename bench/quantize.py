@@ -1,14 +1,17 @@
-"""MXFP8 quantize: bandwidth on hardware, observable work without it.
+"""MXFP8 and MXFP4 quantize: bandwidth on hardware, observable work without it.
 
     python bench/quantize.py                                  # hardware if a ROCm GPU is present, else modelled
     python bench/quantize.py --quick --out results
     python bench/quantize.py --shapes 8192x7168 --kinds 1x32,32x1 --modes rceil
     python bench/quantize.py --mode modelled --vs torchao,aiter --vs-configs all   # peers' Triton casts beside ours
+    python bench/quantize.py --mode modelled --kinds fp4_1x32,fp4_32x1,fp4_dual,fp4_a4w4,fp4_3d_a16w4 --vs aiter
 
 Cases: 1x32, 32x1 and dual (both at once) on 2D shapes, per-expert 3D on 3D shapes, floor and
 rceil, bf16 inputs (randn * 30), each through the public API (fq.mxfp8_quantize, ..._dual,
 ..._3d) so the selector's choice is what runs. The default shapes are MoE-training sizes plus
-the three shapes issue 4 measured torchao 0.18's FlyDSL kernels on.
+the three shapes issue 4 measured torchao 0.18's FlyDSL kernels on. MXFP4 (kinds fp4_1x32,
+fp4_32x1, fp4_dual, fp4_a4w4, fp4_3d_a16w4; modes floor, rceil, even; each beside our MXFP8 1x32
+on the same shape, and issue 14's targets evaluated): bench/quantize_mxfp4.py.
 
 Hardware mode (ROCm GPU): median and minimum of single-call event timings after a warm-up,
 TB/s = (bytes read + bytes written) / time and the fraction of HBM peak (MI300X 5.3 TB/s,
@@ -23,8 +26,9 @@ figures from issue 4 where the case matches), coalescing of loads and of each st
 reads, modifies and writes them), global traffic against the compulsory bytes, workgroups,
 VGPR/LDS and the occupancy they allow, and a static estimate of the load bytes in flight per
 CU (occupancy x the most load bytes a wave has outstanding, from the ISA). Shapes above
---max-elements are reduced along the leading dimension (rows; for 3D, experts and then K) and
-the totals scaled by elements: per-element figures and coalescing are ratios and carry over,
+--max-elements are reduced along the leading dimension (rows; for 3D, experts and then K; the
+MXFP4 kinds fp4_32x1 and fp4_3d_a16w4 keep their quantized dimension whole: quantize_mxfp4.KEEP)
+and the totals scaled by elements: per-element figures and coalescing are ratios and carry over,
 but the selector plans the reduced shape itself, so the table says when its configuration
 differs from the full shape's. Registers, LDS and occupancy are the emulated kernel's (the JSON
 adds the model-sized input's as full_shape_resources when that compiles another
@@ -37,7 +41,9 @@ aiter's (downcast_to_mxfp), compiled by Triton for the same arch and run under f
 row's very input, checked byte for byte against torchao's to_mx, in a second table:
 wave-instructions per element and the peer/flyquant ratio, VGPR/AGPR, LDS, spills and scratch,
 workgroups per CU (bench/peers*.py; --vs-configs all runs every torchao autotune config and marks
-the best). In hardware mode torchao's Triton casts are among the timed baselines.
+the best). For the MXFP4 rows, --vs aiter runs aiter's Triton MXFP4 quantize (dynamic_mxfp4_quant,
+"even" only) and compares it with flyquant.reference (bench/peers_aiter.py). In hardware mode
+torchao's Triton casts (and aiter's MXFP4 quantize, when aiter imports) are among the timed baselines.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 import peers  # noqa: E402
 import peers_aiter  # noqa: E402
 import peers_torchao  # noqa: E402
+import quantize_mxfp4 as fp4  # noqa: E402
 from quantize_report import HARDWARE_COLUMNS, MODELLED_COLUMNS, display, plot  # noqa: E402
 
 import flyquant as fq  # noqa: E402
@@ -109,9 +116,9 @@ LARGE_ELEMENTS = 1 << 24  # "large shapes" for the bytes-in-flight target (every
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # 1x32 | 32x1 | dual | 3d
+    kind: str  # 1x32 | 32x1 | dual | 3d, or an MXFP4 kind (fp4.KINDS)
     shape: tuple
-    mode: str  # floor | rceil
+    mode: str  # floor | rceil (| even: MXFP4)
     dtype: torch.dtype = torch.bfloat16
 
     @property
@@ -126,6 +133,8 @@ class Case:
     def bytes_moved(self, shape=None) -> int:
         """Compulsory traffic: the input read once, FP8 data and E8M0 scales written once (per
         orientation; dual writes two)."""
+        if self.kind in fp4.KINDS:
+            return fp4.bytes_moved(self.kind, shape or self.shape, self.dtype)
         n = math.prod(shape or self.shape)
         outputs = 2 if self.kind == "dual" else 1
         return n * self.dtype.itemsize + outputs * (n + n // MX_BLOCK)
@@ -133,6 +142,8 @@ class Case:
 
 def api_call(case: Case, x: torch.Tensor):
     """The public API call of a case."""
+    if case.kind in fp4.KINDS:
+        return fp4.api_call(case.kind, case.mode, x)
     if case.kind == "1x32":
         return fq.mxfp8_quantize(x, axis=-1, scaling_mode=case.mode)
     if case.kind == "32x1":
@@ -143,6 +154,8 @@ def api_call(case: Case, x: torch.Tensor):
 
 
 def reference_call(case: Case, x: torch.Tensor):
+    if case.kind in fp4.KINDS:
+        return fp4.reference_call(case.kind, case.mode, x)
     if case.kind == "1x32":
         return reference.mxfp8_quantize(x, -1, case.mode)
     if case.kind == "32x1":
@@ -154,6 +167,8 @@ def reference_call(case: Case, x: torch.Tensor):
 
 def plan(case: Case, x: torch.Tensor) -> select.Plan:
     """The selector's plan for the case on x (shape, dtype and device only)."""
+    if case.kind in fp4.KINDS:
+        return fp4.plan(case.kind, case.mode, x)
     if case.kind in ("1x32", "32x1"):
         return select.plan_mxfp8_quantize(x, 1 if case.kind == "1x32" else 0, case.mode, None, None)
     if case.kind == "dual":
@@ -182,16 +197,25 @@ def make_input(case: Case, shape, device) -> torch.Tensor:
     return emu.aligned((torch.randn(shape, generator=gen) * INPUT_SCALE).to(case.dtype).to(device))
 
 
-def reduced_shape(shape: tuple, max_elements: int) -> tuple:
+def reduced_shape(shape: tuple, max_elements: int, keep: str | None = None) -> tuple:
     """The shape emulated for `shape`: unchanged up to max_elements, else fewer rows (2D) or one
-    expert and fewer columns K (3D), a multiple of REDUCE_STEP (so no tail the full shape lacks)."""
+    expert and fewer columns K (3D); keep "k": fewer rows N, K whole (3D: one expert); keep "m"
+    (2D): fewer columns, M whole. Reduced sizes are multiples of REDUCE_STEP (so no tail the full
+    shape lacks)."""
     if math.prod(shape) <= max_elements:
         return shape
-    if len(shape) == 2:
+    if keep == "m":
         m, k = shape
-        return (min(m, max(REDUCE_STEP, max_elements // k // REDUCE_STEP * REDUCE_STEP)), k)
+        return (m, _fewer(k, max_elements // m))
+    if len(shape) == 2 or keep == "k":
+        *_, n, k = shape
+        return (1,) * (len(shape) - 2) + (_fewer(n, max_elements // k), k)
     _, n, k = shape
-    return (1, n, min(k, max(REDUCE_STEP, max_elements // n // REDUCE_STEP * REDUCE_STEP)))
+    return (1, n, _fewer(k, max_elements // n))
+
+
+def _fewer(size: int, budget: int) -> int:
+    return min(size, max(REDUCE_STEP, budget // REDUCE_STEP * REDUCE_STEP))
 
 
 def _config_diff(emulated: select.Plan, full: select.Plan) -> str:
@@ -223,7 +247,7 @@ def model_case(case: Case, arch: str, max_elements: int) -> dict:
     row["plan"] = str(full_plan)
     if full_plan.backend != "flydsl":
         return row | {"status": f"the selector chose the reference: {'; '.join(full_plan.reasons)}"}
-    shape = reduced_shape(case.shape, max_elements)
+    shape = reduced_shape(case.shape, max_elements, fp4.KEEP.get(case.kind))
     x = make_input(case, shape, "cpu")
     small_plan = plan(case, x)
     # Every input is compiled (without running) before it is emulated, so each specialization's
@@ -328,7 +352,7 @@ def target_misses(row: dict) -> list[str]:
 
 def baselines(case: Case):
     """[(name, callable(x) or None, why)] for the other implementations of this case."""
-    out = []
+    out = fp4.hardware_baselines(case.kind, case.mode) if case.kind in fp4.KINDS else []
     try:
         from torchao.prototype.mx_formats import kernels as tk
 
@@ -404,6 +428,7 @@ def print_torchao(file=sys.stdout) -> None:
     for note in TORCHAO_NOTES:
         print(f"  {note}", file=file)
     print("targets (issue 4): " + "; ".join(TARGETS), file=file)
+    print("MXFP4 targets (issue 14): " + "; ".join(fp4.TARGETS), file=file)
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -425,13 +450,21 @@ def cases_for(args) -> list[Case]:
         torchao_cases = [(kind, shape) for kind, shape, _ in TORCHAO_WAVE_INSTR]
     else:
         shapes, torchao_cases = args.shapes, []
+    fp4_modes = [m for m in args.modes if m in fp4.MODES] if args.modes else fp4.default_modes(args.quick)
+    fp8_modes = [m for m in args.modes if m in MODES] if args.modes else MODES
     for shape in shapes:
-        for kind in (KINDS_2D if len(shape) == 2 else KINDS_3D):
-            if kind in args.kinds:
-                cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in args.modes]
+        for kind in (KINDS_2D + fp4.KINDS_2D if len(shape) == 2 else KINDS_3D + fp4.KINDS_3D):
+            if kind not in args.kinds:
+                continue
+            for d in args.dtypes:
+                if kind not in fp4.KINDS:
+                    cases += [Case(kind, shape, mode, DTYPES[d]) for mode in fp8_modes]
+                    continue
+                for mode in fp4_modes:  # each beside our MXFP8 1x32 on the same shape
+                    cases += [Case(*fp4.fp8_partner(kind, shape, mode), DTYPES[d]), Case(kind, shape, mode, DTYPES[d])]
     for kind, shape in dict.fromkeys(torchao_cases):
         if kind in args.kinds:
-            cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in args.modes]
+            cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in fp8_modes]
     return list(dict.fromkeys(cases))
 
 
@@ -445,8 +478,11 @@ def parse_args(argv=None):
         default=None,
         help="MxK / ExNxK list (default: MoE-training shapes and issue 4's torchao shapes)",
     )
-    ap.add_argument("--kinds", type=common.csv_list, default=list(KINDS_2D + KINDS_3D), help="1x32,32x1,dual,3d")
-    ap.add_argument("--modes", type=common.csv_list, default=list(MODES), help="floor,rceil")
+    kinds = KINDS_2D + KINDS_3D + fp4.KINDS
+    ap.add_argument("--kinds", type=common.csv_list, default=list(kinds), help=",".join(kinds))
+    ap.add_argument("--modes", type=common.csv_list, default=None,
+                    help="floor,rceil,even (even: MXFP4 only; default: floor,rceil for MXFP8, all three for "
+                         "MXFP4, --quick only even)")
     ap.add_argument("--dtypes", type=common.csv_list, default=["bf16"], help="input dtypes: bf16,fp16,fp32")
     ap.add_argument(
         "--max-elements",
@@ -463,11 +499,11 @@ def parse_args(argv=None):
         if peer not in PEERS:
             ap.error(f"unknown peer {peer!r}: choose from {tuple(PEERS)}")
     for kind in args.kinds:
-        if kind not in KINDS_2D + KINDS_3D:
-            ap.error(f"unknown kind {kind!r}: choose from {KINDS_2D + KINDS_3D}")
-    for mode in args.modes:
-        if mode not in MODES:
-            ap.error(f"unknown mode {mode!r}: choose from {MODES}")
+        if kind not in kinds:
+            ap.error(f"unknown kind {kind!r}: choose from {kinds}")
+    for mode in args.modes or ():
+        if mode not in fp4.MODES:
+            ap.error(f"unknown mode {mode!r}: choose from {fp4.MODES}")
     for dtype in args.dtypes:
         if dtype not in DTYPES:
             ap.error(f"unknown dtype {dtype!r}: choose from {tuple(DTYPES)}")
@@ -479,7 +515,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     mode, archs = common.resolve_mode(args.mode, args.arch)
     label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
-    print(f"MXFP8 quantize: {label}")
+    print(f"MXFP8 and MXFP4 quantize: {label}")
     sources = common.kernel_sources()
     rows, peer_rows = [], []
     for arch in archs:
@@ -506,13 +542,20 @@ def main(argv=None) -> dict:
                 for name in args.vs:
                     peer_rows += peers.compare(PEERS[name], case, x, arch, args.vs_configs, new[0])
     print()
+    if mode == "modelled":  # each MXFP4 row beside our MXFP8 1x32 on its shape and the best peer
+        by_name = {(r["case"], r["arch"]): r for r in rows}
+        for case in cases_for(args):
+            for r in (by_name.get((case.name, arch)) for arch in archs if case.kind in fp4.KINDS):
+                if r and r.get("status") == "ok":
+                    partner = Case(*fp4.fp8_partner(case.kind, case.shape, case.mode), case.dtype).name
+                    fp4.annotate(r, by_name.get((partner, r["arch"])), peer_rows)
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     common.print_table(list(display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
     for r in rows:
         if r.get("status", "ok") != "ok":
             print(f"not measured: {r['case']} {r['arch']}: {r['status']}")
         elif mode == "modelled":
-            r["target_misses"] = target_misses(r)
+            r["target_misses"] = target_misses(r) + (fp4.target_misses(r) if r["kind"] in fp4.KINDS else [])
             if r["target_misses"]:
                 print(f"target missed: {r['case']} {r['arch']}: " + "; ".join(r["target_misses"]))
     if mode == "modelled":

@@ -18,6 +18,7 @@ MODELLED_COLUMNS = [
     ("instr_per_element", "instr/elem"),
     ("torchao_instr_per_element", "torchao"),
     ("vs_torchao", "ratio"),
+    ("vs_fp8_1x32", "vs fp8 1x32"),
     ("coalescing_loads", "coal ld"),
     ("store_coal", "coal st (per mnemonic)"),
     ("partial_store_fraction", "partial st"),
@@ -105,7 +106,7 @@ def plot(rows: list[dict], mode: str, path: Path, peers: list[dict] = ()) -> Pat
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(
-        f"MXFP8 quantize - {common.MODELLED_LABEL if mode == 'modelled' else common.HARDWARE_LABEL}", fontsize=9
+        f"MXFP8/MXFP4 quantize - {common.MODELLED_LABEL if mode == 'modelled' else common.HARDWARE_LABEL}", fontsize=9
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -183,6 +183,85 @@ def test_quantize_bench_vs_peers_triton(tmp_path, keep_emu_arch):
         "torchao has no Triton 3D (per-expert) cast", "aiter has no 3D (per-expert) MXFP8 cast"}
 
 
+def test_quantize_bench_mxfp4_rows(tmp_path, keep_emu_arch):
+    """The MXFP4 kinds on a 64x256 input (a4w4 needs M % 16 and K % 64; 3D a16w4 N % 32 and
+    K % 256), mode even, both arches: each kernel runs bit-exact vs flyquant.reference, beside our
+    MXFP8 1x32 row on the same (flattened) shape, and the traffic against the minimum is the
+    global bytes the emulator counted over the bytes of the input and the API's outputs."""
+    bench = load("quantize")
+    kinds = "fp4_1x32,fp4_32x1,fp4_dual,fp4_a4w4,fp4_3d_a16w4"
+    argv = f"--mode modelled --arch gfx950,gfx942 --shapes 64x256,2x32x256 --kinds {kinds} --modes even --out"
+    bench.main([*argv.split(), str(tmp_path)])
+    rows = read_outputs(tmp_path, "quantize_modelled")["rows"]
+    for arch in ("gfx950", "gfx942"):
+        assert [r["case"] for r in rows if r["arch"] == arch] == [
+            "1x32 64x256 floor", "fp4_1x32 64x256 even", "fp4_32x1 64x256 even", "fp4_dual 64x256 even",
+            "fp4_a4w4 64x256 even", "fp4_3d_a16w4 2x32x256 even"]
+    fp8 = {r["arch"]: r for r in rows if r["kind"] == "1x32"}
+    for row in rows:
+        assert row["status"] == "ok" and row["bit_exact"] is True and row["reduction"] == "exact", row["case"]
+        assert all(k.startswith(("mxfp8", "mxfp4")) and row["arch"] in k for k in row["kernels"])
+        if row["kind"].startswith("fp4_"):
+            assert row["vs_fp8_1x32"] == row["instr_per_element"] / fp8[row["arch"]]["instr_per_element"]
+        # 64x256 bf16: 32 KiB in; per orientation 8 KiB of FP4 data and 512 B of scales (a4w4's "mfma"
+        # scales padded to 256 rows x 8 columns: 2 KiB)
+        outputs = {"1x32": 16384 + 512, "fp4_dual": 2 * (8192 + 512), "fp4_a4w4": 8192 + 2048}
+        assert row["compulsory_bytes"] == 32768 + outputs.get(row["kind"], 8192 + 512)
+        assert row["traffic_vs_compulsory"] == row["global_bytes"] / row["compulsory_bytes"]
+
+
+def test_quantize_bench_reduction_keeps_the_quantized_dimension():
+    """Above --max-elements (2^22 here) the MXFP4 rows keep whole the dimension they quantize
+    along: fp4_32x1 its M (whose length also picks aiter's blocks), fp4_3d_a16w4 its K (its a16w4
+    layout is tiled along K); rowwise 2D kinds lose rows as the MXFP8 rows do."""
+    bench = load("quantize")
+    budget, keep = 1 << 22, bench.fp4.KEEP
+    assert bench.reduced_shape((8192, 7168), budget, keep.get("fp4_32x1")) == (8192, 2**22 // 8192)
+    assert bench.reduced_shape((8, 5120, 5120), budget, keep.get("fp4_3d_a16w4")) == (1, 768, 5120)  # 819 -> 768
+    assert bench.reduced_shape((8192, 7168), budget, keep.get("fp4_1x32")) == (512, 7168)  # 585 -> 512
+
+
+def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
+    """--vs aiter on MXFP4 rows (64x256, both arches): aiter's Triton dynamic_mxfp4_quant, launched
+    by its own wrapper, compiled for each arch and run under flyquant.emu, has our scales byte for
+    byte; its data differs from flyquant.reference exactly on the elements that lie halfway
+    between two E2M1 values whose lower one has an even code: aiter rounds ties away from zero,
+    round-to-nearest-even keeps that lower code. Modes other than even and kinds aiter has no
+    kernel for say so."""
+    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    bench = load("quantize")
+    import peers_aiter
+
+    from flyquant import formats, reference
+
+    argv = "--mode modelled --arch gfx950,gfx942 --shapes 64x256 --kinds fp4_1x32,fp4_dual --modes even,rceil"
+    bench.main([*argv.split(), "--vs", "aiter", "--out", str(tmp_path)])
+    payload = read_outputs(tmp_path, "quantize_modelled")
+    ran = [p for p in payload["peers"] if p["status"] == "ok" and p["case"].startswith("fp4")]
+    assert sorted((p["case"], p["arch"]) for p in ran) == [("fp4_1x32 64x256 even", a) for a in ("gfx942", "gfx950")]
+    assert all(p["peer_vs_flyquant"] > 1 and p["workgroups_per_cu"] >= 1 for p in ran)
+    status = {p["status"] for p in payload["peers"] if p["case"].startswith("fp4") and p["status"] != "ok"}
+    assert status == {peers_aiter.MXFP4_NO_KERNEL["fp4_dual"],
+                      "aiter's dynamic_mxfp4_quant only rounds 'even' (not rceil)"}
+    rows = {(r["case"], r["arch"]): r for r in payload["rows"]}
+    assert rows[("fp4_1x32 64x256 even", "gfx950")]["vs_best_peer"] < 1
+    x = (torch.randn(64, 256, generator=torch.Generator().manual_seed(14)) * 30).to(torch.bfloat16)
+    for arch in ("gfx950", "gfx942"):
+        emu.enable(arch)
+        data, scales, *_ = peers_aiter._mxfp4_launch("fp4_1x32", x, arch)
+        want_d, want_s = reference.mxfp4_quantize(x, -1, "even")
+        assert torch.equal(scales.view(torch.uint8), want_s.view(torch.uint8))
+        got, want = formats.unpack_fp4(data), formats.unpack_fp4(want_d.view(torch.uint8))
+        block_scale = torch.exp2(want_s.view(torch.uint8).float() - 127).repeat_interleave(32, 1)
+        magnitude = (x.float() / block_scale).abs()
+        grid = torch.tensor(formats.E2M1_VALUES)
+        tie = torch.isin(magnitude, (grid[:-1] + grid[1:]) / 2)
+        lower = torch.bucketize(magnitude, grid) - 1  # a tie's lower neighbour's code
+        rounded_up = tie & (lower % 2 == 0)
+        assert torch.equal(got != want, rounded_up) and rounded_up.any()
+        assert torch.equal(got[rounded_up] & 7, (want[rounded_up] & 7) + 1)
+
+
 def test_peer_kernel_with_scratch_runs_bit_exact():
     """torchao's dim0 cast, config 128x256 w4 s2, compiled for gfx950 without Triton's argument
     specialization (no 16-divisibility: as a shape that is not a multiple of 16 would be) spills
