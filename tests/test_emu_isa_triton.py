@@ -225,6 +225,25 @@ def test_buffer_load_dwordx4_to_lds():
     assert (w.v[4] == 7).all()
 
 
+
+def test_global_load_lds_dwordx4():
+    # lane l reads the 16 bytes at buf + 16 * l (64-bit address in v[0:1], saddr off, offset 16 on
+    # both sides) and writes them to LDS at M0 + 16 + 16 * l (M0 = 32); lane 2 is off.
+    buf = np.arange(4 * 64 + 4, dtype=np.uint32) + 500
+    addr = buf.ctypes.data + 16 * np.arange(64, dtype=np.uint64) - 16
+    inst = I.global_load_lds_dwordx4(vdst=v[4:7], addr=v[0], data=v[4:7], saddr=OFF, offset=16)
+    code = inst.to_bytes() + I.s_endpgm().to_bytes()
+    w = Wave()
+    w.set_exec(FULL & ~(1 << 2))
+    w.s[124] = 32  # M0
+    w.v[0], w.v[1] = addr & 0xFFFFFFFF, addr >> 32
+    w.v[4] = 9
+    interp.run_wave(interp.snippet(code, "gfx950"), w, Memory(), lds_bytes=48 + 16 * 64)
+    lds = w.wg.lds[48:].view(np.uint32).reshape(64, 4)
+    for lane in (0, 1, 3, 63):
+        np.testing.assert_array_equal(lds[lane], buf[4 * lane:4 * lane + 4])
+    assert not lds[2].any() and not w.wg.lds[:48].any() and (w.v[4] == 9).all()
+
 def test_dispatch_packet_fields():
     # hsa_kernel_dispatch_packet_t: header u16 @0 (type 2 = kernel dispatch), setup u16 @2 (3 dims),
     # workgroup_size_x/y/z u16 @4/6/8, grid_size_x/y/z u32 @12/16/20 (work-items), private and
