@@ -206,10 +206,14 @@ def plot(rows: list[dict], mode: str, path: Path, peer_rows=()) -> Path:
 
 
 def _plot_peers(ax, peer_rows: list[dict]) -> None:
+    """The peers' series, with a legend of their own (our configs' is in the first panel)."""
+    handles = []
     for (peer, arch), pts in sorted(_group(peer_rows, ("peer", "arch")).items()):
         pts = sorted(pts, key=lambda r: r["tokens"])
-        ax.plot([r["tokens"] for r in pts], [r["instr_per_useful_mfma"] for r in pts], color=PEER_COLOUR, ls=":",
-                marker="s" if arch == "gfx950" else "^", ms=4, label=f"{peer} {arch}")
+        handles += ax.plot([r["tokens"] for r in pts], [r["instr_per_useful_mfma"] for r in pts], color=PEER_COLOUR,
+                           ls=":", marker="s" if arch == "gfx950" else "^", ms=4, label=f"{peer} {arch}")
+    if handles:
+        ax.legend(handles=handles, fontsize=6)
 
 
 def _group(rows: list[dict], keys: tuple) -> dict:
