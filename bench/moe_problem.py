@@ -133,15 +133,22 @@ class Weights:
             self.bias = emu.aligned(torch.randn(shape.experts, rows, generator=gen).to(torch.bfloat16).to(device))
         self.filled: set[int] = set()
 
-    def fill(self, experts) -> "Weights":
-        s, (lo, hi), gate_up = self.shape, W_SCALE_CODES, self.stage.number == 1
+    def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's weights before aiter's shuffles: FP4 bytes (1, rows, K/2) and E8M0 codes
+        (rows, K/32), padded sizes (Stage.weight_shape), from the expert's own seed."""
+        s, (lo, hi) = self.shape, W_SCALE_CODES
         rows, k = self.stage.weight_shape(s)
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}/{s.name}/{e}".encode()))
+        packed = torch.randint(0, 256, (1, rows, k // FP4_PER_BYTE), dtype=torch.uint8, generator=gen,
+                               device=self.device)
+        codes = torch.randint(lo, hi + 1, (rows, k // MX_BLOCK), dtype=torch.uint8, generator=gen, device=self.device)
+        return packed, codes
+
+    def fill(self, experts) -> "Weights":
+        gate_up = self.stage.number == 1
+        rows, _ = self.stage.weight_shape(self.shape)
         for e in sorted(set(experts) - self.filled):
-            gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}/{s.name}/{e}".encode()))
-            packed = torch.randint(0, 256, (1, rows, k // FP4_PER_BYTE), dtype=torch.uint8, generator=gen,
-                                   device=self.device)
-            codes = torch.randint(lo, hi + 1, (rows, k // MX_BLOCK), dtype=torch.uint8, generator=gen,
-                                  device=self.device)
+            packed, codes = self.dense(e)
             self.w[e] = layouts.shuffle_weight_a16w4(packed, gate_up=gate_up)[0]
             self.scale[e * rows : (e + 1) * rows] = layouts.shuffle_scale_a16w4(codes, 1, gate_up=gate_up)
             self.filled.add(e)
@@ -162,6 +169,8 @@ class Problem:
     work_tiles: torch.Tensor  # indices of the m-tiles whose rows hold routing pairs
     valid_rows: torch.Tensor  # routing pairs in each of them
     experts_active: int
+    topk_ids: torch.Tensor  # routing (T, topk) int32, as `routing` drew it
+    topk_weights: torch.Tensor  # (T, topk) f32
 
 
 def build_problem(stage: Stage, shape: MoeShape, tokens: int, tile_m: int, skew: float, seed: int, device) -> Problem:
@@ -175,7 +184,14 @@ def build_problem(stage: Stage, shape: MoeShape, tokens: int, tile_m: int, skew:
     tok = (sorted_ids[: used * tile_m] & TOKEN_MASK).view(used, tile_m)
     valid = (tok < tokens).sum(dim=1)
     work = valid.nonzero().flatten()
-    return Problem(stage, shape, tokens, tile_m, sorting, a, work, valid[work], int(ids.unique().numel()))
+    return Problem(stage, shape, tokens, tile_m, sorting, a, work, valid[work], int(ids.unique().numel()), ids, weights)
+
+
+def systematic_sample(tiles: torch.Tensor, fill: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` of the m-tiles `tiles` (holding `fill` routing pairs each), evenly spaced in the order
+    of their fill, in index order: the sample's fill spreads like the whole launch's."""
+    by_fill = tiles[torch.argsort(fill, stable=True)]
+    return by_fill[torch.linspace(0, len(tiles) - 1, count).round().long()].sort().values
 
 
 def padded_sorting(p: Problem, keep: torch.Tensor) -> tuple:

@@ -3,6 +3,7 @@
     python bench/moe_tile_n.py                          # stage 2; hardware if a ROCm GPU is present, else modelled
     python bench/moe_tile_n.py --stage 1 --quick --out results    # stage 1 (gate/up + activation), a subset
     python bench/moe_tile_n.py --shapes gptoss --tokens 1,4 --tile-n 128,256 --k-batch sel,1
+    python bench/moe_tile_n.py --mode modelled --quick --arch gfx950,gfx942 --vs aiter   # aiter's Triton GEMM beside ours
 
 Stage 1 has no split K (its activation needs whole sums): --k-batch is 1 there. Each shape says
 stage 1's activation and bias (moe_problem.SHAPES).
@@ -46,6 +47,11 @@ one) on the real routing; only which m-tiles hold work changes:
 - an idle workgroup's counters come from a launch without work (no row in use, resp. all rows
   padding), and the real launch's idle workgroups (its grid, from kernel.m_grid, minus the
   working ones) are counted at that cost.
+--vs aiter (modelled mode): aiter's Triton MXFP4 MoE GEMM of the stage (bench/peers_aiter_moe.py)
+beside the selector's row of each shape and token count, on the same routing, weights and
+activations, reduced the same way, its output checked against float64 recomputation; its own table,
+the JSON's "peers" and a series of its own colour in the PNG's per-useful-MFMA panel.
+
 Workgroups working = tiles with work x n-tiles x k_batch, checked against the emulator's count of
 workgroups that stored. All tensors start on 256-byte boundaries (as hipMalloc places them), so
 line counts match device allocations rather than torch's 64-byte-aligned CPU buffers.
@@ -62,6 +68,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
+import peers_aiter_moe  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
@@ -72,7 +79,7 @@ from moe_tile_n_report import (  # noqa: E402
 )
 from moe_problem import (  # noqa: E402
     SHAPES, STAGES, TOKENS, Config, Problem, Stage, Weights, build_problem, compulsory_bytes, configs_for, flops,
-    gathered_sorting, launch, new_out, padded_sorting, selector_choice, useful_mfmas,
+    gathered_sorting, launch, new_out, padded_sorting, selector_choice, systematic_sample, useful_mfmas,
 )
 
 QUICK_TOKENS = (1, 4, 16, 128)
@@ -84,6 +91,7 @@ QUICK_MAX_WORKGROUPS = 24
 
 DEFAULT_SHAPES = "gptoss,gptoss-3072,dsr1-i256,dsr1-i1024,dsr1-i2048,dsr1-i2048-e384,upstream-small"
 QUICK_SHAPES = "gptoss,dsr1-i2048"
+PEERS = {"aiter": peers_aiter_moe}  # --vs: aiter's Triton MXFP4 MoE GEMMs
 
 # ---- modelled mode ------------------------------------------------------------------------------
 
@@ -99,10 +107,8 @@ def model_config(p: Problem, arch: str, cfg: Config, max_workgroups: int, weight
     per_tile = n_tiles * cfg.k_batch  # workgroups of one m-tile
     n_work = int(p.work_tiles.numel())
     sampled = max(1, min(n_work, max_workgroups // per_tile))
-    # systematic sample over the tiles ordered by how many rows hold pairs: the sample's fill
-    # (which sets the A traffic and the epilogue's atomics) spreads like the whole launch's
-    by_fill = p.work_tiles[torch.argsort(p.valid_rows, stable=True)]
-    keep = by_fill[torch.linspace(0, n_work - 1, sampled).round().long()].sort().values
+    # the fill sets the A traffic and the epilogue's atomics
+    keep = systematic_sample(p.work_tiles, p.valid_rows, sampled)
     weights.fill(p.sorting[2].cpu()[keep].tolist())  # block_m = tile_m: one expert id per m-tile
 
     records = []
@@ -381,8 +387,13 @@ def parse_args(argv=None):
         default=None,
         help=f"modelled: working workgroups emulated per config, at least one m-tile's (default {MAX_WORKGROUPS})",
     )
+    ap.add_argument("--vs", type=common.csv_list, default=[],
+                    help=f"modelled: peers beside the selector's rows: {','.join(PEERS)}")
     common.add_common_args(ap)
     args = ap.parse_args(argv)
+    for peer in args.vs:
+        if peer not in PEERS:
+            ap.error(f"unknown peer {peer!r}: choose from {sorted(PEERS)}")
     args.shapes = args.shapes or common.csv_list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     for name in args.shapes:
         if name not in SHAPES:
@@ -393,10 +404,10 @@ def parse_args(argv=None):
     return args
 
 
-def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list, list, list, list]:
+def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list, list, list, list, list]:
     """Every (arch, shape, tokens, config) of the stage: a modelled or timed row, or the reason it
-    has none. Returns (rows, configs the launcher refused, errors, the selector's plans)."""
-    rows, skipped, errors, plans = [], [], [], []
+    has none. Returns (rows, configs the launcher refused, errors, the selector's plans, peer rows)."""
+    rows, skipped, errors, plans, peer_rows = [], [], [], [], []
     weights = {}
     for arch in archs:
         if mode == "modelled":
@@ -418,7 +429,7 @@ def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list
                     if chosen
                     else fq.moe_block_m(tokens, shape.topk, shape.experts, shape.model_dim, shape.inter_dim, device)
                 )
-                problems = {}
+                problems, first = {}, len(rows)
                 for cfg in configs_for(stage, shape, args, chosen, auto_tile_m):
                     if cfg.tile_m not in problems:
                         problems[cfg.tile_m] = build_problem(stage, shape, tokens, cfg.tile_m, args.skew, args.seed,
@@ -450,13 +461,16 @@ def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list
                     row["selected"] = cfg == chosen
                     rows.append(row)
                     print(f"  {name} T={tokens} {arch} {config_label(vars(cfg))}: done", flush=True)
+                for peer in args.vs if mode == "modelled" else ():
+                    peer_rows.append(PEERS[peer].compare(problems, rows[first:], arch, args.max_workgroups, w))
+                    print(f"  {name} T={tokens} {arch} {peer}: {peer_rows[-1]['status']}", flush=True)
                 if mode == "hardware":  # sorted with the selector's block size, as the API is called
                     base = problems.get(auto_tile_m) or build_problem(
                         stage, shape, tokens, auto_tile_m, args.skew, args.seed, device
                     )
                     rows += time_baselines(base, arch, w, args)
 
-    return rows, skipped, errors, plans
+    return rows, skipped, errors, plans, peer_rows
 
 
 def main(argv=None) -> dict:
@@ -470,7 +484,7 @@ def main(argv=None) -> dict:
     label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
     print(f"A16W4 MoE stage {stage.number}, tile_n sweep: {label}")
     sources = common.kernel_sources()
-    rows, skipped, errors, plans = sweep(args, mode, archs, stage, device)
+    rows, skipped, errors, plans, peer_rows = sweep(args, mode, archs, stage, device)
 
     print()
     common.print_table(list(_display(rows)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
@@ -496,6 +510,8 @@ def main(argv=None) -> dict:
         )
         if stage.number == 2:
             print_upstream()
+        for peer in args.vs:
+            PEERS[peer].print_rows([r for r in peer_rows if r["peer"] == PEERS[peer].NAME])
     changed = common.warn_if_sources_changed(sources)
     stem = f"moe_gemm{stage.number}_tile_n_{mode}"
     environment = common.environment() | {"kernel_sources_changed": changed}
@@ -509,6 +525,7 @@ def main(argv=None) -> dict:
         "skipped": skipped,
         "errors": errors,
         "plans": plans,
+        "peers": peer_rows,
     }
     if mode == "modelled":
         if stage.number == 2:
@@ -527,7 +544,7 @@ def main(argv=None) -> dict:
             path = common.write_json(path, table)
             print(f"tuning table: {path} (use with FLYQUANT_TUNING={path})")
     json_path = common.write_json(args.out / f"{stem}.json", payload)
-    png_path = plot(rows, mode, args.out / f"{stem}.png")
+    png_path = plot(rows, mode, args.out / f"{stem}.png", [r for r in peer_rows if r.get("status") == "ok"])
     print(f"\nwrote {json_path} and {png_path}")
     return payload
 

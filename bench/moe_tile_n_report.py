@@ -131,9 +131,13 @@ def _display(rows):
         yield r
 
 
-def plot(rows: list[dict], mode: str, path: Path) -> Path:
+PEER_COLOUR = "crimson"  # peers' series (--vs), apart from the matplotlib cycle our configs use
+
+
+def plot(rows: list[dict], mode: str, path: Path, peer_rows=()) -> Path:
     """One column per shape, x = tokens: modelled, wave-instructions per MFMA (with upstream FlyDSL's
-    figures from issue 5 as black crosses) and per useful MFMA, and the working workgroups;
+    figures from issue 5 as black crosses) and per useful MFMA (with the --vs peers' in PEER_COLOUR,
+    one marker per arch), and the working workgroups;
     hardware, TFLOPS and the time over the weight-streaming bound (baselines dashed)."""
     plt = common.pyplot()
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "error" not in r))
@@ -170,6 +174,8 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
                 ax.scatter(
                     [r["tokens"] for r in chosen], [r.get(key) for r in chosen], marker="*", s=90, c="k", zorder=3
                 )
+            if key == "instr_per_useful_mfma":
+                _plot_peers(ax, [r for r in peer_rows if r["shape"] == name])
             if key == "instr_per_mfma":
                 theirs = [(t, v, f"{tm}x{tn}") for (sh, t, tm, tn), v in UPSTREAM_PER_MFMA.items() if sh == name]
                 ax.scatter(
@@ -197,6 +203,24 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_peers(ax, peer_rows: list[dict]) -> None:
+    """The peers' series, with a legend of their own (our configs' is in the first panel)."""
+    handles = []
+    for (peer, arch), pts in sorted(_group(peer_rows, ("peer", "arch")).items()):
+        pts = sorted(pts, key=lambda r: r["tokens"])
+        handles += ax.plot([r["tokens"] for r in pts], [r["instr_per_useful_mfma"] for r in pts], color=PEER_COLOUR,
+                           ls=":", marker="s" if arch == "gfx950" else "^", ms=4, label=f"{peer} {arch}")
+    if handles:
+        ax.legend(handles=handles, fontsize=6)
+
+
+def _group(rows: list[dict], keys: tuple) -> dict:
+    out = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
 
 
 def config_label(r: dict) -> str:

@@ -262,6 +262,31 @@ def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
         assert torch.equal(got[rounded_up] & 7, (want[rounded_up] & 7) + 1)
 
 
+@pytest.mark.parametrize("stage", (1, 2))
+def test_moe_bench_vs_aiter_triton(tmp_path, keep_emu_arch, stage):
+    """--vs aiter on upstream FlyDSL's small shape at 5 tokens (10 routing pairs over 8 experts),
+    both arches: aiter's Triton MXFP4 MoE GEMM of the stage (its own config and alignment: every
+    expert padded to BLOCK_SIZE_M) runs whole under flyquant.emu, every routed row within the
+    derived bound of float64 recomputation (bench/peers_aiter_moe.tolerance), and is counted per
+    useful MFMA as our row is."""
+    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    bench = load("moe_tile_n")
+    argv = f"--stage {stage} --mode modelled --arch gfx950,gfx942 --shapes upstream-small --tokens 5 --tile-n 128"
+    bench.main([*argv.split(), "--k-batch", "1", "--vs", "aiter", "--out", str(tmp_path)])
+    payload = read_outputs(tmp_path, f"moe_gemm{stage}_tile_n_modelled")
+    peers = payload["peers"]
+    assert [(p["arch"], p["status"]) for p in peers] == [("gfx950", "ok"), ("gfx942", "ok")]
+    for p in peers:
+        (ours,) = [r for r in payload["rows"] if r["arch"] == p["arch"]]
+        assert p["reduction"] == "exact" and p["rows_checked"] == 10, p
+        assert p["rows_outside_tolerance"] == 0 and 0 < p["max_err_over_tol"] <= 1
+        assert p["mfma_useful"] == ours["mfma_useful"] and p["mfma"] >= p["mfma_useful"]
+        assert p["instr_per_useful_mfma"] == pytest.approx(p["wave_instr"] / ours["mfma_useful"])
+        assert p["flyquant_vs_peer"] == pytest.approx(ours["instr_per_useful_mfma"] / p["instr_per_useful_mfma"])
+        assert p["wg_working"] <= p["wg_launched"] and p["vgprs"] > 0 and p["workgroups_per_cu"] >= 1
+    assert [p["config"].split()[0] for p in peers] == ["64x64x128", "256x256x64"]  # MI350X MX_FP4 file; default
+
+
 def test_peer_kernel_with_scratch_runs_bit_exact():
     """torchao's dim0 cast, config 128x256 w4 s2, compiled for gfx950 without Triton's argument
     specialization (no 16-divisibility: as a shape that is not a multiple of 16 would be) spills

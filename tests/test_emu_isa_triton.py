@@ -3,19 +3,22 @@
 Each expected value is worked out from the instruction's definition in the CDNA3/CDNA4 ISA guides
 (quoted in flyquant/emu/isa_hwreg.py, isa_vdiv.py, isa_scratch.py and isa_valu.py), not from the
 emulator: the MODE register (s_setreg/s_getreg, FP16_OVFL), the f32 division sequence, SDWA
-v_cndmask_b32 and scratch (private) memory.
+v_cndmask_b32, scratch (private) memory, buffer loads to LDS and the dispatch packet.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_emu_isa import ARCHS, FULL, as_f32, f32, run
+from types import SimpleNamespace
+
+from test_emu_isa import ARCHS, FULL, ZERO, _rsrc_sgprs, as_f32, f32, run
 from tinygrad.renderer.amd.dsl import SDWA, VCC, s, src, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
 from flyquant.emu import interp
 from flyquant.emu.isa_base import EmuError, Wave
+from flyquant.emu.memory import EmuMemoryError, Memory
 
 OFF = src[0x7F]  # SCRATCH saddr "off"
 
@@ -195,3 +198,66 @@ def test_scratch_store_and_load_are_per_lane():
 def test_scratch_access_outside_the_private_segment_fails():
     with pytest.raises(EmuError, match="lane 0 accesses private bytes 60..63 outside its 60"):
         _run_scratch([I.scratch_load_dword(vdst=v[1], addr=v[0], saddr=OFF, offset=60)], 60, {})
+
+
+# --- buffer loads to LDS (Triton's pipelined loads on gfx950) ---------------------------------------------
+def test_buffer_load_dwordx4_to_lds():
+    # LDS address of lane l = M0 + inst_offset + 16 * l (M0 = 64, offset 16); the global side reads
+    # base + inst_offset + v0 = 16 + 16 * l bytes, num_records 16 + 16 * 5 + 8: lanes 0..4 in
+    # range, lane 5 only its first two dwords (out-of-range dwords write 0), lane 6 and up nothing.
+    # Lane 3 is off: its 16 LDS bytes keep their old value 0xEE. VGPRs are untouched.
+    buf = np.arange(4 * 64 + 16, dtype=np.uint32) + 1000
+    lanes = np.arange(64, dtype=np.uint32)
+    inst = I.buffer_load_dwordx4(vdata=v[4:7], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=16, lds=1)
+    code = inst.to_bytes() + I.s_endpgm().to_bytes()
+    w = Wave()
+    w.set_exec(FULL & ~(1 << 3))
+    for k, val in {**_rsrc_sgprs(buf.ctypes.data, 16 + 16 * 5 + 8), 124: 64}.items():  # 124: M0
+        w.s[k] = val
+    w.v[0] = lanes * 16
+    w.v[4] = 7
+    interp.run_wave(interp.snippet(code, "gfx950"), w, Memory(), lds_bytes=64 + 16 + 16 * 64)
+    lds = w.wg.lds[64 + 16:].view(np.uint32).reshape(64, 4)
+    for lane in (0, 1, 2, 4):
+        np.testing.assert_array_equal(lds[lane], buf[4 + 4 * lane:8 + 4 * lane])
+    assert list(lds[5]) == [buf[24], buf[25], 0, 0]
+    assert not lds[3].any() and not lds[6:].any() and not w.wg.lds[:80].any()
+    assert (w.v[4] == 7).all()
+
+
+
+def test_global_load_lds_dwordx4():
+    # lane l reads the 16 bytes at buf + 16 * l (64-bit address in v[0:1], saddr off, offset 16 on
+    # both sides) and writes them to LDS at M0 + 16 + 16 * l (M0 = 32); lane 2 is off.
+    buf = np.arange(4 * 64 + 4, dtype=np.uint32) + 500
+    addr = buf.ctypes.data + 16 * np.arange(64, dtype=np.uint64) - 16
+    inst = I.global_load_lds_dwordx4(vdst=v[4:7], addr=v[0], data=v[4:7], saddr=OFF, offset=16)
+    code = inst.to_bytes() + I.s_endpgm().to_bytes()
+    w = Wave()
+    w.set_exec(FULL & ~(1 << 2))
+    w.s[124] = 32  # M0
+    w.v[0], w.v[1] = addr & 0xFFFFFFFF, addr >> 32
+    w.v[4] = 9
+    interp.run_wave(interp.snippet(code, "gfx950"), w, Memory(), lds_bytes=48 + 16 * 64)
+    lds = w.wg.lds[48:].view(np.uint32).reshape(64, 4)
+    for lane in (0, 1, 3, 63):
+        np.testing.assert_array_equal(lds[lane], buf[4 * lane:4 * lane + 4])
+    assert not lds[2].any() and not w.wg.lds[:48].any() and (w.v[4] == 9).all()
+
+def test_dispatch_packet_fields():
+    # hsa_kernel_dispatch_packet_t: header u16 @0 (type 2 = kernel dispatch), setup u16 @2 (3 dims),
+    # workgroup_size_x/y/z u16 @4/6/8, grid_size_x/y/z u32 @12/16/20 (work-items), private and
+    # group segment sizes u32 @24/28, kernarg_address u64 @40; read-only in memory for the launch.
+    info = SimpleNamespace(private_segment_fixed_size=48, group_segment_fixed_size=1024)
+    mem = Memory(strict=True)
+    packet = interp.DispatchPacket(info, (5, 2, 1), (256, 1, 1), 0x1234_5678_9ABC, 512, mem)
+    f = packet.buffer
+    assert list(f[0:10].view(np.uint16)) == [2, 3, 256, 1, 1]
+    assert list(f[12:32].view(np.uint32)) == [1280, 2, 1, 48, 1536]
+    assert f[40:48].view(np.uint64)[0] == 0x1234_5678_9ABC
+    assert mem.read(packet.address, 64).tobytes() == f.tobytes()
+    with pytest.raises(EmuMemoryError):
+        mem.check(np.array([packet.address], np.uint64), 4, write=True)
+    packet.close()
+    with pytest.raises(EmuMemoryError):
+        mem.read(packet.address, 4)

@@ -6,7 +6,9 @@ s_barrier or s_endpgm; when every wave that has not ended waits at the barrier, 
 
 Before the first instruction each wave holds what the HSA dispatch sets up from the kernel
 descriptor: the user SGPRs (FlyDSL kernels use only the kernarg segment pointer, plus
-gfx940+ kernarg preloading), then the enabled workgroup ids; v0 = workitem id x, or on gfx90a+
+gfx940+ kernarg preloading; Triton's kernels with kernarg preloading also enable the dispatch
+pointer, queue pointer and dispatch id before it, see `DispatchPacket`), then the enabled
+workgroup ids; v0 = workitem id x, or on gfx90a+
 x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads;
 MODE holds the descriptor's float modes. A kernel with a private segment gets zeroed private
 memory per lane (`isa_scratch`); its private-segment wave-offset SGPR stays 0 (every wave's
@@ -20,6 +22,7 @@ naming the instruction, its offset from the kernel entry and the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -210,8 +213,7 @@ def _check_kernel(info, arch: str, block, dynamic_lds: int) -> int:
     kd = info.kd
     unsupported = [name for name, on in (
         ("private segment buffer", kd.enable_sgpr_private_segment_buffer),
-        ("dispatch pointer", kd.enable_sgpr_dispatch_ptr), ("queue pointer", kd.enable_sgpr_queue_ptr),
-        ("dispatch id", kd.enable_sgpr_dispatch_id), ("flat scratch init", kd.enable_sgpr_flat_scratch_init),
+        ("flat scratch init", kd.enable_sgpr_flat_scratch_init),
         ("private segment size", kd.enable_sgpr_private_segment_size),
         ("workgroup info SGPR", kd.enable_sgpr_workgroup_info),
         ("dynamic stack", kd.uses_dynamic_stack)) if on]
@@ -235,7 +237,32 @@ def _check_host_float_mode():
                        "the emulator needs them")
 
 
-def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kernarg_addr: int, memory):
+class DispatchPacket:
+    """The launch's HSA kernel dispatch packet (hsa_kernel_dispatch_packet_t, 64 bytes), which the
+    dispatch-pointer user SGPRs point at, read-only in `memory` while the launch runs. There is no
+    HSA queue: the queue-pointer SGPRs hold 0 (a read through them is an access to address 0,
+    which fails) and the dispatch id is 0. kernel_object and completion_signal are 0 too."""
+
+    TYPE_KERNEL_DISPATCH = 2  # hsa_packet_type_t, the header's low 8 bits
+    DIMENSIONS = 3  # setup: HIP launches every kernel with 3 dimensions
+
+    def __init__(self, info, grid, block, kernarg_addr: int, dynamic_lds: int, memory):
+        self.buffer = np.zeros(64, np.uint8)
+        f = self.buffer
+        f[0:6].view(np.uint16)[:] = (self.TYPE_KERNEL_DISPATCH, self.DIMENSIONS, block[0])
+        f[6:10].view(np.uint16)[:] = block[1:]
+        f[12:32].view(np.uint32)[:] = (*(g * b for g, b in zip(grid, block)), info.private_segment_fixed_size,
+                                       info.group_segment_fixed_size + dynamic_lds)
+        f[40:48].view(np.uint64)[0] = kernarg_addr
+        self.address = f.ctypes.data
+        self.memory, self.key = memory, memory.register(self.address, f.nbytes, writable=False)
+
+    def close(self) -> None:
+        self.memory.unregister(self.key)
+
+
+def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kernarg_addr: int, memory,
+               packet: DispatchPacket):
     w.reset()
     kd = info.kd
     w.mode = initial_mode(kd)
@@ -245,6 +272,10 @@ def _init_wave(w: Wave, info, layout: dict, wg_ids, wave_index: int, block, kern
     if "kernarg_segment_ptr" in layout:
         i = layout["kernarg_segment_ptr"]
         s[i], s[i + 1] = kernarg_addr & 0xFFFFFFFF, kernarg_addr >> 32
+    for key, value in (("dispatch_ptr", packet.address), ("queue_ptr", 0), ("dispatch_id", 0)):
+        if key in layout:
+            i = layout[key]
+            s[i], s[i + 1] = value & 0xFFFFFFFF, value >> 32
     if "kernarg_preload" in layout:
         n = kd.kernarg_preload_length
         words = memory.read(kernarg_addr + 4 * kd.kernarg_preload_offset, 4 * n).view(np.uint32)
@@ -324,7 +355,8 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
     counts = [0] * len(prog.ops)
     waves = [Wave() for _ in range(nwaves)]
     wg = _Workgroup(lds_bytes)
-    with np.errstate(all="ignore"):
+    packet = DispatchPacket(info, grid, block, kernarg_addr, int(dynamic_lds), memory)
+    with np.errstate(all="ignore"), contextlib.closing(packet):
         for gz in range(grid[2]):
             for gy in range(grid[1]):
                 for gx in range(grid[0]):
@@ -332,7 +364,7 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
                     wg.lds.fill(0)
                     launch.rec.global_store = False
                     for i, w in enumerate(waves):
-                        _init_wave(w, info, layout, wg.ids, i, block, kernarg_addr, memory)
+                        _init_wave(w, info, layout, wg.ids, i, block, kernarg_addr, memory, packet)
                         w.wg, w.launch = wg, launch
                     _run_workgroup(waves, prog, counts, budget)
                     stats.workgroups_launched += 1

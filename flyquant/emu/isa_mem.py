@@ -11,6 +11,12 @@ offset is inst_offset + vgpr offset (the SGPR offset is added after the check); 
 check each dword on its own, a byte/short access and an atomic is in or out as a whole; an
 out-of-range load returns 0 and an out-of-range store or atomic writes nothing.
 
+A buffer load with the LDS bit, and global_load_lds_* (gfx950 up to DWORDx4; Triton's pipelined
+loads), write each active lane's bytes to LDS instead of VGPRs, at M0 + inst_offset + lane * bytes
+(the LDS address the CDNA3/CDNA4 ISA guides give for loads to LDS, M0 holding the base;
+inst_offset applies to both addresses); a buffer load's out-of-range components write 0. Their
+traffic is counted as the global load.
+
 LDS is one byte array per workgroup (static + dynamic size from the launch). An access past its
 end reads 0 / writes nothing (the hardware's behaviour) and is counted in the launch statistics.
 """
@@ -181,24 +187,27 @@ def _global_address(ctx, inst):
 
 def build_global(inst, ctx):
     name = inst.name
-    if inst.enc == "GLOBAL" and "load_lds" in name:
-        raise ctx.error(inst, "global_load_lds (direct to LDS) is not supported")
+    to_lds = inst.enc == "GLOBAL" and "_load_lds_" in name
     address = _global_address(ctx, inst)
     index = ctx.index
     if "_atomic_" in name:
         return _build_global_atomic(inst, ctx, address, index)
-    parsed = parse_access(name)
+    parsed = parse_access(name.replace("_load_lds_", "_load_"))
     if parsed is None:
         return None
     kind, nbytes, signed, d16 = parsed
     if kind == "load":
-        row = data_rows(inst, "vdst")
+        row = None if to_lds else data_rows(inst, "vdst")
+        lds_offset = sext(inst.f["offset"], 13)
 
         def load(w):
             mask = _active(w)
             addrs = address(w)
             data = w.launch.memory.load(addrs, nbytes, mask)
-            write_load(w, row, data, nbytes, signed, d16, mask)
+            if to_lds:
+                _Lds.write(w, (int(w.s[D.M0]) + lds_offset) + LANE_IDS.astype(np.int64) * nbytes, data, mask)
+            else:
+                write_load(w, row, data, nbytes, signed, d16, mask)
             w.launch.rec.global_access(index, addrs, mask, nbytes, False)
         return load
     row = data_rows(inst, "data")
@@ -244,8 +253,6 @@ def _buffer_parts(ctx, inst):
     f = inst.f
     if f["idxen"]:
         raise ctx.error(inst, "indexed (structured) buffer access is not supported")
-    if f["lds"]:
-        raise ctx.error(inst, "buffer load to LDS is not supported")
     rs = f["srsrc"] * 4
     if rs + 4 > 102:
         raise ctx.error(inst, "buffer resource outside the SGPRs")
@@ -278,6 +285,9 @@ def build_buffer(inst, ctx):
         return None
     descriptor, offsets = _buffer_parts(ctx, inst)
     index = ctx.index
+    to_lds = bool(inst.f["lds"])
+    if to_lds and not (name.startswith("buffer_load_") and "_d16" not in name):
+        raise ctx.error(inst, "only plain buffer loads go to LDS")
     if "_atomic_" in name:
         return _build_buffer_atomic(inst, ctx, descriptor, offsets, index)
     parsed = parse_access(name)
@@ -335,7 +345,11 @@ def build_buffer(inst, ctx):
                 caddrs, ok = components(w, addrs, num_records, active)
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
                 rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
-            write_load(w, row, data, nbytes, signed, d16, active)
+            if to_lds:
+                lds_addrs = (int(w.s[D.M0]) + inst_offset) + LANE_IDS.astype(np.int64) * nbytes
+                _Lds.write(w, lds_addrs, data, active)
+            else:
+                write_load(w, row, data, nbytes, signed, d16, active)
         return load
 
     def store(w):
