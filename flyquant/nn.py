@@ -244,7 +244,7 @@ def _gate_up_bias(b1, experts, inter, p):
             raise ValueError(f"b1 must have shape (E, 2 * inter) = {(experts, 2 * inter)}, got {tuple(b.shape)}")
         out.view(experts, 2, p)[:, :, :inter] = b.view(experts, 2, inter)
     # fp32 (exact for bf16): stage 1 adds it in fp32 and then loads it with no conversion (GPT-OSS-like,
-    # gfx950, 16 tokens: 6.45 -> 6.40 wave-instructions per MFMA; bench/moe_stages_instr.py with an fp32 bias)
+    # gfx950, 16 tokens: 6.41 -> 6.37 wave-instructions per MFMA; bench/moe_stages_instr.py --bias-dtype bf16 / fp32)
     return _padded_bias(b1, "b1", experts, 2 * p, fill, torch.float32)
 
 
