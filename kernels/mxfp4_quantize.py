@@ -7,17 +7,17 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split. K % 32 == 0 with no data shuffle, or 16-bit x with the a4w4 one (`lined`, scale
-layouts allowed): a wave quantizes tiles of 64 units (blocks; a4w4: units of that layout); lane
-(col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances
+Work split. K % 32 == 0 with no data shuffle, or 16-bit x with a data shuffle (a4w4, a16w4;
+`lined`, scale layouts allowed): a wave quantizes tiles of 64 units (blocks; shuffles: data units
+of the layout, in its order); lane (col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances
 32, 16 (, 8) on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece
 `piece` (16 bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k +
-col, C = 16 or 8 blocks per KiB, each load instruction 1 KiB contiguous; a4w4: lined_units, 8
-rows x 128 bytes). The per-piece amax partials are reduce-scattered (the lane owns one block:
+col, C = 16 or 8 blocks per KiB, each load instruction 1 KiB contiguous; shuffles: lined_units,
+8 rows x 128 bytes). The per-piece amax partials are reduce-scattered (the lane owns one block:
 its code, its code byte store), the block's conversion operand (_mxfp4_common.piece_operand) is
 gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
-piece (2 piece): 256 (128) contiguous bytes per instruction. Other variants (K % 32 != 0, the
-a16w4 shuffle, FP32 with a4w4): one lane per block. Block g
+piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
+lines). Other variants (K % 32 != 0, FP32 with a data shuffle): one lane per block. Block g
 of the (M, nkb) block grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
 lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
 nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
@@ -32,7 +32,10 @@ kernels' helper; the launcher zero-fills the padded scale tensor, the kernel wri
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
 K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous (FP32,
 one lane per unit: each lane's 8 loads read 128 contiguous bytes of its row). shuffle "a16w4"
-(3D expert weights): _a16w4_offsets.
+(3D expert weights; N % 32 == 0, K % 256 == 0): _a16w4_offsets; its data units are a4w4's
+(gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
+that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
+(wave-uniform) plus a lane part (_a16w4_scale_offset).
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 
 def lined(dtype: str, tail: bool, shuffle) -> bool:
     """The variants that split a block over lanes (whole-line loads): K % 32 == 0 and no data
-    shuffle, or 16-bit x with the a4w4 one (module docstring)."""
-    return not tail and (shuffle is None or (shuffle == "a4w4" and dtype != "fp32"))
+    shuffle, or 16-bit x with a data shuffle (a4w4, a16w4; module docstring)."""
+    return not tail and (shuffle is None or dtype != "fp32")
 
 
 @dataclass(frozen=True)
@@ -127,17 +130,37 @@ def _a16w4_offsets(row, kb, nkb, n1_args, gate_up: bool):
     n1, magic, shift = n1_args
     q, nl = lshr(row, 4), band(row, A16W4_NLANE - 1)
     k0, kl = lshr(kb, 2), band(kb, A16W4_KLANE - 1)
-    kp, k1 = band(lshr(kb, 2), 1), lshr(kb, 3)
     if gate_up:
         t = lshr(add(mx.umulhi(q, magic), q), shift)  # 2 e + h
         n0 = sub(q, mul(t, n1))
-        pair = add(mul(add(mul(lshr(t, 1), n1), n0), 2), band(t, 1))  # (e * N1 + n0) * 2 + h
-        unit_row, s_row, p = pair, add(mul(lshr(t, 1), n1), n0), band(t, 1)
+        unit_row = add(mul(add(mul(lshr(t, 1), n1), n0), 2), band(t, 1))  # (e * N1 + n0) * 2 + h
     else:
-        unit_row, s_row, p = q, lshr(row, 5), band(lshr(row, 4), 1)
+        unit_row = q
     unit = add(mul(add(mul(unit_row, lshr(nkb, 2)), k0), A16W4_KLANE * A16W4_NLANE), add(shl(kl, 4), nl))
-    s_off = add(mul(add(mul(s_row, lshr(nkb, 3)), k1), 4 * 16 * 2 * 2), add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), p)))
-    return mul(unit, OUT_BLOCK_BYTES), s_off
+    return mul(unit, OUT_BLOCK_BYTES), _a16w4_scale_offset(unit_row, kb, nl, nkb)
+
+
+def _a16w4_scale_offset(tile, kb, nl, nkb):
+    """The scale byte offset of block kb of row nl of the output's 16-row tile `tile` (plain: x's
+    tile q; gate_up: (e * N1 + n0) * 2 + h) in shuffle_scale_a16w4's layout (_a16w4_offsets):
+    the pair of tiles tile / 2 (the scale row n1, or e * N1 + n0), p = tile % 2. Linear in kb %
+    4 (64 bytes each) and nl (4 bytes each)."""
+    kl, kp, k1 = band(kb, A16W4_KLANE - 1), band(lshr(kb, 2), 1), lshr(kb, 3)
+    return add(mul(add(mul(lshr(tile, 1), lshr(nkb, 3)), k1), 4 * 16 * 2 * 2),
+               add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), band(tile, 1))))
+
+
+def _a16w4_source_row(row, n1_args):
+    """gate_up: the row of x that row `row` of the plain a16w4 order holds. Without gate_up,
+    aiter's shuffle_weight_a16w4 is shuffle_weight(layout=(16, 16)) when K % 128 == 0 (unit ((q
+    K0 + kb / 4) 4 + kb % 4) 16 + nl = (q nkb + kb) 16 + nl, _a16w4_offsets), so its data units
+    are _a4w4_block's; gate_up permutes the row tiles: tile (e N1 + n0) 2 + h holds x's tile (2 e
+    + h) N1 + n0 = r + (e + h) N1 with r = e N1 + n0, e = r / N1."""
+    n1, magic, shift = n1_args
+    pair = lshr(row, 4)
+    r = lshr(pair, 1)
+    e = lshr(add(mx.umulhi(r, magic), r), shift)
+    return add(shl(add(r, mul(add(e, band(pair, 1)), n1)), 4), band(row, A16W4_NLANE - 1))
 
 
 def _a4w4_block(u, nkb, magic, shift):
@@ -207,31 +230,38 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
 
     def lined_units(k):
-        """Unit (block, or a4w4 data unit) offset of register k from the lane's: plain C k (C = 16
-        or, FP32, 8 blocks per KiB); a4w4
+        """Unit (block, or the shuffle's data unit) offset of register k from the lane's: plain C
+        k (C = 16 or, FP32, 8 blocks per KiB); shuffles
         (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
         x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
-        return 32 * (k % 2) + 8 * (k // 2) if shuffle == "a4w4" else k * (LOAD_BYTES // in_block)
+        return 32 * (k % 2) + 8 * (k // 2) if shuffle else k * (LOAD_BYTES // in_block)
 
     def a4w4_tiles(t0, shape):
-        """a4w4: (row, kb) of the first unit of each of the tile's two pairs of row tiles t = t0 /
-        16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even)."""
+        """Data shuffles: (output row, kb) of the first unit of each of the tile's two pairs of
+        row tiles t = t0 / 16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even;
+        a16w4, nkb % 8 == 0: both in the tile's one row tile)."""
         nkb, row_bytes, k, magic, shift, dims = shape
+        if shuffle != "a4w4":
+            row, kb = _a4w4_block(t0, nkb, magic, shift)
+            return [(row, kb), (row, add(kb, 2))]
         return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
 
-    def lined_loads(t0, rx, lane, shape, firsts):
-        """The registers' 16-byte pieces (4, FP32 8) as dwords (a4w4: lined_units; `lane[0]` the
-        lane's byte offset in a tile (a4w4: in a row tile pair), firsts: a4w4_tiles)."""
+    def lined_loads(t0, rx, lane, shape, firsts, n1_args):
+        """The registers' 16-byte pieces (4, FP32 8) as dwords (shuffles: lined_units; `lane[0]`
+        the lane's byte offset in a tile (shuffles: in a row tile pair), firsts: a4w4_tiles, the rows of
+        x by _a16w4_source_row for gate_up)."""
         row_bytes = shape[1]
-        if shuffle != "a4w4":
+        if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
             offs = [add(v_in, i * LOAD_BYTES) for i in range(loads)]
         else:
+            if shuffle == "a16w4_gate_up":
+                firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
             bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
             offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
         return [mx.dwords_of(mx.load(rx, o)) for o in offs]
 
-    def lined_tile(t0, bufs, lane, shape, nb):
+    def lined_tile(t0, bufs, lane, shape, nb, n1_args):
         """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
         of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
         store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
@@ -239,8 +269,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
-        firsts = a4w4_tiles(t0, shape) if shuffle == "a4w4" else None
-        words = lined_loads(t0, rx, lane[2:], shape, firsts)
+        firsts = a4w4_tiles(t0, shape) if shuffle else None
+        words = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args)
         mx.wait_loads()
         amax = lined_amax(words, False)
         if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
@@ -251,17 +281,22 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         g = add(t0, own)
         s_off = g
         if shuffle == "a4w4":  # the owned register `piece`: tile pair piece % 2, rows 8 (piece / 2) + col % 8
-            col, piece = lane[3:]
+            col, piece = lane[3:5]
             odd = mx.cmp_ne(band(piece, 1), 0)
             row = add(mx.select(odd, firsts[1][0], firsts[0][0]), add(shl(lshr(piece, 1), 3), band(col, 7)))
             kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), lshr(col, 3))
             s_off = add(mul(row, nkb), kb)
+        elif shuffle:  # a16w4: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb % 256
+            # == 0) plus the lane's (lane[5]: _a16w4_scale_offset's linear part of the owned block)
+            row, kb = firsts[0]
+            tile_s = mx.select(mx.cmp_ult(t0, nb), _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb), mx.OOB)
+            s_off = add(tile_s, lane[5])
         elif scale_layout:
             row = lshr(add(mx.umulhi(g, magic), g), shift)
             kb = sub(g, mul(row, nkb))
         if scale_layout:
             s_off = mx.scale_offset(scale_layout, row, kb, dims)
-        if shuffle or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
+        if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
             s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
         mx.store_byte(mx.select(bad, mx.E8M0_NAN, code), rs, s_off)
         operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
@@ -292,17 +327,19 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
         if lined(dtype, tail, shuffle):
             col, piece = _lane_split(lane, dists)
-            lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle == "a4w4" else col
+            lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle else col
             # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
-            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle == "a4w4" else mul(piece, LOAD_BYTES // in_block)
-            if shuffle == "a4w4":  # lined_units: row col % 8, block col / 8 of a tile pair
+            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle else mul(piece, LOAD_BYTES // in_block)
+            if shuffle:  # lined_units: row col % 8, block col / 8 of a tile pair
                 lane_in = add(add(mul(band(col, 7), val(row_bytes)), mul(lshr(col, 3), in_block)), shl(piece, 4))
             else:
                 lane_in = add(mul(col, in_block), shl(piece, 4))
+            # a16w4: the owned block's kb % 4 = 2 (piece % 2) + col / 8, row nl = 8 (piece / 2) + col % 8
+            lane_scale = add(shl(add(shl(band(piece, 1), 1), lshr(col, 3)), 6), shl(add(shl(lshr(piece, 1), 3), band(col, 7)), 2))
             lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
-                     piece)
+                     piece, lane_scale)
             mx.for_range(tiles_per_wave,
-                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb))
+                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb, n1_args))
         else:
             mx.for_range(tiles_per_wave,
                          lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))

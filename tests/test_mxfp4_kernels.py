@@ -209,6 +209,29 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
         fq.mxfp4_quantize_3d(w[:, :48].contiguous(), shuffle="a16w4")
 
 
+A16W4_CASES = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
+
+
+@pytest.mark.parametrize("arch,dtype,mode", A16W4_CASES, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A16W4_CASES])
+def test_3d_a16w4_lined(arch, dtype, mode):
+    """The a16w4 shuffle with a block over lanes (16-bit x: each wave quantizes one 16-row x
+    4-block tile of the output order, gate_up's row tiles permuted; FP32: one lane per block),
+    against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
+    3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
+    = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
+    saturation, -0), tiles past the end dropped (36 tiles over whole waves)."""
+    emu.enable(arch)
+    w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
+    special = special_blocks(dtype)
+    w[1].view(-1, 32)[5:5 + special.shape[0]] = special
+    for gate_up in (False, True):
+        with emu.record() as launches:
+            got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
+        (launch,) = launches
+        assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+        assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 gate_up={gate_up}")
+
+
 def _aiter_e8m0_shuffle(aiter, scales):
     """aiter's e8m0_shuffle of (rows, cols) scales, its padding zeroed (aiter leaves it
     uninitialised: the input is zero-padded to its padded shape first, which it keeps)."""
@@ -457,15 +480,17 @@ def test_compile_cols(arch, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed); loads of whole lines and all data stores
-    fully coalesced (rowwise, also with the a4w4 shuffle: 4-byte stores of a piece each;
-    columnwise: 16-byte stores), the codes one byte each."""
+    fully coalesced (rowwise, also with the a4w4 and a16w4 (gate_up) shuffles: 4-byte stores of
+    a piece each; columnwise: 16-byte stores), the codes one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
         kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
-    for r, t, data_store in zip(launches, (x, xc, x), ("buffer_store_dword", "buffer_store_dwordx4", "buffer_store_dword")):
+        k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=64)  # E = 2
+    for r, t, data_store in zip(launches, (x, xc, x, x), ("buffer_store_dword", "buffer_store_dwordx4", "buffer_store_dword",
+                                                          "buffer_store_dword")):
         mem = r.stats.memory
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
