@@ -7,24 +7,26 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split. K % 32 == 0 with no data shuffle, or 16-bit x with a data shuffle (a4w4, a16w4;
-`lined`, scale layouts allowed): a wave quantizes tiles of 64 units (blocks; shuffles: data units
-of the layout, in its order); lane (col, piece) (mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances
-32, 16 (, 8) on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece
-`piece` (16 bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k +
-col, C = 16 or 8 blocks per KiB, each load instruction 1 KiB contiguous; shuffles: lined_units,
-8 rows x 128 bytes). The per-piece amax partials are reduce-scattered (the lane owns one block:
-its code, its code byte store), the block's conversion operand (_mxfp4_common.piece_operand) is
-gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
-piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
-lines). Other variants (K % 32 != 0, FP32 with a data shuffle): one lane per block. Block g
-of the (M, nkb) block grid reads row g / nkb at (g % nkb) * 32 elements: 4 (16-bit) or 8 (FP32) 16-byte loads per
-lane (a load instruction uses a quarter of each line it touches), one 16-byte store of its 32
-nibbles at 16 g and one code byte at g. A wave takes `tiles_per_wave` runs of 64 consecutive
-blocks; blocks past the end read zeros and their stores are dropped (buffer range checks). With
-K % 32 == 0 the row division is skipped (block g starts at 32 g elements). Rows whose byte
-length is not a multiple of 16 are loaded at 2- or 4-byte alignment (the unaligned buffer
-access ROCm enables; not verified on hardware).
+Work split. No data shuffle (any K), or 16-bit x with a data shuffle (a4w4, a16w4; `lined`,
+scale layouts allowed): a wave quantizes tiles of 64 units (blocks of the (M, nkb) grid;
+shuffles: data units of the layout, in its order); lane (col, piece) (mxfp8_quantize_2d's lane
+split: piece = the lane's bits at DISTS, lane distances 32, 16 (, 8) on gfx950 for
+v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece `piece` (16 bytes: 8 16-bit
+or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k + col, C = 16 or 8 blocks per
+KiB, each load instruction 1 KiB contiguous; shuffles: lined_units, 8 rows x 128 bytes). The
+per-piece amax partials are reduce-scattered (the lane owns one block: its code, its code byte
+store), the block's conversion operand (_mxfp4_common.piece_operand) is gathered back and each
+lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4 piece (2 piece): 256
+(128) contiguous bytes per instruction (shuffles: two whole 128-byte lines). Blocks past the
+end read zeros and their stores are dropped (buffer range checks).
+K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elements, so a load
+instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
+read: offset out of range); a wave holding a partial piece masks its missing elements (a
+wave-uniform branch), and for 16-bit x with an odd K the tensor's last element comes from a
+2-byte load (_last_elements). Rows whose byte length is not a multiple of 16 are loaded at 2-
+or 4-byte alignment (the unaligned buffer access ROCm enables; not verified on hardware).
+FP32 x with a data shuffle: one lane per block (block()), 8 16-byte loads of its 128 bytes,
+one 16-byte store of its 32 nibbles and one code byte.
 
 Layouts written in the same pass (each block's 16 bytes and code byte stored at their places):
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
@@ -68,9 +70,9 @@ A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 
 
 def lined(dtype: str, tail: bool, shuffle) -> bool:
-    """The variants that split a block over lanes (whole-line loads): K % 32 == 0 and no data
-    shuffle, or 16-bit x with a data shuffle (a4w4, a16w4; module docstring)."""
-    return not tail and (shuffle is None or dtype != "fp32")
+    """The variants that split a block over lanes (whole-line loads): no data shuffle (tails
+    too), or 16-bit x with a data shuffle (a4w4, a16w4; module docstring)."""
+    return shuffle is None or (not tail and dtype != "fp32")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ def plan_rows(shape, arch: str) -> RowPlan:
 
 
 def _tail_masks(spec: Spec, valid):
-    """Per input dword, the bits of the elements below `valid` (the block's elements present)."""
+    """Per input dword, the bits of the elements below `valid` (the elements present from the
+    first dword's: a block's or a piece's)."""
     per = 4 // spec.elem_bytes
     masks = []
     for i in range(MX_BLOCK // per):
@@ -101,21 +104,33 @@ def _tail_masks(spec: Spec, valid):
     return masks
 
 
-def _last_element(words, g, valid, bufs, sizes):
+def _last_elements(groups, gs, valids, rx, sizes):
     """16-bit types, a last block with an odd element count: the tensor's last element is the low
     half of a loaded dword whose high half lies past the buffer's end, and the range check, which
-    checks whole dwords, reads that dword as 0. The lane of the last block takes the element from
-    a 2-byte load instead (a wave-uniform branch, taken by one wave of the launch)."""
-    rx = bufs[0]
+    checks whole dwords, reads that dword as 0. The lane holding it takes the element from a
+    2-byte load instead (a wave-uniform branch, taken by one wave of the launch). groups: lists
+    of dwords (a block, or a piece), each of block gs[i] with valids[i] elements from its first."""
     nblocks, x_bytes = sizes
-    hit = arith.andi(mx.cmp_eq(band(valid, 1), 1), mx.cmp_eq(g, sub(nblocks, 1)))
-    last = lshr(sub(valid, 1), 1)  # the word holding it, in its low half
+    hits = [arith.andi(mx.cmp_eq(band(v, 1), 1), mx.cmp_eq(g, sub(nblocks, 1))) for g, v in zip(gs, valids)]
+    flat = [w for words in groups for w in words]
 
     def patched():
         value = mx.load_short(rx, sub(x_bytes, 2))
-        return [mx.select(arith.andi(hit, mx.cmp_eq(last, i)), value, w) for i, w in enumerate(words)]
+        out = []
+        for words, hit, v in zip(groups, hits, valids):
+            last = lshr(sub(v, 1), 1)  # the word holding it, in its low half
+            out += [mx.select(arith.andi(hit, mx.cmp_eq(last, i)), value, w) for i, w in enumerate(words)]
+        return out
 
-    return mx.if_else(mx.wave_any(hit), patched, lambda: words, types=[mx.i32_t()] * len(words))
+    any_hit = functools.reduce(arith.ori, hits)
+    flat = mx.if_else(mx.wave_any(any_hit), patched, lambda: flat, types=[mx.i32_t()] * len(flat))
+    n = len(groups[0])
+    return [flat[n * i:n * i + n] for i in range(len(groups))]
+
+
+def _last_element(words, g, valid, bufs, sizes):
+    """_last_elements for one block's dwords (a lane per block: the dual kernel)."""
+    return _last_elements([words], [g], [valid], bufs[0], sizes)[0]
 
 
 def _a16w4_offsets(row, kb, nkb, n1_args, gate_up: bool):
@@ -187,37 +202,27 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
     source = SOURCE_TAG
 
-    def block(g, bufs, shape, nblocks_bytes, n1_args):
-        """Block g (per lane) of the block grid; nblocks_bytes: (blocks, x's bytes)."""
+    def block(g, bufs, shape, nb, n1_args):
+        """FP32 x with a data shuffle (K % 64 == 0): one lane per block, g the layout's unit
+        (a4w4, so the data stores stay contiguous) or the block of the (M, nkb) grid (a16w4)."""
         rx, rq, rs = bufs
         nkb, row_bytes, k, magic, shift, dims = shape
-        if shuffle == "a4w4":  # g runs over the layout's units: the data stores stay contiguous
+        if shuffle == "a4w4":
             row, kb = _a4w4_block(g, nkb, magic, shift)
-        elif tail or shuffle or scale_layout:
-            row = lshr(add(mx.umulhi(g, magic), g), shift)
-            kb = sub(g, mul(row, nkb))
-        if tail or shuffle == "a4w4":
             off = add(mul(row, row_bytes), mul(kb, in_block))
         else:
-            off = mul(g, in_block)
-        valid = sub(k, mul(kb, MX_BLOCK)) if tail else const(MX_BLOCK)
+            row = lshr(add(mx.umulhi(g, magic), g), shift)
+            kb, off = sub(g, mul(row, nkb)), mul(g, in_block)
         regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
-        words = [w for r in regs for w in mx.dwords_of(r)]
-        if tail:
-            words = [band(w, m) for w, m in zip(words, _tail_masks(spec, valid))]
-            if not spec.wide:
-                words = _last_element(words, g, valid, bufs, nblocks_bytes)
-        patched = quantize_words(spec, words, valid)
-        d_off, s_off = mul(g, OUT_BLOCK_BYTES), g
+        patched = quantize_words(spec, [w for r in regs for w in mx.dwords_of(r)], const(MX_BLOCK))
         if shuffle == "a4w4":
-            s_off = add(mul(row, nkb), kb)
-        elif shuffle:
+            d_off, s_off = mul(g, OUT_BLOCK_BYTES), add(mul(row, nkb), kb)
+        else:
             d_off, s_off = _a16w4_offsets(row, kb, nkb, n1_args, shuffle == "a16w4_gate_up")
         if scale_layout:
             s_off = mx.scale_offset(scale_layout, row, kb, dims)
-        if shuffle or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
-            inside = mx.cmp_ult(g, nblocks_bytes[0])
-            d_off, s_off = mx.select(inside, d_off, mx.OOB), mx.select(inside, s_off, mx.OOB)
+        inside = mx.cmp_ult(g, nb)  # past the last block: out of range (the layouts' offsets would wrap into them)
+        d_off, s_off = mx.select(inside, d_off, mx.OOB), mx.select(inside, s_off, mx.OOB)
         mx.store_byte(patched[4], rs, s_off)
         mx.store(mx.from_elements(patched[:4]), rq, d_off)
 
@@ -246,11 +251,32 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return [(row, kb), (row, add(kb, 2))]
         return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
 
-    def lined_loads(t0, rx, lane, shape, firsts, n1_args):
+    def lined_loads(t0, rx, lane, shape, firsts, n1_args, sizes):
         """The registers' 16-byte pieces (4, FP32 8) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), firsts: a4w4_tiles, the rows of
-        x by _a16w4_source_row for gate_up)."""
-        row_bytes = shape[1]
+        x by _a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
+        nkb, row_bytes, k, magic, shift, dims = shape
+        if tail:  # per register its block g (row division) and the elements present from the piece's first
+            col, piece = lane[1:3]
+            gs = [add(add(t0, col), i * (LOAD_BYTES // in_block)) for i in range(loads)]
+            rows = [lshr(add(mx.umulhi(g, magic), g), shift) for g in gs]
+            kbs = [sub(g, mul(row, nkb)) for g, row in zip(gs, rows)]
+            valids = [mx.usub_sat(sub(k, mul(kb, MX_BLOCK)), mul(piece, spec.elems_per_piece)) for kb in kbs]
+            offs = [mx.select(mx.cmp_eq(v, 0), mx.OOB, add(add(mul(row, row_bytes), mul(kb, in_block)), shl(piece, 4)))
+                    for row, kb, v in zip(rows, kbs, valids)]  # a piece wholly past the row's end: not read
+            raw = [w for o in offs for w in mx.dwords_of(mx.load(rx, o))]
+            per = len(raw) // loads
+            partial = functools.reduce(arith.ori, [arith.andi(mx.cmp_ne(v, 0), mx.cmp_ult(v, spec.elems_per_piece))
+                                                   for v in valids])
+
+            def masked():  # a wave holding a row's last block (pieces wholly past the end read 0)
+                return [band(w, m) for i, v in enumerate(valids) for w, m in zip(raw[per * i:per * i + per], _tail_masks(spec, v))]
+
+            raw = mx.if_else(mx.wave_any(partial), masked, lambda: raw, types=[mx.i32_t()] * len(raw))
+            groups = [raw[per * i:per * i + per] for i in range(loads)]
+            if not spec.wide:
+                groups = _last_elements(groups, gs, valids, rx, sizes)
+            return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
             offs = [add(v_in, i * LOAD_BYTES) for i in range(loads)]
@@ -259,9 +285,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
             bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
             offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
-        return [mx.dwords_of(mx.load(rx, o)) for o in offs]
+        return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
 
-    def lined_tile(t0, bufs, lane, shape, nb, n1_args):
+    def lined_tile(t0, bufs, lane, shape, sizes, n1_args):
         """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
         of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
         store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
@@ -270,7 +296,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
         firsts = a4w4_tiles(t0, shape) if shuffle else None
-        words = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args)
+        nb = sizes[0]
+        words, valids = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args, sizes)
         mx.wait_loads()
         amax = lined_amax(words, False)
         if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
@@ -303,9 +330,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
         data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
 
-        def nan_patched():  # NaN/Inf blocks: every nibble 0x7 (no partial blocks here)
+        def nan_patched():  # NaN/Inf blocks: nibble 0x7 for the elements present, 0 for a partial block's padding
             flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
-            return [mx.select(mx.cmp_ne(f, 0), _mxfp4_common.E2M1_NAN_X8, d) for f, d in zip(flags, data)]
+            nans = [_mxfp4_common.nan_words(v)[0] for v in valids] if tail else [_mxfp4_common.E2M1_NAN_X8] * loads
+            return [mx.select(mx.cmp_ne(f, 0), n, d) for f, n, d in zip(flags, nans, data)]
 
         data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
@@ -339,10 +367,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
                      piece, lane_scale)
             mx.for_range(tiles_per_wave,
-                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, nb, n1_args))
+                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, sizes, n1_args))
         else:
             mx.for_range(tiles_per_wave,
-                         lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, sizes, n1_args))
+                         lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, nb, n1_args))
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(

@@ -88,8 +88,10 @@ def test_worked_block():
 
 # Shapes with tails, each for a reason: one element; one partial block; a prime K (BF16 rows at
 # 2-byte alignment, a partial last block per row); a prime M with K one block; K = 40 with a
-# NaN in the partial block (padding nibbles stay 0); more rows than a tile.
-TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33)]
+# NaN in the partial block (padding nibbles stay 0); more rows than a tile; 35 blocks per row
+# over 5 tiles (a block over lanes: the last block's third piece partial, with the odd K's last
+# element, the fourth wholly past the row's end; rows at 2-byte alignment).
+TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33), (9, 1111)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -419,18 +421,21 @@ def _compile(arch, dtype, mode, tail):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile(arch, dtype):
-    """No scratch; 16-byte loads and data stores only (plus the code bytes); the scaled FP4
-    conversion on gfx950 and none on gfx942 (which has no such instruction)."""
+    """The tail variant (K % 32 != 0; a block over lanes as test_compile_lined, plus the row
+    division and masks per piece): no scratch; 16-byte loads (16-bit: and the 2-byte load of
+    the last element), a 4-byte (FP32: 2-byte) data store per piece and one code byte; the scaled
+    FP4 conversion on gfx950 and none on gfx942 (which has no such instruction)."""
     cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
-    for mode, tail in (("even", True),):  # the tail variant: the plain one's code plus the masks
+    for mode, tail in (("even", True),):
         r = _compile(arch, dtype, mode, tail)
         print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
         assert r.spills == 0 and r.lds_bytes == 0, r.name
-        loads = 8 if dtype == "fp32" else 4  # one block: 64 or 128 bytes
+        loads = 8 if dtype == "fp32" else 4  # pieces of 16 bytes
         assert r.count("buffer_load_dwordx4") == loads, r.name
         assert sum(r.count(f"buffer_load_{w}") for w in ("dword", "dwordx2", "dwordx3", "ubyte")) == 0, r.name
         assert r.count("buffer_load_ushort") == (1 if tail and dtype != "fp32" else 0), r.name  # the last element
-        assert r.count("buffer_store_dwordx4") == 1 and r.count("buffer_store_byte") == 1, r.name
+        assert r.count("buffer_store_short" if dtype == "fp32" else "buffer_store_dword") == loads, r.name
+        assert r.count("buffer_store_dwordx4") == 0 and r.count("buffer_store_byte") == 1, r.name
         assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
         if arch == "gfx942" and dtype != "fp32":  # the packed FP16 encoder: three terms per pair
