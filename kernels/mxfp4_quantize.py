@@ -241,13 +241,14 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
         return 32 * (k % 2) + 8 * (k // 2) if shuffle else k * (LOAD_BYTES // in_block)
 
-    def a4w4_tiles(t0, shape):
+    def a4w4_tiles(t0, shape, first):
         """Data shuffles: (output row, kb) of the first unit of each of the tile's two pairs of
         row tiles t = t0 / 16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even;
-        a16w4, nkb % 8 == 0: both in the tile's one row tile)."""
+        a16w4, nkb % 8 == 0: both in the tile's one row tile, `first` its (row, kb), carried
+        from tile to tile)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if shuffle != "a4w4":
-            row, kb = _a4w4_block(t0, nkb, magic, shift)
+            row, kb = first
             return [(row, kb), (row, add(kb, 2))]
         return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
 
@@ -287,7 +288,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
         return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
 
-    def lined_tile(t0, bufs, lane, shape, sizes, n1_args):
+    def lined_tile(t0, bufs, lane, shape, sizes, n1_args, first=None):
         """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
         of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
         store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
@@ -295,7 +296,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
-        firsts = a4w4_tiles(t0, shape) if shuffle else None
+        firsts = a4w4_tiles(t0, shape, first) if shuffle else None
         nb = sizes[0]
         words, valids = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args, sizes)
         mx.wait_loads()
@@ -366,8 +367,17 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             lane_scale = add(shl(add(shl(band(piece, 1), 1), lshr(col, 3)), 6), shl(add(shl(lshr(piece, 1), 3), band(col, 7)), 2))
             lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
                      piece, lane_scale)
-            mx.for_range(tiles_per_wave,
-                         lambda i: lined_tile(mx.opaque_sgpr(mul(add(first, i), WAVE)), bufs, lanes, shape, sizes, n1_args))
+            tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
+            if shuffle and shuffle != "a4w4":  # a16w4: the tile's (row, kb) carried, kb + 4 wrapping to the next row tile
+
+                def step(i, row, kb):
+                    lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args, (row, kb))
+                    wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
+                    return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
+
+                mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
+            else:
+                mx.for_range(tiles_per_wave, lambda i: lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args))
         else:
             mx.for_range(tiles_per_wave,
                          lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, nb, n1_args))
