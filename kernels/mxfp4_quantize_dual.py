@@ -50,6 +50,7 @@ from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_wor
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common, rows_kernel)
 
 MAX_WAVES = 4
+MIN_WORKGROUPS_PER_CU = 2  # plan_dual takes fewer waves where the LDS tiles would allow only one
 TILES_PER_WAVE = 2
 TILE_COLS = 2 * MX_BLOCK  # 64 columns: the two row blocks of a tile's row
 LDS_PAD = PIECE_BYTES  # between LDS rows (row-major) or columns (transposed)
@@ -63,13 +64,23 @@ class DualPlan:
     col_tiles: int  # tiles along K (the minor tile index)
 
 
-def plan_dual(shape, arch: str) -> DualPlan:
-    """The tiling of a dual quantize of an (M, K) tensor (the same on both arches)."""
-    arch_info(arch)
+def wave_lds_bytes(elem_bytes: int) -> int:
+    """LDS bytes of a wave's tile: the row-major tile of the whole-line loads or the transposed
+    one, whichever is larger (they share the bytes)."""
+    row_major = MX_BLOCK * (TILE_COLS * elem_bytes + LDS_PAD)
+    transposed = TILE_COLS * (MX_BLOCK * elem_bytes + LDS_PAD)
+    return max(row_major, transposed)
+
+
+def plan_dual(shape, arch: str, dtype: torch.dtype = torch.bfloat16) -> DualPlan:
+    """The tiling of a dual quantize of an (M, K) tensor: up to MAX_WAVES waves per workgroup, fewer
+    where MIN_WORKGROUPS_PER_CU workgroups' LDS tiles would not fit in a CU (FP32 on gfx942)."""
+    lds = arch_info(arch).lds_bytes_per_cu
     m, k = shape
+    waves = min(MAX_WAVES, lds // (MIN_WORKGROUPS_PER_CU * wave_lds_bytes(torch.empty((), dtype=dtype).element_size())))
     col_tiles = -(-k // TILE_COLS)
     tiles = -(-m // MX_BLOCK) * col_tiles
-    return DualPlan(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE), col_tiles)
+    return DualPlan(*mx.wave_split(tiles, waves, TILES_PER_WAVE), col_tiles)
 
 
 def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WAVES):
@@ -84,7 +95,7 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
     rows_per_load = WAVE // row_pieces
     row_stride = tile_bytes + LDS_PAD  # the row-major tile (whole-line loads)
     col_stride = MX_BLOCK * eb + LDS_PAD  # the transposed tile
-    wave_lds = max(MX_BLOCK * row_stride, TILE_COLS * col_stride)
+    wave_lds = wave_lds_bytes(eb)
     name = f"mxfp4_dual_{spec.tag}" + ("_tail" if tail else "") + f"_w{waves}"
     source = SOURCE_TAG
 
@@ -244,7 +255,7 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     e8 = torch.float8_e8m0fnu
     if m * k == 0:
         return (d1, s1.view(e8)), (d0, s0.view(e8))
-    cfg = plan_dual((m, k), arch)
+    cfg = plan_dual((m, k), arch, x.dtype)
     magic, shift = mx.divide_magic(cfg.col_tiles)
     with toolchain.target(arch):
         launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0, cfg.waves)
