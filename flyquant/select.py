@@ -397,10 +397,12 @@ def plan_mxfp4_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
     if too_large:
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
-    config = dataclasses.asdict(dual.plan_dual(shape, target.arch))
+    config = dataclasses.asdict(dual.plan_dual(shape, target.arch, x.dtype))
     name = f"mxfp4_dual_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
-    split = ("a wave tile of 32 rows x 64 columns: a lane per row block (16-byte loads), its elements "
-             "transposed through LDS, a lane per column block")
+    split = ("a wave tile of 32 rows x 64 columns: "
+             + ("a lane per row block (16-byte loads)" if shape[1] % 32 else
+                "whole-line loads through LDS, a lane per row block")
+             + ", its elements transposed through LDS, a lane per column block")
     conversion = _mxfp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, split, conversion)
 

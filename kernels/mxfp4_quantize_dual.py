@@ -4,19 +4,26 @@ ceil(K/32) * 16), scales (M, ceil(K/32))) and the columnwise ones (x^T quantized
 kernels/mxfp4_quantize_cols.py, bit-exact with both, in one kernel.
 
 Work split: a wave tile is 32 rows (row block rb) x 64 columns (row blocks 2t and 2t + 1 of
-each row). Lane l loads block (rb * 32 + l % 32, 2t + l / 32) with 16-byte loads, quantizes it
-as the rowwise kernel does (_mxfp4_common.quantize_words; K % 32 != 0: partial and missing blocks
-masked with the rowwise kernel's tail masks, its 2-byte load for the last element of a 16-bit x
-with odd K; otherwise a block past an odd nkb is loaded out of range, as zeros) and stores its 16 data bytes and code byte. It also writes its 32 elements into the wave's
-LDS tile transposed (column-major, 16-bit or 32-bit stores; a column's 32 rows contiguous, the
-columns 16 bytes apart beyond that, so the reads stay 16-byte aligned); then lane l reads column
-64t + l's 32 elements back with 16-byte LDS loads (16-bit: as (row 2i, row 2i + 1) dwords, the
-rowwise words' order) and quantizes and stores them the same way. A wave's LDS accesses run in
-program order, so the wave needs no barrier (each wave has its own LDS tile; the next tile's
-stores follow this tile's loads). Rows past M read zeros (past x's end), columns past K are
-masked; stores of rows past M, columns past K and blocks past the last row block are moved out of
-range. Stores are 16 bytes (data) and 1 byte (codes) but not coalesced: a tile's rows are 16
-bytes of 32 different output rows.
+each row); lane l quantizes block (rb * 32 + l % 32, 2t + l / 32) of the rowwise output and
+column 64t + l over the row block of the columnwise one. K % 32 == 0: the tile is loaded by
+whole lines (a tile row is one 128-byte line, FP32 two; load i of lane l is 16-byte piece l % P
+of tile row i * 64 / P + l / P, P = 8 (FP32 16) pieces per tile row, so each load instruction
+reads 64 / P whole tile rows; the second block past an odd nkb reads zeros: moved out of range)
+into the wave's LDS tile, row-major (rows 16 bytes apart beyond the tile's width), and lane l
+reads its block back with 16-byte LDS loads. K % 32 != 0: lane l loads its block itself (16-byte
+loads; partial and missing blocks masked with the rowwise kernel's tail masks, its 2-byte load
+for the last element of a 16-bit x with odd K). The lane quantizes its block as the rowwise
+kernel does (_mxfp4_common.quantize_words) and stores its 16 data bytes and code byte. It then
+writes its 32 elements into the wave's LDS tile transposed, over the row-major one
+(column-major, 16-bit or 32-bit stores; a column's 32 rows contiguous, the columns 16 bytes
+apart beyond that, so the reads stay 16-byte aligned); lane l reads column 64t + l's 32
+elements back with 16-byte LDS loads (16-bit: as (row 2i, row 2i + 1) dwords, the rowwise
+words' order) and quantizes and stores them the same way. A wave's LDS accesses run in program
+order, so the wave needs no barrier (each wave has its own LDS tile; the transposed stores
+follow the row-major loads, the next tile's stores this tile's loads). Rows past M read zeros
+(past x's end), columns past K are masked; stores of rows past M, columns past K and blocks past
+the last row block are moved out of range. Stores are 16 bytes (data) and 1 byte (codes) but
+not coalesced: a tile's rows are 16 bytes of 32 different output rows.
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_wor
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common, rows_kernel)
 
 MAX_WAVES = 4
+MIN_WORKGROUPS_PER_CU = 2  # plan_dual takes fewer waves where the LDS tiles would allow only one
 TILES_PER_WAVE = 2
 TILE_COLS = 2 * MX_BLOCK  # 64 columns: the two row blocks of a tile's row
-LDS_PAD = PIECE_BYTES  # between LDS columns
+LDS_PAD = PIECE_BYTES  # between LDS rows (row-major) or columns (transposed)
 
 
 @dataclass(frozen=True)
@@ -56,13 +64,23 @@ class DualPlan:
     col_tiles: int  # tiles along K (the minor tile index)
 
 
-def plan_dual(shape, arch: str) -> DualPlan:
-    """The tiling of a dual quantize of an (M, K) tensor (the same on both arches)."""
-    arch_info(arch)
+def wave_lds_bytes(elem_bytes: int) -> int:
+    """LDS bytes of a wave's tile: the row-major tile of the whole-line loads or the transposed
+    one, whichever is larger (they share the bytes)."""
+    row_major = MX_BLOCK * (TILE_COLS * elem_bytes + LDS_PAD)
+    transposed = TILE_COLS * (MX_BLOCK * elem_bytes + LDS_PAD)
+    return max(row_major, transposed)
+
+
+def plan_dual(shape, arch: str, dtype: torch.dtype = torch.bfloat16) -> DualPlan:
+    """The tiling of a dual quantize of an (M, K) tensor: up to MAX_WAVES waves per workgroup, fewer
+    where MIN_WORKGROUPS_PER_CU workgroups' LDS tiles would not fit in a CU (FP32 on gfx942)."""
+    lds = arch_info(arch).lds_bytes_per_cu
     m, k = shape
+    waves = min(MAX_WAVES, lds // (MIN_WORKGROUPS_PER_CU * wave_lds_bytes(torch.empty((), dtype=dtype).element_size())))
     col_tiles = -(-k // TILE_COLS)
     tiles = -(-m // MX_BLOCK) * col_tiles
-    return DualPlan(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE), col_tiles)
+    return DualPlan(*mx.wave_split(tiles, waves, TILES_PER_WAVE), col_tiles)
 
 
 def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WAVES):
@@ -72,10 +90,30 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
     eb = spec.elem_bytes
     in_block = MX_BLOCK * eb
     loads = in_block // PIECE_BYTES
-    col_stride = MX_BLOCK * eb + LDS_PAD
-    wave_lds = TILE_COLS * col_stride
+    tile_bytes = TILE_COLS * eb  # a tile row: one (FP32: two) 128-byte lines
+    row_pieces = tile_bytes // PIECE_BYTES  # P
+    rows_per_load = WAVE // row_pieces
+    row_stride = tile_bytes + LDS_PAD  # the row-major tile (whole-line loads)
+    col_stride = MX_BLOCK * eb + LDS_PAD  # the transposed tile
+    wave_lds = wave_lds_bytes(eb)
     name = f"mxfp4_dual_{spec.tag}" + ("_tail" if tail else "") + f"_w{waves}"
     source = SOURCE_TAG
+
+    def line_loads(rx, rb, t, nkb, row_bytes, lane):
+        """K % 32 == 0: the tile's 32 rows x tile_bytes by whole lines: load i of lane l is piece l % P
+        of row i * 64 / P + l / P (P pieces of 16 bytes per tile row), so one load instruction
+        reads 64 / P rows' whole tile_bytes. A second block past an odd nkb is read as zeros
+        (moved out of range). Returns each load's (registers, LDS offset in the tile)."""
+        piece, row = band(lane, row_pieces - 1), lshr(lane, row_pieces.bit_length() - 1)
+        kb = add(shl(t, 1), lshr(piece, (row_pieces // 2).bit_length() - 1))
+        off = add(add(mul(add(shl(rb, 5), row), row_bytes), mul(t, tile_bytes)), mul(piece, PIECE_BYTES))
+        off = mx.select(mx.cmp_ult(kb, nkb), off, mx.OOB)
+        step = mul(row_bytes, rows_per_load)
+        offs = [off]
+        for _ in range(1, loads):
+            offs.append(add(offs[-1], step))
+        lds_off = add(mul(row, row_stride), mul(piece, PIECE_BYTES))
+        return [(mx.load(rx, o), add(lds_off, i * rows_per_load * row_stride)) for i, o in enumerate(offs)]
 
     def tile(tt, bufs, dims, lds):
         rx, q1, s1, q0, s0 = bufs
@@ -85,24 +123,27 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
         t = sub(tt, mul(rb, col_tiles))
         r, h = band(lane, MX_BLOCK - 1), lshr(lane, 5)
         row, kb = add(shl(rb, 5), r), add(shl(t, 1), h)
-        # rowwise: the lane's block
-        off = add(mul(row, row_bytes), mul(kb, in_block))
-        inside = mx.cmp_ult(kb, nkb)
-        if not tail:  # the second block past an odd nkb reads zeros (past every buffer's end)
-            off = mx.select(inside, off, mx.OOB)
-        regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
-        words = [w for reg in regs for w in mx.dwords_of(reg)]
         valid = mx.usub_sat(k, mul(kb, MX_BLOCK))  # elements present (>= 32: all)
         g = add(mul(row, nkb), kb)
-        if tail:
+        if tail:  # the lane's block straight from x, its missing elements masked
+            off = add(mul(row, row_bytes), mul(kb, in_block))
+            regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
+            words = [w for reg in regs for w in mx.dwords_of(reg)]
             words = [band(w, msk) for w, msk in zip(words, rows_kernel._tail_masks(spec, valid))]
             if not spec.wide:
                 words = rows_kernel._last_element(words, g, valid, (rx,), (mul(m, nkb), x_bytes))
+        else:  # whole lines into LDS (row-major), then the lane's block back
+            for reg, at in line_loads(rx, rb, t, nkb, row_bytes, lane):
+                mx.lds_store(reg, add(lds, at))
+            block_addr = add(lds, add(mul(r, row_stride), mul(h, in_block)))
+            words = [w for i in range(loads) for w in mx.dwords_of(mx.lds_load(PIECE_DWORDS, add(block_addr, i * PIECE_BYTES)))]
+        # rowwise: the lane's block (row rb * 32 + r, block 2t + h)
         out = quantize_words(spec, words, valid)
-        inside = arith.andi(inside, mx.cmp_ult(row, m))
+        inside = arith.andi(mx.cmp_ult(kb, nkb), mx.cmp_ult(row, m))
         mx.store_byte(out[4], s1, mx.select(inside, g, mx.OOB))
         mx.store(mx.from_elements(out[:4]), q1, mx.select(inside, mul(g, OUT_BLOCK_BYTES), mx.OOB))
-        # the elements into LDS, transposed: element j of the lane's block is column h * 32 + j
+        # the elements into LDS, transposed (over the row-major tile: the wave's LDS accesses run
+        # in program order): element j of the lane's block is column h * 32 + j
         base = add(add(lds, mul(h, MX_BLOCK * col_stride)), mul(r, eb))
         for j in range(MX_BLOCK):
             addr = add(base, j * col_stride)
@@ -214,7 +255,7 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     e8 = torch.float8_e8m0fnu
     if m * k == 0:
         return (d1, s1.view(e8)), (d0, s0.view(e8))
-    cfg = plan_dual((m, k), arch)
+    cfg = plan_dual((m, k), arch, x.dtype)
     magic, shift = mx.divide_magic(cfg.col_tiles)
     with toolchain.target(arch):
         launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0, cfg.waves)

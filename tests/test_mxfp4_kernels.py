@@ -313,10 +313,12 @@ def test_dual(arch, mode, dtype):
     """kernels/mxfp4_quantize_dual.py: both orientations in one launch, each byte-identical to the
     reference's (so to the rowwise and columnwise kernels'): the special blocks (as rows, and
     their values across the columns; NaN/Inf, -0, subnormals, saturation), an odd row count
-    with a K tail (odd K: the 16-bit last element), one row, one column."""
+    with a K tail (odd K: the 16-bit last element), one row, one column; K % 32 == 0 (the
+    whole-line loads): an odd row count with an odd block count (the tile's second block past the
+    row's end), and whole tiles."""
     emu.enable(arch)
     for x in (rows_tensor(dtype), random_rows(37, 75, dtype, 6), random_rows(1, 3221, dtype, 7),
-              random_rows(2333, 1, dtype, 8)):
+              random_rows(2333, 1, dtype, 8), random_rows(67, 96, dtype, 11), random_rows(64, 128, dtype, 12)):
         with emu.record() as launches:
             got = kd.quantize_dual(x, arch=arch, scaling_mode=mode)
         assert len(launches) == 1 and launches[0].kernel.startswith(f"mxfp4_dual_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}")
@@ -347,23 +349,32 @@ def test_dual_api():
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_compile_dual(arch, dtype):
-    """Dual: no scratch; the block's 16-byte loads once (plus the 2-byte load of the last element,
-    16-bit tail variant); 32 transposed LDS stores, 16-byte LDS loads of the column; two
-    16-byte data stores and two code bytes per lane."""
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "lined"])
+def test_compile_dual(arch, dtype, tail):
+    """Dual: no scratch; the tile's 16-byte loads once (tail: the lane's block, plus the 2-byte
+    load of the last element for 16-bit x; lined: whole lines into LDS and 16-byte stores there,
+    then the block's 16-byte LDS loads); 32 transposed LDS stores, 16-byte LDS loads of the
+    column; two 16-byte data stores and two code bytes per lane."""
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     x = torch.zeros(64, 256, dtype=torch_dtype)
     q1, s1, q0, s0 = (torch.zeros(s, dtype=U8) for s in ((64, 128), (64, 8), (256, 32), (256, 2)))
-    (r,) = toolchain.compile_only(arch, kd.build_dual(arch, dtype, "even", True), x, q1, s1, q0, s0, 64, 256, 8, 2, 4,
-                                  0, 2, 256 * x.element_size(), x.numel() * x.element_size(), 2, 1, stream=0)
+    waves = kd.plan_dual((8192, 8192), arch, torch_dtype).waves  # a large tensor: the most waves
+    (r,) = toolchain.compile_only(arch, kd.build_dual(arch, dtype, "even", tail, waves), x, q1, s1, q0, s0, 64, 256, 8,
+                                  2, 4, 0, 2, 256 * x.element_size(), x.numel() * x.element_size(), 2, 1, stream=0)
     print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, LDS {r.lds_bytes}")
     loads = 8 if dtype == "fp32" else 4
-    assert r.spills == 0 and r.lds_bytes == kd.MAX_WAVES * kd.TILE_COLS * (32 * x.element_size() + kd.LDS_PAD)
-    assert r.count("buffer_load_dwordx4") == loads and r.count("buffer_load_ushort") == (0 if dtype == "fp32" else 1)
-    assert r.count("ds_read_b128") == loads
+    eb = x.element_size()
+    wave_lds = max(32 * (kd.TILE_COLS * eb + kd.LDS_PAD), kd.TILE_COLS * (32 * eb + kd.LDS_PAD))
+    assert r.spills == 0 and r.lds_bytes == waves * wave_lds
+    assert waves == (3 if (arch, dtype) == ("gfx942", "fp32") else kd.MAX_WAVES)
+    assert r.count("buffer_load_dwordx4") == loads
+    assert r.count("buffer_load_ushort") == (1 if tail and dtype == "bf16" else 0)
+    assert r.count("ds_write_b128") == (0 if tail else loads)
+    assert r.count("ds_read_b128") == (loads if tail else 2 * loads)
     writes = 2 * r.count("ds_write2_b32") if dtype == "fp32" else r.count("ds_write_b16") + r.count("ds_write_b16_d16_hi")
     assert writes == 32
     assert r.count("buffer_store_dwordx4") == 2 and r.count("buffer_store_byte") == 2
+    assert r.workgroups_per_cu(waves) >= kd.MIN_WORKGROUPS_PER_CU  # FP32 on gfx942: 3 waves' 9 KiB LDS tiles
 
 
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
