@@ -147,15 +147,5 @@ COLUMNS = [
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{NAME} MXFP4 MoE layer under flyquant.emu (modelled, not timed; same x and routing as the "
-          "flyquant rows; align + stage 1 + stage 2, the top-k sum not counted):")
-    common.print_table([r for r in rows if r.get("status") == "ok"], COLUMNS)
-    for r in rows:
-        where = f"{r['shape']} T={r['tokens']} {r['arch']}"
-        if r.get("status") != "ok":
-            print(f"peer {r['peer']} on {where}: {r['status']}")
-        elif r["rows_outside_tolerance"]:
-            print(f"peer output outside tolerance: {where}: {r['rows_outside_tolerance']} of "
-                  f"{r['rows_checked'] + r['tokens_summed']} rows and sums")
-    notes = dict.fromkeys(n for r in rows if r.get("status") == "ok" for n in r["notes"])
-    print("aiter triton: " + "; ".join(notes) if notes else "")
+    pam.print_rows(rows, f"{NAME} MXFP4 MoE layer under flyquant.emu (modelled, not timed; same x and routing as the "
+                   "flyquant rows; align + stage 1 + stage 2, the top-k sum not counted):", COLUMNS)

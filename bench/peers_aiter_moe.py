@@ -394,18 +394,24 @@ COLUMNS = [
 ]
 
 
-def print_rows(rows: list[dict]) -> None:
-    print(f"\n{NAME} MXFP4 MoE GEMM under flyquant.emu (modelled, not timed; same routing, weights and "
-          "activations as the flyquant rows; per useful MFMA as ours):")
-    common.print_table([r for r in rows if r.get("status") == "ok"], COLUMNS)
+TITLE = (f"{NAME} MXFP4 MoE GEMM under flyquant.emu (modelled, not timed; same routing, weights and activations "
+         "as the flyquant rows; per useful MFMA as ours):")
+
+
+def print_rows(rows: list[dict], title: str = TITLE, columns=COLUMNS) -> None:
+    """The peer's table (stage rows, or peers_aiter_layer's layer rows), then its failures, outputs
+    outside tolerance, missed targets and notes."""
+    print("\n" + title)
+    common.print_table([r for r in rows if r.get("status") == "ok"], columns)
     for r in rows:
         where = f"{r.get('shape')} T={r.get('tokens')} {r['arch']}"
         if r.get("status") != "ok":
             print(f"peer {r['peer']} on {where}: {r['status']}")
             continue
         if r["rows_outside_tolerance"]:
-            print(f"peer output outside tolerance: {where}: {r['rows_outside_tolerance']} of {r['rows_checked']} rows")
-        if r["target_miss"]:
+            checked = r["rows_checked"] + r.get("tokens_summed", 0)  # the layer's top-k sums too
+            print(f"peer output outside tolerance: {where}: {r['rows_outside_tolerance']} of {checked} checked")
+        if r.get("target_miss"):
             print(f"target missed (flyquant <= {TARGET}x aiter triton per useful MFMA): {where}: {r['target_miss']}")
     notes = dict.fromkeys(n for r in rows if r.get("status") == "ok" for n in r["notes"])
     print("aiter triton: " + "; ".join(notes) if notes else "")
