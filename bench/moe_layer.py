@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import moe_tile_n_report  # noqa: E402
 import peers_aiter_gpu  # noqa: E402
 import peers_aiter_layer  # noqa: E402
 
@@ -178,11 +179,11 @@ def plot(rows: list[dict], peer_rows: list[dict], path: Path):
     layers = {(r["shape"], r["arch"], r["tokens"]): r["layer_wave_instructions"] for r in rows}
     for key in dict.fromkeys((s, a) for s, a, _ in layers):
         pts = sorted((tk, v) for (s, a, tk), v in layers.items() if (s, a) == key)
-        ax.plot(*zip(*pts), "o-", color="tab:blue", label=f"flyquant {key[0]} {key[1]}")
+        ax.plot(*zip(*pts), "o-" if key[1] == "gfx950" else "o--", color="tab:blue", label=f"flyquant {key[0]} {key[1]}")
         theirs = sorted((p["tokens"], p["wave_instr"]) for p in peer_rows
                         if p.get("status") == "ok" and (p["shape"], p["arch"]) == key)
         if theirs:
-            ax.plot(*zip(*theirs), "s--", color="tab:red", label=f"{peers_aiter_layer.NAME} {key[0]} {key[1]}")
+            ax.plot(*zip(*theirs), "s:", color=moe_tile_n_report.PEER_COLOUR, label=f"{peers_aiter_layer.NAME} {key[0]} {key[1]}")
     ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="wave-instructions per layer (modelled)")
     ax.legend(fontsize=7)
     fig.tight_layout()
