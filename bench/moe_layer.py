@@ -3,7 +3,7 @@
 Hardware mode (a ROCm GPU): the layer's time (median of --iters, caches flushed). Modelled mode
 (no AMD GPU): the layer under flyquant.emu, never timed: per launch the kernel, workgroups
 launched and storing, wave-instructions executed, and the sorting kernel's share of the layer's
-wave-instructions. Weights are random bytes in the shuffled layouts (every byte is a valid
+wave-instructions; for the layer, its global bytes over the compulsory bytes (`compulsory_bytes`). Weights are random bytes in the shuffled layouts (every byte is a valid
 E2M1 pair; scales near 2^0): the instruction stream does not depend on their values.
 
     python bench/moe_layer.py --quick                       # GPT-OSS-120B at 1 and 4 tokens, gfx950
