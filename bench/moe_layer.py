@@ -8,7 +8,7 @@ E2M1 pair; scales near 2^0): the instruction stream does not depend on their val
 
     python bench/moe_layer.py --quick                       # GPT-OSS-120B at 1 and 4 tokens, gfx950
     python bench/moe_layer.py --shapes gptoss120b,dsr1 --tokens 1,4,16,128,1024 --arch gfx950,gfx942
-    python bench/moe_layer.py --mode modelled --quick --arch gfx950,gfx942 --vs aiter   # aiter's Triton layer beside ours
+    python bench/moe_layer.py --mode modelled --quick --arch gfx950,gfx942 --vs aiter   # aiter's layer beside ours
 
 --vs aiter (modelled): aiter's Triton MXFP4 MoE layer (alignment, both GEMMs) on the same x and
 routing, counted as our row (bench/peers_aiter_layer.py); on a GPU, timed beside ours
@@ -179,11 +179,13 @@ def plot(rows: list[dict], peer_rows: list[dict], path: Path):
     layers = {(r["shape"], r["arch"], r["tokens"]): r["layer_wave_instructions"] for r in rows}
     for key in dict.fromkeys((s, a) for s, a, _ in layers):
         pts = sorted((tk, v) for (s, a, tk), v in layers.items() if (s, a) == key)
-        ax.plot(*zip(*pts), "o-" if key[1] == "gfx950" else "o--", color="tab:blue", label=f"flyquant {key[0]} {key[1]}")
+        style = "o-" if key[1] == "gfx950" else "o--"
+        ax.plot(*zip(*pts), style, color="tab:blue", label=f"flyquant {key[0]} {key[1]}")
         theirs = sorted((p["tokens"], p["wave_instr"]) for p in peer_rows
                         if p.get("status") == "ok" and (p["shape"], p["arch"]) == key)
         if theirs:
-            ax.plot(*zip(*theirs), "s:", color=moe_tile_n_report.PEER_COLOUR, label=f"{peers_aiter_layer.NAME} {key[0]} {key[1]}")
+            ax.plot(*zip(*theirs), "s:", color=moe_tile_n_report.PEER_COLOUR,
+                    label=f"{peers_aiter_layer.NAME} {key[0]} {key[1]}")
     ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="wave-instructions per layer (modelled)")
     ax.legend(fontsize=7)
     fig.tight_layout()
