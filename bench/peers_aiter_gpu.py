@@ -86,7 +86,10 @@ def time_layer(s, t: dict, arch: str, args) -> list[dict]:
     head = {"shape": s.name, "arch": arch, "tokens": t["x"].shape[0]}
     rows = [_timed("aiter triton", head, lambda: _triton_layer(s, t, pw1, pw2, arch), args),
             _timed("aiter ck fused_moe", head, lambda: _ck_fused_moe(s, t), args)]
-    return [r | (dataclasses.asdict(r.pop("timing")) if "timing" in r else {}) for r in rows]
+    for r in rows:
+        if "timing" in r:
+            r.update(dataclasses.asdict(r.pop("timing")))  # the columns of our layer row's timing
+    return rows
 
 
 def time_stage(p: Problem, ours: Weights, arch: str, args) -> dict:
