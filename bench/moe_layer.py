@@ -3,11 +3,16 @@
 Hardware mode (a ROCm GPU): the layer's time (median of --iters, caches flushed). Modelled mode
 (no AMD GPU): the layer under flyquant.emu, never timed: per launch the kernel, workgroups
 launched and storing, wave-instructions executed, and the sorting kernel's share of the layer's
-wave-instructions. Weights are random bytes in the shuffled layouts (every byte is a valid
+wave-instructions; for the layer, its global bytes over the compulsory bytes (`compulsory_bytes`). Weights are random bytes in the shuffled layouts (every byte is a valid
 E2M1 pair; scales near 2^0): the instruction stream does not depend on their values.
 
     python bench/moe_layer.py --quick                       # GPT-OSS-120B at 1 and 4 tokens, gfx950
     python bench/moe_layer.py --shapes gptoss120b,dsr1 --tokens 1,4,16,128,1024 --arch gfx950,gfx942
+    python bench/moe_layer.py --mode modelled --quick --arch gfx950,gfx942 --vs aiter   # aiter's layer beside ours
+
+--vs aiter (modelled): aiter's Triton MXFP4 MoE layer (alignment, both GEMMs) on the same x and
+routing, counted as our row (bench/peers_aiter_layer.py); on a GPU, timed beside ours
+(bench/peers_aiter_gpu.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import moe_tile_n_report  # noqa: E402
+import peers_aiter_gpu  # noqa: E402
+import peers_aiter_layer  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 
@@ -44,6 +52,9 @@ SHAPES = {
     "tiny": LayerShape("tiny", 4, 2, 224, 224, "swiglu_oai", True, "smoke test: padded dims, biases, seconds to emulate"),
 }
 SCALE_ONE = 127  # E8M0 code of 2^0
+FP4_BYTES, SCALE_BYTES, BF16_BYTES, ROUTE_BYTES = 0.5, 1 / 32, 2, 8  # per weight element; per pair (id + weight)
+MAX_WORKGROUPS = 48  # --vs: working workgroups of aiter's wider stage emulated per layer
+PEERS = {"aiter": peers_aiter_layer}
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -78,20 +89,35 @@ def run_layer(shape: LayerShape, t: dict):
                         inter_dim=shape.inter_dim)
 
 
-def modelled(shape: LayerShape, tokens: int, arch: str, seed: int) -> list[dict]:
+def compulsory_bytes(shape: LayerShape, topk_ids: torch.Tensor) -> int:
+    """Bytes any implementation of the layer moves at least once: the active experts' FP4 weights and
+    E8M0 scales of both stages at the true sizes (and biases), x, the output, and the routing."""
+    d, i = shape.model_dim, shape.inter_dim
+    per_expert = 3 * d * i * (FP4_BYTES + SCALE_BYTES)  # w1 (2 i x d) and w2 (d x i)
+    per_expert += (2 * i + d) * BF16_BYTES if shape.biases else 0
+    tokens = topk_ids.shape[0]
+    return int(topk_ids.unique().numel() * per_expert + 2 * tokens * d * BF16_BYTES + topk_ids.numel() * ROUTE_BYTES)
+
+
+def modelled(shape: LayerShape, tokens: int, arch: str, seed: int, vs=(), max_workgroups=MAX_WORKGROUPS):
+    """(per-launch rows of our layer, the peers' layer rows)."""
     t = make_layer(shape, tokens, seed)
     fq.emu.enable(arch)  # the selector plans, and the ops compile, for the emulator's arch
     with fq.emu.record() as records:
         run_layer(shape, t)
     total = sum(r.stats.wave_instructions for r in records)
+    moved = sum(common.Counts.of(r.stats).mem(common.GLOBAL_CLASSES).bytes for r in records)
+    minimum = compulsory_bytes(shape, t["topk_ids"])
     rows = []
     for r in records:
         s = r.stats
         rows.append(dict(shape=shape.name, arch=arch, tokens=tokens, kernel=r.kernel,
                          workgroups=s.workgroups_launched, storing=s.workgroups_with_global_store,
                          wave_instructions=s.wave_instructions, share=s.wave_instructions / total if total else 0.0,
-                         layer_wave_instructions=total, launches=len(records)))
-    return rows
+                         layer_wave_instructions=total, launches=len(records), layer_global_bytes=moved,
+                         layer_compulsory_bytes=minimum, layer_traffic_vs_compulsory=moved / minimum))
+    ours = dict(launches=len(records), wave_instructions=total, global_bytes=moved, compulsory_bytes=minimum)
+    return rows, [PEERS[v].compare(shape, t, arch, max_workgroups, seed, ours) for v in vs]
 
 
 def main(argv=None) -> int:
@@ -99,11 +125,17 @@ def main(argv=None) -> int:
     common.add_common_args(parser)
     parser.add_argument("--shapes", type=common.csv_list, default=["gptoss120b"], help=f"of {sorted(SHAPES)}")
     parser.add_argument("--tokens", type=lambda s: common.csv_list(s, int), default=[1, 4, 16, 128, 1024])
+    parser.add_argument("--vs", type=common.csv_list, default=[], help=f"peers beside our layer: {','.join(PEERS)}")
+    parser.add_argument("--max-workgroups", type=int, default=MAX_WORKGROUPS,
+                        help="--vs, modelled: working workgroups of the peer's wider stage emulated per layer")
     args = parser.parse_args(argv)
+    for peer in args.vs:
+        if peer not in PEERS:
+            parser.error(f"unknown peer {peer!r}: choose from {sorted(PEERS)}")
     if args.quick:
         args.tokens = [1, 4]
     mode, archs = common.resolve_mode(args.mode, args.arch)
-    rows = []
+    rows, peer_rows = [], []
     for name in args.shapes:
         shape = SHAPES[name]
         for tokens in args.tokens:
@@ -112,23 +144,54 @@ def main(argv=None) -> int:
                     t = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in make_layer(shape, tokens, args.seed).items()}
                     timing = common.time_gpu(lambda: run_layer(shape, t), warmup=args.warmup, iters=args.iters,
                                              flush=not args.no_flush)
-                    rows.append(dict(shape=name, arch=arch, tokens=tokens, **asdict(timing)))
+                    rows.append(dict(shape=name, arch=arch, tokens=tokens, impl="flyquant", **asdict(timing)))
+                    for peer in args.vs:
+                        rows += peers_aiter_gpu.time_layer(peers_aiter_layer.moe_shape(shape), t, arch, args)
                 else:
-                    rows.extend(modelled(shape, tokens, arch, args.seed))
-                    print(f"  {name} T={tokens} {arch}: ok", flush=True)
+                    ours, theirs = modelled(shape, tokens, arch, args.seed, args.vs, args.max_workgroups)
+                    rows.extend(ours)
+                    peer_rows.extend(theirs)
+                    print(f"  {name} T={tokens} {arch}: ok" + "".join(f"; {p['peer']}: {p['status']}" for p in theirs),
+                          flush=True)
     if mode == "hardware":
-        columns = [("shape", "shape"), ("arch", "arch"), ("tokens", "T")] + [(k, k) for k in rows[0] if k not in ("shape", "arch", "tokens")]
+        keys = dict.fromkeys(k for r in rows for k in r if k not in ("shape", "arch", "tokens"))
+        columns = [("shape", "shape"), ("arch", "arch"), ("tokens", "T")] + [(k, k) for k in keys]
     else:
         print("MoE layer: modelled, not timed (flyquant.emu counts; no GPU was used)")
         columns = [("shape", "shape"), ("arch", "arch"), ("tokens", "T"), ("launches", "launches"), ("kernel", "kernel"),
                    ("workgroups", "WG"), ("storing", "WG storing"), ("wave_instructions", "wave-instr"),
-                   ("share", "share of layer")]
+                   ("share", "share of layer"), ("layer_traffic_vs_compulsory", "layer traffic/min")]
     common.print_table(rows, columns)
+    if peer_rows:
+        peers_aiter_layer.print_rows(peer_rows)
     path = common.write_json(args.out / f"moe_layer_{mode}.json",
                              dict(mode=mode, shapes={n: asdict(SHAPES[n]) for n in args.shapes}, rows=rows,
-                                  environment=common.environment()))
-    print(f"wrote {path}")
+                                  peers=peer_rows, environment=common.environment()))
+    png = plot(rows, peer_rows, args.out / f"moe_layer_{mode}.png") if mode == "modelled" else None
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
+
+
+def plot(rows: list[dict], peer_rows: list[dict], path: Path):
+    """Wave-instructions per layer by token count, one line per (shape, arch); peers dashed in their colour."""
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    layers = {(r["shape"], r["arch"], r["tokens"]): r["layer_wave_instructions"] for r in rows}
+    for key in dict.fromkeys((s, a) for s, a, _ in layers):
+        pts = sorted((tk, v) for (s, a, tk), v in layers.items() if (s, a) == key)
+        style = "o-" if key[1] == "gfx950" else "o--"
+        ax.plot(*zip(*pts), style, color="tab:blue", label=f"flyquant {key[0]} {key[1]}")
+        theirs = sorted((p["tokens"], p["wave_instr"]) for p in peer_rows
+                        if p.get("status") == "ok" and (p["shape"], p["arch"]) == key)
+        if theirs:
+            ax.plot(*zip(*theirs), "s:", color=moe_tile_n_report.PEER_COLOUR,
+                    label=f"{peers_aiter_layer.NAME} {key[0]} {key[1]}")
+    ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="wave-instructions per layer (modelled)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ one) on the real routing; only which m-tiles hold work changes:
 --vs aiter (modelled mode): aiter's Triton MXFP4 MoE GEMM of the stage (bench/peers_aiter_moe.py)
 beside the selector's row of each shape and token count, on the same routing, weights and
 activations, reduced the same way, its output checked against float64 recomputation; its own table,
-the JSON's "peers" and a series of its own colour in the PNG's per-useful-MFMA panel.
+the JSON's "peers" and a series of its own colour in the PNG's per-useful-MFMA panel. In hardware
+mode the same flag times aiter's Triton GEMM (launched through Triton, bench/peers_aiter_gpu.py)
+beside our rows, with the same method.
 
 Workgroups working = tiles with work x n-tiles x k_batch, checked against the emulator's count of
 workgroups that stored. All tensors start on 256-byte boundaries (as hipMalloc places them), so
@@ -68,6 +70,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
+import peers_aiter_gpu  # noqa: E402
 import peers_aiter_moe  # noqa: E402
 
 import flyquant as fq  # noqa: E402
@@ -388,7 +391,7 @@ def parse_args(argv=None):
         help=f"modelled: working workgroups emulated per config, at least one m-tile's (default {MAX_WORKGROUPS})",
     )
     ap.add_argument("--vs", type=common.csv_list, default=[],
-                    help=f"modelled: peers beside the selector's rows: {','.join(PEERS)}")
+                    help=f"peers beside the selector's rows (modelled: emulated; hardware: timed): {','.join(PEERS)}")
     common.add_common_args(ap)
     args = ap.parse_args(argv)
     for peer in args.vs:
@@ -469,6 +472,10 @@ def sweep(args, mode: str, archs: list[str], stage: Stage, device) -> tuple[list
                         stage, shape, tokens, auto_tile_m, args.skew, args.seed, device
                     )
                     rows += time_baselines(base, arch, w, args)
+                    for peer in args.vs:  # the peer's GEMM timed as ours (bench/peers_aiter_gpu.py)
+                        r = peers_aiter_gpu.time_stage(base, w, arch, args)
+                        rows.append(timing_row(base, arch, r["timing"], r["impl"], {"config": r["config"]})
+                                    if "timing" in r else r)
 
     return rows, skipped, errors, plans, peer_rows
 

@@ -99,17 +99,18 @@ def config_label(cfg: dict) -> str:
             f"w{cfg['num_warps']} s{cfg['num_stages']}")
 
 
-def align(ids: torch.Tensor, experts: int, block: int, arch: str):
-    """aiter's moe_align_block_size_triton on topk ids (T, topk) int32, run under flyquant.emu:
-    (sorted_token_ids, expert_ids, num_tokens_post_padded, wave-instructions of its 4 launches)."""
+def align_launches(ids: torch.Tensor, experts: int, block: int):
+    """aiter's moe_align_block_size_triton on topk ids (T, topk) int32, as its wrapper launches it:
+    ((sorted_token_ids, expert_ids, num_tokens_post_padded), [(kernel, grid, args)] of its 4
+    stage kernels), the buffers on ids' device."""
     kernels = _module(f"_triton_kernels/{ALIGN}")
-    numel = ids.numel()
+    numel, dev = ids.numel(), ids.device
     max_padded = numel + experts * (block - 1)  # the callers' allocation (vLLM's): padding for every expert
-    sorted_ids = emu.aligned(torch.full((max_padded,), numel, dtype=torch.int32))
-    expert_ids = emu.aligned(torch.full((peers.ceil_div(max_padded, block),), -1, dtype=torch.int32))
-    post_padded = emu.aligned(torch.zeros(1, dtype=torch.int32))
-    counts = emu.aligned(torch.zeros(experts + 1, experts, dtype=torch.int32))
-    cumsum = emu.aligned(torch.zeros(experts + 1, dtype=torch.int32))
+    sorted_ids = emu.aligned(torch.full((max_padded,), numel, dtype=torch.int32, device=dev))
+    expert_ids = emu.aligned(torch.full((peers.ceil_div(max_padded, block),), -1, dtype=torch.int32, device=dev))
+    post_padded = emu.aligned(torch.zeros(1, dtype=torch.int32, device=dev))
+    counts = emu.aligned(torch.zeros(experts + 1, experts, dtype=torch.int32, device=dev))
+    cumsum = emu.aligned(torch.zeros(experts + 1, dtype=torch.int32, device=dev))
     flat = emu.aligned(ids.flatten().to(torch.int32))
     per_thread = peers.ceil_div(numel, experts)
     both = dict(num_experts=experts, tokens_cnts_ptr=counts)
@@ -120,13 +121,22 @@ def align(ids: torch.Tensor, experts: int, block: int, arch: str):
         (4, (experts,), dict(topk_ids_ptr=flat, sorted_token_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
                              cumsum_ptr=cumsum, block_size=block, numel=numel, tokens_per_thread=per_thread)),
     )
-    instructions = 0
+    out = []
     for stage, grid, args in launches:
         fn = getattr(kernels, f"_moe_align_block_size_stage{stage}_kernel")
-        args = {k: v for k, v in (both | args).items() if k in fn.arg_names}
+        out.append((fn, grid, {k: v for k, v in (both | args).items() if k in fn.arg_names}))
+    return (sorted_ids, expert_ids, post_padded), out
+
+
+def align(ids: torch.Tensor, experts: int, block: int, arch: str):
+    """align_launches run under flyquant.emu: (sorted_token_ids, expert_ids, num_tokens_post_padded,
+    common.Counts of its 4 launches)."""
+    buffers, launches = align_launches(ids, experts, block)
+    counts = []
+    for fn, grid, args in launches:
         kernel = peers.compile_kernel(fn, arch, args, TRITON_DEFAULT_WARPS, TRITON_DEFAULT_STAGES)
-        instructions += peers.run_kernel(kernel, grid, args).wave_instructions
-    return sorted_ids, expert_ids, post_padded, instructions
+        counts.append((1.0, common.Counts.of(peers.run_kernel(kernel, grid, args))))
+    return *buffers, common.Counts.combine(counts)
 
 
 class PeerWeights:
@@ -137,8 +147,8 @@ class PeerWeights:
     def __init__(self, ours: Weights):
         self.ours, s, st = ours, ours.shape, ours.stage
         self.n, self.k = st.n(s), st.k(s)
-        self.w = emu.aligned_empty((s.experts, self.n, self.k // FP4_PER_BYTE), torch.uint8)
-        self.scale = emu.aligned_empty((s.experts, self.n, self.k // MX_BLOCK), torch.uint8)
+        self.w = emu.aligned_empty((s.experts, self.n, self.k // FP4_PER_BYTE), torch.uint8, ours.device)
+        self.scale = emu.aligned_empty((s.experts, self.n, self.k // MX_BLOCK), torch.uint8, ours.device)
         self.filled: set[int] = set()
 
     def rows(self) -> torch.Tensor:
@@ -149,7 +159,7 @@ class PeerWeights:
         return torch.arange(s.model_dim)
 
     def fill(self, experts) -> "PeerWeights":
-        rows = self.rows()
+        rows = self.rows().to(self.ours.device)
         for e in sorted(set(experts) - self.filled):
             packed, codes = self.ours.dense(e)
             self.w[e] = packed[0, rows, : self.k // FP4_PER_BYTE]
@@ -163,9 +173,9 @@ def _gemm_args(p: Problem, pw: PeerWeights, cfg: dict, a, c, sorted_ids, expert_
     s, stage = p.shape, p.stage.number
     topk = s.topk if stage == 1 else 1  # stage 2 reads a2 row by row: top_k=1 (as vLLM's second GEMM)
     args = dict(
-        a_ptr=a, b_ptr=pw.w, c_ptr=c, a_scale_ptr=emu.aligned(torch.ones(1)),
-        b_scale_ptr=emu.aligned(torch.ones(s.experts)), a_mx_scale_ptr=None, b_mx_scale_ptr=pw.scale,
-        topk_weights_ptr=emu.aligned(p.topk_weights.float()), sorted_token_ids_ptr=sorted_ids,
+        a_ptr=a, b_ptr=pw.w, c_ptr=c, a_scale_ptr=emu.aligned(torch.ones(1, device=a.device)),
+        b_scale_ptr=emu.aligned(torch.ones(s.experts, device=a.device)), a_mx_scale_ptr=None, b_mx_scale_ptr=pw.scale,
+        topk_weights_ptr=emu.aligned(p.topk_weights.float().to(a.device)), sorted_token_ids_ptr=sorted_ids,
         expert_ids_ptr=expert_ids, num_tokens_post_padded_ptr=post_padded, N=pw.n, K=pw.k,
         num_valid_tokens=p.topk_ids.numel(), stride_am=a.stride(0), stride_ak=a.stride(1),
         stride_be=pw.w.stride(0), stride_bk=pw.w.stride(2), stride_bn=pw.w.stride(1),
@@ -181,21 +191,28 @@ def _gemm_args(p: Problem, pw: PeerWeights, cfg: dict, a, c, sorted_ids, expert_
     return args
 
 
-def _launch(p: Problem, pw: PeerWeights, arch: str, cfg: dict, sorted_ids, expert_ids, blocks: int, out):
-    """Compile (Triton caches it per specialization) and run the stage's kernel with `blocks` m-blocks
-    of the given aligned arrays in use (num_tokens_post_padded), on the grid the wrapper sizes for
-    those arrays; returns (Counts, the compiled kernel)."""
+def gemm_launch(p: Problem, pw: PeerWeights, cfg: dict, sorted_ids, expert_ids, post_padded, out):
+    """The stage's kernel as aiter's wrapper launches it on the given aligned arrays: (kernel without
+    its heuristics, grid, arguments with the heuristics' values, launch options)."""
     stage = p.stage.number
     heuristics = getattr(_module("_triton_kernels/" + KERNELS[stage][0]), KERNELS[stage][1])
-    post_padded = emu.aligned(torch.tensor([blocks * cfg["BLOCK_SIZE_M"]], dtype=torch.int32))
     a = p.a[:, : pw.k]  # the true columns: a view, strides as the wrapper passes them
     args = _gemm_args(p, pw, cfg, a, out, sorted_ids, expert_ids, post_padded)
     for name, rule in heuristics.values.items():
         args[name] = rule(args)
-    options = {k: cfg[k] for k in LAUNCH_OPTIONS}
-    kernel = peers.compile_kernel(heuristics.fn, arch, args | options, cfg["num_warps"], cfg["num_stages"])
-    stats = peers.run_kernel(kernel, (grid_size(p, pw, cfg, sorted_ids.numel()),), args)
-    return common.Counts.of(stats, {"w": pw.w}), kernel
+    options = {k: cfg[k] for k in LAUNCH_OPTIONS} | {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return heuristics.fn, (grid_size(p, pw, cfg, sorted_ids.numel()),), args, options
+
+
+def _launch(p: Problem, pw: PeerWeights, arch: str, cfg: dict, sorted_ids, expert_ids, blocks: int, out):
+    """Compile (Triton caches it per specialization) and run under flyquant.emu the stage's kernel
+    with `blocks` m-blocks of the given aligned arrays in use (num_tokens_post_padded), on the grid
+    the wrapper sizes for those arrays; returns (Counts, the compiled kernel)."""
+    post_padded = emu.aligned(torch.tensor([blocks * cfg["BLOCK_SIZE_M"]], dtype=torch.int32))
+    fn, grid, args, options = gemm_launch(p, pw, cfg, sorted_ids, expert_ids, post_padded, out)
+    warps, stages = options.pop("num_warps"), options.pop("num_stages")
+    kernel = peers.compile_kernel(fn, arch, args | options, warps, stages)
+    return common.Counts.of(peers.run_kernel(kernel, grid, args), {"w": pw.w}), kernel
 
 
 def grid_size(p: Problem, pw: PeerWeights, cfg: dict, sorted_len: int) -> int:
@@ -256,24 +273,29 @@ def notes(p: Problem) -> list[str]:
     return out
 
 
-def peer_row(p: Problem, ours: Weights, arch: str, max_workgroups: int, flyquant_row: dict) -> dict:
-    """aiter's Triton GEMM for our row's problem, counted as our rows are (module docstring)."""
-    s = p.shape
-    cfg = aiter_config(arch, p.tokens)
-    bm = cfg["BLOCK_SIZE_M"]
-    sorted_ids, expert_ids, post_padded, align_instr = align(p.topk_ids, s.experts, bm, arch)
-    pw = PeerWeights(ours)
-    n_tiles = peers.ceil_div(pw.n, cfg["BLOCK_SIZE_N"])
-    numel = p.topk_ids.numel()
+def sample_blocks(sorted_ids: torch.Tensor, post_padded: torch.Tensor, bm: int, numel: int, n_tiles: int,
+                  max_workgroups: int) -> tuple[int, torch.Tensor]:
+    """(W, the sampled m-blocks): the W m-blocks with work and a systematic sample of them by fill,
+    as many as max_workgroups allows at n_tiles workgroups each (at least one)."""
     n_work = int(post_padded[0]) // bm
     fill = (sorted_ids[: n_work * bm].view(n_work, bm) < numel).sum(dim=1)
     sampled = max(1, min(n_work, max_workgroups // n_tiles))
-    keep = systematic_sample(torch.arange(n_work), fill, sampled)
+    return n_work, systematic_sample(torch.arange(n_work), fill, sampled)
+
+
+def run_stage(p: Problem, pw: PeerWeights, arch: str, cfg: dict, aligned: tuple, n_work: int, keep: torch.Tensor,
+              out: torch.Tensor):
+    """The stage's kernel on the m-blocks `keep` of the aligned (sorted_ids, expert_ids), scaled to
+    the n_work blocks with work plus the launch's idle workgroups (module docstring); writes the
+    kept routed rows of `out`. Returns (Counts, the compiled kernel, the kept sorted ids,
+    workgroups launched, workgroups with work)."""
+    s, bm = p.shape, cfg["BLOCK_SIZE_M"]
+    sorted_ids, expert_ids = aligned
+    n_tiles = peers.ceil_div(pw.n, cfg["BLOCK_SIZE_N"])
+    sampled = len(keep)
     rows = (keep[:, None] * bm + torch.arange(bm)).flatten()
     kept_ids, kept_experts = emu.aligned(sorted_ids[rows]), emu.aligned(expert_ids[keep])
     pw.fill(kept_experts.tolist())
-    out_cols = s.inter_dim if p.stage.number == 1 else pw.n  # row t * topk + slot, as aiter's wrappers' C
-    out = emu.aligned(torch.zeros(numel, out_cols, dtype=torch.bfloat16))
     work, kernel = _launch(p, pw, arch, cfg, kept_ids, kept_experts, sampled, out)
     idle, _ = _launch(p, pw, arch, cfg, kept_ids, kept_experts, 0, out)
     if work.workgroups_working != sampled * n_tiles or idle.workgroups_working:
@@ -284,6 +306,24 @@ def peer_row(p: Problem, ours: Weights, arch: str, max_workgroups: int, flyquant
     working = n_work * n_tiles
     work_only = common.Counts.combine([(1.0, work), (-(work.workgroups_launched - sampled * n_tiles), per_idle)])
     total = common.Counts.combine([(n_work / sampled, work_only), (launched - working, per_idle)])
+    return total, kernel, kept_ids, launched, working
+
+
+def peer_row(p: Problem, ours: Weights, arch: str, max_workgroups: int, flyquant_row: dict) -> dict:
+    """aiter's Triton GEMM for our row's problem, counted as our rows are (module docstring)."""
+    s = p.shape
+    cfg = aiter_config(arch, p.tokens)
+    bm = cfg["BLOCK_SIZE_M"]
+    sorted_ids, expert_ids, post_padded, align_counts = align(p.topk_ids, s.experts, bm, arch)
+    pw = PeerWeights(ours)
+    numel = p.topk_ids.numel()
+    n_tiles = peers.ceil_div(pw.n, cfg["BLOCK_SIZE_N"])
+    n_work, keep = sample_blocks(sorted_ids, post_padded, bm, numel, n_tiles, max_workgroups)
+    out_cols = s.inter_dim if p.stage.number == 1 else pw.n  # row t * topk + slot, as aiter's wrappers' C
+    out = emu.aligned(torch.zeros(numel, out_cols, dtype=torch.bfloat16))
+    total, kernel, kept_ids, launched, working = run_stage(p, pw, arch, cfg, (sorted_ids, expert_ids), n_work, keep,
+                                                           out)
+    sampled = len(keep)
     res = peers.resources(kernel)
     glob = total.mem(common.GLOBAL_CLASSES)
     useful = flyquant_row["mfma_useful"]
@@ -306,7 +346,7 @@ def peer_row(p: Problem, ours: Weights, arch: str, max_workgroups: int, flyquant
         "global_bytes": glob.bytes, "compulsory_bytes": flyquant_row["compulsory_bytes"],
         "traffic_vs_compulsory": glob.bytes / flyquant_row["compulsory_bytes"],
         "flyquant_traffic_vs_compulsory": flyquant_row["traffic_vs_compulsory"],
-        "align_wave_instr": align_instr, "notes": notes(p), "counts": total.to_json(), "status": "ok",
+        "align_wave_instr": align_counts.wave_instructions, "notes": notes(p), "counts": total.to_json(), "status": "ok",
     } | check(p, pw, out, kept_ids, numel)
 
 
@@ -354,18 +394,24 @@ COLUMNS = [
 ]
 
 
-def print_rows(rows: list[dict]) -> None:
-    print(f"\n{NAME} MXFP4 MoE GEMM under flyquant.emu (modelled, not timed; same routing, weights and "
-          "activations as the flyquant rows; per useful MFMA as ours):")
-    common.print_table([r for r in rows if r.get("status") == "ok"], COLUMNS)
+TITLE = (f"{NAME} MXFP4 MoE GEMM under flyquant.emu (modelled, not timed; same routing, weights and activations "
+         "as the flyquant rows; per useful MFMA as ours):")
+
+
+def print_rows(rows: list[dict], title: str = TITLE, columns=COLUMNS) -> None:
+    """The peer's table (stage rows, or peers_aiter_layer's layer rows), then its failures, outputs
+    outside tolerance, missed targets and notes."""
+    print("\n" + title)
+    common.print_table([r for r in rows if r.get("status") == "ok"], columns)
     for r in rows:
         where = f"{r.get('shape')} T={r.get('tokens')} {r['arch']}"
         if r.get("status") != "ok":
             print(f"peer {r['peer']} on {where}: {r['status']}")
             continue
         if r["rows_outside_tolerance"]:
-            print(f"peer output outside tolerance: {where}: {r['rows_outside_tolerance']} of {r['rows_checked']} rows")
-        if r["target_miss"]:
+            checked = r["rows_checked"] + r.get("tokens_summed", 0)  # the layer's top-k sums too
+            print(f"peer output outside tolerance: {where}: {r['rows_outside_tolerance']} of {checked} checked")
+        if r.get("target_miss"):
             print(f"target missed (flyquant <= {TARGET}x aiter triton per useful MFMA): {where}: {r['target_miss']}")
     notes = dict.fromkeys(n for r in rows if r.get("status") == "ok" for n in r["notes"])
     print("aiter triton: " + "; ".join(notes) if notes else "")

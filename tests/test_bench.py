@@ -337,6 +337,29 @@ def test_bench_hardware(tmp_path, script, args):
         assert all(r["bit_exact"] for r in ours)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "script,args,stem",
+    [
+        ("moe_tile_n", ["--shapes", "upstream-small", "--tokens", "5", "--tile-n", "128", "--k-batch", "1"],
+         "moe_gemm2_tile_n_hardware"),
+        ("moe_layer", ["--shapes", "tiny", "--tokens", "3"], "moe_layer_hardware"),
+    ],
+)
+def test_bench_hardware_vs_aiter(tmp_path, script, args, stem):
+    """On a real MI300X/MI355X: --vs aiter times aiter's Triton kernels beside ours (and, in the
+    layer bench, aiter's CK fused_moe, or the row says why aiter does not import)."""
+    bench = load(script)
+    bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--vs", "aiter", "--out", str(tmp_path), *args])
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
+    (triton,) = [r for r in rows if r.get("impl") == "aiter triton"]
+    assert triton["median_us"] > 0 and triton["config"], triton
+    assert [r for r in rows if r.get("impl") == "flyquant" and r["median_us"] > 0]
+    if script == "moe_layer":
+        (ck,) = [r for r in rows if r.get("impl") == "aiter ck fused_moe"]
+        assert ck.get("median_us", 0) > 0 or ck["error"].startswith("aiter not importable"), ck
+
+
 def test_bytes_in_flight_follows_vmcnt():
     """Two 16-byte loads (2 x 1 KiB per wave) in flight, a wait that leaves the newest one, a
     4-byte load (256 B) and a store (counted by vmcnt, 0 bytes): at most 2 KiB were outstanding;
@@ -421,6 +444,30 @@ def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
     one = [r for r in rows if r["tokens"] == 1 and r["arch"] == "gfx942"]
     assert one[0]["share"] < 0.05
     assert all(r["storing"] == r["workgroups"] for r in one[1:])
+
+
+def test_moe_layer_bench_vs_aiter_triton(tmp_path, keep_emu_arch):
+    """--vs aiter on the smoke shape at 1 token (2 routing pairs over 4 experts), both arches:
+    aiter's Triton layer (alignment's 4 launches, stage 1, stage 2) runs whole under flyquant.emu,
+    every routed row and every token's top-k sum within the derived bound of float64 from x
+    (bench/peers_aiter_layer.check), and is counted as our layer row (launches, wave-instructions,
+    bytes over the same compulsory bytes)."""
+    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    bench = load("moe_layer")
+    bench.main("--mode modelled --arch gfx950,gfx942 --shapes tiny --tokens 1 --vs aiter --out".split() + [str(tmp_path)])
+    payload = read_outputs(tmp_path, "moe_layer_modelled")
+    peers = payload["peers"]
+    assert [(p["arch"], p["status"]) for p in peers] == [("gfx950", "ok"), ("gfx942", "ok")]
+    for p in peers:
+        ours = [r for r in payload["rows"] if r["arch"] == p["arch"]]
+        assert p["reduction"] == "exact" and p["rows_checked"] == 2 and p["tokens_summed"] == 1, p
+        assert p["rows_outside_tolerance"] == 0 and 0 < p["max_err_over_tol"] <= 1
+        assert p["launches"] == 6 and p["flyquant_launches"] == len(ours) == 3
+        assert p["wave_instr"] == pytest.approx(p["align_wave_instr"] + p["stage1_wave_instr"] + p["stage2_wave_instr"])
+        assert p["flyquant_wave_instr"] == sum(r["wave_instructions"] for r in ours)
+        assert p["flyquant_vs_peer"] == pytest.approx(p["flyquant_wave_instr"] / p["wave_instr"])
+        assert p["compulsory_bytes"] == ours[0]["layer_compulsory_bytes"] and p["traffic_vs_compulsory"] >= 1
+    assert [p["config"].split()[0] for p in peers] == ["64x64x128", "256x256x64"]  # MI350X MX_FP4 file; default
 
 
 def test_moe_stages_instr_bench(tmp_path, keep_emu_arch):
