@@ -454,7 +454,7 @@ def store_activation(accs, toks, rids, live, row0, col_wave, kl, l16, sorted_wei
         return out_words
 
     if act == "swiglu_oai":
-        odd = _any_nonfinite_pair(list(accs[:mb * nb]))
+        odd = _any_nonfinite_pair(accs)
         packed = [fx.Int32(v) for v in mx.if_else(mx.wave_any(odd.ir_value()), lambda: words(False), lambda: words(True),
                                                   types=[T.i32] * (2 * mb * n_pairs))]
     else:

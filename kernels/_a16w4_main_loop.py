@@ -115,7 +115,7 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from ._a16w4_common import (
     A_BYTES_PER_LANE, K_CHUNK, K_STEP, KT, MFMA_MN, OOB, S_TILE_BYTES, TOKEN_BITS, TOKEN_MASK, W_PAST_END,
-    W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _as_f32, _ballot, _lanes_below, _load, _rsrc,
+    W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _ballot, _lanes_below, _load, _rsrc,
     _s32, _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks,
     store_activation, wave_fits,
 )

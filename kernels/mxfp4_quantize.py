@@ -57,7 +57,7 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
-from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, val
+from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
 from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
