@@ -1,6 +1,6 @@
 """Scale and weight layouts: tcgen05 blocked scales (torchao parity), the AMD MFMA scale
-shuffle (aiter's ``e8m0_shuffle``), and aiter's A16W4 MoE weight/scale pre-shuffles with their
-inverses. Pure index permutations on bytes; every function works on any device.
+shuffle (aiter's ``e8m0_shuffle``), aiter's gemm_a4w4 weight shuffle and its A16W4 MoE
+weight/scale pre-shuffles, the aiter ones with their inverses. Pure index permutations on bytes; every function works on any device.
 
 Vocabulary: a scale matrix is (rows, cols) = (non-reduced dim, reduced dim / 32), one E8M0 byte
 per block of 32 elements along the reduced dim.
@@ -55,9 +55,27 @@ def _zero_pad_2d(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+def _inverse(perm: tuple) -> tuple:
+    inv = [0] * len(perm)
+    for dst, src in enumerate(perm):
+        inv[src] = dst
+    return tuple(inv)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a one-byte tensor (E8M0, FP8, packed FP4), so permutes are plain copies."""
     return t.view(torch.uint8)
+
+
+def _permuted(t: torch.Tensor, split: tuple, perm: tuple, inverse: bool = False) -> torch.Tensor:
+    """t's bytes viewed as `split` and permuted by `perm`, same shape and dtype as t; inverse: t
+    holds the permuted order and is put back."""
+    b = _bytes(t.contiguous())
+    if inverse:
+        b = b.view(tuple(split[p] for p in perm)).permute(_inverse(perm))
+    else:
+        b = b.view(split).permute(perm)
+    return b.contiguous().view(t.shape).view(t.dtype)
 
 
 def tcgen05_blocked(scales: torch.Tensor) -> torch.Tensor:
@@ -89,18 +107,31 @@ def tcgen05_blocked_col_groups(scales: torch.Tensor, col_ends: torch.Tensor) -> 
     return torch.cat(parts)
 
 
+# (row tile, r_hi, r_lo, col tile, c_hi, c_lo) -> (row tile, col tile, c_lo, r_lo, c_hi, r_hi)
+_MFMA_PERM = (0, 3, 5, 2, 4, 1)
+
+
+def _mfma_split(prows: int, pcols: int) -> tuple:
+    return (prows // MFMA_TILE_ROWS, MFMA_TILE_ROWS // MFMA_ROW_HALF, MFMA_ROW_HALF,
+            pcols // MFMA_TILE_COLS, MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_COL_HALF)
+
+
 def mfma_shuffle_scales(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) scales -> aiter's e8m0_shuffle layout, shape (ceil(rows/256)*256,
     ceil(cols/8)*8); the padding is zero bytes (aiter leaves it uninitialised)."""
     rows, cols = scales.shape
     prows, pcols = _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
     padded = _zero_pad_2d(_bytes(scales), prows, pcols)
-    tiles = padded.view(
-        prows // MFMA_TILE_ROWS, MFMA_TILE_ROWS // MFMA_ROW_HALF, MFMA_ROW_HALF,
-        pcols // MFMA_TILE_COLS, MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_COL_HALF,
-    )  # (row tile, r_hi, r_lo, col tile, c_hi, c_lo)
-    out = tiles.permute(0, 3, 5, 2, 4, 1).contiguous().view(prows, pcols)  # (.., c_lo, r_lo, c_hi, r_hi)
-    return out.view(scales.dtype)
+    return _permuted(padded, _mfma_split(prows, pcols), _MFMA_PERM).view(scales.dtype)
+
+
+def mfma_unshuffle_scales(shuffled: torch.Tensor) -> torch.Tensor:
+    """Inverse of mfma_shuffle_scales, padding kept: e8m0_shuffle'd (rows, cols) scales (rows % 256
+    == 0, cols % 8 == 0) -> the plain padded (rows, cols) matrix (slice it to the unpadded shape)."""
+    prows, pcols = shuffled.shape
+    validate.multiple_of(prows, MFMA_ROW_PAD, "shuffled.shape[0] (rows, padded for the MFMA scale layout)")
+    validate.multiple_of(pcols, MFMA_COL_PAD, "shuffled.shape[1] (cols, padded for the MFMA scale layout)")
+    return _permuted(shuffled, _mfma_split(prows, pcols), _MFMA_PERM, inverse=True)
 
 
 # aiter's gemm_a4w4 B operand (shuffle_weight(x, layout=(16, 16)) on packed FP4 bytes): tiles of
@@ -111,20 +142,30 @@ A4W4_UNIT = 16  # bytes per lane: one MX block of 32 FP4 values
 A4W4_UNITS = 2  # units per tile along K: 32 bytes = 64 elements
 
 
-def shuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
-    """aiter's shuffle_weight(x, layout=(16, 16)) on packed MXFP4 (..., M, K/2) uint8 or
-    float4_e2m1fn_x2, byte for byte: same shape and dtype, the 16-byte unit (row r, kb) stored at
-    unit ((r // 16) * (K/32) + kb) * 16 + r % 16 of its matrix (leading dims are separate
-    matrices). Needs M % 16 == 0 and K % 64 == 0 (named in the error)."""
+_A4W4_PERM = (0, 1, 3, 2, 4)  # (batch, M0, row, kb, byte) -> (batch, M0, kb, row, byte)
+
+
+def _a4w4_split(x: torch.Tensor) -> tuple:
     validate.tensor(x, "x", (torch.uint8, torch.float4_e2m1fn_x2))
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dimensions (M, K/2), got shape {tuple(x.shape)}")
     m, kp = x.shape[-2:]
     validate.multiple_of(m, A4W4_ROWS, "x.shape[-2] (M, for the a4w4 shuffle)")
     validate.multiple_of(kp, A4W4_UNIT * A4W4_UNITS, "x.shape[-1] (K/2 packed bytes, for the a4w4 shuffle)")
-    split = (-1, m // A4W4_ROWS, A4W4_ROWS, kp // A4W4_UNIT, A4W4_UNIT)  # (batch, M0, row, kb, byte)
-    out = _bytes(x.contiguous()).view(split).permute(0, 1, 3, 2, 4).contiguous().view(x.shape)
-    return out.view(x.dtype)
+    return (-1, m // A4W4_ROWS, A4W4_ROWS, kp // A4W4_UNIT, A4W4_UNIT)
+
+
+def shuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
+    """aiter's shuffle_weight(x, layout=(16, 16)) on packed MXFP4 (..., M, K/2) uint8 or
+    float4_e2m1fn_x2, byte for byte: same shape and dtype, the 16-byte unit (row r, kb) stored at
+    unit ((r // 16) * (K/32) + kb) * 16 + r % 16 of its matrix (leading dims are separate
+    matrices). Needs M % 16 == 0 and K % 64 == 0 (named in the error)."""
+    return _permuted(x, _a4w4_split(x), _A4W4_PERM)
+
+
+def unshuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of shuffle_weight_a4w4 (same shape, dtype and constraints)."""
+    return _permuted(x, _a4w4_split(x), _A4W4_PERM, inverse=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,31 +196,17 @@ _W_PERM = (0, 1, 3, 4, 2, 5)
 _W_PERM_GATE_UP = (0, 2, 1, 4, 5, 3, 6)
 
 
-def _inverse(perm: tuple) -> tuple:
-    inv = [0] * len(perm)
-    for dst, src in enumerate(perm):
-        inv[src] = dst
-    return tuple(inv)
-
-
 def shuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = False) -> torch.Tensor:
     """aiter's shuffle_weight_a16w4, byte for byte: packed MXFP4 expert weights (E, N, K/2)
     (uint8 or float4_e2m1fn_x2) -> same shape and dtype, each NLANE x (64/NLANE * 16 bytes) tile
     stored lane-major so a wave reads it with one 16-byte load per lane. gate_up: N holds the gate
     then the up half; the two halves' tiles are interleaved per NLANE rows."""
-    split = _a16w4_weight_dims(w, nlane, gate_up, "w")
-    perm = _W_PERM_GATE_UP if gate_up else _W_PERM
-    out = _bytes(w.contiguous()).view(split).permute(perm).contiguous().view(w.shape)
-    return out.view(w.dtype)
+    return _permuted(w, _a16w4_weight_dims(w, nlane, gate_up, "w"), _W_PERM_GATE_UP if gate_up else _W_PERM)
 
 
 def unshuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = False) -> torch.Tensor:
     """Inverse of shuffle_weight_a16w4."""
-    split = _a16w4_weight_dims(w, nlane, gate_up, "w")
-    perm = _W_PERM_GATE_UP if gate_up else _W_PERM
-    shuffled_shape = tuple(split[p] for p in perm)
-    out = _bytes(w.contiguous()).view(shuffled_shape).permute(_inverse(perm)).contiguous().view(w.shape)
-    return out.view(w.dtype)
+    return _permuted(w, _a16w4_weight_dims(w, nlane, gate_up, "w"), _W_PERM_GATE_UP if gate_up else _W_PERM, inverse=True)
 
 
 def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
@@ -215,19 +242,12 @@ def shuffle_scale_a16w4(s: torch.Tensor, experts: int, gate_up: bool = False) ->
     shape and dtype; each 32 (N) x 8 (K/32) tile becomes 256 bytes, lane (k_lane * 16 + n_lane)
     holding rows {n_lane, n_lane + 16} x cols {k_lane, k_lane + 4} as one dword. Needs
     N % 32 == 0 and K % 256 == 0 (named in the error, unlike aiter's view failures)."""
-    split = _a16w4_scale_dims(s, experts, gate_up)
-    perm = _S_PERM_GATE_UP if gate_up else _S_PERM
-    out = _bytes(s.contiguous()).view(split).permute(perm).contiguous().view(s.shape)
-    return out.view(s.dtype)
+    return _permuted(s, _a16w4_scale_dims(s, experts, gate_up), _S_PERM_GATE_UP if gate_up else _S_PERM)
 
 
 def unshuffle_scale_a16w4(s: torch.Tensor, experts: int, gate_up: bool = False) -> torch.Tensor:
     """Inverse of shuffle_scale_a16w4."""
-    split = _a16w4_scale_dims(s, experts, gate_up)
-    perm = _S_PERM_GATE_UP if gate_up else _S_PERM
-    shuffled_shape = tuple(split[p] for p in perm)
-    out = _bytes(s.contiguous()).view(shuffled_shape).permute(_inverse(perm)).contiguous().view(s.shape)
-    return out.view(s.dtype)
+    return _permuted(s, _a16w4_scale_dims(s, experts, gate_up), _S_PERM_GATE_UP if gate_up else _S_PERM, inverse=True)
 
 
 def gate_up_rows_from_interleaved(gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor | None = None,

@@ -99,6 +99,19 @@ def aiter_fp4_utils():
     )
 
 
+def aiter_gemm_a4w4_reference():
+    """run_torch, the torch reference of aiter's gemm_a4w4 tuner
+    (aiter_meta/csrc/ck_gemm_a4w4_blockscale/gemm_a4w4_blockscale_tune.py): mxfp4_to_f32 of both
+    operands times e8m0_to_f32 of their scales repeated over 32 columns, an FP32 matmul. It takes
+    the plain (unshuffled) layouts; aiter has no inverse of its shuffles."""
+    root = _package_dir("aiter")
+    path = None if root is None else root.parent / "aiter_meta" / "csrc" / "ck_gemm_a4w4_blockscale" / "gemm_a4w4_blockscale_tune.py"
+    if path is None or not path.exists():
+        pytest.skip("amd-aiter's gemm_a4w4 tuner (the GEMM oracle) is not installed")
+    return load_functions(path, ["run_torch"],
+                          {"torch": torch, "fp4_utils": aiter_fp4_utils(), "SCALE_GROUP_SIZE": 32}).run_torch
+
+
 def aiter_per_1x32_f4_quant():
     """aiter's pure-torch MXFP4 quantize, per_1x32_f4_quant from aiter/ops/quant.py, with the
     fp4_utils torch helpers it calls (f32_to_e8m0, e8m0_to_f32, f32_to_mxfp4 and what that uses;

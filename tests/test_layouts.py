@@ -74,6 +74,8 @@ def test_mfma_shuffle_is_aiters_e8m0_shuffle(shape):
     out = L.mfma_shuffle_scales(s)
     assert out.dtype == E8M0
     assert torch.equal(out.view(U8), aiter.e8m0_shuffle(padded.view(E8M0)).view(U8))
+    back = L.mfma_unshuffle_scales(out)
+    assert back.dtype == E8M0 and torch.equal(back.view(U8), padded)
 
 
 # (E, N, K/2, nlane, gate_up): the GPT-OSS-like tile case, nlane 32, gate/up interleave, one tile
@@ -114,6 +116,7 @@ def test_shuffle_weight_a4w4_is_aiters(shape):
     out = L.shuffle_weight_a4w4(x)
     assert out.shape == x.shape and torch.equal(out, aiter.shuffle_weight(x, layout=(16, 16)))
     assert not torch.equal(out, x)
+    assert torch.equal(L.unshuffle_weight_a4w4(out), x)
     fp4 = L.shuffle_weight_a4w4(x.view(torch.float4_e2m1fn_x2))
     assert fp4.dtype == torch.float4_e2m1fn_x2 and torch.equal(fp4.view(U8), out)
     with pytest.raises(ValueError, match=r"x.shape\[-2\] \(M, for the a4w4 shuffle\) = 24 must be a positive multiple of 16"):
@@ -123,6 +126,8 @@ def test_shuffle_weight_a4w4_is_aiters(shape):
 
 
 def test_shuffle_errors_name_the_constraint():
+    with pytest.raises(ValueError, match=r"shuffled.shape\[1\] \(cols, padded for the MFMA scale layout\) = 5"):
+        L.mfma_unshuffle_scales(torch.zeros(256, 5, dtype=E8M0))
     s = torch.zeros(2 * 48, 8, dtype=E8M0)  # N = 48
     with pytest.raises(ValueError, match=r"N \(rows per expert\) = 48 must be a positive multiple of 32"):
         L.shuffle_scale_a16w4(s, 2)

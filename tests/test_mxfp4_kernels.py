@@ -15,7 +15,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import formats, reference, toolchain
+from flyquant import formats, layouts, reference, toolchain
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 from flyquant.kernels import mxfp4_quantize_cols as kc
@@ -303,6 +303,55 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, shuffle="a16w4")
     with pytest.raises(ValueError, match="scale_layout must be one of"):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
+
+
+def _zero_padded(t, shape):
+    out = torch.zeros(shape, dtype=U8)
+    out[:t.shape[0], :t.shape[1]] = t.view(U8)
+    return out
+
+
+def _gemm_a4w4_reference(run_torch, a, a_scales, b, b_scales):
+    """aiter's gemm_a4w4 inputs (A plain, B in shuffle_weight(layout=(16, 16)), both scales
+    e8m0_shuffle'd and padded) -> FP32 (padded M, padded N) through aiter's torch reference, which
+    takes plain layouts: the shuffles undone by flyquant.layouts' inverses (aiter has none), the
+    data zero-padded to the scales' padded rows and K."""
+    a_s, b_s = layouts.mfma_unshuffle_scales(a_scales), layouts.mfma_unshuffle_scales(b_scales)
+    kp = a_s.shape[1] * 16
+    a = _zero_padded(a, (a_s.shape[0], kp))
+    b = _zero_padded(layouts.unshuffle_weight_a4w4(b), (b_s.shape[0], kp))
+    return run_torch(a, b, a_s.view(U8), b_s.view(U8), torch.float32)
+
+
+# (arch, dtype, mode, M, N, K): M tails (activation scale rows padded to 256); nkb 10 and 2 (scale
+# columns padded to 16 and 8, so K is padded too)
+GEMM_CASES = [("gfx950", torch.bfloat16, "even", 37, 48, 320), ("gfx942", torch.float32, "rceil", 5, 16, 64)]
+
+
+@pytest.mark.parametrize("arch,dtype,mode,m,n,k", GEMM_CASES, ids=[f"{c[0]}-{c[3]}x{c[4]}x{c[5]}" for c in GEMM_CASES])
+def test_gemm_a4w4_round_trip(arch, dtype, mode, m, n, k):
+    """The kernels' gemm_a4w4 operands through gemm_a4w4's reference equal dequantize-then-matmul
+    of the kernels' plain outputs, bit for bit: activations (M, K) with scale_layout="mfma" (A is
+    read plain: aiter shuffles only B), weights (N, K) with scale_layout="mfma", shuffle="a4w4".
+    The padded rows, columns and K contribute exactly zero (a padding scale of 0xFF, E8M0's NaN,
+    would make every output NaN). Inputs are normal samples times a power of two per row, so all
+    block scales of a row lie within a few binades and the products' sums are exact in FP32 in
+    any order (the float64 matmul it is compared with would show any rounding)."""
+    run_torch = oracles.aiter_gemm_a4w4_reference()
+    emu.enable(arch)
+    g = torch.Generator().manual_seed(23)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.arange(m) % 7 - 3.0)[:, None]).to(dtype)
+    w = (torch.randn(n, k, generator=g) * torch.exp2(torch.arange(n) % 5 - 2.0)[:, None]).to(dtype)
+    a, a_scales = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
+    b, b_scales = fq.mxfp4_quantize(w, scaling_mode=mode, scale_layout="mfma", shuffle="a4w4")
+    got = _gemm_a4w4_reference(run_torch, a, a_scales, b, b_scales)
+
+    plain_x, plain_w = fq.mxfp4_quantize(x, scaling_mode=mode), fq.mxfp4_quantize(w, scaling_mode=mode)
+    want = reference.dequantize_mxfp4(*plain_x).double() @ reference.dequantize_mxfp4(*plain_w).double().T
+    assert got.shape == (256, 256) and not got.isnan().any()
+    assert torch.equal(got[:m, :n].double(), want), (got[:m, :n].double() - want).abs().max()
+    assert not got[m:].any() and not got[:, n:].any()
+    assert want.abs().min() > 0  # every output counts
 
 
 DUAL = [(a, MODES[i % 3], d) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
