@@ -7,13 +7,14 @@ amax: the largest |x| pattern of the block (_mx_common.chain_amax: gfx950 takes 
 through the NaN-propagating v_pk_maximum3_f16, BF16 read as FP16 and redone with the exact
 integer max in a rare branch when a block reaches 2^121; otherwise integer max of the patterns).
 
-Work split. No data shuffle (any K), or 16-bit x with a data shuffle (a4w4, a16w4; `lined`,
-scale layouts allowed): a wave quantizes tiles of 64 units (blocks of the (M, nkb) grid;
-shuffles: data units of the layout, in its order); lane (col, piece) (mxfp8_quantize_2d's lane
-split: piece = the lane's bits at DISTS, lane distances 32, 16 (, 8) on gfx950 for
-v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece `piece` (16 bytes: 8 16-bit
-or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k + col, C = 16 or 8 blocks per
-KiB, each load instruction 1 KiB contiguous; shuffles: lined_units, 8 rows x 128 bytes). The
+Work split (every variant, scale layouts allowed): a wave quantizes tiles of 64 units (blocks
+of the (M, nkb) grid; shuffles: data units of the layout, in its order); lane (col, piece)
+(mxfp8_quantize_2d's lane split: piece = the lane's bits at DISTS, lane distances 32, 16 (, 8)
+on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piece `piece` (16
+bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k + col, C = 16
+or 8 blocks per KiB, each load instruction 1 KiB contiguous; 16-bit shuffles: lined_units, 8
+rows x 128 bytes; FP32 shuffles: units t0 + 8 k + col as plain, each block one whole 128-byte
+line of its row). The
 per-piece amax partials are reduce-scattered (the lane owns one block: its code, its code byte
 store), the block's conversion operand (_mxfp4_common.piece_operand) is gathered back and each
 lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4 piece (2 piece): 256
@@ -25,15 +26,12 @@ read: offset out of range); a wave holding a partial piece masks its missing ele
 wave-uniform branch), and for 16-bit x with an odd K the tensor's last element comes from a
 2-byte load (_last_elements). Rows whose byte length is not a multiple of 16 are loaded at 2-
 or 4-byte alignment (the unaligned buffer access ROCm enables; not verified on hardware).
-FP32 x with a data shuffle: one lane per block (block()), 8 16-byte loads of its 128 bytes,
-one 16-byte store of its 32 nibbles and one code byte.
 
 Layouts written in the same pass (each block's 16 bytes and code byte stored at their places):
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
-K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous (FP32,
-one lane per unit: each lane's 8 loads read 128 contiguous bytes of its row). shuffle "a16w4"
+K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous. shuffle "a16w4"
 (3D expert weights; N % 32 == 0, K % 256 == 0): _a16w4_offsets; its data units are a4w4's
 (gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
 that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
@@ -58,7 +56,7 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from . import _mxfp4_common
 from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
-from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
+from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate
 from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
@@ -67,12 +65,6 @@ MAX_WAVES = 4
 TILES_PER_WAVE = 4
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
-
-
-def lined(dtype: str, tail: bool, shuffle) -> bool:
-    """The variants that split a block over lanes (whole-line loads): no data shuffle (tails
-    too), or 16-bit x with a data shuffle (a4w4, a16w4; module docstring)."""
-    return shuffle is None or (not tail and dtype != "fp32")
 
 
 @dataclass(frozen=True)
@@ -202,30 +194,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
     source = SOURCE_TAG
 
-    def block(g, bufs, shape, nb, n1_args):
-        """FP32 x with a data shuffle (K % 64 == 0): one lane per block, g the layout's unit
-        (a4w4, so the data stores stay contiguous) or the block of the (M, nkb) grid (a16w4)."""
-        rx, rq, rs = bufs
-        nkb, row_bytes, k, magic, shift, dims = shape
-        if shuffle == "a4w4":
-            row, kb = _a4w4_block(g, nkb, magic, shift)
-            off = add(mul(row, row_bytes), mul(kb, in_block))
-        else:
-            row = lshr(add(mx.umulhi(g, magic), g), shift)
-            kb, off = sub(g, mul(row, nkb)), mul(g, in_block)
-        regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
-        patched = quantize_words(spec, [w for r in regs for w in mx.dwords_of(r)], const(MX_BLOCK))
-        if shuffle == "a4w4":
-            d_off, s_off = mul(g, OUT_BLOCK_BYTES), add(mul(row, nkb), kb)
-        else:
-            d_off, s_off = _a16w4_offsets(row, kb, nkb, n1_args, shuffle == "a16w4_gate_up")
-        if scale_layout:
-            s_off = mx.scale_offset(scale_layout, row, kb, dims)
-        inside = mx.cmp_ult(g, nb)  # past the last block: out of range (the layouts' offsets would wrap into them)
-        d_off, s_off = mx.select(inside, d_off, mx.OOB), mx.select(inside, s_off, mx.OOB)
-        mx.store_byte(patched[4], rs, s_off)
-        mx.store(mx.from_elements(patched[:4]), rq, d_off)
-
     dists = DISTS[(arch, spec.elem_bytes)]
 
     def lined_amax(words, exact):
@@ -234,12 +202,23 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         parts = [mx.chain_amax(spec, w, exact) for w in reversed(words)][::-1]  # last load first: one wait
         return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
 
+    paired = shuffle and not spec.wide  # 16-bit x with a data shuffle: a register spans 2 blocks of a row
+
     def lined_units(k):
-        """Unit (block, or the shuffle's data unit) offset of register k from the lane's: plain C
-        k (C = 16 or, FP32, 8 blocks per KiB); shuffles
-        (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register covers 8 rows
-        x 2 adjacent blocks of one row tile (whole lines) and two runs of 8 consecutive units."""
-        return 32 * (k % 2) + 8 * (k // 2) if shuffle else k * (LOAD_BYTES // in_block)
+        """Unit (block, or the shuffle's data unit) offset of register k from the lane's: C k (C =
+        16 or, FP32, 8 blocks per KiB; an FP32 block is a whole line, so also with a shuffle);
+        16-bit shuffles (lane unit 16 (col / 8) + col % 8) 32 (k % 2) + 8 (k / 2): each register
+        covers 8 rows x 2 adjacent blocks of one row tile (whole lines) and two runs of 8
+        consecutive units."""
+        return 32 * (k % 2) + 8 * (k // 2) if paired else k * (LOAD_BYTES // in_block)
+
+    def tile_place(u):
+        """Shuffles: unit u of a tile (its bits: pair u / 32, block u / 16 % 2 of the pair, row u %
+        16) -> (pair, kb offset, row offset) from the pair's first unit (a4w4_tiles); u an int
+        (a register's part) or a value (a lane's; the two parts' bits are disjoint)."""
+        if isinstance(u, int):
+            return u >> 5, (u >> 4) & 1, u & 15
+        return lshr(u, 5), band(lshr(u, 4), 1), band(u, 15)
 
     def a4w4_tiles(t0, shape, first):
         """Data shuffles: (output row, kb) of the first unit of each of the tile's two pairs of
@@ -285,7 +264,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             if shuffle == "a16w4_gate_up":
                 firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
             bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
-            offs = [add(bases[i % 2], mul(row_bytes, 8 * (i // 2))) for i in range(loads)]
+            places = [tile_place(lined_units(i)) for i in range(loads)]
+            offs = [add(bases[p], add(mul(row_bytes, r), d_kb * in_block)) for p, d_kb, r in places]
         return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
 
     def lined_tile(t0, bufs, lane, shape, sizes, n1_args, first=None):
@@ -308,11 +288,11 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
         g = add(t0, own)
         s_off = g
-        if shuffle == "a4w4":  # the owned register `piece`: tile pair piece % 2, rows 8 (piece / 2) + col % 8
-            col, piece = lane[3:5]
-            odd = mx.cmp_ne(band(piece, 1), 0)
-            row = add(mx.select(odd, firsts[1][0], firsts[0][0]), add(shl(lshr(piece, 1), 3), band(col, 7)))
-            kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), lshr(col, 3))
+        if shuffle == "a4w4":  # the owned unit's place in the tile
+            pair, d_kb, d_row = tile_place(own)
+            odd = mx.cmp_ne(pair, 0)
+            row = add(mx.select(odd, firsts[1][0], firsts[0][0]), d_row)
+            kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), d_kb)
             s_off = add(mul(row, nkb), kb)
         elif shuffle:  # a16w4: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb % 256
             # == 0) plus the lane's (lane[5]: _a16w4_scale_offset's linear part of the owned block)
@@ -354,33 +334,31 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
         bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims))
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
-        if lined(dtype, tail, shuffle):
-            col, piece = _lane_split(lane, dists)
-            lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if shuffle else col
-            # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
-            own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if shuffle else mul(piece, LOAD_BYTES // in_block)
-            if shuffle:  # lined_units: row col % 8, block col / 8 of a tile pair
-                lane_in = add(add(mul(band(col, 7), val(row_bytes)), mul(lshr(col, 3), in_block)), shl(piece, 4))
-            else:
-                lane_in = add(mul(col, in_block), shl(piece, 4))
-            # a16w4: the owned block's kb % 4 = 2 (piece % 2) + col / 8, row nl = 8 (piece / 2) + col % 8
-            lane_scale = add(shl(add(shl(band(piece, 1), 1), lshr(col, 3)), 6), shl(add(shl(lshr(piece, 1), 3), band(col, 7)), 2))
-            lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), add(lane_unit, own_reg), lane_in, col,
-                     piece, lane_scale)
-            tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
-            if shuffle and shuffle != "a4w4":  # a16w4: the tile's (row, kb) carried, kb + 4 wrapping to the next row tile
-
-                def step(i, row, kb):
-                    lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args, (row, kb))
-                    wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
-                    return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
-
-                mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
-            else:
-                mx.for_range(tiles_per_wave, lambda i: lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args))
+        col, piece = _lane_split(lane, dists)
+        lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if paired else col
+        # the lane owns register `piece` after the reduce-scatter: lined_units(piece) as bit operations
+        own_reg = add(shl(band(piece, 1), 5), shl(lshr(piece, 1), 3)) if paired else mul(piece, LOAD_BYTES // in_block)
+        own = add(lane_unit, own_reg)
+        if shuffle:  # the lane unit's row and block of a tile pair
+            _, d_kb, d_row = tile_place(lane_unit)
+            lane_in = add(add(mul(d_row, val(row_bytes)), mul(d_kb, in_block)), shl(piece, 4))
         else:
-            mx.for_range(tiles_per_wave,
-                         lambda i: block(add(mx.opaque_sgpr(mul(add(first, i), WAVE)), lane), bufs, shape, nb, n1_args))
+            lane_in = add(mul(col, in_block), shl(piece, 4))
+        # a16w4: the owned block's kb % 4 = own / 16, row nl = own % 16 (_a16w4_scale_offset's linear part)
+        lane_scale = add(shl(lshr(own, 4), 6), shl(band(own, 15), 2))
+        lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), own, lane_in, col, piece,
+                 lane_scale)
+        tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
+        if shuffle and shuffle != "a4w4":  # a16w4: the tile's (row, kb) carried, kb + 4 wrapping to the next row tile
+
+            def step(i, row, kb):
+                lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args, (row, kb))
+                wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
+                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
+
+            mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
+        else:
+            mx.for_range(tiles_per_wave, lambda i: lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args))
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(

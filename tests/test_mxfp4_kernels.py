@@ -216,8 +216,9 @@ A16W4_CASES = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in A
 
 @pytest.mark.parametrize("arch,dtype,mode", A16W4_CASES, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A16W4_CASES])
 def test_3d_a16w4_lined(arch, dtype, mode):
-    """The a16w4 shuffle with a block over lanes (16-bit x: each wave quantizes one 16-row x
-    4-block tile of the output order, gate_up's row tiles permuted; FP32: one lane per block),
+    """The a16w4 shuffle with a block over lanes (each wave quantizes one 16-row x 4-block tile of
+    the output order, gate_up's row tiles permuted; 16-bit: a register spans 2 blocks of 8 rows,
+    FP32: 8 blocks of 8 rows),
     against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
@@ -546,23 +547,26 @@ def test_compile_cols(arch, dtype):
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed); loads of whole lines and all data stores
     fully coalesced (rowwise, also with the a4w4 and a16w4 (gate_up) shuffles: 4-byte stores of
-    a piece each; columnwise: 16-byte stores), the codes one byte each."""
+    a piece each, FP32 2-byte ones; columnwise: 16-byte stores), the codes one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
+    x32 = emu.aligned(random_rows(64, 1024, torch.float32, seed=5))
     with emu.device_like_allocations(), emu.record() as launches:
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
         kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
         k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=64)  # E = 2
-    for r, t, data_store in zip(launches, (x, xc, x, x), ("buffer_store_dword", "buffer_store_dwordx4", "buffer_store_dword",
-                                                          "buffer_store_dword")):
+        k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")
+        k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=32)  # E = 2
+    word, short = "buffer_store_dword", "buffer_store_short"
+    for r, t, data_store in zip(launches, (x, xc, x, x, x32, x32), (word, "buffer_store_dwordx4", word, word, short, short)):
         mem = r.stats.memory
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
               + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
         assert mem[data_store].bytes == t.numel() // 2 and mem[data_store].coalescing == 1.0
         assert mem["buffer_store_byte"].bytes == t.numel() // 32
-        assert mem["buffer_load_dwordx4"].bytes == t.numel() * 2
+        assert mem["buffer_load_dwordx4"].bytes == t.numel() * t.element_size()
         assert mem["buffer_load_dwordx4"].coalescing == 1.0  # whole lines (rowwise: a block over 4 lanes)
 
 
