@@ -360,6 +360,20 @@ def dpp_xor(x, dist):
     return rocdl.update_dpp(i32_t(), poison(i32_t()), val(x), DPP_XOR[dist], DPP_ALL, DPP_ALL, False)
 
 
+# XOR distance 4, which GFX9 DPP has no pattern for: two row rotations (by 12: lane i + 4; by 4:
+# lane i - 4), each written to the lanes with bit 2 clear (banks 0, 2) or set (banks 1, 3).
+DPP_ROR = {4: 0x124, 12: 0x12C}
+BIT2_CLEAR_BANKS, BIT2_SET_BANKS = 0x5, 0xA
+
+
+def lane_xor(x, dist):
+    """x of lane (this lane) ^ dist, dist 1, 2, 4 or 8 (DPP)."""
+    if dist != 4:
+        return dpp_xor(x, dist)
+    clear = rocdl.update_dpp(i32_t(), poison(i32_t()), val(x), DPP_ROR[12], DPP_ALL, BIT2_CLEAR_BANKS, False)
+    return rocdl.update_dpp(i32_t(), clear, val(x), DPP_ROR[4], DPP_ALL, BIT2_SET_BANKS, False)
+
+
 # For all-reductions over groups of 2, 4, 8 lanes (after the steps at 1 and 2): row_half_mirror
 # (lane i <-> 7 - i in each 8) pairs every lane with one of the other quad, which is enough.
 DPP_REDUCE = {1: DPP_XOR[1], 2: DPP_XOR[2], 4: 0x141, 8: DPP_XOR[8]}

@@ -14,12 +14,12 @@ on gfx950 for v_permlane32/16_swap, 2, 1 (8, 2, 1) on gfx942 for DPP) loads piec
 bytes: 8 16-bit or 4 FP32 elements) of 4 (FP32: 8) units (plain: blocks t0 + C k + col, C = 16
 or 8 blocks per KiB, each load instruction 1 KiB contiguous; 16-bit shuffles: lined_units, 8
 rows x 128 bytes; FP32 shuffles: units t0 + 8 k + col as plain, each block one whole 128-byte
-line of its row). The
-per-piece amax partials are reduce-scattered (the lane owns one block: its code, its code byte
-store), the block's conversion operand (_mxfp4_common.piece_operand) is gathered back and each
-lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4 piece (2 piece): 256
-(128) contiguous bytes per instruction (shuffles: two whole 128-byte lines). Blocks past the
-end read zeros and their stores are dropped (buffer range checks).
+line of its row). The per-piece amax partials are reduce-scattered (the lane owns one block:
+its code, its code byte store; plain scales (code_lines): two tiles' codes stored as one whole
+line, 2 bytes per lane), the block's conversion operand (_mxfp4_common.piece_operand) is
+gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
+piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
+lines). Blocks past the end read zeros and their stores are dropped (buffer range checks).
 K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elements, so a load
 instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
 read: offset out of range); a wave holding a partial piece masks its missing elements (a
@@ -65,6 +65,13 @@ MAX_WAVES = 4
 TILES_PER_WAVE = 4
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+
+
+def code_lines(arch: str, dtype: str, shuffle, scale_layout) -> bool:
+    """The variants whose waves store the plain scales as whole lines, two tiles per step
+    (build_rows' line_codes). Not gfx942 with 16-bit x: its encoder leaves no room for the
+    second tile's values (97 VGPRs instead of 93: 4 workgroups per CU instead of 5)."""
+    return not (shuffle or scale_layout) and (arch == "gfx950" or dtype == "fp32")
 
 
 @dataclass(frozen=True)
@@ -268,11 +275,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             offs = [add(bases[p], add(mul(row_bytes, r), d_kb * in_block)) for p, d_kb, r in places]
         return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
 
-    def lined_tile(t0, bufs, lane, shape, sizes, n1_args, first=None):
+    def lined_tile(t0, bufs, lane, shape, sizes, n1_args, first=None, store_code=True):
         """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
         of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
         store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
-        owns register `piece`'s block), the conversion operands gathered back."""
+        owns register `piece`'s block), the conversion operands gathered back. Returns the owned
+        block's code byte (stored here if store_code)."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
@@ -306,7 +314,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             s_off = mx.scale_offset(scale_layout, row, kb, dims)
         if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
             s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
-        mx.store_byte(mx.select(bad, mx.E8M0_NAN, code), rs, s_off)
+        code_byte = mx.select(bad, mx.E8M0_NAN, code)
+        if store_code:
+            mx.store_byte(code_byte, rs, s_off)
         operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
         rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
         data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
@@ -320,6 +330,36 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
         for i, d in enumerate(data):  # FP32: a piece of 4 elements is 2 bytes
             (mx.store_short if spec.wide else mx.store)(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
+        return code_byte
+
+    # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
+    # outside dists, col's bit 0) owns the block after this lane's.
+    code_dist = min(d for d in (1, 2, 4) if d not in dists)
+
+    def line_codes(tile, tiles_per_wave, first, args, own, nb, rs):
+        """Plain scales: while both tiles are inside, a wave takes its tiles in pairs (t0, t0 +
+        64), whose 128 codes one 2-byte store per lane writes (a whole line when t0 % 128 ==
+        0): of the two lanes of a code_dist pair, the one with `own` even stores its block's and
+        the next one's code of the first tile, the other those of the block before its own and
+        its own of the second (each lane's two codes in one dword, the partner's taken by DPP,
+        the two bytes picked by a per-lane v_perm_b32 selector). The rest (a wave holding the
+        launch's end, an odd last tile) store one byte per block."""
+        odd = band(own, 1)  # own's bit 0 is col's, the lane's bit at code_dist
+        # selector bytes of (hi = the partner's dword, lo = this lane's): first tile's codes in bytes
+        # 0 / 4, second tile's in 2 / 6; 0x0C: zero
+        sel = sub(0x0C0C0400, mul(odd, 0x0400 - 0x0206))
+        s_lane = add(own, mul(odd, WAVE - 1))
+
+        def step(i):
+            t0 = tile(shl(i, 1))
+            codes = [lined_tile(t, *args, store_code=False) for t in (t0, tile(add(shl(i, 1), 1)))]
+            both = mx.perm(codes[1], codes[0], 0x0C040C00)  # the codes in bytes 0 and 2
+            mx.store_short(mx.perm(mx.lane_xor(both, code_dist), both, sel), rs, s_lane, soffset=t0)
+
+        end = mul(add(first, tiles_per_wave), WAVE)
+        pairs = mx.select(mx.cmp_ule(end, nb), lshr(tiles_per_wave, 1), 0)  # trip counts, not a branch
+        mx.for_range(pairs, step)
+        mx.for_range(sub(tiles_per_wave, shl(pairs, 1)), lambda i: lined_tile(tile(add(shl(pairs, 1), i)), *args))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
@@ -357,6 +397,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
 
             mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
+        elif code_lines(arch, dtype, shuffle, scale_layout):
+            line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         else:
             mx.for_range(tiles_per_wave, lambda i: lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args))
 

@@ -25,6 +25,13 @@ import oracles
 from test_reference_mxfp4 import fp4_blocks
 
 ARCHS = ("gfx950", "gfx942")
+WAVE_BLOCKS = 64  # blocks of a rowwise wave tile
+
+
+def tile_copies(arch, dtype):
+    """Tiles the plain rowwise kernel emits: with code lines, two in the pairs loop and one in
+    the byte loop."""
+    return 3 if k4.code_lines(arch, dtype, None, None) else 1
 MODES = ("floor", "rceil", "even")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 U8 = torch.uint8
@@ -104,6 +111,38 @@ def test_tails(arch, dtype):
             x[1, 37], x[4, 2] = float("nan"), -float("inf")
         got = k4.quantize_rows(x, arch=arch, scaling_mode=mode)
         assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
+
+
+# (arch, dtype, (M, K)): 2103 blocks (odd) = 33 tiles: 8 waves of 4 tiles wholly inside (code lines),
+# the last wave's partial tile by bytes; tail variants (K % 32 != 0) the same way; gfx942 16-bit:
+# bytes only (code_lines)
+CODE_LINE_CASES = [("gfx950", torch.bfloat16, (701, 96)), ("gfx942", torch.float32, (701, 96)),
+                   ("gfx950", torch.float32, (701, 90)), ("gfx942", torch.float32, (701, 90)),
+                   ("gfx942", torch.bfloat16, (701, 96))]
+
+
+@pytest.mark.parametrize("arch,dtype,shape", CODE_LINE_CASES, ids=[f"{a}-{str(d)[6:]}-{s[1]}" for a, d, s in CODE_LINE_CASES])
+def test_code_lines(arch, dtype, shape):
+    """Plain scales (k4.code_lines): waves whose tiles are all inside store two tiles' codes as
+    whole 128-byte lines (a 2-byte store per lane after one DPP move between the lanes of
+    adjacent blocks), the rest one byte per block; every code at its place, NaN/Inf blocks (0xFF) among them at odd
+    and even blocks of both tiles of a pair and in the byte-stored end."""
+    mode = "rceil" if dtype == torch.float32 else "floor"
+    x = emu.aligned(random_rows(*shape, dtype, seed=41))
+    special = special_blocks(dtype)
+    x.view(-1)[:special.numel()] = special.flatten()  # blocks 0 ..: across the first pair's tiles when K = 96
+    for r, c in ((130, 5), (131, 40), (300, 70), (700, 3)):
+        x[r, c] = float("nan") if c % 2 else float("inf")
+    with emu.device_like_allocations(), emu.record() as launches:
+        got = k4.quantize_rows(x, arch=arch, scaling_mode=mode)
+    assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{shape} {mode}")
+    scales = got[1]
+    nb = scales.numel()
+    (r,) = launches
+    lines = r.stats.traffic_within(scales.data_ptr(), scales.data_ptr() + nb)
+    inside = 8 * 4 * WAVE_BLOCKS if tile_copies(arch, c4.TORCH_DTYPES[dtype]) > 1 else 0  # the 8 waves of whole tiles
+    assert lines.bytes == nb and lines.lanes == inside // 2 + (nb - inside)
+    assert r.stats.memory["buffer_store_byte"].bytes == nb - inside
 
 
 def pattern_blocks(dtype, code, mode):
@@ -483,41 +522,49 @@ def _compile(arch, dtype, mode, tail):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile(arch, dtype):
     """The tail variant (K % 32 != 0; a block over lanes as test_compile_lined, plus the row
-    division and masks per piece): no scratch; 16-byte loads (16-bit: and the 2-byte load of
-    the last element), a 4-byte (FP32: 2-byte) data store per piece and one code byte; the scaled
-    FP4 conversion on gfx950 and none on gfx942 (which has no such instruction)."""
+    division and masks per piece): no scratch; per tile (tile_copies of it) 16-byte loads
+    (16-bit: and the 2-byte load of the last element), a 4-byte (FP32: 2-byte) data store per
+    piece; one code byte store (code lines: and one 2-byte store); the scaled FP4 conversion on
+    gfx950 and none on gfx942 (which has no such instruction)."""
     cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
     for mode, tail in (("even", True),):
         r = _compile(arch, dtype, mode, tail)
         print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
         assert r.spills == 0 and r.lds_bytes == 0, r.name
         loads = 8 if dtype == "fp32" else 4  # pieces of 16 bytes
-        assert r.count("buffer_load_dwordx4") == loads, r.name
+        copies, lines = tile_copies(arch, dtype), int(k4.code_lines(arch, dtype, None, None))
+        assert r.count("buffer_load_dwordx4") == copies * loads, r.name
         assert sum(r.count(f"buffer_load_{w}") for w in ("dword", "dwordx2", "dwordx3", "ubyte")) == 0, r.name
-        assert r.count("buffer_load_ushort") == (1 if tail and dtype != "fp32" else 0), r.name  # the last element
-        assert r.count("buffer_store_short" if dtype == "fp32" else "buffer_store_dword") == loads, r.name
+        assert r.count("buffer_load_ushort") == (copies if tail and dtype != "fp32" else 0), r.name  # the last element
+        if dtype == "fp32":
+            assert r.count("buffer_store_short") == copies * loads + lines, r.name
+        else:
+            assert r.count("buffer_store_dword") == copies * loads and r.count("buffer_store_short") == lines, r.name
         assert r.count("buffer_store_dwordx4") == 0 and r.count("buffer_store_byte") == 1, r.name
-        assert r.count(cvt) == (16 if arch == "gfx950" else 0), r.name  # two elements each
+        assert r.count(cvt) == (copies * 16 if arch == "gfx950" else 0), r.name  # two elements each
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
         if arch == "gfx942" and dtype != "fp32":  # the packed FP16 encoder: three terms per pair
-            assert r.count("v_pk_fma_f16") == 3 * 16 and r.count("v_pk_min_f16") == 2 * 16, r.name
+            assert r.count("v_pk_fma_f16") == copies * 3 * 16 and r.count("v_pk_min_f16") == copies * 2 * 16, r.name
             assert ".amdhsa_float_denorm_mode_16_64 3" in r.isa  # FP16 subnormal multipliers kept
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_compile_lined(arch, dtype):
-    """The rowwise kernel with a block over lanes (K % 32 == 0): no scratch; per lane and tile one
-    16-byte load per piece (4 or 8), a 4-byte (FP32: 2-byte) data store per piece and one code
-    byte; the block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP."""
+    """The rowwise kernel with a block over lanes (K % 32 == 0): no scratch; per lane and tile
+    (tile_copies of it) one 16-byte load per piece (4 or 8), a 4-byte (FP32: 2-byte) data store
+    per piece; the codes one byte each or two tiles' in one 2-byte store (test_code_lines); the
+    block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP."""
     r = _compile(arch, dtype, "floor", False)
     print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
-    n = 8 if dtype == "fp32" else 4
+    n = tile_copies(arch, dtype) * (8 if dtype == "fp32" else 4)
     assert r.spills == 0 and r.lds_bytes == 0
     assert r.count("buffer_load_dwordx4") == n and r.count("buffer_store_byte") == 1
-    assert r.count("buffer_store_short" if dtype == "fp32" else "buffer_store_dword") == n
+    assert r.count("buffer_store_short") == (n if dtype == "fp32" else 0) + k4.code_lines(arch, dtype, None, None)
+    assert dtype == "fp32" or r.count("buffer_store_dword") == n
     assert r.count("buffer_store_dwordx4") == 0
-    assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950") and ("quad_perm" in r.isa) == (arch == "gfx942")
+    assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950")
+    assert (r.isa.count("quad_perm") == 1) == (arch == "gfx950")  # gfx950: DPP only for the code lines (distance 1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -547,25 +594,26 @@ def test_compile_cols(arch, dtype):
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed); loads of whole lines and all data stores
     fully coalesced (rowwise, also with the a4w4 and a16w4 (gate_up) shuffles: 4-byte stores of
-    a piece each, FP32 2-byte ones; columnwise: 16-byte stores), the codes one byte each."""
+    a piece each, FP32 2-byte ones; columnwise: 16-byte stores); the codes of the plain rowwise
+    kernel on gfx950 in whole lines (test_code_lines), the others one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
     x32 = emu.aligned(random_rows(64, 1024, torch.float32, seed=5))
     with emu.device_like_allocations(), emu.record() as launches:
-        k4.quantize_rows(x, arch=arch, scaling_mode="rceil")
-        kc.quantize_cols(xc, arch=arch, scaling_mode="rceil")
-        k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")  # lanes in unit order
-        k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=64)  # E = 2
-        k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma")
-        k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=32)  # E = 2
-    word, short = "buffer_store_dword", "buffer_store_short"
-    for r, t, data_store in zip(launches, (x, xc, x, x, x32, x32), (word, "buffer_store_dwordx4", word, word, short, short)):
+        outs = [k4.quantize_rows(x, arch=arch, scaling_mode="rceil"),
+                kc.quantize_cols(xc, arch=arch, scaling_mode="rceil"),
+                k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma"),  # lanes in unit order
+                k4.quantize_rows(x, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=64),  # E = 2
+                k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a4w4", scale_layout="mfma"),
+                k4.quantize_rows(x32, arch=arch, scaling_mode="rceil", shuffle="a16w4_gate_up", rows_per_expert=32)]  # E = 2
+    for i, (r, t, (data, scales)) in enumerate(zip(launches, (x, xc, x, x, x32, x32), outs)):
         mem = r.stats.memory
+        d, sc = (r.stats.traffic_within(o.data_ptr(), o.data_ptr() + o.numel()) for o in (data, scales))
         print(f"{r.kernel} {tuple(t.shape)}: {r.stats.wave_instructions} wave-instructions, "
               f"{r.stats.wave_instructions / t.numel():.4f} per element; coalescing "
-              + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()))
-        assert mem[data_store].bytes == t.numel() // 2 and mem[data_store].coalescing == 1.0
-        assert mem["buffer_store_byte"].bytes == t.numel() // 32
+              + ", ".join(f"{n} {c.coalescing:.3f}" for n, c in mem.items()) + f"; codes {sc.coalescing:.3f}")
+        assert d.bytes == t.numel() // 2 and d.coalescing == 1.0
+        assert sc.bytes == t.numel() // 32 and (sc.coalescing == 1.0) == (i == 0 and arch == "gfx950")
         assert mem["buffer_load_dwordx4"].bytes == t.numel() * t.element_size()
         assert mem["buffer_load_dwordx4"].coalescing == 1.0  # whole lines (rowwise: a block over 4 lanes)
 
