@@ -1,7 +1,8 @@
 """MXFP4 quantize kernels (kernels/mxfp4_quantize.py rowwise, kernels/mxfp4_quantize_cols.py
 columnwise) against flyquant.reference, byte for byte,
 executed under flyquant.emu for gfx950 (hardware scaled FP4 conversion) and gfx942 (software
-conversion); `gpu`-marked tests repeat them on a real MI300X/MI355X.
+conversion); `gpu`-marked tests repeat them on a real MI300X/MI355X. The layouts written in the
+same pass (aiter's a16w4, mfma, a4w4) are tests/test_mxfp4_layout_kernels.py's.
 
 A block worked by hand (floor, BF16): {6.0, -0.75, 1.25, 0.25, 0 ...}: amax 6 = 1.5 * 2^2 ->
 code 2 - 2 + 127 = 127, elements unscaled: 6 -> 0x7, -0.75 -> -1.0 (tie to even) = 0xA,
@@ -15,13 +16,12 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import formats, layouts, reference, toolchain
+from flyquant import formats, reference, toolchain
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 from flyquant.kernels import mxfp4_quantize_cols as kc
 from flyquant.kernels import mxfp4_quantize_dual as kd
 
-import oracles
 from test_reference_mxfp4 import fp4_blocks
 
 ARCHS = ("gfx950", "gfx942")
@@ -215,183 +215,6 @@ def test_cols_tails(arch, dtype):
             x[37, 2], x[3, 8] = float("nan"), float("inf")
         got = kc.quantize_cols(x, arch=arch, scaling_mode=mode)
         assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("gate_up", [False, True])
-def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
-    """fq.mxfp4_quantize_3d(w, shuffle="a16w4") writes in one launch the bytes of aiter's own
-    shuffle_weight_a16w4 / shuffle_scale_a16w4 (aiter/ops/shuffle.py, loaded by path) applied to
-    the plain quantize (E = 3, N = 64: two 32-row scale tiles, two gate/up halves of 32; K = 512:
-    two 256-wide scale tiles, a NaN block among them); without the shuffle it is quantize_mxfp4."""
-    aiter = oracles.aiter_shuffle()
-    emu.enable(arch)
-    w = random_rows(3 * 64, 512, torch.bfloat16, seed=11).reshape(3, 64, 512)
-    w[1, 40, 300] = float("nan")
-    packed, scales = reference.quantize_mxfp4(w, "even")
-    want = (aiter.shuffle_weight_a16w4(packed, 16, gate_up).reshape(packed.shape),
-            aiter.shuffle_scale_a16w4(scales.view(3 * 64, 16), 3, gate_up).view(3, 64, 16))  # aiter: (E*N, K/32)
-    with emu.record() as launches:
-        got = fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=gate_up)
-    (launch,) = launches
-    assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
-    assert_same(got, want, "a16w4")
-    assert_same(reference.mxfp4_quantize_3d(w, "even", "a16w4", gate_up), want, "reference a16w4")
-    if not gate_up:
-        assert_same(fq.mxfp4_quantize_3d(w[:, :, :500].contiguous(), "rceil"),
-                    reference.quantize_mxfp4(w[:, :, :500].contiguous(), "rceil"), "3d plain")
-    for kwargs, match in ((dict(shuffle="a16w4x"), "shuffle must be one of"), (dict(gate_up=True), "gate_up=True"),
-                          (dict(shuffle="a16w4", gate_up=1), "gate_up must be a bool")):
-        with pytest.raises(ValueError, match=match):
-            fq.mxfp4_quantize_3d(w, **kwargs)
-    with pytest.raises(ValueError, match=r"w.shape\[2\] \(K, for the a16w4 shuffle\) = 480"):
-        fq.mxfp4_quantize_3d(w[:, :, :480].contiguous(), shuffle="a16w4")
-    with pytest.raises(ValueError, match=r"w.shape\[1\] \(N"):
-        fq.mxfp4_quantize_3d(w[:, :48].contiguous(), shuffle="a16w4")
-
-
-A16W4_CASES = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
-
-
-@pytest.mark.parametrize("arch,dtype,mode", A16W4_CASES, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A16W4_CASES])
-def test_3d_a16w4_lined(arch, dtype, mode):
-    """The a16w4 shuffle with a block over lanes (each wave quantizes one 16-row x 4-block tile of
-    the output order, gate_up's row tiles permuted; 16-bit: a register spans 2 blocks of 8 rows,
-    FP32: 8 blocks of 8 rows),
-    against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
-    3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
-    = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
-    saturation, -0), tiles past the end dropped (36 tiles over whole waves)."""
-    emu.enable(arch)
-    w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
-    special = special_blocks(dtype)
-    w[1].view(-1, 32)[5:5 + special.shape[0]] = special
-    for gate_up in (False, True):
-        with emu.record() as launches:
-            got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
-        (launch,) = launches
-        assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
-        assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 gate_up={gate_up}")
-
-
-def _aiter_e8m0_shuffle(aiter, scales):
-    """aiter's e8m0_shuffle of (rows, cols) scales, its padding zeroed (aiter leaves it
-    uninitialised: the input is zero-padded to its padded shape first, which it keeps)."""
-    rows, cols = scales.shape
-    padded = torch.zeros(-(-rows // 256) * 256, -(-cols // 8) * 8, dtype=U8)
-    padded[:rows, :cols] = scales.view(U8)
-    return aiter.e8m0_shuffle(padded.view(torch.float8_e8m0fnu))
-
-
-# (arch, dtype, mode, (M, K)): odd M and K tails; 263 rows: two 256-row tiles, the second mostly
-# padding; nkb 6 and 101: columns padded to 8 and 104; then K % 32 == 0 (nkb 5 and 3)
-MFMA_CASES = [("gfx950", torch.bfloat16, "even", (263, 165)), ("gfx942", torch.float16, "floor", (263, 165)),
-              ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))] + [
-    # K % 32 == 0: the block split over lanes (a partial last tile of 64 blocks; FP32: 8 lanes per block)
-    ("gfx950", torch.float32, "floor", (263, 160)), ("gfx942", torch.float32, "even", (37, 96)),
-    ("gfx942", torch.bfloat16, "floor", (263, 160))]
-
-
-@pytest.mark.parametrize("arch,dtype,mode,shape", MFMA_CASES, ids=[f"{c[0]}-{c[2]}-{c[3][0]}x{c[3][1]}" for c in MFMA_CASES])
-def test_mfma_scales_are_aiters(arch, dtype, mode, shape):
-    """fq.mxfp4_quantize(x, scale_layout="mfma"): one launch of the rowwise kernel writing the codes
-    at their places in aiter's e8m0_shuffle (aiter/utility/fp4_utils.py, loaded by path) of the
-    plain scales, padding 0; the data is the plain quantize's. A NaN block included."""
-    aiter = oracles.aiter_fp4_utils()
-    emu.enable(arch)
-    x = random_rows(*shape, dtype, seed=21)
-    x[shape[0] // 2, shape[1] - 1] = float("nan")
-    packed, scales = reference.mxfp4_quantize(x, -1, mode)
-    want = (packed, _aiter_e8m0_shuffle(aiter, scales))
-    with emu.record() as launches:
-        got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
-    (launch,) = launches
-    tail = "_tail" if shape[1] % 32 else ""
-    assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}{tail}_mfma_w")
-    assert_same(got, want, "mfma")
-    assert_same(reference.mxfp4_quantize(x, -1, mode, "mfma"), want, "reference mfma")
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a4w4_shuffle_is_aiters(arch):
-    """fq.mxfp4_quantize(x, shuffle="a4w4"[, scale_layout="mfma"]): the data bytes of aiter's own
-    shuffle_weight(data, layout=(16, 16)) (aiter/ops/shuffle.py by path) of the plain quantize, in
-    one launch (M = 48: three 16-row tiles; K = 320: five 64-wide tiles, nkb 10 padded to 16 in
-    the mfma scales); the constraints named up front."""
-    shuffle, fp4 = oracles.aiter_shuffle(), oracles.aiter_fp4_utils()
-    emu.enable(arch)
-    dtype = torch.float32 if arch == "gfx950" else torch.bfloat16
-    x = random_rows(48, 320, dtype, seed=22).reshape(2, 24, 320)  # leading dims flattened: M = 48
-    x[1, 5, 100] = float("inf")
-    packed, scales = reference.mxfp4_quantize(x, -1, "rceil")
-    data = shuffle.shuffle_weight(packed, layout=(16, 16))
-    for layout, want in ((None, (data, scales)), ("mfma", (data, _aiter_e8m0_shuffle(fp4, scales)))):
-        with emu.record() as launches:
-            got = fq.mxfp4_quantize(x, scaling_mode="rceil", scale_layout=layout, shuffle="a4w4")
-        (launch,) = launches
-        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4{'_mfma' if layout else ''}_w")
-        assert_same(got, want, f"a4w4 {layout}")
-        assert_same(reference.mxfp4_quantize(x, -1, "rceil", layout, "a4w4"), want, f"reference a4w4 {layout}")
-    plan = fq.explain(fq.mxfp4_quantize, x, scale_layout="mfma", shuffle="a4w4")
-    assert plan.kernel.endswith(f"_{arch}_a4w4_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
-    for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
-                       ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
-                       ((x, 0), "rowwise only")):
-        with pytest.raises(ValueError, match=match):
-            fq.mxfp4_quantize(*bad, shuffle="a4w4")
-    with pytest.raises(ValueError, match="shuffle must be one of"):
-        fq.mxfp4_quantize(x, shuffle="a16w4")
-    with pytest.raises(ValueError, match="scale_layout must be one of"):
-        fq.mxfp4_quantize(x, scale_layout="tcgen05")
-
-
-def _zero_padded(t, shape):
-    out = torch.zeros(shape, dtype=U8)
-    out[:t.shape[0], :t.shape[1]] = t.view(U8)
-    return out
-
-
-def _gemm_a4w4_reference(run_torch, a, a_scales, b, b_scales):
-    """aiter's gemm_a4w4 inputs (A plain, B in shuffle_weight(layout=(16, 16)), both scales
-    e8m0_shuffle'd and padded) -> FP32 (padded M, padded N) through aiter's torch reference, which
-    takes plain layouts: the shuffles undone by flyquant.layouts' inverses (aiter has none), the
-    data zero-padded to the scales' padded rows and K."""
-    a_s, b_s = layouts.mfma_unshuffle_scales(a_scales), layouts.mfma_unshuffle_scales(b_scales)
-    kp = a_s.shape[1] * 16
-    a = _zero_padded(a, (a_s.shape[0], kp))
-    b = _zero_padded(layouts.unshuffle_weight_a4w4(b), (b_s.shape[0], kp))
-    return run_torch(a, b, a_s.view(U8), b_s.view(U8), torch.float32)
-
-
-# (arch, dtype, mode, M, N, K): M tails (activation scale rows padded to 256); nkb 10 and 2 (scale
-# columns padded to 16 and 8, so K is padded too)
-GEMM_CASES = [("gfx950", torch.bfloat16, "even", 37, 48, 320), ("gfx942", torch.float32, "rceil", 5, 16, 64)]
-
-
-@pytest.mark.parametrize("arch,dtype,mode,m,n,k", GEMM_CASES, ids=[f"{c[0]}-{c[3]}x{c[4]}x{c[5]}" for c in GEMM_CASES])
-def test_gemm_a4w4_round_trip(arch, dtype, mode, m, n, k):
-    """The kernels' gemm_a4w4 operands through gemm_a4w4's reference equal dequantize-then-matmul
-    of the kernels' plain outputs, bit for bit: activations (M, K) with scale_layout="mfma" (A is
-    read plain: aiter shuffles only B), weights (N, K) with scale_layout="mfma", shuffle="a4w4".
-    The padded rows, columns and K contribute exactly zero (a padding scale of 0xFF, E8M0's NaN,
-    would make every output NaN). Inputs are normal samples times a power of two per row, so all
-    block scales of a row lie within a few binades and the products' sums are exact in FP32 in
-    any order (the float64 matmul it is compared with would show any rounding)."""
-    run_torch = oracles.aiter_gemm_a4w4_reference()
-    emu.enable(arch)
-    g = torch.Generator().manual_seed(23)
-    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.arange(m) % 7 - 3.0)[:, None]).to(dtype)
-    w = (torch.randn(n, k, generator=g) * torch.exp2(torch.arange(n) % 5 - 2.0)[:, None]).to(dtype)
-    a, a_scales = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout="mfma")
-    b, b_scales = fq.mxfp4_quantize(w, scaling_mode=mode, scale_layout="mfma", shuffle="a4w4")
-    got = _gemm_a4w4_reference(run_torch, a, a_scales, b, b_scales)
-
-    plain_x, plain_w = fq.mxfp4_quantize(x, scaling_mode=mode), fq.mxfp4_quantize(w, scaling_mode=mode)
-    want = reference.dequantize_mxfp4(*plain_x).double() @ reference.dequantize_mxfp4(*plain_w).double().T
-    assert got.shape == (256, 256) and not got.isnan().any()
-    assert torch.equal(got[:m, :n].double(), want), (got[:m, :n].double() - want).abs().max()
-    assert not got[m:].any() and not got[:, n:].any()
-    assert want.abs().min() > 0  # every output counts
 
 
 DUAL = [(a, MODES[i % 3], d) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
