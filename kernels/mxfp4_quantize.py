@@ -289,11 +289,34 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         words, valids = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args, sizes)
         mx.wait_loads()
         amax = lined_amax(words, False)
-        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): tiles reaching 2^121 redo it exactly
-            amax = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), lambda: [lined_amax(words, True)],
-                              lambda: [amax], types=[mx.i32_t()])[0]
-        code = _mxfp4_common.scale_code(spec, amax)
-        bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+
+        def finish(amax, special):
+            """The owned block's code byte and the data dwords from the block amaxes; special: the
+            wave may hold NaN/Inf blocks (code 0xFF, nibbles patched in a rare branch)."""
+            code = _mxfp4_common.scale_code(spec, amax)
+            operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
+            rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
+            data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
+            if not special:
+                return [code] + data
+            bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+
+            def nan_patched():  # NaN/Inf blocks: nibble 0x7 for the elements present, 0 for a partial block's padding
+                flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
+                nans = [_mxfp4_common.nan_words(v)[0] for v in valids] if tail else [_mxfp4_common.E2M1_NAN_X8] * loads
+                return [mx.select(mx.cmp_ne(f, 0), n, d) for f, n, d in zip(flags, nans, data)]
+
+            data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
+            return [mx.select(bad, mx.E8M0_NAN, code)] + data
+
+        if spec.needs_exact_redo:
+            # BF16 read as FP16 (gfx950): a wave with a pattern from 2^121 up (NaN and Inf among them)
+            # redoes the amax exactly and handles NaN/Inf blocks; every other wave has none of them
+            out = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), lambda: finish(lined_amax(words, True), True),
+                             lambda: finish(amax, False), types=[mx.i32_t()] * (1 + loads))
+        else:
+            out = finish(amax, True)
+        code_byte, data = out[0], out[1:]
         g = add(t0, own)
         s_off = g
         if shuffle == "a4w4":  # the owned unit's place in the tile
@@ -314,19 +337,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             s_off = mx.scale_offset(scale_layout, row, kb, dims)
         if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
             s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
-        code_byte = mx.select(bad, mx.E8M0_NAN, code)
         if store_code:
             mx.store_byte(code_byte, rs, s_off)
-        operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
-        rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
-        data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
-
-        def nan_patched():  # NaN/Inf blocks: nibble 0x7 for the elements present, 0 for a partial block's padding
-            flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
-            nans = [_mxfp4_common.nan_words(v)[0] for v in valids] if tail else [_mxfp4_common.E2M1_NAN_X8] * loads
-            return [mx.select(mx.cmp_ne(f, 0), n, d) for f, n, d in zip(flags, nans, data)]
-
-        data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
         for i, d in enumerate(data):  # FP32: a piece of 4 elements is 2 bytes
             (mx.store_short if spec.wide else mx.store)(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))

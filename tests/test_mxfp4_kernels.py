@@ -364,7 +364,8 @@ def test_compile(arch, dtype):
         else:
             assert r.count("buffer_store_dword") == copies * loads and r.count("buffer_store_short") == lines, r.name
         assert r.count("buffer_store_dwordx4") == 0 and r.count("buffer_store_byte") == 1, r.name
-        assert r.count(cvt) == (copies * 16 if arch == "gfx950" else 0), r.name  # two elements each
+        redo = 2 if (arch, dtype) == ("gfx950", "bf16") else 1  # BF16 read as FP16: the exact-amax path converts too
+        assert r.count(cvt) == (redo * copies * 16 if arch == "gfx950" else 0), r.name  # two elements each
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
         if arch == "gfx942" and dtype != "fp32":  # the packed FP16 encoder: three terms per pair
             assert r.count("v_pk_fma_f16") == copies * 3 * 16 and r.count("v_pk_min_f16") == copies * 2 * 16, r.name
