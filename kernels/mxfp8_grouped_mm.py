@@ -1,0 +1,346 @@
+"""MXFP8 grouped GEMM for MoE (forward and dgrad): the FlyDSL kernel and its torch-facing launcher.
+
+Math. a (M, K) and b (E, N, K) hold OCP E4M3 (float8_e4m3fn) elements with one E8M0 scale per 32
+along K (a_scale (M, K / 32), b_scale (E, N, K / 32), row-major: what fq.mxfp8_quantize(x) and a
+3D quantize along K return); offs (E,) int32 are the token groups' end rows. For every group g and
+row m in [offs[g - 1], offs[g]) (offs[-1] = 0):
+
+    out[m, n] = sum_k a[m, k] 2^(sa[m, k / 32] - 127) * b[g, n, k] 2^(sb[g, n, k / 32] - 127)
+
+in FP32, rounded once to out's dtype. Rows at or past offs[E - 1] are written as 0. E4M3 x E4M3
+products and their power-of-two scales are exact in FP32 (up to underflow and overflow), so the
+only roundings are the FP32 sums (differing in order from any reference) and the output's.
+
+Work split. Grid (m-tiles of M, n-tiles of N): a workgroup computes rows [row0, row0 + tile_m) x a
+tile_n range of columns, with waves_m x waves_n waves of 16-row x 16-column MFMA blocks. The
+groups overlapping its rows are found on the device (offs never leaves it: no host
+synchronisation): one ballot per 64 groups counts the groups that end at or before row0 and those
+that end before the tile's end, and the workgroup computes its tile once per overlapping group,
+with the rows of other groups masked (their A loads read 0, their stores are dropped). A group
+boundary inside a tile costs one more pass over K for that tile.
+
+MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
+(c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
+output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous bytes.
+- gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 32
+  bytes of its row at k = 128 s + 32 c (two 16-byte loads) and that block's E8M0 scale byte; the
+  hardware applies both scales.
+- gfx942 (no MX MFMA; FP8 is the FNUZ format there): v_mfma_f32_16x16x32_fp8_fp8 per 32-wide
+  scale block, lane (c, r) supplying bytes 8c .. 8c + 7 of the block (an 8-byte load). OCP E4M3
+  codes read as FNUZ are worth exactly half (exponent bias 8 instead of 7), except -0 (0x80, NaN in
+  FNUZ: rewritten to +0 in registers, three bit operations per dword) and NaN (0x7F/0xFF, +-240 in
+  FNUZ: a wave-uniform check per step, and a rare branch that rewrites them to FNUZ's NaN). Each
+  block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
+  FMAs); the final sum is multiplied by 4 (the two halvings).
+
+Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
+rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
+every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked
+scalar offset and it stays below K. The group loop indexes offs below E; any offs values (unsorted,
+negative, past M) keep every access inside the tensors (rows are clamped to [0, M)); with offs
+that are not non-decreasing, output rows outside every group are not written.
+
+Constraints (checked by the launcher, the selector falls back to the reference otherwise): K a
+multiple of 32, N a multiple of 16, every buffer below 2 GiB.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl._mlir.dialects import arith
+from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+from flyquant import toolchain
+from flyquant.arch import arch_info
+
+from . import _mx_common as mx
+from ._a16w4_common import OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+
+MFMA_MN = 16
+BLOCK = 32  # MX block along K
+K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+MAX_BUFFER_BYTES = (1 << 31) - 64
+
+
+@dataclass(frozen=True)
+class GroupedMMConfig:
+    arch: str
+    out_dtype: torch.dtype
+    n: int  # N (a multiple of 16)
+    k: int  # K (a multiple of 32)
+    experts: int
+    tile_m: int = 64
+    tile_n: int = 128
+    waves_m: int = 2
+    waves_n: int = 2
+
+    @property
+    def name(self) -> str:
+        out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
+        return (f"fq_mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
+                f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}")
+
+
+def _byte(rsrc, voffset, soffset):
+    """buffer_load_ubyte: one zero-extended byte per lane."""
+    v = rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(), 0)
+    return fx.Int32(arith.extui(T.i32, v))
+
+
+def _e8m0_f32(e):
+    """2^(e - 127) as f32 for an E8M0 code e (an i32 in [0, 255]): the exponent field for codes
+    1 .. 254, the subnormal 2^-127 for 0 and NaN for 255 (both get mantissa bit 22)."""
+    special = fx.Uint32(e - 1) > fx.Uint32(253)
+    return ((e << 23) | special.select(fx.Int32(1 << 22), fx.Int32(0))).bitcast(fx.Float32)
+
+
+def _fnuz_words(w):
+    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
+    bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
+    low = w & 0x7F7F7F7F
+    fixed = (w & (low + 0x7F7F7F7F)) | low  # a byte keeps its sign bit only when its low 7 bits are not 0
+    return fixed, low + 0x01010101
+
+
+def _fnuz_nans(w):
+    """NaN codes of an already -0-fixed OCP dword -> FNUZ's NaN (0x80) (the rare branch)."""
+    nan = ((w & 0x7F7F7F7F) + 0x01010101) & _s32(0x80808080)  # 0x80 in the NaN bytes
+    mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
+    return (w & ~mask) | nan
+
+
+def build_grouped_mm(cfg: GroupedMMConfig):
+    """A fresh @flyc.jit launcher for `cfg`."""
+    info = arch_info(cfg.arch)
+    SCALED = info.name == "gfx950"
+    N, K, E = cfg.n, cfg.k, cfg.experts
+    KB = K // BLOCK  # scale bytes per row
+    TILE_M, TILE_N = cfg.tile_m, cfg.tile_n
+    WAVES = cfg.waves_m * cfg.waves_n
+    WM, WN = TILE_M // cfg.waves_m, TILE_N // cfg.waves_n
+    MB, NB = WM // MFMA_MN, WN // MFMA_MN
+    N_STEPS = -(-K // K_STEP)
+    TAIL_CHUNKS = (K % K_STEP) // BLOCK  # valid 32-wide chunks of a partial last step (0: none)
+    FULL_STEPS = N_STEPS - (1 if TAIL_CHUNKS else 0)
+    OUT_F32 = cfg.out_dtype == torch.float32
+    OUT_ELEM = 4 if OUT_F32 else 2
+    if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or N % MFMA_MN or K % BLOCK:
+        raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave, N % 16 == 0, K % 32 == 0")
+    if not SCALED and 3 * KB + 3 >= 4096:
+        raise ValueError(f"{cfg}: K = {K} too large for gfx942's scale offsets (immediate offsets < 4096)")
+
+    @flyc.kernel(name=cfg.name, known_block_size=[WAVES * WAVE, 1, 1])
+    def grouped_mm_kernel(
+        a: fx.Int64,  # (M, K) e4m3fn
+        a_scale: fx.Int64,  # (M, K / 32) e8m0
+        b: fx.Int64,  # (E, N, K) e4m3fn
+        b_scale: fx.Int64,  # (E, N, K / 32) e8m0
+        offs: fx.Int64,  # (E,) int32
+        out: fx.Int64,  # (M, N) bf16 / f32
+        m_rows: fx.Int32,  # M
+    ):
+        tid = fx.Int32(gpu.thread_id("x"))
+        lane = tid & (WAVE - 1)
+        wave = fx.Int32(rocdl.readfirstlane(T.i32, tid.shrui(fx.Int32(6)).ir_value()))
+        wm_i = wave % cfg.waves_m
+        wn_i = wave // cfg.waves_m
+        c = lane.shrui(fx.Int32(4))
+        r = lane & (MFMA_MN - 1)
+        row0 = fx.Int32(gpu.block_id("x")) * TILE_M
+        col_wave = fx.Int32(gpu.block_id("y")) * TILE_N + wn_i * WN
+        row_end = fx.min(row0 + TILE_M, m_rows)
+
+        # ---- the groups overlapping [row0, row_end): one ballot per 64 groups --------------
+        offs_rsrc = _rsrc(offs, E * 4)
+        g0 = fx.Int32(0)  # groups ending at or before row0
+        g1 = fx.Int32(0)  # groups ending before row_end
+        for j in range_constexpr(-(-E // WAVE)):
+            end = _load(offs_rsrc, (lane + j * WAVE) << 2, 0, 1)
+            live = (1 << min(WAVE, E - j * WAVE)) - 1
+            live = -1 if live == (1 << 64) - 1 else live
+            g0 = g0 + fx.Int32(fx.math.ctpop(_ballot(end <= row0) & live))
+            g1 = g1 + fx.Int32(fx.math.ctpop(_ballot(end < row_end) & live))
+        g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
+
+        a_rsrc = _rsrc(a, _zext(m_rows) * K)
+        as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
+        out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
+        rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
+        cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
+        zero4 = Vec.filled(4, 0.0, fx.Float32).ir_value()
+
+        def store(accs, lo, hi, scale):
+            """out[rows in [lo, hi), this lane's 4 columns of every block] = accs (* scale)."""
+            for mb in range_constexpr(MB):
+                ok = (rows[mb] >= lo) & (rows[mb] < hi)
+                base = ok.select(rows[mb] * (N * OUT_ELEM) + c * (4 * OUT_ELEM), fx.Int32(OOB))
+                for nb in range_constexpr(NB):
+                    v = Vec(accs[mb * NB + nb])
+                    if const_expr(scale != 1.0):
+                        v = v * Vec.filled(4, scale, fx.Float32)
+                    off = (cols[nb] < N).select(base, fx.Int32(OOB))
+                    words = v.bitcast(fx.Int32) if const_expr(OUT_F32) else v.to(fx.BFloat16).bitcast(fx.Int32)
+                    rocdl.raw_ptr_buffer_store(words.ir_value(), out_rsrc, off.ir_value(),
+                                               fx.Int32(cols[nb] * OUT_ELEM).ir_value())
+
+        def setup(g, lo, hi):
+            """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
+            g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
+            b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
+            bs_rsrc = _rsrc(b_scale + _zext(g) * (N * KB), N * KB)
+            a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
+            b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) for nb in range_constexpr(NB)]
+            return b_rsrc, bs_rsrc, a_row, b_row
+
+        def off(row, pitch, extra, chunk_ok=None):
+            ok = row >= 0 if chunk_ok is None else (row >= 0) & chunk_ok
+            return ok.select(row * pitch + extra, fx.Int32(OOB))
+
+        def scaled_offsets(a_row, b_row, chunk_ok=None):
+            """gfx950: lane (c, r)'s 32-byte chunk c of its row and that chunk's scale byte."""
+            return ([off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, KB, c, chunk_ok) for x in a_row],
+                    [off(x, K, c * BLOCK, chunk_ok) for x in b_row], [off(x, KB, c, chunk_ok) for x in b_row])
+
+        def scaled_step(s, accs, o, b_rsrc, bs_rsrc):
+            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair for 128-wide step s."""
+            ao, aso, bo, bso = o
+            sd, ss = s * K_STEP, s * (K_STEP // BLOCK)
+            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
+            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
+            asc = [_byte(as_rsrc, aso[mb], ss) for mb in range_constexpr(MB)]
+            bsc = [_byte(bs_rsrc, bso[nb], ss) for nb in range_constexpr(NB)]
+            accs = list(accs)
+            for mb in range_constexpr(MB):
+                for nb in range_constexpr(NB):
+                    i = mb * NB + nb
+                    accs[i] = rocdl.mfma_scale_f32_16x16x128_f8f6f4(
+                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, 0, bsc[nb].ir_value(), 0, asc[mb].ir_value()])
+            return accs
+
+        def fp8_offsets(a_row, b_row):
+            """gfx942: lane (c, r)'s 8 bytes of each 32-wide block, its token row's scale byte and
+            the scale bytes of its 4 output columns 4c .. 4c + 3 of each block (rows b_row - r + 4c + i)."""
+            return ([off(x, K, c * 8) for x in a_row], [off(x, KB, 0) for x in a_row],
+                    [off(x, K, c * 8) for x in b_row], [off(x, KB, (c * 4 - r) * KB) for x in b_row])
+
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, blocks):
+            """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
+            block pair from 0, added to the accumulator times sa * sb (packed FMAs)."""
+            ao, aso, bo, bso = o
+            sd, ss = s * K_STEP, s * (K_STEP // BLOCK)
+            av = [[_load(a_rsrc, ao[mb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bv = [[_load(b_rsrc, bo[nb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            asc = [[_byte(as_rsrc, aso[mb] + j, ss) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bsc = [[[_byte(bs_rsrc, bso[nb] + (i * KB + j), ss) for i in range_constexpr(4)] for j in range_constexpr(blocks)]
+                   for nb in range_constexpr(NB)]
+            probe = fx.Int32(0)
+            flat = []
+            for v in [x for row in av + bv for x in row]:
+                for h in range_constexpr(2):
+                    fixed, p = _fnuz_words(v[h])
+                    probe = probe | p
+                    flat.append(fixed)
+            has_nan = mx.wave_any(((probe & _s32(0x80808080)) != 0).ir_value())
+            flat = [fx.Int32(x) for x in mx.if_else(has_nan, lambda: [_fnuz_nans(w) for w in flat], lambda: flat,
+                                                     types=[T.i32] * len(flat))]
+            ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
+            a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
+            b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
+            sa = [[_e8m0_f32(x) for x in row] for row in asc]
+            sb = [[[_e8m0_f32(x) for x in col] for col in row] for row in bsc]
+            accs = list(accs)
+            for j in range_constexpr(blocks):
+                for mb in range_constexpr(MB):
+                    sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
+                    for nb in range_constexpr(NB):
+                        i = mb * NB + nb
+                        p = Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[nb][j], a_ops[mb][j], zero4]))
+                        acc = Vec(accs[i])
+                        halves = [fx.math.fma(_pair(p, h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
+                        accs[i] = _cat(*halves, ty=fx.Float32)
+            return accs
+
+        for g in range(g0, g1, 1):
+            g = fx.Int32(g)
+            start = _scalar_load(offs + _zext(fx.max(g - 1, fx.Int32(0)) << 2))
+            lo = fx.max((g > 0).select(start, fx.Int32(0)), row0)
+            hi = fx.min(_scalar_load(offs + _zext(g << 2)), row_end)
+            if lo < hi:
+                b_rsrc, bs_rsrc, a_row, b_row = setup(g, lo, hi)
+                accs = [zero4] * (MB * NB)
+                if const_expr(SCALED):
+                    o = scaled_offsets(a_row, b_row)
+                else:
+                    o = fp8_offsets(a_row, b_row)
+                if const_expr(FULL_STEPS > 0):
+                    for s, state in range(0, FULL_STEPS, 1, init=accs):
+                        if const_expr(SCALED):
+                            nxt = scaled_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc)
+                        else:
+                            nxt = fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, 4)
+                        res = yield nxt
+                    accs = list(res)
+                if const_expr(TAIL_CHUNKS):
+                    if const_expr(SCALED):
+                        accs = scaled_step(fx.Int32(FULL_STEPS), accs, scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
+                    else:
+                        accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, TAIL_CHUNKS)
+                store(accs, lo, hi, 1.0 if SCALED else 4.0)
+
+        # rows at or past the last group's end: zeros
+        z_lo = fx.max(_scalar_load(offs + (E - 1) * 4), row0)
+        if z_lo < row_end:
+            store([zero4] * (MB * NB), z_lo, row_end, 1.0)
+
+    @flyc.jit
+    def launch(a: fx.Int64, a_scale: fx.Int64, b: fx.Int64, b_scale: fx.Int64, offs: fx.Int64, out: fx.Int64,
+               m_rows: fx.Int32, grid_m: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+        grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows).launch(
+            grid=(grid_m, -(-N // TILE_N), 1), block=(WAVES * WAVE, 1, 1), stream=stream)
+
+    return launch
+
+
+def _cat(x, y, ty=fx.Int32):
+    """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
+    x, y = Vec(x), Vec(y)
+    return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
+
+
+def _pair(v, h):
+    """Elements 2h, 2h + 1 of a 4-vector of f32 (a packed-math operand)."""
+    v = v if isinstance(v, list) else Vec(v)
+    return Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_launcher(cfg: GroupedMMConfig):
+    return build_grouped_mm(cfg)
+
+
+def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
+               tile_m: int = 64, tile_n: int = 128):
+    """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
+    torch's current stream, without a host synchronisation. Returns out (M, N)."""
+    info = arch_info(arch)
+    m, k = a.shape
+    experts, n, _ = b.shape
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n)
+    stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
+                              out.data_ptr(), m, -(-m // tile_m), stream=stream)
+    return out
