@@ -156,7 +156,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         c = lane.shrui(fx.Int32(4))
         r = lane & (MFMA_MN - 1)
         row0 = fx.Int32(gpu.block_id("x")) * TILE_M
-        col_wave = fx.Int32(gpu.block_id("y")) * TILE_N + wn_i * WN
+        col_wave = fx.Int32(gpu.block_id("y")) * TILE_N + wn_i * WN  # the wave's first column
         row_end = fx.min(row0 + TILE_M, m_rows)
 
         # ---- the groups overlapping [row0, row_end): one ballot per 64 groups --------------
@@ -177,6 +177,10 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
         cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
         zero4 = Vec.filled(4, 0.0, fx.Float32).ir_value()
+        col_tile = fx.Int32(gpu.block_id("y")) * TILE_N
+        if const_expr(not SCALED):
+            lds = fx.SharedAllocator().allocate((TILE_M + TILE_N) * 4 * 4, alignment=16)
+            lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
 
         def store(accs, lo, hi, scale):
             """out[rows in [lo, hi), this lane's 4 columns of every block] = accs (* scale)."""
@@ -227,21 +231,46 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             return accs
 
         def fp8_offsets(a_row, b_row):
-            """gfx942: lane (c, r)'s 8 bytes of each 32-wide block, its token row's scale byte and
-            the scale bytes of its 4 output columns 4c .. 4c + 3 of each block (rows b_row - r + 4c + i)."""
-            return ([off(x, K, c * 8) for x in a_row], [off(x, KB, 0) for x in a_row],
-                    [off(x, K, c * 8) for x in b_row], [off(x, KB, (c * 4 - r) * KB) for x in b_row])
+            """gfx942: lane (c, r)'s 8 bytes of each 32-wide block of its row."""
+            return [off(x, K, c * 8) for x in a_row], [off(x, K, c * 8) for x in b_row]
 
-        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, blocks):
+        def fp8_scales(s, lo, hi, bs_rsrc, blocks):
+            """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
+            A's as [row][block] (a lane reads its row's 4 blocks at once), B's as [block][column]
+            (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
+            sa[mb] 4 f32 (blocks), sb[nb][j] 4 f32 (columns 4c .. 4c + 3)."""
+            gpu.barrier()  # the previous step's reads are done
+            ss = s * (K_STEP // BLOCK)
+            for q0 in range_constexpr(0, (TILE_M + TILE_N) * 4, WAVES * WAVE):
+                q = tid + q0
+                if const_expr(q0 < TILE_M * 4):  # A: entry q = 4 row + block
+                    m = row0 + q.shrui(fx.Int32(2))
+                    ok = (m >= lo) & (m < hi) & ((q & 3) < blocks)
+                    e = _byte(as_rsrc, ok.select(m * KB + (q & 3), fx.Int32(OOB)), ss)
+                    addr = q << 2
+                else:  # B: entry q' = 4 column + block, stored at [block][column]
+                    q2 = q - TILE_M * 4
+                    col = q2.shrui(fx.Int32(2))
+                    n = col_tile + col
+                    ok = (n < N) & ((q2 & 3) < blocks)
+                    e = _byte(bs_rsrc, ok.select(n * KB + (q2 & 3), fx.Int32(OOB)), ss)
+                    addr = (TILE_M * 4 + (q2 & 3) * TILE_N + col) << 2
+                mx.lds_store(_e8m0_f32(e).bitcast(fx.Int32).ir_value(), (lds_base + addr).ir_value())
+            gpu.barrier()
+            sa = [Vec(mx.lds_load(4, (lds_base + ((wm_i * WM + mb * MFMA_MN + r) << 4)).ir_value())).bitcast(fx.Float32)
+                  for mb in range_constexpr(MB)]
+            sb = [[Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2)).ir_value()))
+                   .bitcast(fx.Float32) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            return sa, sb
+
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks):
             """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
-            block pair from 0, added to the accumulator times sa * sb (packed FMAs)."""
-            ao, aso, bo, bso = o
-            sd, ss = s * K_STEP, s * (K_STEP // BLOCK)
+            block pair from 0, added to the accumulator times sa * sb (packed math)."""
+            ao, bo = o
+            sd = s * K_STEP
             av = [[_load(a_rsrc, ao[mb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
             bv = [[_load(b_rsrc, bo[nb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
-            asc = [[_byte(as_rsrc, aso[mb] + j, ss) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
-            bsc = [[[_byte(bs_rsrc, bso[nb] + (i * KB + j), ss) for i in range_constexpr(4)] for j in range_constexpr(blocks)]
-                   for nb in range_constexpr(NB)]
+            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks)
             probe = fx.Int32(0)
             flat = []
             for v in [x for row in av + bv for x in row]:
@@ -255,17 +284,17 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
             a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
             b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
-            sa = [[_e8m0_f32(x) for x in row] for row in asc]
-            sb = [[[_e8m0_f32(x) for x in col] for col in row] for row in bsc]
             accs = list(accs)
             for j in range_constexpr(blocks):
+                # all of the block's MFMAs first: their results are read a block's worth of MFMAs later
+                parts = [Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[i % NB][j], a_ops[i // NB][j], zero4]))
+                         for i in range_constexpr(MB * NB)]
                 for mb in range_constexpr(MB):
                     sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
                     for nb in range_constexpr(NB):
                         i = mb * NB + nb
-                        p = Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[nb][j], a_ops[mb][j], zero4]))
                         acc = Vec(accs[i])
-                        halves = [fx.math.fma(_pair(p, h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
+                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
                         accs[i] = _cat(*halves, ty=fx.Float32)
             return accs
 
@@ -286,14 +315,14 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                         if const_expr(SCALED):
                             nxt = scaled_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc)
                         else:
-                            nxt = fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, 4)
+                            nxt = fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
                         res = yield nxt
                     accs = list(res)
                 if const_expr(TAIL_CHUNKS):
                     if const_expr(SCALED):
                         accs = scaled_step(fx.Int32(FULL_STEPS), accs, scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
                     else:
-                        accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, TAIL_CHUNKS)
+                        accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
                 store(accs, lo, hi, 1.0 if SCALED else 4.0)
 
         # rows at or past the last group's end: zeros
