@@ -214,20 +214,29 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             return ([off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, KB, c, chunk_ok) for x in a_row],
                     [off(x, K, c * BLOCK, chunk_ok) for x in b_row], [off(x, KB, c, chunk_ok) for x in b_row])
 
-        def scaled_step(s, accs, o, b_rsrc, bs_rsrc):
-            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair for 128-wide step s."""
+        def scaled_load(s, o, b_rsrc, bs_rsrc):
+            """gfx950: issue the loads of 128-wide step s: per row block and column block the lane's
+            32 bytes (two 16-byte loads) and its scale byte. Returns them as a flat list."""
             ao, aso, bo, bso = o
-            sd, ss = s * K_STEP, s * (K_STEP // BLOCK)
+            sd, ss = _uniform(s * K_STEP), _uniform(s * (K_STEP // BLOCK))
             av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
             bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
-            asc = [_byte(as_rsrc, aso[mb], ss) for mb in range_constexpr(MB)]
-            bsc = [_byte(bs_rsrc, bso[nb], ss) for nb in range_constexpr(NB)]
+            asc = [_byte(as_rsrc, aso[mb], ss).ir_value() for mb in range_constexpr(MB)]
+            bsc = [_byte(bs_rsrc, bso[nb], ss).ir_value() for nb in range_constexpr(NB)]
+            return av + bv + asc + bsc
+
+        SCALED_LOADS = 3 * (MB + NB)  # vector memory instructions of one step
+
+        def scaled_compute(accs, loaded):
+            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair of a loaded step."""
+            av, bv = loaded[:MB], loaded[MB:MB + NB]
+            asc, bsc = loaded[MB + NB:2 * MB + NB], loaded[2 * MB + NB:]
             accs = list(accs)
             for mb in range_constexpr(MB):
                 for nb in range_constexpr(NB):
                     i = mb * NB + nb
                     accs[i] = rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, 0, bsc[nb].ir_value(), 0, asc[mb].ir_value()])
+                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, 0, bsc[nb], 0, asc[mb]])
             return accs
 
         def fp8_offsets(a_row, b_row):
@@ -310,17 +319,27 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                     o = scaled_offsets(a_row, b_row)
                 else:
                     o = fp8_offsets(a_row, b_row)
-                if const_expr(FULL_STEPS > 0):
+                if const_expr(SCALED and FULL_STEPS > 0):
+                    # software pipeline: step s + 1's loads are in flight while step s computes
+                    n_acc = MB * NB
+                    pre = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
+                    if const_expr(FULL_STEPS > 1):
+                        for s, state in range(0, FULL_STEPS - 1, 1, init=accs + pre):
+                            nxt = scaled_load(fx.Int32(s) + 1, o, b_rsrc, bs_rsrc)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=SCALED_LOADS)
+                            res = yield scaled_compute(list(state[:n_acc]), list(state[n_acc:])) + nxt
+                        accs, pre = list(res[:n_acc]), list(res[n_acc:])
+                    rocdl.s_waitcnt(vmcnt=0)
+                    accs = scaled_compute(accs, pre)
+                if const_expr(not SCALED and FULL_STEPS > 0):
                     for s, state in range(0, FULL_STEPS, 1, init=accs):
-                        if const_expr(SCALED):
-                            nxt = scaled_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc)
-                        else:
-                            nxt = fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
-                        res = yield nxt
+                        res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
                     accs = list(res)
                 if const_expr(TAIL_CHUNKS):
                     if const_expr(SCALED):
-                        accs = scaled_step(fx.Int32(FULL_STEPS), accs, scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
+                        tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
+                        accs = scaled_compute(accs, tail)
                     else:
                         accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
                 store(accs, lo, hi, 1.0 if SCALED else 4.0)
@@ -337,6 +356,12 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             grid=(grid_m, -(-N // TILE_N), 1), block=(WAVES * WAVE, 1, 1), stream=stream)
 
     return launch
+
+
+def _uniform(x):
+    """x (wave-uniform) in an SGPR: a buffer's scalar offset must be one (LLVM would otherwise loop
+    over the lanes' values, a waterfall per load)."""
+    return fx.Int32(rocdl.readfirstlane(T.i32, fx.Int32(x).ir_value()))
 
 
 def _cat(x, y, ty=fx.Int32):
@@ -357,7 +382,7 @@ def _cached_launcher(cfg: GroupedMMConfig):
 
 
 def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
-               tile_m: int = 64, tile_n: int = 128):
+               tile_m: int = 128, tile_n: int = 128):
     """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
     torch's current stream, without a host synchronisation. Returns out (M, N)."""
     info = arch_info(arch)
