@@ -82,12 +82,14 @@ class GroupedMMConfig:
     tile_n: int = 128
     waves_m: int = 2
     waves_n: int = 2
+    scale_layout: str | None = None  # None (row-major) | "mfma" (aiter's e8m0_shuffle)
 
     @property
     def name(self) -> str:
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
         return (f"fq_mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
-                f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}")
+                f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}"
+                f"{'_smfma' if self.scale_layout == 'mfma' else ''}")
 
 
 def _byte(rsrc, voffset, soffset):
@@ -131,6 +133,9 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     N_STEPS = -(-K // K_STEP)
     TAIL_CHUNKS = (K % K_STEP) // BLOCK  # valid 32-wide chunks of a partial last step (0: none)
     FULL_STEPS = N_STEPS - (1 if TAIL_CHUNKS else 0)
+    FULL_PAIRS = max(0, (FULL_STEPS - 1) // 2)  # pipelined loop iterations (each prefetches the next pair's first step)
+    SCALE_MFMA = cfg.scale_layout == "mfma"
+    PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
     OUT_F32 = cfg.out_dtype == torch.float32
     OUT_ELEM = 4 if OUT_F32 else 2
     if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or N % MFMA_MN or K % BLOCK:
@@ -147,6 +152,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         offs: fx.Int64,  # (E,) int32
         out: fx.Int64,  # (M, N) bf16 / f32
         m_rows: fx.Int32,  # M
+        bs_expert_bytes: fx.Int32,  # b_scale's bytes per expert
     ):
         tid = fx.Int32(gpu.thread_id("x"))
         lane = tid & (WAVE - 1)
@@ -172,7 +178,10 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
 
         a_rsrc = _rsrc(a, _zext(m_rows) * K)
-        as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
+        if const_expr(SCALE_MFMA):  # rows padded to 256
+            as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS)
+        else:
+            as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
         out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
         rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
         cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
@@ -200,7 +209,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
             g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
             b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
-            bs_rsrc = _rsrc(b_scale + _zext(g) * (N * KB), N * KB)
+            bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
             a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
             b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
@@ -209,34 +218,66 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             ok = row >= 0 if chunk_ok is None else (row >= 0) & chunk_ok
             return ok.select(row * pitch + extra, fx.Int32(OOB))
 
-        def scaled_offsets(a_row, b_row, chunk_ok=None):
-            """gfx950: lane (c, r)'s 32-byte chunk c of its row and that chunk's scale byte."""
-            return ([off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, KB, c, chunk_ok) for x in a_row],
-                    [off(x, K, c * BLOCK, chunk_ok) for x in b_row], [off(x, KB, c, chunk_ok) for x in b_row])
+        def scale_src(row, kb_lo):
+            """Where scale (row, 4 s + kb_lo) of step s is: (per-lane byte offset, the step's scalar
+            offset as a function of s). Plain: row-major bytes. "mfma": aiter's e8m0_shuffle, whose
+            dword at (32-row tile, 8-block column tile, kb_lo, row % 16) holds byte
+            2 ((kb / 4) % 2) + (row / 16) % 2: rows row, row + 16 of two consecutive steps."""
+            if const_expr(SCALE_MFMA):
+                voff = row.shrui(fx.Int32(5)) * (32 * PCOLS) + kb_lo * 64 + (row & 15) * 4 + (row.shrui(fx.Int32(4)) & 1)
+                return voff, lambda s: s.shrui(fx.Int32(1)) * 256 + (s & 1) * 2
+            return row * KB + kb_lo, lambda s: s * (K_STEP // BLOCK)
 
-        def scaled_load(s, o, b_rsrc, bs_rsrc):
+        def scaled_offsets(a_row, b_row, chunk_ok=None):
+            """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
+            one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
+            data = [off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, K, c * BLOCK, chunk_ok) for x in b_row]
+            ok = (c < 4) if chunk_ok is None else chunk_ok
+            if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
+                a_sc = [ok.select(scale_src(rows[2 * p], c)[0] & ~3, fx.Int32(OOB)) for p in range_constexpr(MB // 2)]
+                b_sc = [ok.select(scale_src(cols[2 * q] + r, c)[0] & ~3, fx.Int32(OOB)) for q in range_constexpr(NB // 2)]
+            else:
+                a_sc = [off(x, KB, c, chunk_ok) for x in a_row]
+                b_sc = [off(x, KB, c, chunk_ok) for x in b_row]
+            return data + (a_sc, b_sc)
+
+        def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
             """gfx950: issue the loads of 128-wide step s: per row block and column block the lane's
-            32 bytes (two 16-byte loads) and its scale byte. Returns them as a flat list."""
-            ao, aso, bo, bso = o
-            sd, ss = _uniform(s * K_STEP), _uniform(s * (K_STEP // BLOCK))
+            32 bytes (two 16-byte loads), and (`scales`) the scale bytes or dwords. A flat list."""
+            ao, bo, aso, bso = o
+            sc = []
+            if const_expr(scales and SCALE_MFMA):  # the dword of the step's pair (the parity is the MFMA's byte select)
+                ss = _uniform(s.shrui(fx.Int32(1)) * 256)
+                sc = [_load(as_rsrc, x, ss, 1).ir_value() for x in aso] + [_load(bs_rsrc, x, ss, 1).ir_value() for x in bso]
+            elif const_expr(scales):
+                ss = _uniform(s * (K_STEP // BLOCK))
+                sc = [_byte(as_rsrc, x, ss).ir_value() for x in aso] + [_byte(bs_rsrc, x, ss).ir_value() for x in bso]
+            # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
+            rocdl.sched_barrier(0)
+            sd = _uniform(s * K_STEP)
             av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
             bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
-            asc = [_byte(as_rsrc, aso[mb], ss).ir_value() for mb in range_constexpr(MB)]
-            bsc = [_byte(bs_rsrc, bso[nb], ss).ir_value() for nb in range_constexpr(NB)]
-            return av + bv + asc + bsc
+            return av + bv + sc
 
-        SCALED_LOADS = 3 * (MB + NB)  # vector memory instructions of one step
-
-        def scaled_compute(accs, loaded):
-            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair of a loaded step."""
-            av, bv = loaded[:MB], loaded[MB:MB + NB]
-            asc, bsc = loaded[MB + NB:2 * MB + NB], loaded[2 * MB + NB:]
+        def scaled_compute(accs, data, scales, parity):
+            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair of a loaded step; `scales`
+            the step's (plain) or its step pair's ("mfma", byte 2 parity + row-block parity) words."""
+            av, bv = data[:MB], data[MB:MB + NB]
+            if const_expr(SCALE_MFMA):
+                asc, bsc = scales[:MB // 2], scales[MB // 2:]
+                a_of = lambda mb: (asc[mb // 2], 2 * parity + mb % 2)  # noqa: E731
+                b_of = lambda nb: (bsc[nb // 2], 2 * parity + nb % 2)  # noqa: E731
+            else:
+                asc, bsc = scales[:MB], scales[MB:]
+                a_of = lambda mb: (asc[mb], 0)  # noqa: E731
+                b_of = lambda nb: (bsc[nb], 0)  # noqa: E731
             accs = list(accs)
             for mb in range_constexpr(MB):
                 for nb in range_constexpr(NB):
                     i = mb * NB + nb
+                    (sa, sel_a), (sb, sel_b) = a_of(mb), b_of(nb)
                     accs[i] = rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, 0, bsc[nb], 0, asc[mb]])
+                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, sel_b, sb, sel_a, sa])
             return accs
 
         def fp8_offsets(a_row, b_row):
@@ -249,20 +290,20 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
             sa[mb] 4 f32 (blocks), sb[nb][j] 4 f32 (columns 4c .. 4c + 3)."""
             gpu.barrier()  # the previous step's reads are done
-            ss = s * (K_STEP // BLOCK)
+            ss = _uniform(scale_src(fx.Int32(0), 0)[1](s))
             for q0 in range_constexpr(0, (TILE_M + TILE_N) * 4, WAVES * WAVE):
                 q = tid + q0
                 if const_expr(q0 < TILE_M * 4):  # A: entry q = 4 row + block
                     m = row0 + q.shrui(fx.Int32(2))
                     ok = (m >= lo) & (m < hi) & ((q & 3) < blocks)
-                    e = _byte(as_rsrc, ok.select(m * KB + (q & 3), fx.Int32(OOB)), ss)
+                    e = _byte(as_rsrc, ok.select(scale_src(m, q & 3)[0], fx.Int32(OOB)), ss)
                     addr = q << 2
                 else:  # B: entry q' = 4 column + block, stored at [block][column]
                     q2 = q - TILE_M * 4
                     col = q2.shrui(fx.Int32(2))
                     n = col_tile + col
                     ok = (n < N) & ((q2 & 3) < blocks)
-                    e = _byte(bs_rsrc, ok.select(n * KB + (q2 & 3), fx.Int32(OOB)), ss)
+                    e = _byte(bs_rsrc, ok.select(scale_src(n, q2 & 3)[0], fx.Int32(OOB)), ss)
                     addr = (TILE_M * 4 + (q2 & 3) * TILE_N + col) << 2
                 mx.lds_store(_e8m0_f32(e).bitcast(fx.Int32).ir_value(), (lds_base + addr).ir_value())
             gpu.barrier()
@@ -320,26 +361,48 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 else:
                     o = fp8_offsets(a_row, b_row)
                 if const_expr(SCALED and FULL_STEPS > 0):
-                    # software pipeline: step s + 1's loads are in flight while step s computes
+                    # Software pipeline over step pairs (an "mfma" scale dword serves both steps of a
+                    # pair): a step's loads are in flight while the previous step computes.
                     n_acc = MB * NB
+                    n_data = MB + NB
+                    n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
+                    per_step = not SCALE_MFMA  # plain scales are loaded with every step
                     pre = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
-                    if const_expr(FULL_STEPS > 1):
-                        for s, state in range(0, FULL_STEPS - 1, 1, init=accs + pre):
-                            nxt = scaled_load(fx.Int32(s) + 1, o, b_rsrc, bs_rsrc)
+                    if const_expr(FULL_PAIRS > 0):
+                        for i, state in range(0, FULL_PAIRS, 1, init=accs + pre):
+                            s0 = fx.Int32(i) * 2
+                            accs, d0, sc0 = list(state[:n_acc]), list(state[n_acc:n_acc + n_data]), list(state[n_acc + n_data:])
+                            d1 = scaled_load(s0 + 1, o, b_rsrc, bs_rsrc, scales=per_step)
                             rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=SCALED_LOADS)
-                            res = yield scaled_compute(list(state[:n_acc]), list(state[n_acc:])) + nxt
+                            rocdl.s_waitcnt(vmcnt=2 * n_data + (n_sc if per_step else 0))  # d1's loads (2 per data vector)
+                            accs = scaled_compute(accs, d0, sc0, 0)
+                            sc1 = d1[n_data:] if const_expr(per_step) else sc0
+                            nxt = scaled_load(s0 + 2, o, b_rsrc, bs_rsrc)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=3 * n_data if per_step else 2 * n_data + n_sc)
+                            accs = scaled_compute(accs, d1[:n_data], sc1, 1)
+                            res = yield accs + nxt
                         accs, pre = list(res[:n_acc]), list(res[n_acc:])
-                    rocdl.s_waitcnt(vmcnt=0)
-                    accs = scaled_compute(accs, pre)
+                    s0 = 2 * FULL_PAIRS  # the remaining one or two full steps, prefetched: pre
+                    d0, sc0 = pre[:n_data], pre[n_data:]
+                    if const_expr(FULL_STEPS - s0 == 2):
+                        d1 = scaled_load(fx.Int32(s0 + 1), o, b_rsrc, bs_rsrc, scales=per_step)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=2 * n_data + (n_sc if per_step else 0))
+                        accs = scaled_compute(accs, d0, sc0, 0)
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, d1[:n_data], d1[n_data:] if per_step else sc0, 1)
+                    else:
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, d0, sc0, 0)
                 if const_expr(not SCALED and FULL_STEPS > 0):
                     for s, state in range(0, FULL_STEPS, 1, init=accs):
                         res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
                     accs = list(res)
                 if const_expr(TAIL_CHUNKS):
-                    if const_expr(SCALED):
+                    if const_expr(SCALED):  # its own scale words, masked by chunk
                         tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
-                        accs = scaled_compute(accs, tail)
+                        accs = scaled_compute(accs, tail[:MB + NB], tail[MB + NB:], FULL_STEPS % 2)
                     else:
                         accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
                 store(accs, lo, hi, 1.0 if SCALED else 4.0)
@@ -351,8 +414,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
     @flyc.jit
     def launch(a: fx.Int64, a_scale: fx.Int64, b: fx.Int64, b_scale: fx.Int64, offs: fx.Int64, out: fx.Int64,
-               m_rows: fx.Int32, grid_m: fx.Int32, stream: fx.Stream = fx.Stream(None)):
-        grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows).launch(
+               m_rows: fx.Int32, bs_expert_bytes: fx.Int32, grid_m: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+        grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows, bs_expert_bytes).launch(
             grid=(grid_m, -(-N // TILE_N), 1), block=(WAVES * WAVE, 1, 1), stream=stream)
 
     return launch
@@ -382,9 +445,12 @@ def _cached_launcher(cfg: GroupedMMConfig):
 
 
 def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
-               tile_m: int = 128, tile_n: int = 128):
+               scale_layout=None, tile_m: int = 128, tile_n: int = 128):
     """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
-    torch's current stream, without a host synchronisation. Returns out (M, N)."""
+    torch's current stream, without a host synchronisation. Returns out (M, N).
+    scale_layout None: a_scale (M, K/32), b_scale (E, N, K/32); "mfma": a_scale aiter's
+    e8m0_shuffle of the (M, K/32) scales, b_scale that of each expert's (N, K/32) (3D, stacked),
+    or of the (E N, K/32) scales (2D; N a multiple of 32)."""
     info = arch_info(arch)
     m, k = a.shape
     experts, n, _ = b.shape
@@ -392,9 +458,11 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n)
+    bs_expert_bytes = b_scale.stride(0) if b_scale.dim() == 3 else n * b_scale.shape[1]
+    cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
+                          scale_layout=scale_layout)
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
-                              out.data_ptr(), m, -(-m // tile_m), stream=stream)
+                              out.data_ptr(), m, bs_expert_bytes, -(-m // tile_m), stream=stream)
     return out
