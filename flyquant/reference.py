@@ -676,3 +676,6 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
             a = a * sorted_weights[sel].unsqueeze(1)
         out[t * topk + k, :inter_dim] = a.to(torch.bfloat16)
     return out
+
+
+from .reference_grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad  # noqa: E402,F401  (reference names)
