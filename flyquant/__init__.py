@@ -6,7 +6,7 @@ MXFP8 quantize (1x32, 32x1, dual, 3D per expert), the MXFP8 grouped GEMMs of MoE
 reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
-from . import emu, nn, reference
+from . import emu, nn, reference, training
 from .api import (
     dequantize_mxfp4,
     explain,
@@ -58,5 +58,6 @@ __all__ = [
     "reference",
     "shuffle_scale_a16w4",
     "shuffle_weight_a16w4",
+    "training",
     "warmup",
 ]

@@ -17,11 +17,15 @@ from . import reference_grouped_mm as ref
 from . import select
 
 
-def _launch(plan, out, check_offs, *args) -> torch.Tensor:
-    """Run the plan's kernel launcher into `out` (zeroed: the launcher writes the groups' rows)."""
+def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype) -> torch.Tensor:
+    """The plan's backend: the reference, or the kernel launcher writing into a zeroed out (it
+    writes the groups' rows only)."""
+    if plan.backend == "reference":
+        return reference_fn(*args, out_dtype)
     rows, offs = args[0].shape[0], args[4]
     if offs.device.type == "cpu":  # the host holds offs: checked as the reference does
         check_offs(offs, rows)
+    out = torch.zeros(out_shape, dtype=out_dtype, device=args[0].device)
     config = {k: v for k, v in plan.config.items() if k != "launcher"}
     select.grouped_mm_launcher(plan)(*args, out, arch=plan.arch, **config)
     return out
@@ -31,10 +35,8 @@ def _launch(plan, out, check_offs, *args) -> torch.Tensor:
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
-    if plan.backend == "reference":
-        return ref.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    return _launch(plan, out, ref.check_grouped_mm_offs, a, a_scale, b, b_scale, offs)
+    return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
+                (a, a_scale, b, b_scale, offs), out_dtype)
 
 
 @_grouped_mm_op.register_fake
@@ -60,10 +62,8 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16):
 def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
-    if plan.backend == "reference":
-        return ref.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
-    out = torch.zeros(offs.shape[0], y.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
-    return _launch(plan, out, ref.check_grouped_mm_wgrad_offs, x, x_scale, y, y_scale, offs)
+    return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
+                (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype)
 
 
 @_grouped_mm_wgrad_op.register_fake

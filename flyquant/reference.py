@@ -678,4 +678,8 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     return out
 
 
-from .reference_grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad  # noqa: E402,F401  (reference names)
+# The grouped GEMMs' reference has its own module (which imports this one), re-exported here.
+from . import reference_grouped_mm as _grouped_mm  # noqa: E402
+
+mxfp8_grouped_mm = _grouped_mm.mxfp8_grouped_mm
+mxfp8_grouped_mm_wgrad = _grouped_mm.mxfp8_grouped_mm_wgrad

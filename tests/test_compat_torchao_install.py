@@ -230,6 +230,16 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
         out["moved"] = [rel(a, b.float()) for a, b in zip(auto[2], (base.w1, base.w2))]
         out["calls"] = [auto[3], emulated[3]]
         out["kernels"] = [auto[4], emulated[4]]
+        w1_t = base.w1.detach().transpose(-2, -1)
+        out["unsupported"] = []
+        for option in ("wgrad_with_hp", "pad_token_groups_for_grouped_mm"):
+            try:
+                compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, **{option: True})
+            except NotImplementedError as exc:
+                out["unsupported"].append(option in str(exc))
+        bias = torch.randn(96, generator=g).to(torch.bfloat16)
+        out["bias"] = torch.equal(compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, bias=bias),
+                                  compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs) + bias)
     """)
     assert any("_to_mxfp8_then_scaled_grouped_mm" in line for line in out["installed"])
     assert out["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
@@ -244,3 +254,4 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, out["loss"]
     assert max(out["grad_rel"]) <= 2**-4 and max(out["weight_rel"]) <= 2**-4, out
     assert min(out["moved"]) > 1e-3, out["moved"]  # the step changed the weights
+    assert out["unsupported"] == [True, True] and out["bias"]

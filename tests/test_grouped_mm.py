@@ -390,21 +390,24 @@ def _training_case(m=96, k=64, n=64, ends=(32, 32, 96), seed=0):
     return A, W, G, offs(*ends)
 
 
-def test_training_op_vs_bf16_autograd(reference_backend):
-    """Forward, dgrad and wgrad against the BF16 autograd of the same grouped matmul, each element
-    within the MX bound (module docstring); and the same three against the reference quantize +
-    FP64 grouped matmul of the operands each GEMM should see (tight: fp32_bound)."""
-    A, W, G, ends = _training_case()
-    A1, B1 = A.clone().requires_grad_(), W.transpose(1, 2).clone().requires_grad_()
-    A1.retain_grad()
-    B_t = W.transpose(1, 2).detach().requires_grad_()  # the transposed view torchao passes
-    Aq = A.clone().requires_grad_()
-    out = training.mxfp8_grouped_mm(Aq, B_t, ends)
+def _run_training_op(A, B_t, G, ends, mode="rceil"):
+    a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()  # clone keeps B_t's strides
+    assert b.stride() == B_t.stride()
+    out = training.mxfp8_grouped_mm(a, b, ends, scaling_mode=mode)
     out.backward(G)
+    return out.detach(), a.grad, b.grad
+
+
+def test_training_op_vs_bf16_autograd(reference_backend):
+    """Forward, dgrad and wgrad (rceil) against the BF16 autograd of the same grouped matmul, each
+    element within the MX bound (module docstring)."""
+    A, W, G, ends = _training_case()
+    out, grad_a, grad_b_t = _run_training_op(A, W.transpose(1, 2), G, ends)
+    A1, B1 = A.clone().requires_grad_(), W.transpose(1, 2).clone().requires_grad_()
     ref_out = torch._grouped_mm(A1, B1, offs=ends)
     ref_out.backward(G)
     k, n = A.shape[1], W.shape[1]
-    for (lo, hi), g in zip(groups(ends), range(len(ends))):
+    for g, (lo, hi) in enumerate(groups(ends)):
         a, w, gr = A[lo:hi], W[g], G[lo:hi]
         # forward: a (rows, K) 1x32 along K, w^T (K, N) blocks along K
         bound, s = _product_bound(a, _mx_error(a, 1), w.T, _mx_error(w, 1).T)
@@ -415,32 +418,43 @@ def test_training_op_vs_bf16_autograd(reference_backend):
         bound, s = _product_bound(gr, _mx_error(gr, 1), w, _mx_error(w, 0))
         exact = gr.double() @ w.double()
         tol = bound + fp32_bound(exact, s + bound, n, torch.bfloat16, sides=2)
-        assert ((Aq.grad[lo:hi].double() - A1.grad[lo:hi].double()).abs() <= tol).all(), f"dgrad group {g}"
+        assert ((grad_a[lo:hi].double() - A1.grad[lo:hi].double()).abs() <= tol).all(), f"dgrad group {g}"
         # wgrad: a^T (K, rows) and gr (rows, N), both blocks of 32 rows
         if hi > lo:
             bound, s = _product_bound(a.T, _mx_error(a, 0).T, gr, _mx_error(gr, 0))
             exact = a.double().T @ gr.double()
             tol = bound + fp32_bound(exact, s + bound, hi - lo, torch.bfloat16, sides=2)
-            assert ((B_t.grad[g].double() - B1.grad[g].double()).abs() <= tol).all(), f"wgrad group {g}"
+            assert ((grad_b_t[g].double() - B1.grad[g].double()).abs() <= tol).all(), f"wgrad group {g}"
         else:
-            assert (B_t.grad[g] == 0).all()
-    assert Aq.grad.dtype == A.dtype and B_t.grad.dtype == W.dtype and B_t.grad.shape == B_t.shape
+            assert (grad_b_t[g] == 0).all()
+    assert grad_a.dtype == A.dtype and grad_b_t.dtype == W.dtype and grad_b_t.shape == (3, k, n)
 
-    # the operands each GEMM should see, quantized by the reference, multiplied in FP64
-    qa, sa = reference.mxfp8_quantize(A, -1)
-    qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1)  # W (E, N, K) along K
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("layout", ["transposed_view", "contiguous"])
+def test_training_op_gemm_operands(reference_backend, mode, layout):
+    """Each GEMM of the op sees exactly the operands the contract names, quantized by the
+    reference quantize (1x32 rows of A, of B_t^T, of grad_out, of B_t; 32x1 columns of grad_out
+    and A) and multiplied in FP64: fp32_bound. B_t as torchao passes it (the transpose of
+    contiguous (E, N, K) weights) and contiguous (E, K, N)."""
+    A, W, G, ends = _training_case(ends=(0, 64, 96))
+    B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
+    out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode)
+    k, n = A.shape[1], W.shape[1]
+    qa, sa = reference.mxfp8_quantize(A, -1, mode)
+    qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1, mode)  # W (E, N, K) along K
     exact, s = grouped64(deq64(qa, sa, -1), deq64(qw, sw, -1).view(W.shape), ends)
     assert_within(out, exact, fp32_bound(exact, s, k, torch.bfloat16), "forward")
-    qg, sg = reference.mxfp8_quantize(G, -1)
-    qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1)  # B_t (E, K, N) along N
+    qg, sg = reference.mxfp8_quantize(G, -1, mode)
+    qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1, mode)  # B_t (E, K, N) along N
     exact, s = grouped64(deq64(qg, sg, -1), deq64(qwt, swt, -1).view(B_t.shape), ends)
-    assert_within(Aq.grad, exact, fp32_bound(exact, s, n, torch.bfloat16), "dgrad")
-    qgc, sgc = reference.mxfp8_quantize(G, 0)
-    qac, sac = reference.mxfp8_quantize(A, 0)
+    assert_within(grad_a, exact, fp32_bound(exact, s, n, torch.bfloat16), "dgrad")
+    qgc, sgc = reference.mxfp8_quantize(G, 0, mode)
+    qac, sac = reference.mxfp8_quantize(A, 0, mode)
     g64, a64 = deq64(qgc.t(), sgc, -1).t(), deq64(qac.t(), sac, -1).t()
     for g, (lo, hi) in enumerate(groups(ends)):
         exact, s = a64[lo:hi].T @ g64[lo:hi], a64[lo:hi].T.abs() @ g64[lo:hi].abs()
-        assert_within(B_t.grad[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+        assert_within(grad_b_t[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
 
 
 def test_training_op_rows_past_the_last_group(reference_backend):
@@ -469,3 +483,41 @@ def test_training_op_compiles_fullgraph(reference_backend, backend):
         results.append((loss.detach(), a.grad, b.grad))
     for want, got in zip(*results):
         assert torch.equal(got, want)
+
+
+def test_kernel_hook(monkeypatch):
+    """Registering a launcher in select.GROUPED_MM_KERNELS switches the plan to it: the op hands
+    the launcher its inputs, a zeroed out of the result's shape and dtype, and the arch, and
+    checks CPU offs first. A stand-in launcher (the reference's values) takes the kernel's place."""
+    seen = []
+
+    def launch(*args, arch):
+        *inputs, out = args
+        seen.append((arch, out.shape, out.dtype, bool((out == 0).all())))
+        fn = reference.mxfp8_grouped_mm if out.dim() == 2 else reference.mxfp8_grouped_mm_wgrad
+        out.copy_(fn(*inputs, out.dtype))
+
+    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm", "stand_in:launch")
+    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm_wgrad", "stand_in:launch_wgrad")
+    monkeypatch.setattr(select, "grouped_mm_launcher", lambda plan: launch)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert (plan.backend, plan.kernel, plan.arch) == ("flydsl", "mxfp8_grouped_mm_bf16_gfx942", "gfx942")
+    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
+    assert torch.equal(got, reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64)))
+    x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
+    got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
+    assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, True), ("gfx942", (2, 48, 32), torch.float32, True)]
+    with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
+        fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
+    assert len(seen) == 2
+
+
+def test_launcher_lookup():
+    from flyquant.kernels import mxfp8_quantize_2d
+
+    plan = select.Plan("mxfp8_grouped_mm", "flydsl", "emulator", "gfx950", "k",
+                       {"launcher": "mxfp8_quantize_2d:quantize_1x32"})
+    assert select.grouped_mm_launcher(plan) is mxfp8_quantize_2d.quantize_1x32

@@ -1,4 +1,5 @@
-"""torchao 0.18's FlyDSL MXFP8 quantize ops, served by flyquant.
+"""torchao 0.18's FlyDSL MXFP8 quantize ops and its MXFP8 grouped-GEMM training entry point
+(``to_mxfp8_then_scaled_grouped_mm``, routed by install()), served by flyquant.
 
 Same names, signatures and return contracts as
 ``torchao.prototype.moe_training.kernels.mxfp8.quant.mxfp8_quantize_{2d_1x32,2d_32x1,3d}_flydsl``,
