@@ -244,10 +244,12 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
 
     from .. import training
 
-    original = _TORCHAO_GROUPED_MM["original"]
     if kernel_preference is None:
         kernel_preference = KernelPreference.AUTO
     if kernel_preference == KernelPreference.EMULATED or theirs._SM100_KERNELS_AVAILABLE:
+        original = _TORCHAO_GROUPED_MM.get("original")
+        if original is None:
+            raise RuntimeError("call flyquant.compat.torchao.install() first: it keeps torchao's own function")
         return original(A, B_t, offs, bias, out_dtype, kernel_preference, wgrad_with_hp, scale_calculation_mode,
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
