@@ -547,3 +547,40 @@ def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim:
 
 
 REFERENCE_BLOCK_M = 32
+
+
+# The FlyDSL grouped-GEMM launchers, op -> "module:function" under flyquant.kernels, with the
+# signatures launch(a, a_scale, b, b_scale, offs, out, arch=..., **config) and
+# launch_wgrad(x, x_scale, y, y_scale, offs, out, arch=..., **config), writing out in place.
+# An op missing here runs the reference: registering its kernel is this one entry.
+GROUPED_MM_KERNELS: dict[str, str] = {}
+
+
+def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype) -> Plan:
+    target = _kernel_target(op, device)
+    if isinstance(target, Plan):
+        return target
+    launcher = GROUPED_MM_KERNELS.get(op)
+    if launcher is None:
+        reason = "no FlyDSL kernel yet"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    return _kernel_plan(op, target, f"{op}_{_dtype_name(out_dtype)}_{target.arch}", {"launcher": launcher})
+
+
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype) -> Plan:
+    """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype)
+
+
+def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype) -> Plan:
+    """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
+    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype)
+
+
+def grouped_mm_launcher(plan: Plan):
+    """The launcher function a kernel plan of a grouped GEMM names."""
+    import importlib
+
+    module, function = plan.config["launcher"].split(":")
+    return getattr(importlib.import_module(f"flyquant.kernels.{module}"), function)
