@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from . import validate
+from . import layouts, validate
 from .formats import MX_BLOCK
 from .reference import MXFP8_DTYPE, SCALE_DTYPE, mxfp8_dequantize
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+SCALE_LAYOUTS = (None, "mfma")  # the forward/dgrad GEMM's scales: row-major, or aiter's e8m0_shuffle
 
 
 def _out_dtype(out_dtype) -> None:
@@ -32,7 +33,7 @@ def _operand(data, scales, name: str, ndim: int) -> None:
     validate.same_device(name, data, f"{name}_scale", scales)
 
 
-def check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype) -> None:
+def check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None) -> None:
     """mxfp8_grouped_mm's inputs, without reading offs' values."""
     _operand(a, a_scale, "a", 2)
     _operand(b, b_scale, "b", 3)
@@ -42,13 +43,31 @@ def check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype) -> None:
     validate.block_dim(a, 1, "a", "K")
     if kb != k:
         raise ValueError(f"b.shape[2] = {kb} must equal a.shape[1] = {k} (K, the reduced dim)")
-    validate.shape(a_scale, "a_scale", (m, k // MX_BLOCK))
-    validate.shape(b_scale, "b_scale", (e, n, k // MX_BLOCK))
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if scale_layout == "mfma":  # each operand's (rows, K/32) scales shuffled; b's per expert
+        validate.shape(a_scale, "a_scale", layouts.mfma_scales_shape(m, k // MX_BLOCK))
+        validate.shape(b_scale, "b_scale", (e, *layouts.mfma_scales_shape(n, k // MX_BLOCK)))
+    else:
+        validate.shape(a_scale, "a_scale", (m, k // MX_BLOCK))
+        validate.shape(b_scale, "b_scale", (e, n, k // MX_BLOCK))
     validate.contiguous(a, "a")  # as mxfp8_quantize(x, axis=-1) returns it: what the kernels read
     validate.contiguous(b, "b")
     validate.offs_tensor(offs, "a", a)
     validate.shape(offs, "offs", (e,))
     _out_dtype(out_dtype)
+
+
+def plain_scales(a, a_scale, b, b_scale, scale_layout):
+    """(a_scale, b_scale) row-major, whatever scale_layout they come in."""
+    if scale_layout is None:
+        return a_scale, b_scale
+    (m, k), (e, n, _) = a.shape, b.shape
+    kb = k // MX_BLOCK
+    a_plain = layouts.mfma_unshuffle_scales(a_scale, m, kb)
+    if e == 0:
+        return a_plain, b_scale.new_empty((0, n, kb))
+    return a_plain, torch.stack([layouts.mfma_unshuffle_scales(s, n, kb) for s in b_scale])
 
 
 def check_grouped_mm_offs(offs, rows: int) -> None:
@@ -88,16 +107,20 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16):
+def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
     """out (M, N): out[offs[g-1]:offs[g]] = deq(a)[rows] @ deq(b[g])^T, rows from offs[-1] on 0.
 
     a (M, K) float8_e4m3fn row-major with scales (M, K/32) (fq.mxfp8_quantize(x, axis=-1));
     b (E, N, K) float8_e4m3fn contiguous with scales (E, N, K/32) along K; offs (E,) int32 on a's
     device, any group sizes; K a multiple of 32; out_dtype bfloat16 or float32. Forward
     (a = activations, b = expert weights) and dgrad (a = grad_out, b = the weights along N).
+    scale_layout "mfma": the scales in aiter's e8m0_shuffle layout, a_scale that of a's (M, K/32)
+    scales, b_scale each expert's (E, N', K'/32 padded); what fq.mxfp8_quantize(x, -1,
+    scale_layout="mfma") and fq.mxfp8_quantize_3d(w, scale_layout="mfma") write.
     """
-    check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)
+    check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
     check_grouped_mm_offs(offs, a.shape[0])
+    a_scale, b_scale = plain_scales(a, a_scale, b, b_scale, scale_layout)
     e, n, k = b.shape
     a32 = mxfp8_dequantize(a, a_scale, axis=-1)
     b32 = mxfp8_dequantize(b.reshape(e * n, k), b_scale.reshape(e * n, k // MX_BLOCK), axis=-1).view(e, n, k)

@@ -26,6 +26,10 @@ import torch
 from . import api, grouped_mm, validate
 from .reference_grouped_mm import OUT_DTYPES
 
+# The forward and dgrad GEMMs' scales come from the quantize kernels in aiter's e8m0_shuffle
+# layout: the one the gfx950 kernel reads with the fewest instructions, and no re-layout pass.
+SCALE_LAYOUT = "mfma"
+
 
 def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
     validate.high_precision(A, "A", ndim=2)
@@ -44,19 +48,20 @@ def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
 
 
 def _along_k(B_t: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and scales (E, N, K/32)."""
-    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode)  # data stride (K*N, 1, K), scales (E, K/32, N)
-    return data.transpose(1, 2), scales.transpose(1, 2).contiguous()
+    """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and its scales in the
+    "mfma" layout (each expert's (N, K/32) scales shuffled: what the 3D quantize writes)."""
+    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=SCALE_LAYOUT)  # data stride (K*N, 1, K)
+    return data.transpose(1, 2), scales
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, out_dtype, scaling_mode):
-        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode)
+        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT)
         b, b_scale = _along_k(B_t, scaling_mode)
         ctx.save_for_backward(A, B_t, offs)
         ctx.out_dtype, ctx.scaling_mode = out_dtype, scaling_mode
-        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype)
+        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -65,9 +70,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_a = grad_b_t = None
         if ctx.needs_input_grad[0]:
-            g, g_scale = api.mxfp8_quantize(grad_out, -1, mode)
+            g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT)
             w, w_scale = _along_k(B_t.transpose(1, 2), mode)  # B_t along N, as (E, K, N)
-            grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype).to(A.dtype)
+            grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT).to(A.dtype)
         if ctx.needs_input_grad[1]:
             x, x_scale = api.mxfp8_quantize(grad_out, 0, mode)
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode)

@@ -87,7 +87,7 @@ class GroupedMMConfig:
     @property
     def name(self) -> str:
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
-        return (f"fq_mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
+        return (f"mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
                 f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}"
                 f"{'_smfma' if self.scale_layout == 'mfma' else ''}")
 
@@ -454,6 +454,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
     info = arch_info(arch)
     m, k = a.shape
     experts, n, _ = b.shape
+    a, b, a_scale, b_scale, offs = (t.contiguous() for t in (a, b, a_scale, b_scale, offs))
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import flyquant as fq
-from flyquant import reference, select, training
+from flyquant import layouts, reference, select, training
 from flyquant.formats import MX_BLOCK
 
 U32, U16 = 2.0**-24, 2.0**-8
@@ -314,25 +314,36 @@ def test_fakes_and_opcheck(reference_backend):
 
 
 def test_plans_and_explain(capsys):
+    """Under the emulator the forward GEMM plans its FlyDSL kernel (tile_m by the average group),
+    the weight-gradient GEMM the reference (no kernel yet); explain prints either."""
     a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
     x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
-    for fn, args in ((fq.mxfp8_grouped_mm, (a, a_scale, b, b_scale, offs(30, 64))),
-                     (fq.mxfp8_grouped_mm_wgrad, (x, x_scale, y, y_scale, offs(32, 64)))):
-        plan = fq.explain(fn, *args)
-        assert plan.op == fn.__name__ and plan.backend == "reference"
-        if not select.GROUPED_MM_KERNELS:  # until the lead registers the kernels
-            assert plan.reasons[-1] == "no FlyDSL kernel yet"
-        assert fn.__name__ in capsys.readouterr().out
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert plan.backend == "flydsl" and plan.config["tile_m"] == 64 and "64 rows over 2 groups" in plan.reasons[-1]
+    plan = fq.explain(fq.mxfp8_grouped_mm_wgrad, x, x_scale, y, y_scale, offs(32, 64))
+    assert plan.backend == "reference" and plan.reasons[-1] == "no FlyDSL kernel yet"
+    out = capsys.readouterr().out
+    assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: reference" in out
+
+
+def test_shapes_the_kernel_does_not_take_go_to_the_reference(monkeypatch):
+    a, a_scale, b, b_scale = fwd_inputs(64, 40, 64, 2)  # N % 16 != 0
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert plan.backend == "reference" and "multiple of 16" in plan.reasons[-1]
+    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64), torch.float32)
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), offs(30, 64))
+    assert_within(got, exact, fp32_bound(exact, s, 64, torch.float32))
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    with pytest.raises(select.BackendError, match="multiple of 16"):
+        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
 
 
 def test_forced_flydsl_without_kernel_raises(monkeypatch):
-    if select.GROUPED_MM_KERNELS.get("mxfp8_grouped_mm"):
-        pytest.skip("a kernel is registered")
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
-    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
     with pytest.raises(select.BackendError, match="no FlyDSL kernel yet"):
-        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
+        fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,13 +353,14 @@ def test_forced_flydsl_without_kernel_raises(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_selected_backend_under_emulator(arch, monkeypatch):
-    """Today the plan is the reference (no kernel registered); once the lead registers a kernel
-    this runs it, emulated, under strict memory, against the same FP32-accumulation bound."""
+    """The forward GEMM's kernel, emulated for each arch under strict memory, and the
+    weight-gradient GEMM (the reference until its kernel exists), against the FP32-accumulation
+    bound."""
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     m, n, k, ends = 80, 32, 96, offs(0, 17, 17, 70)
     a, a_scale, b, b_scale = fwd_inputs(m, n, k, 4)
     plan = select.plan_mxfp8_grouped_mm(a, b, ends, torch.bfloat16)
-    assert plan.where == "emulator" and (plan.backend == "reference" or plan.arch == arch), plan
+    assert plan.where == "emulator" and plan.backend == "flydsl" and plan.arch == arch, plan
     got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends)
     exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
     assert_within(got, exact, fp32_bound(exact, s, k, torch.bfloat16))
@@ -500,16 +512,18 @@ def test_training_op_compiles_fullgraph(reference_backend, backend):
 
 
 def test_kernel_hook(monkeypatch):
-    """Registering a launcher in select.GROUPED_MM_KERNELS switches the plan to it: the op hands
-    the launcher its inputs, a zeroed out of the result's shape and dtype, and the arch, and
-    checks CPU offs first. A stand-in launcher (the reference's values) takes the kernel's place."""
+    """A launcher registered in select.GROUPED_MM_KERNELS takes the op's inputs, an out of the
+    result's shape and dtype to write every element of, the arch, the op's options and the plan's
+    config; CPU offs are checked first. A stand-in launcher (the reference's values) takes the
+    kernels' place, so this also covers the weight-gradient hook before its kernel exists."""
     seen = []
 
-    def launch(*args, arch):
-        *inputs, out = args
-        seen.append((arch, out.shape, out.dtype, bool((out == 0).all())))
-        fn = reference.mxfp8_grouped_mm if out.dim() == 2 else reference.mxfp8_grouped_mm_wgrad
-        out.copy_(fn(*inputs, out.dtype))
+    def launch(*inputs, out, arch, **options):
+        seen.append((arch, out.shape, out.dtype, sorted(options)))
+        if out.dim() == 2:
+            out.copy_(reference.mxfp8_grouped_mm(*inputs, out.dtype, options.get("scale_layout")))
+        else:
+            out.copy_(reference.mxfp8_grouped_mm_wgrad(*inputs, out.dtype))
 
     monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm", "stand_in:launch")
     monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm_wgrad", "stand_in:launch_wgrad")
@@ -523,7 +537,8 @@ def test_kernel_hook(monkeypatch):
     x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
     assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
-    assert seen == [("gfx942", (64, 32), torch.bfloat16, True), ("gfx942", (2, 48, 32), torch.float32, True)]
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m"]),
+                    ("gfx942", (2, 48, 32), torch.float32, [])]
     with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
         fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
     assert len(seen) == 2
@@ -535,3 +550,24 @@ def test_launcher_lookup():
     plan = select.Plan("mxfp8_grouped_mm", "flydsl", "emulator", "gfx950", "k",
                        {"launcher": "mxfp8_quantize_2d:quantize_1x32"})
     assert select.grouped_mm_launcher(plan) is mxfp8_quantize_2d.quantize_1x32
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_mfma_scale_layout(arch, monkeypatch):
+    """scale_layout="mfma" (the quantize ops' aiter layout, what the training op passes): the
+    reference un-shuffles to exactly the plain result, the kernel (emulated) meets the bound, and
+    the layout's inverse undoes it, padding dropped."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    m, n, k, ends = 72, 48, 160, offs(30, 30, 72)
+    a, a_scale, b, b_scale = fwd_inputs(m, n, k, 3, seed=5)
+    a_m = layouts.mfma_shuffle_scales(a_scale)
+    b_m = torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale])
+    assert torch.equal(layouts.mfma_unshuffle_scales(a_m, m, k // MX_BLOCK).view(torch.uint8), a_scale.view(torch.uint8))
+    plain = reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32)
+    assert torch.equal(reference.mxfp8_grouped_mm(a, a_m, b, b_m, ends, torch.float32, "mfma"), plain)
+    assert fq.explain(fq.mxfp8_grouped_mm, a, a_m, b, b_m, ends, scale_layout="mfma").backend == "flydsl"
+    got = fq.mxfp8_grouped_mm(a, a_m, b, b_m, ends, torch.float32, "mfma")
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    assert_within(got, exact, fp32_bound(exact, s, k, torch.float32))
+    with pytest.raises(ValueError, match="a_scale"):  # plain scales announced as shuffled
+        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32, "mfma")
