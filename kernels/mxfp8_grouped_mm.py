@@ -23,15 +23,22 @@ MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B,
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
 output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous bytes.
 - gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 32
-  bytes of its row at k = 128 s + 32 c (two 16-byte loads) and that block's E8M0 scale byte; the
-  hardware applies both scales.
+  bytes of its row at k = 128 s + 32 c (two 16-byte loads; a row's 4 lanes read half of each
+  128-byte line per instruction, the other half with the next) and that block's E8M0 scale,
+  which the hardware applies. Scales row-major: one byte load per row block and step. Scales in
+  aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
+  one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
+  by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
+  (scales first) are issued before the previous step's MFMAs, one wait per step.
 - gfx942 (no MX MFMA; FP8 is the FNUZ format there): v_mfma_f32_16x16x32_fp8_fp8 per 32-wide
   scale block, lane (c, r) supplying bytes 8c .. 8c + 7 of the block (an 8-byte load). OCP E4M3
   codes read as FNUZ are worth exactly half (exponent bias 8 instead of 7), except -0 (0x80, NaN in
   FNUZ: rewritten to +0 in registers, three bit operations per dword) and NaN (0x7F/0xFF, +-240 in
   FNUZ: a wave-uniform check per step, and a rare branch that rewrites them to FNUZ's NaN). Each
   block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
-  FMAs); the final sum is multiplied by 4 (the two halvings).
+  FMAs); the final sum is multiplied by 4 (the two halvings). The step's scales are converted
+  to f32 once per workgroup into LDS ([row][block] for A: a lane reads its row's four at once;
+  [block][column] for B: its four output columns at once).
 
 Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
@@ -40,8 +47,8 @@ scalar offset and it stays below K. The group loop indexes offs below E; any off
 negative, past M) keep every access inside the tensors (rows are clamped to [0, M)); with offs
 that are not non-decreasing, output rows outside every group are not written.
 
-Constraints (checked by the launcher, the selector falls back to the reference otherwise): K a
-multiple of 32, N a multiple of 16, every buffer below 2 GiB.
+Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
+32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
 """
 
 from __future__ import annotations
