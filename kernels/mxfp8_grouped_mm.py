@@ -140,10 +140,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     N_STEPS = -(-K // K_STEP)
     TAIL_CHUNKS = (K % K_STEP) // BLOCK  # valid 32-wide chunks of a partial last step (0: none)
     FULL_STEPS = N_STEPS - (1 if TAIL_CHUNKS else 0)
-    FULL_PAIRS = max(0, (FULL_STEPS - 1) // 2)  # pipelined loop iterations (each prefetches the next pair's first step)
+    ODD_EVEN_PAIRS = max(0, (FULL_STEPS - 2) // 2)  # gfx950 loop iterations: steps (2i + 1, 2i + 2), prefetching 2i + 3
     SCALE_MFMA = cfg.scale_layout == "mfma"
     PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
     OUT_F32 = cfg.out_dtype == torch.float32
+    N_TAIL = N % TILE_N != 0  # the last n-tile has columns past N (masked)
     OUT_ELEM = 4 if OUT_F32 else 2
     if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or N % MFMA_MN or K % BLOCK:
         raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave, N % 16 == 0, K % 32 == 0")
@@ -207,7 +208,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                     v = Vec(accs[mb * NB + nb])
                     if const_expr(scale != 1.0):
                         v = v * Vec.filled(4, scale, fx.Float32)
-                    off = (cols[nb] < N).select(base, fx.Int32(OOB))
+                    off = (cols[nb] < N).select(base, fx.Int32(OOB)) if const_expr(N_TAIL) else base
                     words = v.bitcast(fx.Int32) if const_expr(OUT_F32) else v.to(fx.BFloat16).bitcast(fx.Int32)
                     rocdl.raw_ptr_buffer_store(words.ir_value(), out_rsrc, off.ir_value(),
                                                fx.Int32(cols[nb] * OUT_ELEM).ir_value())
@@ -218,7 +219,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
             bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
             a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
-            b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) for nb in range_constexpr(NB)]
+            b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
+                     for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
 
         def off(row, pitch, extra, chunk_ok=None):
@@ -368,40 +370,55 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 else:
                     o = fp8_offsets(a_row, b_row)
                 if const_expr(SCALED and FULL_STEPS > 0):
-                    # Software pipeline over step pairs (an "mfma" scale dword serves both steps of a
-                    # pair): a step's loads are in flight while the previous step computes.
-                    n_acc = MB * NB
-                    n_data = MB + NB
+                    # Software pipeline: a step's loads are in flight while the previous step
+                    # computes. Step 0 is peeled (its MFMAs start from a constant 0: no zeroed
+                    # accumulators); the loop then walks (odd, even) step pairs, so that an "mfma"
+                    # scale dword, loaded with an even step, serves it and the odd step after it.
+                    n_acc, n_data = MB * NB, MB + NB
                     n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
                     per_step = not SCALE_MFMA  # plain scales are loaded with every step
-                    pre = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
-                    if const_expr(FULL_PAIRS > 0):
-                        for i, state in range(0, FULL_PAIRS, 1, init=accs + pre):
-                            s0 = fx.Int32(i) * 2
-                            accs, d0, sc0 = list(state[:n_acc]), list(state[n_acc:n_acc + n_data]), list(state[n_acc + n_data:])
-                            d1 = scaled_load(s0 + 1, o, b_rsrc, bs_rsrc, scales=per_step)
-                            rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=2 * n_data + (n_sc if per_step else 0))  # d1's loads (2 per data vector)
-                            accs = scaled_compute(accs, d0, sc0, 0)
-                            sc1 = d1[n_data:] if const_expr(per_step) else sc0
-                            nxt = scaled_load(s0 + 2, o, b_rsrc, bs_rsrc)
-                            rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=3 * n_data if per_step else 2 * n_data + n_sc)
-                            accs = scaled_compute(accs, d1[:n_data], sc1, 1)
-                            res = yield accs + nxt
-                        accs, pre = list(res[:n_acc]), list(res[n_acc:])
-                    s0 = 2 * FULL_PAIRS  # the remaining one or two full steps, prefetched: pre
-                    d0, sc0 = pre[:n_data], pre[n_data:]
-                    if const_expr(FULL_STEPS - s0 == 2):
-                        d1 = scaled_load(fx.Int32(s0 + 1), o, b_rsrc, bs_rsrc, scales=per_step)
+                    loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
+                    d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
+                    if const_expr(FULL_STEPS > 1):
+                        odd = scaled_load(fx.Int32(1), o, b_rsrc, bs_rsrc, scales=per_step)
                         rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=2 * n_data + (n_sc if per_step else 0))
-                        accs = scaled_compute(accs, d0, sc0, 0)
-                        rocdl.s_waitcnt(vmcnt=0)
-                        accs = scaled_compute(accs, d1[:n_data], d1[n_data:] if per_step else sc0, 1)
+                        rocdl.s_waitcnt(vmcnt=loads(per_step))
                     else:
                         rocdl.s_waitcnt(vmcnt=0)
-                        accs = scaled_compute(accs, d0, sc0, 0)
+                    accs = scaled_compute([zero4] * n_acc, d0[:n_data], d0[n_data:], 0)
+                    pair = [] if per_step else d0[n_data:]  # "mfma": the current pair's scale dwords
+
+                    def odd_scales(odd, pair):
+                        return odd[n_data:] if const_expr(per_step) else pair
+
+                    if const_expr(ODD_EVEN_PAIRS > 0):
+                        for i, state in range(0, ODD_EVEN_PAIRS, 1, init=accs + odd + pair):
+                            s_odd = fx.Int32(i) * 2 + 1
+                            accs, odd = list(state[:n_acc]), list(state[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                            pair = list(state[n_acc + len(odd):])
+                            even = scaled_load(s_odd + 1, o, b_rsrc, bs_rsrc)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=loads(True))
+                            accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                            nxt = scaled_load(s_odd + 2, o, b_rsrc, bs_rsrc, scales=per_step)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=loads(per_step))
+                            accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
+                            res = yield accs + nxt + ([] if per_step else even[n_data:])
+                        accs = list(res[:n_acc])
+                        odd = list(res[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                        pair = list(res[n_acc + len(odd):])
+                    s_odd = 2 * ODD_EVEN_PAIRS + 1  # the remaining full steps: s_odd (prefetched), s_odd + 1
+                    if const_expr(FULL_STEPS - s_odd == 2):
+                        even = scaled_load(fx.Int32(s_odd + 1), o, b_rsrc, bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=loads(True))
+                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
+                    elif const_expr(FULL_STEPS - s_odd == 1):
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
                 if const_expr(not SCALED and FULL_STEPS > 0):
                     for s, state in range(0, FULL_STEPS, 1, init=accs):
                         res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
