@@ -1,11 +1,12 @@
 """flyquant: FlyDSL kernels for MX-format Mixture-of-Experts on AMD Instinct GPUs.
 
-MXFP8 quantize (1x32, 32x1, dual, 3D per expert) and the A16W4 MoE stage-1 and stage-2 GEMMs for gfx942
+MXFP8 quantize (1x32, 32x1, dual, 3D per expert), the MXFP8 grouped GEMMs of MoE training
+(flyquant.training wraps them in an autograd op) and the A16W4 MoE stage-1 and stage-2 GEMMs for gfx942
 (MI300X) and gfx950 (MI355X), each dispatched by a selector to a kernel or the PyTorch
 reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
-from . import emu, nn, reference
+from . import emu, nn, reference, training
 from .api import (
     dequantize_mxfp4,
     explain,
@@ -27,6 +28,7 @@ from .api import (
     shuffle_weight_a16w4,
     warmup,
 )
+from .grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad
 from .moe import moe_routing
 from .select import Plan
 
@@ -46,6 +48,8 @@ __all__ = [
     "mxfp4_quantize_3d",
     "mxfp4_quantize_dual",
     "mxfp8_dequantize",
+    "mxfp8_grouped_mm",
+    "mxfp8_grouped_mm_wgrad",
     "mxfp8_quantize",
     "mxfp8_quantize_3d",
     "mxfp8_quantize_dual",
@@ -54,5 +58,6 @@ __all__ = [
     "reference",
     "shuffle_scale_a16w4",
     "shuffle_weight_a16w4",
+    "training",
     "warmup",
 ]

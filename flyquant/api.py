@@ -527,6 +527,9 @@ def explain(fn, *args, **kwargs) -> Plan:
         moe_gemm1_a16w4: _explain_moe1,
         moe_sorting: _explain_sorting,
     }
+    from .grouped_mm import EXPLAINERS  # the module imports after this one (flyquant/__init__.py)
+
+    planners.update(EXPLAINERS)
     if fn is fused_moe:  # three ops: three plans
         plans = _explain_fused_moe(*args, **kwargs)
         for plan in plans:

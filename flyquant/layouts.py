@@ -134,6 +134,22 @@ def mfma_unshuffle_scales(shuffled: torch.Tensor) -> torch.Tensor:
     return _permuted(shuffled, _mfma_split(prows, pcols), _MFMA_PERM, inverse=True)
 
 
+def mfma_scales_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The shape mfma_shuffle_scales gives (rows, cols) scales."""
+    return _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
+
+
+def mfma_unshuffle_scales(shuffled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of mfma_shuffle_scales: the (rows, cols) scales, padding dropped."""
+    prows, pcols = shuffled.shape
+    tiles = _bytes(shuffled.contiguous()).view(
+        prows // MFMA_TILE_ROWS, pcols // MFMA_TILE_COLS, MFMA_COL_HALF, MFMA_ROW_HALF,
+        MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_TILE_ROWS // MFMA_ROW_HALF,
+    )  # (row tile, col tile, c_lo, r_lo, c_hi, r_hi)
+    plain = tiles.permute(0, 5, 3, 1, 4, 2).contiguous().view(prows, pcols)
+    return plain[:rows, :cols].contiguous().view(shuffled.dtype)
+
+
 # aiter's gemm_a4w4 B operand (shuffle_weight(x, layout=(16, 16)) on packed FP4 bytes): tiles of
 # 16 rows x 32 bytes (64 FP4 values), each stored as (2 halves of 16 bytes along K, 16 rows, 16
 # bytes): a 16-byte K unit of 16 consecutive rows is contiguous.

@@ -676,3 +676,10 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
             a = a * sorted_weights[sel].unsqueeze(1)
         out[t * topk + k, :inter_dim] = a.to(torch.bfloat16)
     return out
+
+
+# The grouped GEMMs' reference has its own module (which imports this one), re-exported here.
+from . import reference_grouped_mm as _grouped_mm  # noqa: E402
+
+mxfp8_grouped_mm = _grouped_mm.mxfp8_grouped_mm
+mxfp8_grouped_mm_wgrad = _grouped_mm.mxfp8_grouped_mm_wgrad

@@ -547,3 +547,65 @@ def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim:
 
 
 REFERENCE_BLOCK_M = 32
+
+
+# The FlyDSL grouped-GEMM launchers, op -> "module:function" under flyquant.kernels, with the
+# signature launch(a, a_scale, b, b_scale, offs, *, out, arch, scale_layout, **config), writing
+# every row of out. An op missing here (the weight-gradient GEMM, for now) runs the reference.
+GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm"}
+GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
+GFX942_GROUPED_MM_MAX_K = 43648  # gfx942 reads 4 columns' scales at immediate offsets below 4096
+
+
+def _grouped_mm_unsupported(arch: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> str | None:
+    """Why the forward kernel cannot take this shape (None: it can)."""
+    if n % 16:
+        return f"N = {n} is not a multiple of 16 (the kernel's 16-column MFMA blocks)"
+    if max(m * k, n * k, m * n * torch.finfo(out_dtype).bits // 8) > GROUPED_MM_MAX_BUFFER:
+        return "a tensor (or one expert's weights) spans 2 GiB or more (32-bit buffer offsets)"
+    if arch == "gfx942" and k > GFX942_GROUPED_MM_MAX_K:
+        return f"K = {k} > {GFX942_GROUPED_MM_MAX_K} on gfx942 (scale offsets)"
+    return None
+
+
+def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, shape=None) -> Plan:
+    target = _kernel_target(op, device)
+    if isinstance(target, Plan):
+        return target
+    launcher = GROUPED_MM_KERNELS.get(op)
+    if launcher is None:
+        reason = "no FlyDSL kernel yet"
+        _forced_reference(reason)
+        return reference_plan(op, target, reason)
+    config = {"launcher": launcher}
+    reasons = ()
+    if shape is not None:
+        m, n, k, experts = shape
+        why = _grouped_mm_unsupported(target.arch, m, n, k, out_dtype)
+        if why:
+            _forced_reference(why)
+            return reference_plan(op, target, why)
+        # tile_m 64 when the average group is smaller than the 128-row tile (less masked work at
+        # group boundaries); 128 otherwise (fewer loads per MFMA)
+        config["tile_m"] = 128 if m >= 128 * max(experts, 1) else 64
+        reasons = (f"tile_m {config['tile_m']}: {m} rows over {experts} groups",)
+    return _kernel_plan(op, target, f"{op}_{_dtype_name(out_dtype)}_{target.arch}", config, *reasons)
+
+
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype) -> Plan:
+    """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
+    e, n, k = b.shape
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, (a.shape[0], n, k, e))
+
+
+def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype) -> Plan:
+    """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
+    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype)
+
+
+def grouped_mm_launcher(plan: Plan):
+    """The launcher function a kernel plan of a grouped GEMM names."""
+    import importlib
+
+    module, function = plan.config["launcher"].split(":")
+    return getattr(importlib.import_module(f"flyquant.kernels.{module}"), function)

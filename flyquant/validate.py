@@ -145,24 +145,38 @@ def offs(group_offs, x: torch.Tensor, rows: int) -> None:
     group size (including the first, from 0) a multiple of 128. Reads the values (a host sync
     on a GPU). Contiguous on every backend, so a call succeeds or fails the same way on both:
     the kernels read offs as a packed int32 array."""
+    offs_tensor(group_offs, "x", x)
+    offs_values(group_offs, rows, OFFS_GROUP_MULTIPLE, exact_end=True)
+
+
+def offs_tensor(group_offs, x_name: str, x: torch.Tensor) -> None:
+    """The structure of a token-group `offs` (no values read, so safe while torch.compile
+    traces): a 1D contiguous int32 tensor of at least one group end offset, on x's device."""
     tensor(group_offs, "offs", (torch.int32,), ndim=1)
-    same_device("x", x, "offs", group_offs)
+    same_device(x_name, x, "offs", group_offs)
     if not group_offs.is_contiguous():
         raise ValueError(
             f"offs must be contiguous (stride 1), got stride {group_offs.stride()[0]}: pass offs.contiguous()"
         )
     if group_offs.numel() == 0:
         raise ValueError("offs must hold at least one group end offset")
+
+
+def offs_values(group_offs: torch.Tensor, rows: int, multiple: int, exact_end: bool) -> None:
+    """offs' values (read on the host: a sync on a GPU): non-decreasing from 0, the last equal to
+    `rows` (exact_end) or at most `rows`, every group size a multiple of `multiple`."""
     ends = group_offs.to("cpu", torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     if (sizes < 0).any():
-        raise ValueError(f"offs must be non-decreasing, got {ends.tolist()}")
-    if ends[-1].item() != rows:
+        raise ValueError(f"offs must be non-decreasing from 0, got {ends.tolist()}")
+    if exact_end and ends[-1].item() != rows:
         raise ValueError(f"offs[-1] must equal M = {rows} (the last group ends at the last row), got {ends[-1].item()}")
-    bad = sizes % OFFS_GROUP_MULTIPLE != 0
+    if ends[-1].item() > rows:
+        raise ValueError(f"offs[-1] must be at most M = {rows} (groups end within the rows), got {ends[-1].item()}")
+    bad = sizes % multiple != 0
     if bad.any():
         raise ValueError(
-            f"every token group size must be a multiple of {OFFS_GROUP_MULTIPLE}; "
+            f"every token group size must be a multiple of {multiple}; "
             f"offs {ends.tolist()} gives sizes {sizes.tolist()}"
         )
 

@@ -55,7 +55,8 @@ def tensor_extent(t: torch.Tensor) -> tuple[int, int] | None:
 # Torch-facing launchers that hand FlyDSL raw addresses instead of tensors: while one runs,
 # every tensor whose address it takes (data_ptr) is valid memory, outputs it allocates included.
 RAW_ADDRESS_LAUNCHERS = (("flyquant.kernels.moe_gemm2_a16w4", "moe_gemm2_a16w4"),
-                         ("flyquant.kernels.moe_gemm1_a16w4", "moe_gemm1_a16w4"))
+                         ("flyquant.kernels.moe_gemm1_a16w4", "moe_gemm1_a16w4"),
+                         ("flyquant.kernels.mxfp8_grouped_mm", "grouped_mm"))
 
 
 class _Extents:

@@ -8,7 +8,8 @@ enough to emulate in well under a second, and each stresses one part of the mach
 - ``block_sum``: a tree reduction through LDS with a barrier between steps (4 waves);
 - ``wave_shuffles``: cross-lane data movement inside one wave (shuffle xor / down / idx);
 - ``mfma_tile``: one 32x32 tile of A @ B^T on a 2x2 grid of 16x16 MFMAs (f32 and bf16);
-- ``buffer_tail``: buffer loads past the descriptor's end read 0, stores there are dropped.
+- ``buffer_tail``: buffer loads past the descriptor's end read 0, stores there are dropped;
+- ``mfma_scale``: one gfx950 scaled MFMA on operands given register by register.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import gpu, range_constexpr
+from flydsl.expr import gpu, range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
 
 WAVE = 64
 
@@ -245,5 +248,40 @@ def buffer_tail(arch: str):
     @flyc.jit
     def launch(X: fx.Tensor, Y: fx.Tensor, Raw: fx.Tensor, tiles: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
         emu_buffer_tail(X, Y, Raw).launch(grid=(tiles, 1, 1), block=(WAVE, 1, 1), stream=stream)
+
+    return launch
+
+
+SCALED_MFMA_OPERAND_REGS = 8  # A and B of a scaled MFMA: 8 registers (fp4 uses the first 4)
+
+
+@functools.lru_cache(maxsize=None)
+def mfma_scale(m: int, cbsz: int, blgp: int, opsel_a: int, opsel_b: int):
+    """One wave, one v_mfma_scale_f32_{16x16x128,32x32x64}_f8f6f4: D = scaled(A) scaled(B)^T + C
+    (gfx950 only: build and call it under ``toolchain.target("gfx950")``).
+    Every operand is a (registers, 64 lanes) row-major tensor of raw register words: A and B
+    int32 (8, 64), scale A and scale B int32 (1, 64), C (in) and D (out, in place) f32
+    (m * m / 64, 64). cbsz/blgp: the A/B formats; opsel_a/opsel_b: the scale byte (0..3)."""
+    acc_regs = m * m // WAVE
+    mfma = {16: rocdl.mfma_scale_f32_16x16x128_f8f6f4, 32: rocdl.mfma_scale_f32_32x32x64_f8f6f4}[m]
+
+    @flyc.kernel
+    def emu_mfma_scale(A: fx.Tensor, B: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, C: fx.Tensor):
+        lane = fx.thread_idx.x
+
+        def regs(t, n, dtype):
+            return Vec.from_elements([fx.memref_load(t, r * WAVE + lane) for r in range_constexpr(n)], dtype)
+
+        a = regs(A, SCALED_MFMA_OPERAND_REGS, fx.Int32)
+        b = regs(B, SCALED_MFMA_OPERAND_REGS, fx.Int32)
+        d = Vec(mfma(T.vec(acc_regs, T.f32), [a, b, regs(C, acc_regs, fx.Float32), cbsz, blgp,
+                                               opsel_a, fx.memref_load(SA, lane), opsel_b, fx.memref_load(SB, lane)]))
+        for r in range_constexpr(acc_regs):
+            fx.memref_store(d[r], C, r * WAVE + lane)
+
+    @flyc.jit
+    def launch(A: fx.Tensor, B: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, C: fx.Tensor,
+               stream: fx.Stream = fx.Stream(None)):
+        emu_mfma_scale(A, B, SA, SB, C).launch(grid=(1, 1, 1), block=(WAVE, 1, 1), stream=stream)
 
     return launch

@@ -92,7 +92,7 @@ def test_install_reports_patches_once_and_routes_torchaos_entry_points():
                                for a, b in zip(got, want)) for k, (got, want) in results.items()}
     """)
     assert out["first"][0].startswith("flydsl.expr.vector: shim")
-    assert len(out["first"]) == 1 + 6  # the shim, 3 entry points in 2 modules
+    assert len(out["first"]) == 1 + 6 + 2  # the shim, 3 entry points in 2 modules, the grouped GEMM in 2
     assert out["second"] == []  # idempotent
     assert all(out["routed"])
     assert len(out["kernels"]) == 4 and all("mxfp8" in k for k in out["kernels"]), out["kernels"]
@@ -155,3 +155,105 @@ def test_mx_linear_forward_backward_casts_on_flyquant_equal_torch_choice():
         assert out["operands"][mode] == [3, 3, True, True, True], out["operands"]
         assert out["results"][mode] == [True, True, True]
         assert out["error"][mode] < 0.1, out["error"]
+
+
+def test_torchao_moe_training_step_runs_through_flyquant_after_install():
+    """Issue 22: a two-GEMM expert MLP converted by torchao's quantize_(model,
+    MXFP8TrainingOpConfig()) (its default recipe, KernelPreference.AUTO: on CPU without install()
+    torchao asserts that SM100 kernels are missing), one SGD step. After install() every
+    torch._grouped_mm on the wrapped weights runs flyquant.training.mxfp8_grouped_mm: the
+    quantize casts as emulated gfx950 kernels, the grouped GEMMs as the selector plans them (the
+    reference until a kernel is registered), counted here. The same step with torchao's EMULATED
+    recipe (to_mx, dequantize, bf16 torch._grouped_mm; install() passes it through) is the
+    yardstick.
+
+    Tolerance: both quantize the first GEMM's operands identically (flyquant's quantize equals
+    torchao's to_mx on finite data) and sum the same exact products in FP32 in different orders
+    before rounding to BF16, so its outputs differ by at most one BF16 rounding (2^-8 relative
+    each side); through the second GEMM such a difference can move one E4M3 rounding (2^-4
+    relative of one element). Loss (a mean of squares): 2^-6 relative; weights after the step
+    and their gradients: 2^-4 relative (Frobenius)."""
+    out = run("""
+        os.environ["FLYQUANT_BACKEND"] = "auto"  # kernels where registered, else the reference
+        import copy
+        from flyquant.compat import torchao as compat
+        out["installed"] = compat.install()
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+        from torchao.quantization import quantize_
+        from torchao.quantization.quantize_.common import KernelPreference
+        import flyquant.reference_grouped_mm as ref_gmm
+
+        calls = []
+        for name in ("mxfp8_grouped_mm", "mxfp8_grouped_mm_wgrad"):
+            real = getattr(ref_gmm, name)
+            def counted(*args, _real=real, _name=name):
+                calls.append(_name)
+                return _real(*args)
+            setattr(ref_gmm, name, counted)
+
+        class Experts(torch.nn.Module):
+            def __init__(self, e, d, h, g):
+                super().__init__()
+                self.w1 = torch.nn.Parameter((torch.randn(e, h, d, generator=g) / 8).to(torch.bfloat16))
+                self.w2 = torch.nn.Parameter((torch.randn(e, d, h, generator=g) / 8).to(torch.bfloat16))
+
+            def forward(self, x, offs):
+                h = torch.nn.functional.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+                return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+        g = torch.Generator().manual_seed(0)
+        base = Experts(3, 64, 96, g)
+        x = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+        target = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+        offs = torch.tensor([32, 32, 96], dtype=torch.int32)  # an empty expert
+        runs = {}
+        for pref in ("AUTO", "EMULATED"):
+            model = copy.deepcopy(base)
+            quantize_(model, MXFP8TrainingOpConfig(kernel_preference=getattr(KernelPreference, pref)),
+                      filter_fn=lambda mod, fqn: isinstance(mod, Experts))
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            calls.clear()
+            with fq.emu.record() as launches:
+                loss = (model(x, offs).float() - target.float()).square().mean()
+                loss.backward()
+            plain = lambda t: getattr(t, "_data", t).detach().float().clone()  # torchao's weight wrapper -> its tensor
+            grads = [plain(p.grad) for p in (model.w1, model.w2)]
+            opt.step()
+            runs[pref] = (loss.item(), grads, [plain(p) for p in (model.w1, model.w2)],
+                          list(calls), [r.kernel for r in launches], type(model.w1).__name__)
+        auto, emulated = runs["AUTO"], runs["EMULATED"]
+        rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+        out["wrapped"] = [auto[5], emulated[5]]
+        out["loss"] = [auto[0], emulated[0]]
+        out["grad_rel"] = [rel(a, b) for a, b in zip(auto[1], emulated[1])]
+        out["weight_rel"] = [rel(a, b) for a, b in zip(auto[2], emulated[2])]
+        out["moved"] = [rel(a, b.float()) for a, b in zip(auto[2], (base.w1, base.w2))]
+        out["calls"] = [auto[3], emulated[3]]
+        out["kernels"] = [auto[4], emulated[4]]
+        w1_t = base.w1.detach().transpose(-2, -1)
+        out["unsupported"] = []
+        for option in ("wgrad_with_hp", "pad_token_groups_for_grouped_mm"):
+            try:
+                compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, **{option: True})
+            except NotImplementedError as exc:
+                out["unsupported"].append(option in str(exc))
+        bias = torch.randn(96, generator=g).to(torch.bfloat16)
+        out["bias"] = torch.equal(compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, bias=bias),
+                                  compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs) + bias)
+    """)
+    assert any("_to_mxfp8_then_scaled_grouped_mm" in line for line in out["installed"])
+    assert out["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
+    auto_calls, emulated_calls = out["calls"]
+    # 2 forward GEMMs and 1 dgrad (x needs no gradient: the first GEMM's dgrad is skipped) run the
+    # FlyDSL kernel, emulated; the 2 wgrads the reference (no kernel yet)
+    assert sorted(auto_calls) == ["mxfp8_grouped_mm_wgrad"] * 2, auto_calls
+    assert emulated_calls == []
+    auto_kernels, emulated_kernels = out["kernels"]
+    assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 3, auto_kernels
+    assert all(k.startswith("mxfp8_") for k in auto_kernels), auto_kernels  # and the casts, emulated
+    assert emulated_kernels == []
+    loss, loss_emulated = out["loss"]
+    assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, out["loss"]
+    assert max(out["grad_rel"]) <= 2**-4 and max(out["weight_rel"]) <= 2**-4, out
+    assert min(out["moved"]) > 1e-3, out["moved"]  # the step changed the weights
+    assert out["unsupported"] == [True, True] and out["bias"]

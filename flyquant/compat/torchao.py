@@ -1,4 +1,5 @@
-"""torchao 0.18's FlyDSL MXFP8 quantize ops, served by flyquant.
+"""torchao 0.18's FlyDSL MXFP8 quantize ops and its MXFP8 grouped-GEMM training entry point
+(``to_mxfp8_then_scaled_grouped_mm``, routed by install()), served by flyquant.
 
 Same names, signatures and return contracts as
 ``torchao.prototype.moe_training.kernels.mxfp8.quant.mxfp8_quantize_{2d_1x32,2d_32x1,3d}_flydsl``,
@@ -169,8 +170,18 @@ def _flydsl_vector_shim():
 
 def install() -> list[str]:
     """Make torchao's MXFP8 training (torchao.prototype.moe_training, its kernels.mxfp8 package,
-    the MX linear's FLYDSL dim1 cast) importable with flydsl 0.4.2 and route torchao's FlyDSL
-    MXFP8 quantize entry points to this module's functions (flyquant's kernels or reference).
+    the MX linear's FLYDSL dim1 cast) importable with flydsl 0.4.2 and route its MXFP8 entry
+    points to flyquant. Exactly these attributes are set:
+
+    - ``flydsl.expr.vector`` (sys.modules and flydsl.expr): a shim, when flydsl has none;
+    - ``mxfp8_quantize_{2d_1x32,2d_32x1,3d}_flydsl`` in ``torchao.prototype.moe_training.kernels.mxfp8``
+      and its ``.quant`` module -> this module's functions of those names;
+    - ``_to_mxfp8_then_scaled_grouped_mm`` in ``torchao.prototype.moe_training`` (what
+      MXFP8TrainingOpConfig's weight wrapper calls for ``torch._grouped_mm``, through
+      ``moe_training.utils._quantize_then_scaled_grouped_mm``) and in
+      ``torchao.prototype.moe_training.mxfp8_grouped_mm`` -> ``to_mxfp8_then_scaled_grouped_mm``
+      below, which runs flyquant.training.mxfp8_grouped_mm. Code that bound torchao's function
+      by name before install() keeps torchao's.
 
     Returns what it changed, one line each; a second call changes nothing and returns []. Nothing
     happens at import of flyquant: only this call patches. Raises ImportError when torchao or
@@ -198,4 +209,58 @@ def install() -> list[str]:
             if getattr(module, name, None) is not ours:
                 setattr(module, name, ours)
                 changed.append(f"{module_name}.{name} -> flyquant.compat.torchao.{name}")
+    for module_name in TORCHAO_GROUPED_MM_MODULES:
+        module = importlib.import_module(module_name)
+        theirs = getattr(module, GROUPED_MM_ENTRY_POINT)
+        if theirs is not to_mxfp8_then_scaled_grouped_mm:
+            _TORCHAO_GROUPED_MM.setdefault("original", theirs)
+            setattr(module, GROUPED_MM_ENTRY_POINT, to_mxfp8_then_scaled_grouped_mm)
+            changed.append(f"{module_name}.{GROUPED_MM_ENTRY_POINT} -> "
+                           "flyquant.compat.torchao.to_mxfp8_then_scaled_grouped_mm")
     return changed
+
+
+# torchao's differentiable MXFP8 grouped GEMM, where it is defined and where the MoE training
+# config's dispatch (moe_training.utils) imports it from at call time.
+TORCHAO_GROUPED_MM_MODULES = ("torchao.prototype.moe_training.mxfp8_grouped_mm", "torchao.prototype.moe_training")
+GROUPED_MM_ENTRY_POINT = "_to_mxfp8_then_scaled_grouped_mm"
+_TORCHAO_GROUPED_MM: dict = {}  # "original": torchao's function, kept for its EMULATED and SM100 paths
+
+
+def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torch.bfloat16, kernel_preference=None,
+                                    wgrad_with_hp=False, scale_calculation_mode="rceil",
+                                    pad_token_groups_for_grouped_mm=False):
+    """torchao 0.18's ``_to_mxfp8_then_scaled_grouped_mm`` served by flyquant.training.mxfp8_grouped_mm.
+
+    Calls torchao's own function when it can run them itself: kernel_preference EMULATED (torchao's
+    PyTorch emulation, asked for by name) or torchao's SM100 kernels available. Otherwise (its
+    AUTO on AMD or CPU, where torchao asserts) flyquant's op, then ``+ bias`` as torchao does.
+    Options flyquant does not implement raise TorchaoUnsupportedError: wgrad_with_hp=True,
+    pad_token_groups_for_grouped_mm=True (pad groups to multiples of 32 beforehand), and an
+    MXTensor A (pre-quantized activations).
+    """
+    from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    from .. import training
+
+    if kernel_preference is None:
+        kernel_preference = KernelPreference.AUTO
+    if kernel_preference == KernelPreference.EMULATED or theirs._SM100_KERNELS_AVAILABLE:
+        original = _TORCHAO_GROUPED_MM.get("original")
+        if original is None:
+            raise RuntimeError("call flyquant.compat.torchao.install() first: it keeps torchao's own function")
+        return original(A, B_t, offs, bias, out_dtype, kernel_preference, wgrad_with_hp, scale_calculation_mode,
+                        pad_token_groups_for_grouped_mm)
+    if kernel_preference != KernelPreference.AUTO:
+        _fail("kernel_preference must be AUTO or EMULATED", f"got {kernel_preference}")
+    for option, value in (("wgrad_with_hp", wgrad_with_hp),
+                          ("pad_token_groups_for_grouped_mm", pad_token_groups_for_grouped_mm)):
+        if value:
+            raise TorchaoUnsupportedError(f"flyquant's MXFP8 grouped GEMM does not implement {option}=True")
+    if isinstance(A, theirs.MXTensor):
+        raise TorchaoUnsupportedError("flyquant's MXFP8 grouped GEMM takes high-precision A, not an MXTensor")
+    if offs is None:
+        _fail("group_end_offsets must be provided for 2d-3d grouped mm")
+    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, _mode(scale_calculation_mode))
+    return out if bias is None else out + bias.to(out.dtype)

@@ -169,9 +169,11 @@ def _is_mai(name: str) -> bool:
 class Inst:
     """One decoded instruction.
 
-    For VALU encodings (VOP1/VOP2/VOPC/VOP3/VOP3SD/VOP3P/MAI) the decoder fills the normalised
-    view: `src` (operand codes, VGPRs as 256+n; None where absent), `vdst` (VGPR number),
+    For VALU encodings (VOP1/VOP2/VOPC/VOP3/VOP3SD/VOP3P/MAI/VOP3PX2) the decoder fills the
+    normalised view: `src` (operand codes, VGPRs as 256+n; None where absent), `vdst` (VGPR number),
     `sdst` (SGPR code of a scalar destination: VOPC/carry-out/readlane), and modifier bit masks.
+    VOP3PX2 (the scaled MFMA) has five sources, A, B, C, scale A, scale B, and the modifiers
+    (op_sel, op_sel_hi, ...) of its v_mfma_ld_scale_b32 word.
     """
 
     addr: int
@@ -266,6 +268,12 @@ def decode(read, addr: int) -> Inst:
             raise DecodeError(f"v_mfma_ld_scale_b32 followed by VOP3P opcode {mfma_op} at {addr:#x}")
         inst.name = scaled[mfma_op]
         inst.enc = "VOP3PX2"
+        # the MFMA's operands, then the two scale operands; op_sel/op_sel_hi of the scale word
+        mf = inst.f["mfma"]
+        inst.src = [mf["src0"], mf["src1"], mf["src2"], f["src0"], f["src1"]]
+        inst.vdst = mf["vdst"]
+        inst.opsel, inst.opsel_hi = f["opsel"], f["opsel_hi"] | f["opsel_hi2"] << 2
+        inst.neg, inst.neg_hi, inst.clamp = f["neg"], f["neg_hi"], f["clamp"]
         return inst
     _extend(inst, read, w0)
     return inst
@@ -475,5 +483,13 @@ def render(inst: Inst) -> str:
         ops = [f"v{f['vdata']}", f"v{f['vaddr']}", operand_text(f["srsrc"] * 4, 4), operand_text(f["soffset"]),
                ("offen " if f["offen"] else "") + ("idxen " if f["idxen"] else "") + f"offset:{f['offset']}"]
     elif enc == "VOP3PX2":
-        ops = [f"scale_src0:{f['scale']['src0']} scale_src1:{f['scale']['src1']}"]
+        mf = f["mfma"]
+        acc_regs = 4 if "16x16" in name else 16
+        ops = [operand_text(VGPR_BASE + inst.vdst, acc_regs, agpr=bool(mf["acc_cd"])),
+               operand_text(inst.src[0], 8, agpr=bool(mf["acc"] & 1)),
+               operand_text(inst.src[1], 8, agpr=bool(mf["acc"] & 2)),
+               operand_text(inst.src[2], acc_regs, agpr=bool(mf["acc_cd"])),
+               operand_text(inst.src[3]), operand_text(inst.src[4]),
+               f"op_sel:[{inst.opsel & 1},{inst.opsel >> 1 & 1},0] "
+               f"op_sel_hi:[{inst.opsel_hi & 1},{inst.opsel_hi >> 1 & 1},0] cbsz:{mf['cbsz']} blgp:{mf['blgp']}"]
     return name + (" " + ", ".join(ops) if ops else "")

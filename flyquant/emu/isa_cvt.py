@@ -199,8 +199,8 @@ def scale_exponent(scale_f32) -> np.ndarray:
     return (np.asarray(scale_f32, F32).view(U32) >> U32(23)) & U32(0xFF)
 
 
-def _pow2(s) -> np.ndarray:
-    """2**(s - 127) for E8M0 codes s (0xFF: NaN)."""
+def e8m0_pow2(s) -> np.ndarray:
+    """2**(s - 127) (float64) for E8M0 codes s (0xFF: NaN)."""
     return np.where(s == 0xFF, np.nan, np.ldexp(1.0, (s - F32_EXP_BIAS).astype(I32)))
 
 
@@ -356,7 +356,7 @@ def build_cvt_scalef32_f8_to_f32(inst, ctx):
     put_hi = vwriter(ctx, inst, "f32", inst.vdst + 1) if packed else None
 
     def run(w):
-        p = _pow2(scale_exponent(sc(w)))
+        p = e8m0_pow2(scale_exponent(sc(w)))
         x = np.asarray(src(w), U32) >> shift
         put_lo(w, (fmt.decode(x & U32(0xFF)).astype(F64) * p).astype(F32))
         if packed:
@@ -400,7 +400,7 @@ def _scaled_table(decoded: np.ndarray, out: str) -> np.ndarray:
     """(256 scale codes, codes) bit patterns of decoded[code] * 2**(s - 127) in `out`
     (f32, f16 or bf16): computed exactly in binary64, rounded once to the output format."""
     with np.errstate(over="ignore", invalid="ignore"):
-        values = decoded.astype(F64)[None, :] * _pow2(np.arange(256))[:, None]
+        values = decoded.astype(F64)[None, :] * e8m0_pow2(np.arange(256))[:, None]
         negative = np.broadcast_to(np.signbit(decoded)[None, :], values.shape)
         nan = np.isnan(values)
         if out == "f32":

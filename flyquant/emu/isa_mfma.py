@@ -14,6 +14,19 @@ last bits (integer MFMAs are exact).
 gfx950's v_mfma_f32_{16x16x128,32x32x64}_f8f6f4 take the A/B formats from CBSZ/BLGP
 (0 fp8, 1 bf8, 4 fp4; fp6 formats are not modelled). Block-broadcast modifiers (CBSZ/ABID/BLGP on
 the other MFMAs) and the multi-block MFMAs are rejected.
+
+gfx950's scaled forms v_mfma_scale_f32_{16x16x128,32x32x64}_f8f6f4 (AMD Instinct CDNA4 ISA
+reference guide, chapter "Matrix Arithmetic Instructions": V_MFMA_LD_SCALE_B32 and the scaled MFMA
+as one VOP3PX2 instruction) are the same product with every 32-element K block of every A row and
+B column multiplied by 2^(s - 127), s an E8M0 code (0xFF: NaN). Each lane holds exactly one such
+block (32 elements, the A/B layout above: row or column l % M, block l // M) and supplies its
+scale byte from its own scale VGPR (scale_src0 for A, scale_src1 for B): byte
+op_sel[0] + 2 op_sel_hi[0] of scale_src0 for A, op_sel[1] + 2 op_sel_hi[1] of scale_src1 for B,
+the ld_scale word's modifiers (this is how LLVM encodes the intrinsic's opsel_a/opsel_b = byte
+0..3: tests llvm.amdgcn.mfma.scale.*.ll, MC/AMDGPU/mai-gfx950.s). The scaled elements are exact in
+binary64, so the product stays one exact sum rounded once. SGPR and constant scale operands are
+refused: the hardware reads bits 30:23 of those instead of a byte (LLVM allows only VGPRs there
+for that reason, llvm-project PR 158117).
 """
 
 from __future__ import annotations
@@ -25,9 +38,10 @@ import numpy as np
 from . import decode as D
 from . import table
 from .isa_base import AGPR_BASE, F16, F32, F64, I32, LANES, U8, U16, U32, vsrc, vwriter
-from .isa_cvt import E2M1, bf16_bits_to_f32, fp8_formats
+from .isa_cvt import E2M1, bf16_bits_to_f32, e8m0_pow2, fp8_formats
 
-_MFMA_RE = re.compile(r"v_mfma_(f32|i32|f64)_(\d+)x(\d+)x(\d+)_(\w+)$")
+_MFMA_RE = re.compile(r"v_mfma_(?:scale_)?(f32|i32|f64)_(\d+)x(\d+)x(\d+)_(\w+)$")
+SCALE_BLOCK = 32  # K elements per E8M0 scale of the scaled MFMAs
 # element bits of the input types
 _IN_BITS = {"bf16": 16, "f16": 16, "f32": 32, "i8": 8, "fp8_fp8": 8, "fp8_bf8": 8, "bf8_fp8": 8,
             "bf8_bf8": 8, "f8f6f4": None}
@@ -112,19 +126,43 @@ def _operand_reader(ctx, kind: str, bits: int, first_row: int, elems: int, rows:
     return lambda w: table[(w.flat8[byte] >> shift) & U8(0xF)]
 
 
+def _block_scales(ctx, inst, which: int, rows: int):
+    """Closure w -> (rows, K) float64 factors 2^(s - 127) of operand `which` (0 A, 1 B) of a
+    scaled MFMA: lane l's selected scale byte s covers row l % rows, K block l // rows."""
+    code = inst.src[3 + which]
+    if code < D.VGPR_BASE:
+        raise ctx.error(inst, "scaled MFMA scale operands other than VGPRs (the hardware reads their "
+                              "bits 30:23) are not modelled")
+    row = code - D.VGPR_BASE
+    shift = U32(8 * ((inst.opsel >> which & 1) | (inst.opsel_hi >> which & 1) << 1))
+
+    def read(w):
+        factor = e8m0_pow2((w.v[row] >> shift) & U32(0xFF))
+        return np.repeat(_operand_matrix(factor[:, None], rows), SCALE_BLOCK, axis=1)
+    return read
+
+
+def _scaled(get, scales):
+    return lambda w: get(w) * scales(w)
+
+
 def build_mfma(inst, ctx):
     """D = A B^T + C with A (M x K) and B (N x K) gathered from the registers as exact float64
-    (int64) values, the K products and C summed in float64 and rounded once (module doc)."""
+    (int64) values, the K products and C summed in float64 and rounded once (module doc); for the
+    scaled MFMAs A and B first multiplied by their block scales."""
     m_ = _MFMA_RE.match(inst.name)
     if m_ is None:
         return None
     out, m, n, k, intype = m_.group(1), int(m_.group(2)), int(m_.group(3)), int(m_.group(4)), m_.group(5)
     if m != n or m not in (16, 32) or intype not in _IN_BITS or out == "f64":
         return None  # multi-block (_2b/_4b/_16b), f64 and xf32 MFMAs are not modelled
-    f = inst.f
+    scaled = inst.enc == "VOP3PX2"
+    f = inst.f["mfma"] if scaled else inst.f
     if intype == "f8f6f4":
-        if f["cbsz"] not in F8F6F4_FORMATS or f["blgp"] not in F8F6F4_FORMATS or f["abid"]:
-            raise ctx.error(inst, f"f8f6f4 MFMA formats cbsz={f['cbsz']} blgp={f['blgp']} are not modelled")
+        # LLVM sets bit 75 (the ABID field's bit 0) in every scaled MFMA word; ABID is unused otherwise
+        if f["cbsz"] not in F8F6F4_FORMATS or f["blgp"] not in F8F6F4_FORMATS or f["abid"] != int(scaled):
+            raise ctx.error(inst, f"f8f6f4 MFMA with cbsz={f['cbsz']} abid={f['abid']} blgp={f['blgp']} "
+                                  "is not modelled")
         (a_kind, a_bits), (b_kind, b_bits) = F8F6F4_FORMATS[f["cbsz"]], F8F6F4_FORMATS[f["blgp"]]
     else:
         if f["cbsz"] or f["abid"] or f["blgp"]:
@@ -143,6 +181,11 @@ def build_mfma(inst, ctx):
     acc_base = AGPR_BASE if f["acc_cd"] else 0
     get_a = _operand_reader(ctx, a_kind, a_bits, a_row, elems, m)
     get_b = _operand_reader(ctx, b_kind, b_bits, b_row, elems, n)
+    if scaled:
+        if inst.neg or inst.neg_hi or inst.clamp:
+            raise ctx.error(inst, "modifiers on v_mfma_ld_scale_b32 are not supported")
+        get_a = _scaled(get_a, _block_scales(ctx, inst, 0, m))
+        get_b = _scaled(get_b, _block_scales(ctx, inst, 1, n))
     d_idx = accumulator_indices(inst.vdst + acc_base, m)
     c_code = inst.src[2]
     integer = out == "i32"
@@ -157,11 +200,12 @@ def build_mfma(inst, ctx):
         c_matrix = lambda w: c_const  # noqa: E731
 
     def run(w):  # MFMAs ignore EXEC
-        d = get_a(w) @ get_b(w).T + c_matrix(w)
-        if integer:
-            w.vi.reshape(-1)[d_idx] = d.astype(I32)
-        else:
-            w.vf.reshape(-1)[d_idx] = d.astype(F32)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN scales, sums beyond f32: as computed
+            d = get_a(w) @ get_b(w).T + c_matrix(w)
+            if integer:
+                w.vi.reshape(-1)[d_idx] = d.astype(I32)
+            else:
+                w.vf.reshape(-1)[d_idx] = d.astype(F32)
     return run
 
 
@@ -190,9 +234,9 @@ BUILDERS = {"v_accvgpr_read": build_accvgpr, "v_accvgpr_write": build_accvgpr, "
 
 
 def _build_mai(inst, ctx):
-    """The MAI encoding's matrix instructions (v_mfma_*); any other of its opcodes is unsupported."""
+    """The MAI and VOP3PX2 encodings' matrix instructions (v_mfma_*); any other opcode is unsupported."""
     return build_mfma(inst, ctx) if inst.name.startswith("v_mfma_") else None
 
 
 table.register(BUILDERS)
-table.register_encoding({"MAI": _build_mai})
+table.register_encoding({"MAI": _build_mai, "VOP3PX2": _build_mai})

@@ -1,0 +1,103 @@
+"""The MXFP8 grouped GEMMs of MoE training, public API: ``torch.library`` custom ops with fakes
+(so ``torch.compile(fullgraph=True)`` traces them), each dispatched by the selector to a FlyDSL
+kernel (once one is registered in ``select.GROUPED_MM_KERNELS``) or to the reference
+(``flyquant.reference_grouped_mm``, which states the numerics).
+
+offs' values are checked where the host holds them: always on the reference path (it reads
+offs to slice its groups: a host synchronisation on a GPU), on the kernel path only for CPU
+tensors (the emulator). On a GPU the kernel path does not synchronise to check them: offs that
+break the contract give undefined results there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference_grouped_mm as ref
+from . import select
+
+
+def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, **options) -> torch.Tensor:
+    """The plan's backend: the reference, or the kernel launcher writing every row of out."""
+    if plan.backend == "reference":
+        return reference_fn(*args, out_dtype, **options)
+    rows, offs = args[0].shape[0], args[4]
+    if offs.device.type == "cpu":  # the host holds offs: checked as the reference does
+        check_offs(offs, rows)
+    out = torch.empty(out_shape, dtype=out_dtype, device=args[0].device)
+    config = {k: v for k, v in plan.config.items() if k != "launcher"}
+    select.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, **options, **config)
+    return out
+
+
+@torch.library.custom_op("flyquant::mxfp8_grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                   offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None) -> torch.Tensor:
+    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
+    return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
+                (a, a_scale, b, b_scale, offs), out_dtype, scale_layout=scale_layout)
+
+
+@_grouped_mm_op.register_fake
+def _(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
+    """MXFP8 grouped GEMM (MoE forward and dgrad): out (M, N), out[offs[g-1]:offs[g]] =
+    deq(a)[rows] @ deq(b[g])^T, rows from offs[-1] on 0.
+
+    a (M, K) float8_e4m3fn row-major, a_scale (M, K/32) float8_e8m0fnu (fq.mxfp8_quantize(x,
+    axis=-1)); b (E, N, K) float8_e4m3fn contiguous, b_scale (E, N, K/32) (scales along K); offs
+    (E,) int32 on a's device: cumulative token-group ends, non-decreasing, last <= M, any group
+    sizes (empty ones too); K a multiple of 32; out_dtype bfloat16 or float32. deq(v) = E4M3(v) *
+    2^(scale - 127), scale 0xFF NaN. scale_layout "mfma": both scales in aiter's e8m0_shuffle
+    layout, as fq.mxfp8_quantize(x, -1, scale_layout="mfma") and fq.mxfp8_quantize_3d(w,
+    scale_layout="mfma") write them (b_scale (E, N padded to 256, K/32 padded to 8)): the
+    layout the gfx950 kernel reads with the fewest instructions. See the module docstring for
+    when offs' values are checked.
+    """
+    ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
+    return _grouped_mm_op(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
+
+
+@torch.library.custom_op("flyquant::mxfp8_grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
+                         offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
+    return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
+                (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(x, x_scale, y, y_scale, offs, out_dtype):
+    return x.new_empty((offs.shape[0], y.shape[1], x.shape[1]), dtype=out_dtype)
+
+
+def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
+    """MXFP8 grouped weight-gradient GEMM: out (E, N, K), out[g] = deq(y[g rows])^T @
+    deq(x[g rows]), empty groups zero.
+
+    x (M, K) and y (M, N) float8_e4m3fn quantized along M in blocks of 32 as
+    fq.mxfp8_quantize(t, axis=0) returns them (data stride (1, M), scales (K, M/32) and (N,
+    M/32)); offs (E,) int32 on x's device, every group size a multiple of 32 (no block straddles
+    two groups), last <= M; out_dtype bfloat16 or float32. See the module docstring for when
+    offs' values are checked.
+    """
+    ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
+    return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype)
+
+
+def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
+    ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
+    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
+
+
+def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
+    ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
+    return select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
+
+
+EXPLAINERS = {mxfp8_grouped_mm: explain_grouped_mm, mxfp8_grouped_mm_wgrad: explain_grouped_mm_wgrad}

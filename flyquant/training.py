@@ -1,0 +1,93 @@
+"""MXFP8 MoE training: the grouped GEMM of routed experts as an autograd op.
+
+``mxfp8_grouped_mm(A, B_t, offs)`` has the contract of torchao 0.18's
+``_to_mxfp8_then_scaled_grouped_mm`` (its default recipe: MXFP8 forward, dgrad and wgrad, no
+bias, no padding): A (M, K) high precision, token-grouped by offs; B_t (E, K, N) the transposed
+expert weights; out (M, N), out[group g] = A[g] @ B_t[g]. Every GEMM is fq.mxfp8_grouped_mm /
+fq.mxfp8_grouped_mm_wgrad (FlyDSL kernel or reference, as the selector plans) on operands
+quantized by flyquant's MXFP8 quantize ops:
+
+- forward: A 1x32 along K; B_t along K (fq.mxfp8_quantize_3d of B_t, (E, K, N) quantized along
+  its dim 1), used as (E, N, K).
+- dgrad: grad_out 1x32 along N; B_t along N (fq.mxfp8_quantize_3d of B_t^T: the transposed-view
+  path when B_t is contiguous), used as (E, K, N); grad_A = grouped GEMM on the same offs.
+- wgrad: grad_out and A quantized 32x1 along M; grad_B_t[g] = A[g]^T @ grad_out[g].
+
+The forward takes any token group sizes. The backward's 32x1 blocks must not straddle groups:
+every group size must be a multiple of 32 and M a multiple of 32 (torchao's unpadded recipe
+requires the same), checked where the host holds offs (see flyquant.grouped_mm). Gradients come
+back in A's and B_t's dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import api, grouped_mm, validate
+from .reference_grouped_mm import OUT_DTYPES
+
+# The forward and dgrad GEMMs' scales come from the quantize kernels in aiter's e8m0_shuffle
+# layout: the one the gfx950 kernel reads with the fewest instructions, and no re-layout pass.
+SCALE_LAYOUT = "mfma"
+
+
+def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
+    validate.high_precision(A, "A", ndim=2)
+    validate.high_precision(B_t, "B_t", ndim=3)
+    validate.same_device("A", A, "B_t", B_t)
+    validate.offs_tensor(offs, "A", A)
+    e, k, n = B_t.shape
+    if A.shape[1] != k:
+        raise ValueError(f"B_t.shape[1] = {k} must equal A.shape[1] = {A.shape[1]} (K)")
+    validate.shape(offs, "offs", (e,))
+    validate.block_dim(A, 1, "A", "K")
+    validate.block_dim(B_t, 2, "B_t", "N")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
+    validate.scaling_mode(scaling_mode)
+
+
+def _along_k(B_t: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and its scales in the
+    "mfma" layout (each expert's (N, K/32) scales shuffled: what the 3D quantize writes)."""
+    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=SCALE_LAYOUT)  # data stride (K*N, 1, K)
+    return data.transpose(1, 2), scales
+
+
+class _MXFP8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, A, B_t, offs, out_dtype, scaling_mode):
+        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT)
+        b, b_scale = _along_k(B_t, scaling_mode)
+        ctx.save_for_backward(A, B_t, offs)
+        ctx.out_dtype, ctx.scaling_mode = out_dtype, scaling_mode
+        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        A, B_t, offs = ctx.saved_tensors
+        mode, out_dtype = ctx.scaling_mode, ctx.out_dtype
+        grad_out = grad_out.contiguous()
+        grad_a = grad_b_t = None
+        if ctx.needs_input_grad[0]:
+            g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT)
+            w, w_scale = _along_k(B_t.transpose(1, 2), mode)  # B_t along N, as (E, K, N)
+            grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT).to(A.dtype)
+        if ctx.needs_input_grad[1]:
+            x, x_scale = api.mxfp8_quantize(grad_out, 0, mode)
+            y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode)
+            grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype).to(B_t.dtype)
+        return grad_a, grad_b_t, None, None, None
+
+
+def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil"):
+    """Differentiable MXFP8 grouped GEMM of routed experts: (M, N), rows of group g = A[g] @ B_t[g].
+
+    A (M, K) BF16/FP16/FP32, K a multiple of 32; B_t (E, K, N), contiguous or (as torchao passes
+    it) the transpose of contiguous (E, N, K) weights, N a multiple of 32; offs (E,) int32 on A's device,
+    cumulative token-group ends (non-decreasing, last <= M; rows after it give 0 and get zero
+    gradient); out_dtype bfloat16 or float32; scaling_mode "rceil" or "floor". The backward needs
+    group sizes and M multiples of 32 (module docstring).
+    """
+    _check(A, B_t, offs, out_dtype, scaling_mode)
+    return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode)

@@ -1,0 +1,493 @@
+"""MXFP8 grouped GEMM for MoE (forward and dgrad): the FlyDSL kernel and its torch-facing launcher.
+
+Math. a (M, K) and b (E, N, K) hold OCP E4M3 (float8_e4m3fn) elements with one E8M0 scale per 32
+along K (a_scale (M, K / 32), b_scale (E, N, K / 32), row-major: what fq.mxfp8_quantize(x) and a
+3D quantize along K return); offs (E,) int32 are the token groups' end rows. For every group g and
+row m in [offs[g - 1], offs[g]) (offs[-1] = 0):
+
+    out[m, n] = sum_k a[m, k] 2^(sa[m, k / 32] - 127) * b[g, n, k] 2^(sb[g, n, k / 32] - 127)
+
+in FP32, rounded once to out's dtype. Rows at or past offs[E - 1] are written as 0. E4M3 x E4M3
+products and their power-of-two scales are exact in FP32 (up to underflow and overflow), so the
+only roundings are the FP32 sums (differing in order from any reference) and the output's.
+
+Work split. Grid (m-tiles of M, n-tiles of N): a workgroup computes rows [row0, row0 + tile_m) x a
+tile_n range of columns, with waves_m x waves_n waves of 16-row x 16-column MFMA blocks. The
+groups overlapping its rows are found on the device (offs never leaves it: no host
+synchronisation): one ballot per 64 groups counts the groups that end at or before row0 and those
+that end before the tile's end, and the workgroup computes its tile once per overlapping group,
+with the rows of other groups masked (their A loads read 0, their stores are dropped). A group
+boundary inside a tile costs one more pass over K for that tile.
+
+MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
+(c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
+output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous bytes.
+- gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 32
+  bytes of its row at k = 128 s + 32 c (two 16-byte loads; a row's 4 lanes read half of each
+  128-byte line per instruction, the other half with the next) and that block's E8M0 scale,
+  which the hardware applies. Scales row-major: one byte load per row block and step. Scales in
+  aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
+  one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
+  by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
+  (scales first) are issued before the previous step's MFMAs, one wait per step.
+- gfx942 (no MX MFMA; FP8 is the FNUZ format there): v_mfma_f32_16x16x32_fp8_fp8 per 32-wide
+  scale block, lane (c, r) supplying bytes 8c .. 8c + 7 of the block (an 8-byte load). OCP E4M3
+  codes read as FNUZ are worth exactly half (exponent bias 8 instead of 7), except -0 (0x80, NaN in
+  FNUZ: rewritten to +0 in registers, three bit operations per dword) and NaN (0x7F/0xFF, +-240 in
+  FNUZ: a wave-uniform check per step, and a rare branch that rewrites them to FNUZ's NaN). Each
+  block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
+  FMAs); the final sum is multiplied by 4 (the two halvings). The step's scales are converted
+  to f32 once per workgroup into LDS ([row][block] for A: a lane reads its row's four at once;
+  [block][column] for B: its four output columns at once).
+
+Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
+rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
+every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked
+scalar offset and it stays below K. The group loop indexes offs below E; any offs values (unsorted,
+negative, past M) keep every access inside the tensors (rows are clamped to [0, M)); with offs
+that are not non-decreasing, output rows outside every group are not written.
+
+Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
+32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl._mlir.dialects import arith
+from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
+from flydsl.expr.typing import T
+from flydsl.expr.typing import Vector as Vec
+
+from flyquant import toolchain
+from flyquant.arch import arch_info
+
+from . import _mx_common as mx
+from ._a16w4_common import OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+
+MFMA_MN = 16
+BLOCK = 32  # MX block along K
+K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+MAX_BUFFER_BYTES = (1 << 31) - 64
+
+
+@dataclass(frozen=True)
+class GroupedMMConfig:
+    arch: str
+    out_dtype: torch.dtype
+    n: int  # N (a multiple of 16)
+    k: int  # K (a multiple of 32)
+    experts: int
+    tile_m: int = 64
+    tile_n: int = 128
+    waves_m: int = 2
+    waves_n: int = 2
+    scale_layout: str | None = None  # None (row-major) | "mfma" (aiter's e8m0_shuffle)
+
+    @property
+    def name(self) -> str:
+        out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
+        return (f"mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
+                f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}"
+                f"{'_smfma' if self.scale_layout == 'mfma' else ''}")
+
+
+def _byte(rsrc, voffset, soffset):
+    """buffer_load_ubyte: one zero-extended byte per lane."""
+    v = rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(), 0)
+    return fx.Int32(arith.extui(T.i32, v))
+
+
+def _e8m0_f32(e):
+    """2^(e - 127) as f32 for an E8M0 code e (an i32 in [0, 255]): the exponent field for codes
+    1 .. 254, the subnormal 2^-127 for 0 and NaN for 255 (both get mantissa bit 22)."""
+    special = fx.Uint32(e - 1) > fx.Uint32(253)
+    return ((e << 23) | special.select(fx.Int32(1 << 22), fx.Int32(0))).bitcast(fx.Float32)
+
+
+def _fnuz_words(w):
+    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
+    bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
+    low = w & 0x7F7F7F7F
+    fixed = (w & (low + 0x7F7F7F7F)) | low  # a byte keeps its sign bit only when its low 7 bits are not 0
+    return fixed, low + 0x01010101
+
+
+def _fnuz_nans(w):
+    """NaN codes of an already -0-fixed OCP dword -> FNUZ's NaN (0x80) (the rare branch)."""
+    nan = ((w & 0x7F7F7F7F) + 0x01010101) & _s32(0x80808080)  # 0x80 in the NaN bytes
+    mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
+    return (w & ~mask) | nan
+
+
+def build_grouped_mm(cfg: GroupedMMConfig):
+    """A fresh @flyc.jit launcher for `cfg`."""
+    info = arch_info(cfg.arch)
+    SCALED = info.name == "gfx950"
+    N, K, E = cfg.n, cfg.k, cfg.experts
+    KB = K // BLOCK  # scale bytes per row
+    TILE_M, TILE_N = cfg.tile_m, cfg.tile_n
+    WAVES = cfg.waves_m * cfg.waves_n
+    WM, WN = TILE_M // cfg.waves_m, TILE_N // cfg.waves_n
+    MB, NB = WM // MFMA_MN, WN // MFMA_MN
+    N_STEPS = -(-K // K_STEP)
+    TAIL_CHUNKS = (K % K_STEP) // BLOCK  # valid 32-wide chunks of a partial last step (0: none)
+    FULL_STEPS = N_STEPS - (1 if TAIL_CHUNKS else 0)
+    ODD_EVEN_PAIRS = max(0, (FULL_STEPS - 2) // 2)  # gfx950 loop iterations: steps (2i + 1, 2i + 2), prefetching 2i + 3
+    SCALE_MFMA = cfg.scale_layout == "mfma"
+    PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
+    OUT_F32 = cfg.out_dtype == torch.float32
+    N_TAIL = N % TILE_N != 0  # the last n-tile has columns past N (masked)
+    OUT_ELEM = 4 if OUT_F32 else 2
+    if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or N % MFMA_MN or K % BLOCK:
+        raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave, N % 16 == 0, K % 32 == 0")
+    if not SCALED and 3 * KB + 3 >= 4096:
+        raise ValueError(f"{cfg}: K = {K} too large for gfx942's scale offsets (immediate offsets < 4096)")
+
+    @flyc.kernel(name=cfg.name, known_block_size=[WAVES * WAVE, 1, 1])
+    def grouped_mm_kernel(
+        a: fx.Int64,  # (M, K) e4m3fn
+        a_scale: fx.Int64,  # (M, K / 32) e8m0
+        b: fx.Int64,  # (E, N, K) e4m3fn
+        b_scale: fx.Int64,  # (E, N, K / 32) e8m0
+        offs: fx.Int64,  # (E,) int32
+        out: fx.Int64,  # (M, N) bf16 / f32
+        m_rows: fx.Int32,  # M
+        bs_expert_bytes: fx.Int32,  # b_scale's bytes per expert
+    ):
+        tid = fx.Int32(gpu.thread_id("x"))
+        lane = tid & (WAVE - 1)
+        wave = fx.Int32(rocdl.readfirstlane(T.i32, tid.shrui(fx.Int32(6)).ir_value()))
+        wm_i = wave % cfg.waves_m
+        wn_i = wave // cfg.waves_m
+        c = lane.shrui(fx.Int32(4))
+        r = lane & (MFMA_MN - 1)
+        row0 = fx.Int32(gpu.block_id("x")) * TILE_M
+        col_wave = fx.Int32(gpu.block_id("y")) * TILE_N + wn_i * WN  # the wave's first column
+        row_end = fx.min(row0 + TILE_M, m_rows)
+
+        # ---- the groups overlapping [row0, row_end): one ballot per 64 groups --------------
+        offs_rsrc = _rsrc(offs, E * 4)
+        g0 = fx.Int32(0)  # groups ending at or before row0
+        g1 = fx.Int32(0)  # groups ending before row_end
+        for j in range_constexpr(-(-E // WAVE)):
+            end = _load(offs_rsrc, (lane + j * WAVE) << 2, 0, 1)
+            live = (1 << min(WAVE, E - j * WAVE)) - 1
+            live = -1 if live == (1 << 64) - 1 else live
+            g0 = g0 + fx.Int32(fx.math.ctpop(_ballot(end <= row0) & live))
+            g1 = g1 + fx.Int32(fx.math.ctpop(_ballot(end < row_end) & live))
+        g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
+
+        a_rsrc = _rsrc(a, _zext(m_rows) * K)
+        if const_expr(SCALE_MFMA):  # rows padded to 256
+            as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS)
+        else:
+            as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
+        out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
+        rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
+        cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
+        zero4 = Vec.filled(4, 0.0, fx.Float32).ir_value()
+        col_tile = fx.Int32(gpu.block_id("y")) * TILE_N
+        if const_expr(not SCALED):
+            lds = fx.SharedAllocator().allocate((TILE_M + TILE_N) * 4 * 4, alignment=16)
+            lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
+
+        def store(accs, lo, hi, scale):
+            """out[rows in [lo, hi), this lane's 4 columns of every block] = accs (* scale)."""
+            for mb in range_constexpr(MB):
+                ok = (rows[mb] >= lo) & (rows[mb] < hi)
+                base = ok.select(rows[mb] * (N * OUT_ELEM) + c * (4 * OUT_ELEM), fx.Int32(OOB))
+                for nb in range_constexpr(NB):
+                    v = Vec(accs[mb * NB + nb])
+                    if const_expr(scale != 1.0):
+                        v = v * Vec.filled(4, scale, fx.Float32)
+                    off = (cols[nb] < N).select(base, fx.Int32(OOB)) if const_expr(N_TAIL) else base
+                    words = v.bitcast(fx.Int32) if const_expr(OUT_F32) else v.to(fx.BFloat16).bitcast(fx.Int32)
+                    rocdl.raw_ptr_buffer_store(words.ir_value(), out_rsrc, off.ir_value(),
+                                               fx.Int32(cols[nb] * OUT_ELEM).ir_value())
+
+        def setup(g, lo, hi):
+            """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
+            g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
+            b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
+            bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
+            a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
+            b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
+                     for nb in range_constexpr(NB)]
+            return b_rsrc, bs_rsrc, a_row, b_row
+
+        def off(row, pitch, extra, chunk_ok=None):
+            ok = row >= 0 if chunk_ok is None else (row >= 0) & chunk_ok
+            return ok.select(row * pitch + extra, fx.Int32(OOB))
+
+        def scale_src(row, kb_lo):
+            """Where scale (row, 4 s + kb_lo) of step s is: (per-lane byte offset, the step's scalar
+            offset as a function of s). Plain: row-major bytes. "mfma": aiter's e8m0_shuffle, whose
+            dword at (32-row tile, 8-block column tile, kb_lo, row % 16) holds byte
+            2 ((kb / 4) % 2) + (row / 16) % 2: rows row, row + 16 of two consecutive steps."""
+            if const_expr(SCALE_MFMA):
+                voff = row.shrui(fx.Int32(5)) * (32 * PCOLS) + kb_lo * 64 + (row & 15) * 4 + (row.shrui(fx.Int32(4)) & 1)
+                return voff, lambda s: s.shrui(fx.Int32(1)) * 256 + (s & 1) * 2
+            return row * KB + kb_lo, lambda s: s * (K_STEP // BLOCK)
+
+        def scaled_offsets(a_row, b_row, chunk_ok=None):
+            """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
+            one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
+            data = [off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, K, c * BLOCK, chunk_ok) for x in b_row]
+            ok = (c < 4) if chunk_ok is None else chunk_ok
+            if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
+                a_sc = [ok.select(scale_src(rows[2 * p], c)[0] & ~3, fx.Int32(OOB)) for p in range_constexpr(MB // 2)]
+                b_sc = [ok.select(scale_src(cols[2 * q] + r, c)[0] & ~3, fx.Int32(OOB)) for q in range_constexpr(NB // 2)]
+            else:
+                a_sc = [off(x, KB, c, chunk_ok) for x in a_row]
+                b_sc = [off(x, KB, c, chunk_ok) for x in b_row]
+            return data + (a_sc, b_sc)
+
+        def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
+            """gfx950: issue the loads of 128-wide step s: per row block and column block the lane's
+            32 bytes (two 16-byte loads), and (`scales`) the scale bytes or dwords. A flat list."""
+            ao, bo, aso, bso = o
+            sc = []
+            if const_expr(scales and SCALE_MFMA):  # the dword of the step's pair (the parity is the MFMA's byte select)
+                ss = _uniform(s.shrui(fx.Int32(1)) * 256)
+                sc = [_load(as_rsrc, x, ss, 1).ir_value() for x in aso] + [_load(bs_rsrc, x, ss, 1).ir_value() for x in bso]
+            elif const_expr(scales):
+                ss = _uniform(s * (K_STEP // BLOCK))
+                sc = [_byte(as_rsrc, x, ss).ir_value() for x in aso] + [_byte(bs_rsrc, x, ss).ir_value() for x in bso]
+            # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
+            rocdl.sched_barrier(0)
+            sd = _uniform(s * K_STEP)
+            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
+            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
+            return av + bv + sc
+
+        def scaled_compute(accs, data, scales, parity):
+            """gfx950: one v_mfma_scale_f32_16x16x128_f8f6f4 per block pair of a loaded step; `scales`
+            the step's (plain) or its step pair's ("mfma", byte 2 parity + row-block parity) words."""
+            av, bv = data[:MB], data[MB:MB + NB]
+            if const_expr(SCALE_MFMA):
+                asc, bsc = scales[:MB // 2], scales[MB // 2:]
+                a_of = lambda mb: (asc[mb // 2], 2 * parity + mb % 2)  # noqa: E731
+                b_of = lambda nb: (bsc[nb // 2], 2 * parity + nb % 2)  # noqa: E731
+            else:
+                asc, bsc = scales[:MB], scales[MB:]
+                a_of = lambda mb: (asc[mb], 0)  # noqa: E731
+                b_of = lambda nb: (bsc[nb], 0)  # noqa: E731
+            accs = list(accs)
+            for mb in range_constexpr(MB):
+                for nb in range_constexpr(NB):
+                    i = mb * NB + nb
+                    (sa, sel_a), (sb, sel_b) = a_of(mb), b_of(nb)
+                    accs[i] = rocdl.mfma_scale_f32_16x16x128_f8f6f4(
+                        T.vec(4, T.f32), [bv[nb], av[mb], accs[i], 0, 0, sel_b, sb, sel_a, sa])
+            return accs
+
+        def fp8_offsets(a_row, b_row):
+            """gfx942: lane (c, r)'s 8 bytes of each 32-wide block of its row."""
+            return [off(x, K, c * 8) for x in a_row], [off(x, K, c * 8) for x in b_row]
+
+        def fp8_scales(s, lo, hi, bs_rsrc, blocks):
+            """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
+            A's as [row][block] (a lane reads its row's 4 blocks at once), B's as [block][column]
+            (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
+            sa[mb] 4 f32 (blocks), sb[nb][j] 4 f32 (columns 4c .. 4c + 3)."""
+            gpu.barrier()  # the previous step's reads are done
+            ss = _uniform(scale_src(fx.Int32(0), 0)[1](s))
+            for q0 in range_constexpr(0, (TILE_M + TILE_N) * 4, WAVES * WAVE):
+                q = tid + q0
+                if const_expr(q0 < TILE_M * 4):  # A: entry q = 4 row + block
+                    m = row0 + q.shrui(fx.Int32(2))
+                    ok = (m >= lo) & (m < hi) & ((q & 3) < blocks)
+                    e = _byte(as_rsrc, ok.select(scale_src(m, q & 3)[0], fx.Int32(OOB)), ss)
+                    addr = q << 2
+                else:  # B: entry q' = 4 column + block, stored at [block][column]
+                    q2 = q - TILE_M * 4
+                    col = q2.shrui(fx.Int32(2))
+                    n = col_tile + col
+                    ok = (n < N) & ((q2 & 3) < blocks)
+                    e = _byte(bs_rsrc, ok.select(scale_src(n, q2 & 3)[0], fx.Int32(OOB)), ss)
+                    addr = (TILE_M * 4 + (q2 & 3) * TILE_N + col) << 2
+                mx.lds_store(_e8m0_f32(e).bitcast(fx.Int32).ir_value(), (lds_base + addr).ir_value())
+            gpu.barrier()
+            sa = [Vec(mx.lds_load(4, (lds_base + ((wm_i * WM + mb * MFMA_MN + r) << 4)).ir_value())).bitcast(fx.Float32)
+                  for mb in range_constexpr(MB)]
+            sb = [[Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2)).ir_value()))
+                   .bitcast(fx.Float32) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            return sa, sb
+
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks):
+            """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
+            block pair from 0, added to the accumulator times sa * sb (packed math)."""
+            ao, bo = o
+            sd = s * K_STEP
+            av = [[_load(a_rsrc, ao[mb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bv = [[_load(b_rsrc, bo[nb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks)
+            probe = fx.Int32(0)
+            flat = []
+            for v in [x for row in av + bv for x in row]:
+                for h in range_constexpr(2):
+                    fixed, p = _fnuz_words(v[h])
+                    probe = probe | p
+                    flat.append(fixed)
+            has_nan = mx.wave_any(((probe & _s32(0x80808080)) != 0).ir_value())
+            flat = [fx.Int32(x) for x in mx.if_else(has_nan, lambda: [_fnuz_nans(w) for w in flat], lambda: flat,
+                                                     types=[T.i32] * len(flat))]
+            ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
+            a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
+            b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
+            accs = list(accs)
+            for j in range_constexpr(blocks):
+                # all of the block's MFMAs first: their results are read a block's worth of MFMAs later
+                parts = [Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[i % NB][j], a_ops[i // NB][j], zero4]))
+                         for i in range_constexpr(MB * NB)]
+                for mb in range_constexpr(MB):
+                    sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
+                    for nb in range_constexpr(NB):
+                        i = mb * NB + nb
+                        acc = Vec(accs[i])
+                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
+                        accs[i] = _cat(*halves, ty=fx.Float32)
+            return accs
+
+        for g in range(g0, g1, 1):
+            g = fx.Int32(g)
+            start = _scalar_load(offs + _zext(fx.max(g - 1, fx.Int32(0)) << 2))
+            lo = fx.max((g > 0).select(start, fx.Int32(0)), row0)
+            hi = fx.min(_scalar_load(offs + _zext(g << 2)), row_end)
+            if lo < hi:
+                b_rsrc, bs_rsrc, a_row, b_row = setup(g, lo, hi)
+                accs = [zero4] * (MB * NB)
+                if const_expr(SCALED):
+                    o = scaled_offsets(a_row, b_row)
+                else:
+                    o = fp8_offsets(a_row, b_row)
+                if const_expr(SCALED and FULL_STEPS > 0):
+                    # Software pipeline: a step's loads are in flight while the previous step
+                    # computes. Step 0 is peeled (its MFMAs start from a constant 0: no zeroed
+                    # accumulators); the loop then walks (odd, even) step pairs, so that an "mfma"
+                    # scale dword, loaded with an even step, serves it and the odd step after it.
+                    n_acc, n_data = MB * NB, MB + NB
+                    n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
+                    per_step = not SCALE_MFMA  # plain scales are loaded with every step
+                    loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
+                    d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
+                    if const_expr(FULL_STEPS > 1):
+                        odd = scaled_load(fx.Int32(1), o, b_rsrc, bs_rsrc, scales=per_step)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=loads(per_step))
+                    else:
+                        rocdl.s_waitcnt(vmcnt=0)
+                    accs = scaled_compute([zero4] * n_acc, d0[:n_data], d0[n_data:], 0)
+                    pair = [] if per_step else d0[n_data:]  # "mfma": the current pair's scale dwords
+
+                    def odd_scales(odd, pair):
+                        return odd[n_data:] if const_expr(per_step) else pair
+
+                    if const_expr(ODD_EVEN_PAIRS > 0):
+                        for i, state in range(0, ODD_EVEN_PAIRS, 1, init=accs + odd + pair):
+                            s_odd = fx.Int32(i) * 2 + 1
+                            accs, odd = list(state[:n_acc]), list(state[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                            pair = list(state[n_acc + len(odd):])
+                            even = scaled_load(s_odd + 1, o, b_rsrc, bs_rsrc)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=loads(True))
+                            accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                            nxt = scaled_load(s_odd + 2, o, b_rsrc, bs_rsrc, scales=per_step)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=loads(per_step))
+                            accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
+                            res = yield accs + nxt + ([] if per_step else even[n_data:])
+                        accs = list(res[:n_acc])
+                        odd = list(res[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                        pair = list(res[n_acc + len(odd):])
+                    s_odd = 2 * ODD_EVEN_PAIRS + 1  # the remaining full steps: s_odd (prefetched), s_odd + 1
+                    if const_expr(FULL_STEPS - s_odd == 2):
+                        even = scaled_load(fx.Int32(s_odd + 1), o, b_rsrc, bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=loads(True))
+                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
+                    elif const_expr(FULL_STEPS - s_odd == 1):
+                        rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                if const_expr(not SCALED and FULL_STEPS > 0):
+                    for s, state in range(0, FULL_STEPS, 1, init=accs):
+                        res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
+                    accs = list(res)
+                if const_expr(TAIL_CHUNKS):
+                    if const_expr(SCALED):  # its own scale words, masked by chunk
+                        tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
+                        accs = scaled_compute(accs, tail[:MB + NB], tail[MB + NB:], FULL_STEPS % 2)
+                    else:
+                        accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
+                store(accs, lo, hi, 1.0 if SCALED else 4.0)
+
+        # rows at or past the last group's end: zeros
+        z_lo = fx.max(_scalar_load(offs + (E - 1) * 4), row0)
+        if z_lo < row_end:
+            store([zero4] * (MB * NB), z_lo, row_end, 1.0)
+
+    @flyc.jit
+    def launch(a: fx.Int64, a_scale: fx.Int64, b: fx.Int64, b_scale: fx.Int64, offs: fx.Int64, out: fx.Int64,
+               m_rows: fx.Int32, bs_expert_bytes: fx.Int32, grid_m: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+        grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows, bs_expert_bytes).launch(
+            grid=(grid_m, -(-N // TILE_N), 1), block=(WAVES * WAVE, 1, 1), stream=stream)
+
+    return launch
+
+
+def _uniform(x):
+    """x (wave-uniform) in an SGPR: a buffer's scalar offset must be one (LLVM would otherwise loop
+    over the lanes' values, a waterfall per load)."""
+    return fx.Int32(rocdl.readfirstlane(T.i32, fx.Int32(x).ir_value()))
+
+
+def _cat(x, y, ty=fx.Int32):
+    """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
+    x, y = Vec(x), Vec(y)
+    return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
+
+
+def _pair(v, h):
+    """Elements 2h, 2h + 1 of a 4-vector of f32 (a packed-math operand)."""
+    v = v if isinstance(v, list) else Vec(v)
+    return Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_launcher(cfg: GroupedMMConfig):
+    return build_grouped_mm(cfg)
+
+
+def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
+               scale_layout=None, tile_m: int = 128, tile_n: int = 128):
+    """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
+    torch's current stream, without a host synchronisation. Returns out (M, N).
+    scale_layout None: a_scale (M, K/32), b_scale (E, N, K/32); "mfma": a_scale aiter's
+    e8m0_shuffle of the (M, K/32) scales, b_scale that of each expert's (N, K/32) (3D, stacked),
+    or of the (E N, K/32) scales (2D; N a multiple of 32)."""
+    info = arch_info(arch)
+    m, k = a.shape
+    experts, n, _ = b.shape
+    a, b, a_scale, b_scale, offs = (t.contiguous() for t in (a, b, a_scale, b_scale, offs))
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    bs_expert_bytes = b_scale.stride(0) if b_scale.dim() == 3 else n * b_scale.shape[1]
+    cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
+                          scale_layout=scale_layout)
+    stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
+                              out.data_ptr(), m, bs_expert_bytes, -(-m // tile_m), stream=stream)
+    return out

@@ -1,0 +1,573 @@
+"""The MXFP8 grouped GEMMs of MoE training (issue 22): the reference against an independent FP64
+computation and torchao's EMULATED path, input errors, fakes, the selector's plan, the training
+op (forward / dgrad / wgrad, torch.compile), and the op under the emulator on both arches.
+
+Tolerances, derived (u32 = 2^-24, u16 = 2^-8 the unit roundoffs of FP32 and BF16):
+- The dequantized operands are exact in FP32 and BF16 (an E4M3 value times a power of two, in
+  range here), so every product of the grouped GEMM is exact in FP32. Summing K of them in FP32,
+  in any order, errs by at most gamma_K * S, gamma_K = K u32 / (1 - K u32), S = sum |a_i b_i|;
+  rounding to BF16 adds u16 * |result|. So |got - exact| <= gamma_K S + u16 (|exact| + gamma_K S)
+  (`fp32_bound`), for the reference and for any kernel that accumulates in FP32.
+- MX quantization (training op vs the BF16 autograd of the unquantized matmul): with rceil an
+  E4M3 element is within 2^-4 |x| (3 mantissa bits, round to nearest) of x, or 2^-10 * scale
+  absolutely in E4M3's subnormal range, and the block scale is < amax / 224 (amax / 448 rounded
+  up to a power of two). So |q(x) - x| <= e(x) = 2^-4 |x| + 2^-10 amax / 224 per element, and a
+  product errs by at most e(a)|b| + |a|e(b) + e(a)e(b), summed over K (`_product_bound`), plus
+  the FP32 accumulation and BF16 rounding of both sides (fp32_bound on magnitudes |exact| +
+  bound; torch._grouped_mm in BF16, the other side, accumulates in FP32 as the op does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import oracles
+import pytest
+import torch
+
+import flyquant as fq
+from flyquant import layouts, reference, select, training
+from flyquant.formats import MX_BLOCK
+
+U32, U16 = 2.0**-24, 2.0**-8
+E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+
+
+# ------------------------------------------------------------------------------------------------
+# An independent FP64 model: E4M3 and E8M0 decoded from their bit fields, FP64 group matmuls
+# ------------------------------------------------------------------------------------------------
+
+
+def _e4m3_table() -> torch.Tensor:
+    values = []
+    for byte in range(256):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exp, man = (byte >> 3) & 0xF, byte & 0x7
+        if exp == 0xF and man == 0x7:
+            values.append(math.nan)
+        elif exp == 0:
+            values.append(sign * man / 8 * 2.0**-6)
+        else:
+            values.append(sign * (1 + man / 8) * 2.0 ** (exp - 7))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+E4M3_VALUES = _e4m3_table()
+
+
+def deq64(data: torch.Tensor, scales: torch.Tensor, along: int) -> torch.Tensor:
+    """data (..., R, C) E4M3 and one E8M0 scale per 32 along dim `along` (-1: C, -2: R) -> FP64."""
+    v = E4M3_VALUES[data.contiguous().view(torch.uint8).long()]
+    c = scales.contiguous().view(torch.uint8).double()
+    s = torch.where(c == 255, torch.nan, torch.exp2(c - 127))
+    return v * s.repeat_interleave(MX_BLOCK, dim=along)
+
+
+def groups(offs) -> list[tuple[int, int]]:
+    ends = [int(e) for e in offs]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped64(a, b, offs):
+    """FP64 out (M, N) and S = sum |a||b| (M, N): a (M, K), b (E, N, K)."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    s = torch.zeros_like(out)
+    for g, (lo, hi) in enumerate(groups(offs)):
+        out[lo:hi] = a[lo:hi] @ b[g].T
+        s[lo:hi] = a[lo:hi].abs() @ b[g].T.abs()
+    return out, s
+
+
+def fp32_bound(exact, s, k, out_dtype, sides=1):
+    gamma = k * U32 / (1 - k * U32)
+    rounding = U16 if out_dtype == torch.bfloat16 else 0.0
+    return sides * (gamma * s + rounding * (exact.abs() + gamma * s))
+
+
+def assert_within(got, exact, bound, what=""):
+    g = got.double()
+    assert torch.equal(g.isnan(), exact.isnan()), f"{what}: NaN positions differ"
+    ok = ~exact.isnan()
+    err = (g[ok] - exact[ok]).abs()
+    assert (err <= bound[ok]).all(), f"{what}: max error {err.max():.3g}, excess {(err - bound[ok]).max():.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs: quantized by flyquant's reference quantize (the GEMM contract's layouts)
+# ------------------------------------------------------------------------------------------------
+
+
+def fwd_inputs(m, n, k, e, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-3, 4, (m, 1), generator=g).float())
+    w = torch.randn(e, n, k, generator=g)
+    a, a_scale = reference.mxfp8_quantize(x.to(torch.bfloat16), -1)
+    b, b_scale = reference.mxfp8_quantize(w.reshape(e * n, k).to(torch.bfloat16), -1)
+    return a, a_scale, b.view(e, n, k), b_scale.view(e, n, k // MX_BLOCK)
+
+
+def wgrad_inputs(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, x_scale = reference.mxfp8_quantize(torch.randn(m, k, generator=g).to(torch.bfloat16), 0)
+    y, y_scale = reference.mxfp8_quantize(torch.randn(m, n, generator=g).to(torch.bfloat16), 0)
+    return x, x_scale, y, y_scale
+
+
+def offs(*ends):
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+# (M, N, K, offs): unequal groups, empty groups (first, middle, last), E = 1, rows past offs[-1]
+FWD_CASES = [
+    (96, 48, 64, offs(40, 40, 96)),
+    (80, 32, 96, offs(0, 17, 17, 70)),  # 10 rows past offs[-1]
+    (64, 16, 32, offs(64)),  # E = 1
+    (50, 24, 64, offs(0)),  # one empty group: all rows past the end
+    (72, 40, 32, offs(5, 6, 72, 72)),
+]
+WGRAD_CASES = [
+    (96, 48, 64, offs(32, 32, 96)),
+    (128, 16, 96, offs(0, 64, 96, 96)),  # 32 rows past offs[-1]
+    (64, 32, 32, offs(64)),  # E = 1
+    (32, 24, 64, offs(0, 0)),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference vs FP64 and vs torchao's EMULATED path
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k,ends", FWD_CASES)
+def test_reference_forward_vs_fp64(m, n, k, ends, out_dtype):
+    a, a_scale, b, b_scale = fwd_inputs(m, n, k, ends.shape[0])
+    got = reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, out_dtype)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    assert_within(got, exact, fp32_bound(exact, s, k, out_dtype))
+    assert (got[int(ends[-1]):] == 0).all()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k,ends", WGRAD_CASES)
+def test_reference_wgrad_vs_fp64(m, n, k, ends, out_dtype):
+    x, x_scale, y, y_scale = wgrad_inputs(m, n, k)
+    got = reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, ends, out_dtype)
+    assert got.shape == (ends.shape[0], n, k) and got.dtype == out_dtype
+    # x (M, K) with scales (K, M/32): deq64 of its (K, M) transpose along M
+    x64, y64 = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()
+    for g, (lo, hi) in enumerate(groups(ends)):
+        exact, s = y64[lo:hi].T @ x64[lo:hi], y64[lo:hi].T.abs() @ x64[lo:hi].abs()
+        assert_within(got[g], exact, fp32_bound(exact, s, hi - lo, out_dtype), f"group {g}")
+
+
+def test_reference_special_values():
+    """A NaN scale (0xFF) or a NaN element makes its rows NaN; max-magnitude elements and scales
+    around 2^0 stay exact (checked against the FP64 model)."""
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    a.view(torch.uint8)[3, 5] = 0x7F  # NaN element
+    a_scale.view(torch.uint8)[10, 1] = 0xFF  # NaN scale
+    a.view(torch.uint8)[20] = 0x7E  # 448 everywhere in row 20
+    b_scale.view(torch.uint8)[1, 7, 0] = 0xFF  # expert 1, output column 7
+    ends = offs(30, 64)
+    got = reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32)
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    assert got[3].isnan().all() and got[10].isnan().all() and got[30:, 7].isnan().all() and not got[:30, 7].isnan()[:3].any()
+    assert_within(got, exact, fp32_bound(exact, s, 64, torch.float32))
+
+
+@pytest.fixture(scope="module")
+def torchao_emulated():
+    """torchao 0.18's two emulated MXFP8 grouped GEMMs, loaded by source (its moe_training package
+    does not import beside flydsl 0.4.2 without install(), which would patch this process)."""
+    pytest.importorskip("torchao", reason="torchao is not installed")
+    path = oracles._package_dir("torchao") / "prototype" / "moe_training" / "mxfp8_grouped_mm.py"
+    names = ["_emulated_mxfp8_scaled_grouped_mm_2d_3d", "_emulated_mxfp8_scaled_grouped_mm_2d_2d"]
+    return oracles.load_functions(path, names, {"torch": torch, "Optional": Optional})
+
+
+@pytest.mark.parametrize("m,n,k,ends", [c for c in FWD_CASES if c[1] % 8 == 0 and c[2] % 8 == 0])
+def test_reference_forward_vs_torchao_emulated(torchao_emulated, m, n, k, ends):
+    """torchao dequantizes to BF16 (exact here) and runs torch._grouped_mm: both sides within
+    fp32_bound of the exact result, so within twice it of each other. Rows past offs[-1] are
+    unspecified in torch._grouped_mm's output: compared up to offs[-1]."""
+    a, a_scale, b, b_scale = fwd_inputs(m, n, k, ends.shape[0])
+    ours = reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends)
+    theirs = torchao_emulated._emulated_mxfp8_scaled_grouped_mm_2d_3d(
+        a, a_scale, b.transpose(1, 2), b_scale.transpose(1, 2), offs=ends, out_dtype=torch.bfloat16)
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    end = int(ends[-1])
+    diff = (ours[:end].double() - theirs[:end].double()).abs()
+    assert (diff <= fp32_bound(exact, s, k, torch.bfloat16, sides=2)[:end]).all()
+
+
+@pytest.mark.parametrize("m,n,k,ends", [c for c in WGRAD_CASES if int(c[3][-1]) == c[0] and c[1] % 8 == 0])
+def test_reference_wgrad_vs_torchao_emulated(torchao_emulated, m, n, k, ends):
+    """torchao's wgrad GEMM on the transposed operands (its _compute_wgrad_emulated): (E, N, K)."""
+    x, x_scale, y, y_scale = wgrad_inputs(m, n, k)
+    ours = reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, ends)
+    theirs = torchao_emulated._emulated_mxfp8_scaled_grouped_mm_2d_2d(
+        y.t(), y_scale, x.t(), x_scale, offs=ends, out_dtype=torch.bfloat16)
+    x64, y64 = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()
+    for g, (lo, hi) in enumerate(groups(ends)):
+        exact, s = y64[lo:hi].T @ x64[lo:hi], y64[lo:hi].T.abs() @ x64[lo:hi].abs()
+        diff = (ours[g].double() - theirs[g].double()).abs()
+        assert (diff <= fp32_bound(exact, s, hi - lo, torch.bfloat16, sides=2)).all(), f"group {g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Input errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs(reference_backend):
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    ok = offs(30, 64)
+    cases = [
+        ((a.float(), a_scale, b, b_scale, ok), TypeError, "a must have dtype"),
+        ((a, a_scale.view(torch.uint8), b, b_scale, ok), TypeError, "a_scale must have dtype"),
+        ((a, a_scale, b[:, :, :32].contiguous(), b_scale[:, :, :1].contiguous(), ok), ValueError, "must equal a.shape"),
+        ((a[:, :48], a_scale[:, :1], b, b_scale, ok), ValueError, "quantized in blocks of 32"),
+        ((a, a_scale[:, :1], b, b_scale, ok), ValueError, "a_scale must have shape"),
+        ((a, a_scale, b.transpose(1, 2).contiguous().transpose(1, 2), b_scale, ok), ValueError, "b must be contiguous"),
+        ((a, a_scale, b, b_scale, ok.long()), TypeError, "offs must have dtype"),
+        ((a, a_scale, b, b_scale, offs(64)), ValueError, r"offs must have shape \(2,\)"),
+        ((a, a_scale, b, b_scale, offs(30, 64, 64, 64)[::2]), ValueError, "offs must be contiguous"),
+        ((a, a_scale, b, b_scale, offs(40, 30)), ValueError, "non-decreasing"),
+        ((a, a_scale, b, b_scale, offs(-1, 30)), ValueError, "non-decreasing"),
+        ((a, a_scale, b, b_scale, offs(30, 65)), ValueError, "at most M = 64"),
+    ]
+    for args, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            fq.mxfp8_grouped_mm(*args)
+    with pytest.raises(TypeError, match="out_dtype"):
+        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ok, torch.float16)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ok.cuda())
+
+    x, x_scale, y, y_scale = wgrad_inputs(96, 32, 64)
+    good = offs(32, 96)
+    y64, y64_scale = wgrad_inputs(64, 32, 64)[2:]
+    wcases = [
+        ((x, x_scale, y, y_scale, offs(40, 96)), "multiple of 32"),
+        ((x, x_scale, y, y_scale, offs(32, 128)), "at most M = 96"),
+        ((x.contiguous(), x_scale, y, y_scale, good), "column-major"),
+        ((x, x_scale, y64, y64_scale, good), "must equal x.shape"),
+        ((x, x_scale.t().contiguous(), y, y_scale, good), "x_scale must have shape"),
+    ]
+    for args, words in wcases:
+        with pytest.raises(ValueError, match=words):
+            fq.mxfp8_grouped_mm_wgrad(*args)
+
+
+def test_training_op_bad_inputs(reference_backend):
+    A = torch.randn(64, 64, dtype=torch.bfloat16)
+    B_t = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="B_t.shape"):
+        training.mxfp8_grouped_mm(A, B_t[:, :32], offs(32, 64))
+    with pytest.raises(ValueError, match="N, quantized in blocks of 32"):
+        training.mxfp8_grouped_mm(A, B_t[:, :, :16], offs(32, 64))
+    with pytest.raises(ValueError, match="scaling_mode"):
+        training.mxfp8_grouped_mm(A, B_t, offs(32, 64), scaling_mode="even")
+    with pytest.raises(TypeError, match="A must have dtype"):
+        training.mxfp8_grouped_mm(A.to(E4M3), B_t, offs(32, 64))
+    # backward: 32x1 blocks may not straddle groups
+    A.requires_grad_()
+    out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------
+# Fakes, plans, explain
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fakes_and_opcheck(reference_backend):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fa, fs, fb, fbs, fo = (mode.from_tensor(t) for t in (a, a_scale, b, b_scale, offs(30, 64)))
+        out = fq.mxfp8_grouped_mm(fa, fs, fb, fbs, fo, torch.float32)
+        assert out.shape == (64, 32) and out.dtype == torch.float32
+        fx, fxs, fy, fys = (mode.from_tensor(t) for t in (x, x_scale, y, y_scale))
+        w = fq.mxfp8_grouped_mm_wgrad(fx, fxs, fy, fys, fo)
+        assert w.shape == (2, 48, 32) and w.dtype == torch.bfloat16
+    from flyquant import grouped_mm
+
+    # opcheck's test_schema multiplies the inputs, which CPU torch does not do for float8_e4m3fn
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(grouped_mm._grouped_mm_op, (a, a_scale, b, b_scale, offs(30, 64), torch.bfloat16),
+                          test_utils=utils)
+    torch.library.opcheck(grouped_mm._grouped_mm_wgrad_op, (x, x_scale, y, y_scale, offs(32, 64), torch.float32),
+                          test_utils=utils)
+
+
+def test_plans_and_explain(capsys):
+    """Under the emulator the forward GEMM plans its FlyDSL kernel (tile_m by the average group),
+    the weight-gradient GEMM the reference (no kernel yet); explain prints either."""
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert plan.backend == "flydsl" and plan.config["tile_m"] == 64 and "64 rows over 2 groups" in plan.reasons[-1]
+    plan = fq.explain(fq.mxfp8_grouped_mm_wgrad, x, x_scale, y, y_scale, offs(32, 64))
+    assert plan.backend == "reference" and plan.reasons[-1] == "no FlyDSL kernel yet"
+    out = capsys.readouterr().out
+    assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: reference" in out
+
+
+def test_shapes_the_kernel_does_not_take_go_to_the_reference(monkeypatch):
+    a, a_scale, b, b_scale = fwd_inputs(64, 40, 64, 2)  # N % 16 != 0
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert plan.backend == "reference" and "multiple of 16" in plan.reasons[-1]
+    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64), torch.float32)
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), offs(30, 64))
+    assert_within(got, exact, fp32_bound(exact, s, 64, torch.float32))
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    with pytest.raises(select.BackendError, match="multiple of 16"):
+        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
+
+
+def test_forced_flydsl_without_kernel_raises(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
+    with pytest.raises(select.BackendError, match="no FlyDSL kernel yet"):
+        fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64))
+
+
+# ------------------------------------------------------------------------------------------------
+# Whatever the selector runs under the emulator, per arch, against the FP64 model
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_selected_backend_under_emulator(arch, monkeypatch):
+    """The forward GEMM's kernel, emulated for each arch under strict memory, and the
+    weight-gradient GEMM (the reference until its kernel exists), against the FP32-accumulation
+    bound."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    m, n, k, ends = 80, 32, 96, offs(0, 17, 17, 70)
+    a, a_scale, b, b_scale = fwd_inputs(m, n, k, 4)
+    plan = select.plan_mxfp8_grouped_mm(a, b, ends, torch.bfloat16)
+    assert plan.where == "emulator" and plan.backend == "flydsl" and plan.arch == arch, plan
+    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends)
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    assert_within(got, exact, fp32_bound(exact, s, k, torch.bfloat16))
+    assert (got[70:] == 0).all()
+
+    x, x_scale, y, y_scale = wgrad_inputs(128, 16, 96)
+    ends = offs(0, 64, 96, 96)
+    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, ends, torch.float32)
+    assert plan.where == "emulator" and (plan.backend == "reference" or plan.arch == arch), plan
+    got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, ends, torch.float32)
+    x64, y64 = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()
+    for g, (lo, hi) in enumerate(groups(ends)):
+        exact, s = y64[lo:hi].T @ x64[lo:hi], y64[lo:hi].T.abs() @ x64[lo:hi].abs()
+        assert_within(got[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.float32), f"group {g}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The training op
+# ------------------------------------------------------------------------------------------------
+
+
+def _mx_error(x: torch.Tensor, along: int) -> torch.Tensor:
+    """e(x) = 2^-4 |x| + 2^-10 amax / 224 per element, blocks of 32 along dim `along` (module doc)."""
+    t = x.double().movedim(along, -1)
+    amax = t.abs().unflatten(-1, (-1, MX_BLOCK)).amax(-1).repeat_interleave(MX_BLOCK, -1)
+    return (2.0**-4 * t.abs() + 2.0**-10 * amax / 224).movedim(-1, along)
+
+
+def _product_bound(a, ea, b, eb):
+    """sum_k e(a)|b| + |a|e(b) + e(a)e(b) for a (R, K) @ b (K, C), and S = sum |a||b|."""
+    a, b = a.double().abs(), b.double().abs()
+    return ea @ b + a @ eb + ea @ eb, a @ b
+
+
+def _training_case(m=96, k=64, n=64, ends=(32, 32, 96), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    W = (torch.randn(len(ends), n, k, generator=g) * 0.5).to(torch.bfloat16)  # (E, N, K), as torchao stores it
+    G = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    return A, W, G, offs(*ends)
+
+
+def _run_training_op(A, B_t, G, ends, mode="rceil"):
+    a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()  # clone keeps B_t's strides
+    assert b.stride() == B_t.stride()
+    out = training.mxfp8_grouped_mm(a, b, ends, scaling_mode=mode)
+    out.backward(G)
+    return out.detach(), a.grad, b.grad
+
+
+def test_training_op_vs_bf16_autograd(reference_backend):
+    """Forward, dgrad and wgrad (rceil) against the BF16 autograd of the same grouped matmul, each
+    element within the MX bound (module docstring)."""
+    A, W, G, ends = _training_case()
+    out, grad_a, grad_b_t = _run_training_op(A, W.transpose(1, 2), G, ends)
+    A1, B1 = A.clone().requires_grad_(), W.transpose(1, 2).clone().requires_grad_()
+    ref_out = torch._grouped_mm(A1, B1, offs=ends)
+    ref_out.backward(G)
+    k, n = A.shape[1], W.shape[1]
+    for g, (lo, hi) in enumerate(groups(ends)):
+        a, w, gr = A[lo:hi], W[g], G[lo:hi]
+        # forward: a (rows, K) 1x32 along K, w^T (K, N) blocks along K
+        bound, s = _product_bound(a, _mx_error(a, 1), w.T, _mx_error(w, 1).T)
+        exact = a.double() @ w.double().T
+        tol = bound + fp32_bound(exact.abs() + bound, s + bound, k, torch.bfloat16, sides=2)
+        assert ((out[lo:hi].double() - ref_out[lo:hi].detach().double()).abs() <= tol).all(), f"forward group {g}"
+        # dgrad: gr (rows, N) 1x32 along N, w (N, K) blocks along N
+        bound, s = _product_bound(gr, _mx_error(gr, 1), w, _mx_error(w, 0))
+        exact = gr.double() @ w.double()
+        tol = bound + fp32_bound(exact.abs() + bound, s + bound, n, torch.bfloat16, sides=2)
+        assert ((grad_a[lo:hi].double() - A1.grad[lo:hi].double()).abs() <= tol).all(), f"dgrad group {g}"
+        # wgrad: a^T (K, rows) and gr (rows, N), both blocks of 32 rows
+        if hi > lo:
+            bound, s = _product_bound(a.T, _mx_error(a, 0).T, gr, _mx_error(gr, 0))
+            exact = a.double().T @ gr.double()
+            tol = bound + fp32_bound(exact.abs() + bound, s + bound, hi - lo, torch.bfloat16, sides=2)
+            assert ((grad_b_t[g].double() - B1.grad[g].double()).abs() <= tol).all(), f"wgrad group {g}"
+        else:
+            assert (grad_b_t[g] == 0).all()
+    assert grad_a.dtype == A.dtype and grad_b_t.dtype == W.dtype and grad_b_t.shape == (3, k, n)
+
+
+OPERAND_CASES = [("reference", m, lay) for m in ("rceil", "floor") for lay in ("transposed_view", "contiguous")]
+OPERAND_CASES += [("gfx942", "rceil", "transposed_view"), ("gfx950", "floor", "contiguous")]
+
+
+@pytest.mark.parametrize("where,mode,layout", OPERAND_CASES)
+def test_training_op_gemm_operands(monkeypatch, where, mode, layout):
+    """Each GEMM of the op sees exactly the operands the contract names, quantized by the
+    reference quantize (1x32 rows of A, of B_t^T, of grad_out, of B_t; 32x1 columns of grad_out
+    and A) and multiplied in FP64: fp32_bound. B_t as torchao passes it (the transpose of
+    contiguous (E, N, K) weights) and contiguous (E, K, N). On the reference backend, and as the
+    selector plans it under the emulator (the quantize casts on flyquant's kernels; the GEMMs on
+    whatever is registered)."""
+    if where == "reference":
+        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    else:
+        monkeypatch.setenv("FLYQUANT_ARCH", where)
+    A, W, G, ends = _training_case(ends=(0, 64, 96))
+    B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
+    with fq.emu.record() as launches:
+        out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode)
+    kernels = [r.kernel for r in launches]
+    # six casts: A, B_t along K, grad_out 1x32, B_t along N, grad_out and A 32x1
+    assert (kernels == []) if where == "reference" else (len(kernels) >= 6 and all(where in k for k in kernels)), kernels
+    k, n = A.shape[1], W.shape[1]
+    qa, sa = reference.mxfp8_quantize(A, -1, mode)
+    qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1, mode)  # W (E, N, K) along K
+    exact, s = grouped64(deq64(qa, sa, -1), deq64(qw, sw, -1).view(W.shape), ends)
+    assert_within(out, exact, fp32_bound(exact, s, k, torch.bfloat16), "forward")
+    qg, sg = reference.mxfp8_quantize(G, -1, mode)
+    qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1, mode)  # B_t (E, K, N) along N
+    exact, s = grouped64(deq64(qg, sg, -1), deq64(qwt, swt, -1).view(B_t.shape), ends)
+    assert_within(grad_a, exact, fp32_bound(exact, s, n, torch.bfloat16), "dgrad")
+    qgc, sgc = reference.mxfp8_quantize(G, 0, mode)
+    qac, sac = reference.mxfp8_quantize(A, 0, mode)
+    g64, a64 = deq64(qgc.t(), sgc, -1).t(), deq64(qac.t(), sac, -1).t()
+    for g, (lo, hi) in enumerate(groups(ends)):
+        exact, s = a64[lo:hi].T @ g64[lo:hi], a64[lo:hi].T.abs() @ g64[lo:hi].abs()
+        assert_within(grad_b_t[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+
+
+def test_training_op_rows_past_the_last_group(reference_backend):
+    A, W, G, ends = _training_case(m=128, ends=(32, 96))
+    A.requires_grad_()
+    B_t = W.transpose(1, 2).detach().requires_grad_()
+    out = training.mxfp8_grouped_mm(A, B_t, ends, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and (out[96:] == 0).all()
+    out.backward(G.float())
+    assert (A.grad[96:] == 0).all() and A.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_training_op_compiles_fullgraph(reference_backend, backend):
+    A, W, G, ends = _training_case()
+    B_t = W.transpose(1, 2)
+
+    def step(A, B_t):
+        return (training.mxfp8_grouped_mm(A, B_t, ends).float() * G.float()).sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
+        a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()
+        loss = fn(a, b)
+        loss.backward()
+        results.append((loss.detach(), a.grad, b.grad))
+    for want, got in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_kernel_hook(monkeypatch):
+    """A launcher registered in select.GROUPED_MM_KERNELS takes the op's inputs, an out of the
+    result's shape and dtype to write every element of, the arch, the op's options and the plan's
+    config; CPU offs are checked first. A stand-in launcher (the reference's values) takes the
+    kernels' place, so this also covers the weight-gradient hook before its kernel exists."""
+    seen = []
+
+    def launch(*inputs, out, arch, **options):
+        seen.append((arch, out.shape, out.dtype, sorted(options)))
+        if out.dim() == 2:
+            out.copy_(reference.mxfp8_grouped_mm(*inputs, out.dtype, options.get("scale_layout")))
+        else:
+            out.copy_(reference.mxfp8_grouped_mm_wgrad(*inputs, out.dtype))
+
+    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm", "stand_in:launch")
+    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm_wgrad", "stand_in:launch_wgrad")
+    monkeypatch.setattr(select, "grouped_mm_launcher", lambda plan: launch)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
+    assert (plan.backend, plan.kernel, plan.arch) == ("flydsl", "mxfp8_grouped_mm_bf16_gfx942", "gfx942")
+    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
+    assert torch.equal(got, reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64)))
+    x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
+    got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
+    assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m"]),
+                    ("gfx942", (2, 48, 32), torch.float32, [])]
+    with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
+        fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
+    assert len(seen) == 2
+
+
+def test_launcher_lookup():
+    from flyquant.kernels import mxfp8_quantize_2d
+
+    plan = select.Plan("mxfp8_grouped_mm", "flydsl", "emulator", "gfx950", "k",
+                       {"launcher": "mxfp8_quantize_2d:quantize_1x32"})
+    assert select.grouped_mm_launcher(plan) is mxfp8_quantize_2d.quantize_1x32
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_mfma_scale_layout(arch, monkeypatch):
+    """scale_layout="mfma" (the quantize ops' aiter layout, what the training op passes): the
+    reference un-shuffles to exactly the plain result, the kernel (emulated) meets the bound, and
+    the layout's inverse undoes it, padding dropped."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    m, n, k, ends = 72, 48, 160, offs(30, 30, 72)
+    a, a_scale, b, b_scale = fwd_inputs(m, n, k, 3, seed=5)
+    a_m = layouts.mfma_shuffle_scales(a_scale)
+    b_m = torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale])
+    assert torch.equal(layouts.mfma_unshuffle_scales(a_m, m, k // MX_BLOCK).view(torch.uint8), a_scale.view(torch.uint8))
+    plain = reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32)
+    assert torch.equal(reference.mxfp8_grouped_mm(a, a_m, b, b_m, ends, torch.float32, "mfma"), plain)
+    assert fq.explain(fq.mxfp8_grouped_mm, a, a_m, b, b_m, ends, scale_layout="mfma").backend == "flydsl"
+    got = fq.mxfp8_grouped_mm(a, a_m, b, b_m, ends, torch.float32, "mfma")
+    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
+    assert_within(got, exact, fp32_bound(exact, s, k, torch.float32))
+    with pytest.raises(ValueError, match="a_scale"):  # plain scales announced as shuffled
+        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32, "mfma")
