@@ -116,11 +116,15 @@ def _mfma_split(prows: int, pcols: int) -> tuple:
             pcols // MFMA_TILE_COLS, MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_COL_HALF)
 
 
+def mfma_scales_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The shape mfma_shuffle_scales gives (rows, cols) scales."""
+    return _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
+
+
 def mfma_shuffle_scales(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) scales -> aiter's e8m0_shuffle layout, shape (ceil(rows/256)*256,
     ceil(cols/8)*8); the padding is zero bytes (aiter leaves it uninitialised)."""
-    rows, cols = scales.shape
-    prows, pcols = _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
+    prows, pcols = mfma_scales_shape(*scales.shape)
     padded = _zero_pad_2d(_bytes(scales), prows, pcols)
     return _permuted(padded, _mfma_split(prows, pcols), _MFMA_PERM).view(scales.dtype)
 
@@ -132,22 +136,6 @@ def mfma_unshuffle_scales(shuffled: torch.Tensor) -> torch.Tensor:
     validate.multiple_of(prows, MFMA_ROW_PAD, "shuffled.shape[0] (rows, padded for the MFMA scale layout)")
     validate.multiple_of(pcols, MFMA_COL_PAD, "shuffled.shape[1] (cols, padded for the MFMA scale layout)")
     return _permuted(shuffled, _mfma_split(prows, pcols), _MFMA_PERM, inverse=True)
-
-
-def mfma_scales_shape(rows: int, cols: int) -> tuple[int, int]:
-    """The shape mfma_shuffle_scales gives (rows, cols) scales."""
-    return _ceil_to(rows, MFMA_ROW_PAD), _ceil_to(cols, MFMA_COL_PAD)
-
-
-def mfma_unshuffle_scales(shuffled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of mfma_shuffle_scales: the (rows, cols) scales, padding dropped."""
-    prows, pcols = shuffled.shape
-    tiles = _bytes(shuffled.contiguous()).view(
-        prows // MFMA_TILE_ROWS, pcols // MFMA_TILE_COLS, MFMA_COL_HALF, MFMA_ROW_HALF,
-        MFMA_TILE_COLS // MFMA_COL_HALF, MFMA_TILE_ROWS // MFMA_ROW_HALF,
-    )  # (row tile, col tile, c_lo, r_lo, c_hi, r_hi)
-    plain = tiles.permute(0, 5, 3, 1, 4, 2).contiguous().view(prows, pcols)
-    return plain[:rows, :cols].contiguous().view(shuffled.dtype)
 
 
 # aiter's gemm_a4w4 B operand (shuffle_weight(x, layout=(16, 16)) on packed FP4 bytes): tiles of
