@@ -550,41 +550,39 @@ REFERENCE_BLOCK_M = 32
 
 
 # The FlyDSL grouped-GEMM launchers, op -> "module:function" under flyquant.kernels, with the
-# signature launch(a, a_scale, b, b_scale, offs, *, out, arch, scale_layout, **config), writing
-# every row of out. An op missing here (the weight-gradient GEMM, for now) runs the reference.
-GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm"}
+# signature launch(<the op's 5 tensors>, *, out, arch, [scale_layout,] **config), writing every
+# element of out.
+GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm",
+                                      "mxfp8_grouped_mm_wgrad": "mxfp8_grouped_mm:grouped_mm_wgrad"}
 GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
-GFX942_GROUPED_MM_MAX_K = 43648  # gfx942 reads 4 columns' scales at immediate offsets below 4096
+GFX942_GROUPED_MM_MAX_K = 43648  # gfx942's forward reads 4 columns' scales at immediate offsets below 4096
 
 
-def _grouped_mm_unsupported(arch: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> str | None:
-    """Why the forward kernel cannot take this shape (None: it can)."""
-    if n % 16:
-        return f"N = {n} is not a multiple of 16 (the kernel's 16-column MFMA blocks)"
-    if max(m * k, n * k, m * n * torch.finfo(out_dtype).bits // 8) > GROUPED_MM_MAX_BUFFER:
-        return "a tensor (or one expert's weights) spans 2 GiB or more (32-bit buffer offsets)"
-    if arch == "gfx942" and k > GFX942_GROUPED_MM_MAX_K:
+def _grouped_mm_unsupported(op: str, arch: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot take this shape (None: it can). Forward: a (m, k), b (E, n, k), out
+    (m, n); wgrad: x (m, k), y (m, n), out (E, n, k), its output columns k."""
+    cols = k if op == "mxfp8_grouped_mm_wgrad" else n
+    if cols % 16:
+        return f"the output's {cols} columns are not a multiple of 16 (the kernel's 16-column MFMA blocks)"
+    out_bytes = (n * k if op == "mxfp8_grouped_mm_wgrad" else m * n) * torch.finfo(out_dtype).bits // 8
+    if max(m * k, n * k, m * n, out_bytes) > GROUPED_MM_MAX_BUFFER:
+        return "a tensor (or one expert's part) spans 2 GiB or more (32-bit buffer offsets)"
+    if op == "mxfp8_grouped_mm" and arch == "gfx942" and k > GFX942_GROUPED_MM_MAX_K:
         return f"K = {k} > {GFX942_GROUPED_MM_MAX_K} on gfx942 (scale offsets)"
     return None
 
 
-def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, shape=None) -> Plan:
+def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int, experts: int) -> Plan:
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
-    launcher = GROUPED_MM_KERNELS.get(op)
-    if launcher is None:
-        reason = "no FlyDSL kernel yet"
-        _forced_reference(reason)
-        return reference_plan(op, target, reason)
-    config = {"launcher": launcher}
+    why = _grouped_mm_unsupported(op, target.arch, m, n, k, out_dtype)
+    if why:
+        _forced_reference(why)
+        return reference_plan(op, target, why)
+    config = {"launcher": GROUPED_MM_KERNELS[op]}
     reasons = ()
-    if shape is not None:
-        m, n, k, experts = shape
-        why = _grouped_mm_unsupported(target.arch, m, n, k, out_dtype)
-        if why:
-            _forced_reference(why)
-            return reference_plan(op, target, why)
+    if op == "mxfp8_grouped_mm":
         # tile_m 64 when the average group is smaller than the 128-row tile (less masked work at
         # group boundaries); 128 otherwise (fewer loads per MFMA)
         config["tile_m"] = 128 if m >= 128 * max(experts, 1) else 64
@@ -595,12 +593,13 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, shap
 def plan_mxfp8_grouped_mm(a, b, offs, out_dtype) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, (a.shape[0], n, k, e))
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e)
 
 
 def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype) -> Plan:
     """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
-    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype)
+    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype, x.shape[0], y.shape[1], x.shape[1],
+                            offs.shape[0])
 
 
 def grouped_mm_launcher(plan: Plan):

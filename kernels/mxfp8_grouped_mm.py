@@ -1,4 +1,5 @@
-"""MXFP8 grouped GEMM for MoE (forward and dgrad): the FlyDSL kernel and its torch-facing launcher.
+"""MXFP8 grouped GEMMs for MoE training (forward and dgrad; weight gradient): the FlyDSL kernel and
+its torch-facing launchers.
 
 Math. a (M, K) and b (E, N, K) hold OCP E4M3 (float8_e4m3fn) elements with one E8M0 scale per 32
 along K (a_scale (M, K / 32), b_scale (E, N, K / 32), row-major: what fq.mxfp8_quantize(x) and a
@@ -18,6 +19,18 @@ synchronisation): one ballot per 64 groups counts the groups that end at or befo
 that end before the tile's end, and the workgroup computes its tile once per overlapping group,
 with the rows of other groups masked (their A loads read 0, their stores are dropped). A group
 boundary inside a tile costs one more pass over K for that tile.
+
+Weight gradient (GroupedMMConfig.wgrad, launcher grouped_mm_wgrad): x (M, K) and y (M, N) quantized
+along M in blocks of 32 (fq.mxfp8_quantize(t, axis=0): the (K, M) and (N, M) transposes
+row-major, scales (K, M / 32) and (N, M / 32)), group sizes multiples of 32:
+
+    out[g, n, k] = sum over rows m of group g of y[m, n] x[m, k]   (dequantized, FP32)
+
+The same main loop with y^T as A (rows n), x^T as B (columns k) and the reduction over the
+group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the steps' scalar
+offsets, a run-time step count, and the last partial step's chunks past the group masked (an
+empty group runs that step fully masked: its matrix is 0). Row-major scales only; the steps are
+not software-pipelined yet.
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
@@ -90,11 +103,13 @@ class GroupedMMConfig:
     waves_m: int = 2
     waves_n: int = 2
     scale_layout: str | None = None  # None (row-major) | "mfma" (aiter's e8m0_shuffle)
+    wgrad: bool = False  # the weight-gradient GEMM (module doc): n = N (y's columns), k = K (x's)
 
     @property
     def name(self) -> str:
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
-        return (f"mxfp8_grouped_mm_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
+        kind = "mxfp8_grouped_mm_wgrad" if self.wgrad else "mxfp8_grouped_mm"
+        return (f"{kind}_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
                 f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}"
                 f"{'_smfma' if self.scale_layout == 'mfma' else ''}")
 
@@ -144,11 +159,16 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     SCALE_MFMA = cfg.scale_layout == "mfma"
     PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
     OUT_F32 = cfg.out_dtype == torch.float32
-    N_TAIL = N % TILE_N != 0  # the last n-tile has columns past N (masked)
+    WGRAD = cfg.wgrad
+    COLS = K if WGRAD else N  # output columns: the B operand's rows
+    N_TAIL = COLS % TILE_N != 0  # the last n-tile has columns past COLS (masked)
     OUT_ELEM = 4 if OUT_F32 else 2
-    if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or N % MFMA_MN or K % BLOCK:
-        raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave, N % 16 == 0, K % 32 == 0")
-    if not SCALED and 3 * KB + 3 >= 4096:
+    if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or COLS % MFMA_MN or (K % BLOCK and not WGRAD):
+        raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave; the output's columns a multiple of 16, "
+                         "the forward's K of 32")
+    if WGRAD and SCALE_MFMA:
+        raise ValueError(f"{cfg}: the weight-gradient GEMM reads row-major scales")
+    if not SCALED and not WGRAD and 3 * KB + 3 >= 4096:
         raise ValueError(f"{cfg}: K = {K} too large for gfx942's scale offsets (immediate offsets < 4096)")
 
     @flyc.kernel(name=cfg.name, known_block_size=[WAVES * WAVE, 1, 1])
@@ -171,10 +191,19 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         r = lane & (MFMA_MN - 1)
         row0 = fx.Int32(gpu.block_id("x")) * TILE_M
         col_wave = fx.Int32(gpu.block_id("y")) * TILE_N + wn_i * WN  # the wave's first column
-        row_end = fx.min(row0 + TILE_M, m_rows)
+        row_end = fx.min(row0 + TILE_M, fx.Int32(N) if const_expr(WGRAD) else m_rows)
+        if const_expr(WGRAD):  # this workgroup's group: block z; its rows of M, clamped to [0, M]
+            g_w = fx.Int32(gpu.block_id("z"))
+            start = _scalar_load(offs + _zext(fx.max(g_w - 1, fx.Int32(0)) << 2))
+            lo_w = fx.min(fx.max((g_w > 0).select(start, fx.Int32(0)), fx.Int32(0)), m_rows)
+            hi_w = fx.min(fx.max(_scalar_load(offs + _zext(g_w << 2)), lo_w), m_rows)
+            A_PITCH, AS_PITCH = m_rows, m_rows.shrui(fx.Int32(5))  # both operands: (rows, M) and (rows, M / 32)
+            D_BASE, S_BASE = lo_w, lo_w.shrui(fx.Int32(5))  # the group's first step, in the scalar offsets
+        else:
+            A_PITCH, AS_PITCH, D_BASE, S_BASE = K, KB, 0, 0
 
         # ---- the groups overlapping [row0, row_end): one ballot per 64 groups --------------
-        offs_rsrc = _rsrc(offs, E * 4)
+        offs_rsrc = _rsrc(offs, E * 4)  # (forward only: the wgrad's group is its block z)
         g0 = fx.Int32(0)  # groups ending at or before row0
         g1 = fx.Int32(0)  # groups ending before row_end
         for j in range_constexpr(-(-E // WAVE)):
@@ -185,12 +214,17 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             g1 = g1 + fx.Int32(fx.math.ctpop(_ballot(end < row_end) & live))
         g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
 
-        a_rsrc = _rsrc(a, _zext(m_rows) * K)
-        if const_expr(SCALE_MFMA):  # rows padded to 256
-            as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS)
+        if const_expr(WGRAD):  # a: y^T (N, M), out: the group's (N, K)
+            a_rsrc = _rsrc(a, _zext(m_rows) * N)
+            as_rsrc = _rsrc(a_scale, _zext(AS_PITCH) * N)
+            out_rsrc = _rsrc(out + _zext(g_w) * (N * K * OUT_ELEM), N * K * OUT_ELEM)
         else:
-            as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
-        out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
+            a_rsrc = _rsrc(a, _zext(m_rows) * K)
+            if const_expr(SCALE_MFMA):  # rows padded to 256
+                as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS)
+            else:
+                as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
+            out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
         rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
         cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
         zero4 = Vec.filled(4, 0.0, fx.Float32).ir_value()
@@ -203,12 +237,12 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """out[rows in [lo, hi), this lane's 4 columns of every block] = accs (* scale)."""
             for mb in range_constexpr(MB):
                 ok = (rows[mb] >= lo) & (rows[mb] < hi)
-                base = ok.select(rows[mb] * (N * OUT_ELEM) + c * (4 * OUT_ELEM), fx.Int32(OOB))
+                base = ok.select(rows[mb] * (COLS * OUT_ELEM) + c * (4 * OUT_ELEM), fx.Int32(OOB))
                 for nb in range_constexpr(NB):
                     v = Vec(accs[mb * NB + nb])
                     if const_expr(scale != 1.0):
                         v = v * Vec.filled(4, scale, fx.Float32)
-                    off = (cols[nb] < N).select(base, fx.Int32(OOB)) if const_expr(N_TAIL) else base
+                    off = (cols[nb] < COLS).select(base, fx.Int32(OOB)) if const_expr(N_TAIL) else base
                     words = v.bitcast(fx.Int32) if const_expr(OUT_F32) else v.to(fx.BFloat16).bitcast(fx.Int32)
                     rocdl.raw_ptr_buffer_store(words.ir_value(), out_rsrc, off.ir_value(),
                                                fx.Int32(cols[nb] * OUT_ELEM).ir_value())
@@ -216,10 +250,14 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         def setup(g, lo, hi):
             """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
             g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
-            b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
-            bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
+            if const_expr(WGRAD):  # b: x^T (K, M)
+                b_rsrc = _rsrc(b, _zext(m_rows) * K)
+                bs_rsrc = _rsrc(b_scale, _zext(AS_PITCH) * K)
+            else:
+                b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
+                bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
             a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
-            b_row = [(cols[nb] < N).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
+            b_row = [(cols[nb] < COLS).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
                      for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
 
@@ -235,19 +273,19 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             if const_expr(SCALE_MFMA):
                 voff = row.shrui(fx.Int32(5)) * (32 * PCOLS) + kb_lo * 64 + (row & 15) * 4 + (row.shrui(fx.Int32(4)) & 1)
                 return voff, lambda s: s.shrui(fx.Int32(1)) * 256 + (s & 1) * 2
-            return row * KB + kb_lo, lambda s: s * (K_STEP // BLOCK)
+            return row * AS_PITCH + kb_lo, lambda s: s * (K_STEP // BLOCK) + S_BASE
 
         def scaled_offsets(a_row, b_row, chunk_ok=None):
             """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
             one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
-            data = [off(x, K, c * BLOCK, chunk_ok) for x in a_row], [off(x, K, c * BLOCK, chunk_ok) for x in b_row]
+            data = [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in a_row], [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in b_row]
             ok = (c < 4) if chunk_ok is None else chunk_ok
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
                 a_sc = [ok.select(scale_src(rows[2 * p], c)[0] & ~3, fx.Int32(OOB)) for p in range_constexpr(MB // 2)]
                 b_sc = [ok.select(scale_src(cols[2 * q] + r, c)[0] & ~3, fx.Int32(OOB)) for q in range_constexpr(NB // 2)]
             else:
-                a_sc = [off(x, KB, c, chunk_ok) for x in a_row]
-                b_sc = [off(x, KB, c, chunk_ok) for x in b_row]
+                a_sc = [off(x, AS_PITCH, c, chunk_ok) for x in a_row]
+                b_sc = [off(x, AS_PITCH, c, chunk_ok) for x in b_row]
             return data + (a_sc, b_sc)
 
         def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
@@ -259,11 +297,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 ss = _uniform(s.shrui(fx.Int32(1)) * 256)
                 sc = [_load(as_rsrc, x, ss, 1).ir_value() for x in aso] + [_load(bs_rsrc, x, ss, 1).ir_value() for x in bso]
             elif const_expr(scales):
-                ss = _uniform(s * (K_STEP // BLOCK))
+                ss = _uniform(s * (K_STEP // BLOCK) + S_BASE)
                 sc = [_byte(as_rsrc, x, ss).ir_value() for x in aso] + [_byte(bs_rsrc, x, ss).ir_value() for x in bso]
             # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
             rocdl.sched_barrier(0)
-            sd = _uniform(s * K_STEP)
+            sd = _uniform(s * K_STEP + D_BASE)
             av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
             bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
             return av + bv + sc
@@ -291,9 +329,9 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
         def fp8_offsets(a_row, b_row):
             """gfx942: lane (c, r)'s 8 bytes of each 32-wide block of its row."""
-            return [off(x, K, c * 8) for x in a_row], [off(x, K, c * 8) for x in b_row]
+            return [off(x, A_PITCH, c * 8) for x in a_row], [off(x, A_PITCH, c * 8) for x in b_row]
 
-        def fp8_scales(s, lo, hi, bs_rsrc, blocks):
+        def fp8_scales(s, lo, hi, bs_rsrc, blocks, valid):
             """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
             A's as [row][block] (a lane reads its row's 4 blocks at once), B's as [block][column]
             (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
@@ -304,14 +342,14 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 q = tid + q0
                 if const_expr(q0 < TILE_M * 4):  # A: entry q = 4 row + block
                     m = row0 + q.shrui(fx.Int32(2))
-                    ok = (m >= lo) & (m < hi) & ((q & 3) < blocks)
+                    ok = (m >= lo) & (m < hi) & ((q & 3) < valid)
                     e = _byte(as_rsrc, ok.select(scale_src(m, q & 3)[0], fx.Int32(OOB)), ss)
                     addr = q << 2
                 else:  # B: entry q' = 4 column + block, stored at [block][column]
                     q2 = q - TILE_M * 4
                     col = q2.shrui(fx.Int32(2))
                     n = col_tile + col
-                    ok = (n < N) & ((q2 & 3) < blocks)
+                    ok = (n < COLS) & ((q2 & 3) < valid)
                     e = _byte(bs_rsrc, ok.select(scale_src(n, q2 & 3)[0], fx.Int32(OOB)), ss)
                     addr = (TILE_M * 4 + (q2 & 3) * TILE_N + col) << 2
                 mx.lds_store(_e8m0_f32(e).bitcast(fx.Int32).ir_value(), (lds_base + addr).ir_value())
@@ -322,14 +360,19 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                    .bitcast(fx.Float32) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             return sa, sb
 
-        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks):
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks, valid=None):
             """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
-            block pair from 0, added to the accumulator times sa * sb (packed math)."""
+            block pair from 0, added to the accumulator times sa * sb (packed math). `valid`: the
+            step's blocks below it are read, the others masked (a run-time count; None: all)."""
             ao, bo = o
-            sd = s * K_STEP
-            av = [[_load(a_rsrc, ao[mb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
-            bv = [[_load(b_rsrc, bo[nb] + j * BLOCK, sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
-            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks)
+            sd = _uniform(s * K_STEP + D_BASE)
+
+            def at(base, j):
+                return base + j * BLOCK if valid is None else (fx.Int32(j) < valid).select(base + j * BLOCK, fx.Int32(OOB))
+
+            av = [[_load(a_rsrc, at(ao[mb], j), sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bv = [[_load(b_rsrc, at(bo[nb], j), sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, blocks if valid is None else valid)
             probe = fx.Int32(0)
             flat = []
             for v in [x for row in av + bv for x in row]:
@@ -357,90 +400,116 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                         accs[i] = _cat(*halves, ty=fx.Float32)
             return accs
 
-        for g in range(g0, g1, 1):
-            g = fx.Int32(g)
-            start = _scalar_load(offs + _zext(fx.max(g - 1, fx.Int32(0)) << 2))
-            lo = fx.max((g > 0).select(start, fx.Int32(0)), row0)
-            hi = fx.min(_scalar_load(offs + _zext(g << 2)), row_end)
-            if lo < hi:
-                b_rsrc, bs_rsrc, a_row, b_row = setup(g, lo, hi)
-                accs = [zero4] * (MB * NB)
+        if const_expr(WGRAD):
+            # out[g] = y[g rows]^T x[g rows]: the reduction walks the group's rows of M in 128-wide
+            # steps; a last partial step (group sizes are multiples of 32) has its chunks past the
+            # group masked, and an empty group runs it fully masked: its tile is written as 0.
+            # (Names w_*: the forward's branch below assigns the plain ones under a run-time if.)
+            w_b_rsrc, w_bs_rsrc, w_a_row, w_b_row = setup(g_w, 0, N)
+            w_span = hi_w - lo_w
+            w_steps, w_tail = w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3
+            w_o = scaled_offsets(w_a_row, w_b_row) if const_expr(SCALED) else fp8_offsets(w_a_row, w_b_row)
+            for w_s, w_state in range(0, w_steps, 1, init=[zero4] * (MB * NB)):
                 if const_expr(SCALED):
-                    o = scaled_offsets(a_row, b_row)
+                    w_loaded = scaled_load(fx.Int32(w_s), w_o, w_b_rsrc, w_bs_rsrc)
+                    rocdl.s_waitcnt(vmcnt=0)
+                    w_next = scaled_compute(list(w_state), w_loaded[:MB + NB], w_loaded[MB + NB:], 0)
                 else:
-                    o = fp8_offsets(a_row, b_row)
-                if const_expr(SCALED and FULL_STEPS > 0):
-                    # Software pipeline: a step's loads are in flight while the previous step
-                    # computes. Step 0 is peeled (its MFMAs start from a constant 0: no zeroed
-                    # accumulators); the loop then walks (odd, even) step pairs, so that an "mfma"
-                    # scale dword, loaded with an even step, serves it and the odd step after it.
-                    n_acc, n_data = MB * NB, MB + NB
-                    n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
-                    per_step = not SCALE_MFMA  # plain scales are loaded with every step
-                    loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
-                    d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
-                    if const_expr(FULL_STEPS > 1):
-                        odd = scaled_load(fx.Int32(1), o, b_rsrc, bs_rsrc, scales=per_step)
-                        rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=loads(per_step))
+                    w_next = fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
+                w_res = yield w_next
+            w_accs = list(w_res)
+            if const_expr(SCALED):
+                w_last = scaled_load(w_steps, scaled_offsets(w_a_row, w_b_row, c < w_tail), w_b_rsrc, w_bs_rsrc)
+                rocdl.s_waitcnt(vmcnt=0)
+                w_accs = scaled_compute(w_accs, w_last[:MB + NB], w_last[MB + NB:], 0)
+            else:
+                w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
+            store(w_accs, 0, N, 1.0 if SCALED else 4.0)
+        else:
+            for g in range(g0, g1, 1):
+                g = fx.Int32(g)
+                start = _scalar_load(offs + _zext(fx.max(g - 1, fx.Int32(0)) << 2))
+                lo = fx.max((g > 0).select(start, fx.Int32(0)), row0)
+                hi = fx.min(_scalar_load(offs + _zext(g << 2)), row_end)
+                if lo < hi:
+                    b_rsrc, bs_rsrc, a_row, b_row = setup(g, lo, hi)
+                    accs = [zero4] * (MB * NB)
+                    if const_expr(SCALED):
+                        o = scaled_offsets(a_row, b_row)
                     else:
-                        rocdl.s_waitcnt(vmcnt=0)
-                    accs = scaled_compute([zero4] * n_acc, d0[:n_data], d0[n_data:], 0)
-                    pair = [] if per_step else d0[n_data:]  # "mfma": the current pair's scale dwords
+                        o = fp8_offsets(a_row, b_row)
+                    if const_expr(SCALED and FULL_STEPS > 0):
+                        # Software pipeline: a step's loads are in flight while the previous step
+                        # computes. Step 0 is peeled (its MFMAs start from a constant 0: no zeroed
+                        # accumulators); the loop then walks (odd, even) step pairs, so that an "mfma"
+                        # scale dword, loaded with an even step, serves it and the odd step after it.
+                        n_acc, n_data = MB * NB, MB + NB
+                        n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
+                        per_step = not SCALE_MFMA  # plain scales are loaded with every step
+                        loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
+                        d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
+                        if const_expr(FULL_STEPS > 1):
+                            odd = scaled_load(fx.Int32(1), o, b_rsrc, bs_rsrc, scales=per_step)
+                            rocdl.sched_barrier(0)
+                            rocdl.s_waitcnt(vmcnt=loads(per_step))
+                        else:
+                            rocdl.s_waitcnt(vmcnt=0)
+                        accs = scaled_compute([zero4] * n_acc, d0[:n_data], d0[n_data:], 0)
+                        pair = [] if per_step else d0[n_data:]  # "mfma": the current pair's scale dwords
 
-                    def odd_scales(odd, pair):
-                        return odd[n_data:] if const_expr(per_step) else pair
+                        def odd_scales(odd, pair):
+                            return odd[n_data:] if const_expr(per_step) else pair
 
-                    if const_expr(ODD_EVEN_PAIRS > 0):
-                        for i, state in range(0, ODD_EVEN_PAIRS, 1, init=accs + odd + pair):
-                            s_odd = fx.Int32(i) * 2 + 1
-                            accs, odd = list(state[:n_acc]), list(state[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
-                            pair = list(state[n_acc + len(odd):])
-                            even = scaled_load(s_odd + 1, o, b_rsrc, bs_rsrc)
+                        if const_expr(ODD_EVEN_PAIRS > 0):
+                            for i, state in range(0, ODD_EVEN_PAIRS, 1, init=accs + odd + pair):
+                                s_odd = fx.Int32(i) * 2 + 1
+                                accs, odd = list(state[:n_acc]), list(state[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                                pair = list(state[n_acc + len(odd):])
+                                even = scaled_load(s_odd + 1, o, b_rsrc, bs_rsrc)
+                                rocdl.sched_barrier(0)
+                                rocdl.s_waitcnt(vmcnt=loads(True))
+                                accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                                nxt = scaled_load(s_odd + 2, o, b_rsrc, bs_rsrc, scales=per_step)
+                                rocdl.sched_barrier(0)
+                                rocdl.s_waitcnt(vmcnt=loads(per_step))
+                                accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
+                                res = yield accs + nxt + ([] if per_step else even[n_data:])
+                            accs = list(res[:n_acc])
+                            odd = list(res[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
+                            pair = list(res[n_acc + len(odd):])
+                        s_odd = 2 * ODD_EVEN_PAIRS + 1  # the remaining full steps: s_odd (prefetched), s_odd + 1
+                        if const_expr(FULL_STEPS - s_odd == 2):
+                            even = scaled_load(fx.Int32(s_odd + 1), o, b_rsrc, bs_rsrc)
                             rocdl.sched_barrier(0)
                             rocdl.s_waitcnt(vmcnt=loads(True))
                             accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                            nxt = scaled_load(s_odd + 2, o, b_rsrc, bs_rsrc, scales=per_step)
-                            rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=loads(per_step))
+                            rocdl.s_waitcnt(vmcnt=0)
                             accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
-                            res = yield accs + nxt + ([] if per_step else even[n_data:])
-                        accs = list(res[:n_acc])
-                        odd = list(res[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
-                        pair = list(res[n_acc + len(odd):])
-                    s_odd = 2 * ODD_EVEN_PAIRS + 1  # the remaining full steps: s_odd (prefetched), s_odd + 1
-                    if const_expr(FULL_STEPS - s_odd == 2):
-                        even = scaled_load(fx.Int32(s_odd + 1), o, b_rsrc, bs_rsrc)
-                        rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=loads(True))
-                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                        rocdl.s_waitcnt(vmcnt=0)
-                        accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
-                    elif const_expr(FULL_STEPS - s_odd == 1):
-                        rocdl.s_waitcnt(vmcnt=0)
-                        accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                if const_expr(not SCALED and FULL_STEPS > 0):
-                    for s, state in range(0, FULL_STEPS, 1, init=accs):
-                        res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
-                    accs = list(res)
-                if const_expr(TAIL_CHUNKS):
-                    if const_expr(SCALED):  # its own scale words, masked by chunk
-                        tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
-                        accs = scaled_compute(accs, tail[:MB + NB], tail[MB + NB:], FULL_STEPS % 2)
-                    else:
-                        accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
-                store(accs, lo, hi, 1.0 if SCALED else 4.0)
+                        elif const_expr(FULL_STEPS - s_odd == 1):
+                            rocdl.s_waitcnt(vmcnt=0)
+                            accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
+                    if const_expr(not SCALED and FULL_STEPS > 0):
+                        for s, state in range(0, FULL_STEPS, 1, init=accs):
+                            res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
+                        accs = list(res)
+                    if const_expr(TAIL_CHUNKS):
+                        if const_expr(SCALED):  # its own scale words, masked by chunk
+                            tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
+                            accs = scaled_compute(accs, tail[:MB + NB], tail[MB + NB:], FULL_STEPS % 2)
+                        else:
+                            accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
+                    store(accs, lo, hi, 1.0 if SCALED else 4.0)
 
-        # rows at or past the last group's end: zeros
-        z_lo = fx.max(_scalar_load(offs + (E - 1) * 4), row0)
-        if z_lo < row_end:
-            store([zero4] * (MB * NB), z_lo, row_end, 1.0)
+            # rows at or past the last group's end: zeros
+            z_lo = fx.max(_scalar_load(offs + (E - 1) * 4), row0)
+            if z_lo < row_end:
+                store([zero4] * (MB * NB), z_lo, row_end, 1.0)
 
     @flyc.jit
     def launch(a: fx.Int64, a_scale: fx.Int64, b: fx.Int64, b_scale: fx.Int64, offs: fx.Int64, out: fx.Int64,
                m_rows: fx.Int32, bs_expert_bytes: fx.Int32, grid_m: fx.Int32, stream: fx.Stream = fx.Stream(None)):
         grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows, bs_expert_bytes).launch(
-            grid=(grid_m, -(-N // TILE_N), 1), block=(WAVES * WAVE, 1, 1), stream=stream)
+            grid=(grid_m, -(-COLS // TILE_N), E if WGRAD else 1), block=(WAVES * WAVE, 1, 1), stream=stream)
 
     return launch
 
@@ -490,4 +559,30 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
     with toolchain.target(info.name):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
                               out.data_ptr(), m, bs_expert_bytes, -(-m // tile_m), stream=stream)
+    return out
+
+
+def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
+                     tile_m: int = 128, tile_n: int = 128):
+    """Launch the MXFP8 weight-gradient grouped GEMM (module doc) for `arch`: out (E, N, K),
+    out[g] = y[g rows]^T x[g rows], x (M, K) and y (M, N) quantized along M as
+    fq.mxfp8_quantize(t, axis=0) returns them (data stride (1, M): the (K, M) and (N, M)
+    transposes row-major, scales (K, M/32) and (N, M/32)); group sizes multiples of 32. On
+    torch's current stream, no host synchronisation. Returns out."""
+    info = arch_info(arch)
+    m, k = x.shape
+    n = y.shape[1]
+    experts = offs.shape[0]
+    if out is None:
+        out = torch.empty(experts, n, k, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x_t, y_t = x.t().contiguous(), y.t().contiguous()  # no copy for mxfp8_quantize(t, axis=0)'s outputs
+    x_scale, y_scale, offs = x_scale.contiguous(), y_scale.contiguous(), offs.contiguous()
+    cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
+                          wgrad=True)
+    stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    with toolchain.target(info.name):
+        _cached_launcher(cfg)(y_t.data_ptr(), y_scale.data_ptr(), x_t.data_ptr(), x_scale.data_ptr(), offs.data_ptr(),
+                              out.data_ptr(), m, 0, -(-n // tile_m), stream=stream)
     return out

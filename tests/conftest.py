@@ -56,7 +56,8 @@ def tensor_extent(t: torch.Tensor) -> tuple[int, int] | None:
 # every tensor whose address it takes (data_ptr) is valid memory, outputs it allocates included.
 RAW_ADDRESS_LAUNCHERS = (("flyquant.kernels.moe_gemm2_a16w4", "moe_gemm2_a16w4"),
                          ("flyquant.kernels.moe_gemm1_a16w4", "moe_gemm1_a16w4"),
-                         ("flyquant.kernels.mxfp8_grouped_mm", "grouped_mm"))
+                         ("flyquant.kernels.mxfp8_grouped_mm", "grouped_mm"),
+                         ("flyquant.kernels.mxfp8_grouped_mm", "grouped_mm_wgrad"))
 
 
 class _Extents:

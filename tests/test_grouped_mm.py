@@ -314,36 +314,39 @@ def test_fakes_and_opcheck(reference_backend):
 
 
 def test_plans_and_explain(capsys):
-    """Under the emulator the forward GEMM plans its FlyDSL kernel (tile_m by the average group),
-    the weight-gradient GEMM the reference (no kernel yet); explain prints either."""
+    """Under the emulator both GEMMs plan their FlyDSL kernel (the forward's tile_m by the average
+    group); explain prints the plan."""
     a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
     x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
     plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
     assert plan.backend == "flydsl" and plan.config["tile_m"] == 64 and "64 rows over 2 groups" in plan.reasons[-1]
     plan = fq.explain(fq.mxfp8_grouped_mm_wgrad, x, x_scale, y, y_scale, offs(32, 64))
-    assert plan.backend == "reference" and plan.reasons[-1] == "no FlyDSL kernel yet"
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp8_grouped_mm_wgrad_bf16_gfx950"
     out = capsys.readouterr().out
-    assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: reference" in out
+    assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: flydsl" in out
 
 
-def test_shapes_the_kernel_does_not_take_go_to_the_reference(monkeypatch):
-    a, a_scale, b, b_scale = fwd_inputs(64, 40, 64, 2)  # N % 16 != 0
-    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
-    assert plan.backend == "reference" and "multiple of 16" in plan.reasons[-1]
-    got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64), torch.float32)
-    exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), offs(30, 64))
-    assert_within(got, exact, fp32_bound(exact, s, 64, torch.float32))
+@pytest.mark.parametrize("op", ["forward", "wgrad"])
+def test_shapes_the_kernels_do_not_take_go_to_the_reference(op, monkeypatch):
+    """Output columns not a multiple of 16: the reference, with the reason (an error when the
+    kernel is forced)."""
+    if op == "forward":
+        a, a_scale, b, b_scale = fwd_inputs(64, 40, 64, 2)
+        fn, args, k = fq.mxfp8_grouped_mm, (a, a_scale, b, b_scale, offs(30, 64)), 64
+        exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), offs(30, 64))
+    else:
+        x, x_scale, y, y_scale = wgrad_inputs(64, 32, 40)
+        fn, args, k = fq.mxfp8_grouped_mm_wgrad, (x, x_scale, y, y_scale, offs(32, 64)), 32
+    plan = fq.explain(fn, *args)
+    assert plan.backend == "reference" and "not a multiple of 16" in plan.reasons[-1]
+    got = fn(*args, torch.float32)
+    if op == "forward":
+        assert_within(got, exact, fp32_bound(exact, s, k, torch.float32))
+    else:
+        assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(*args, torch.float32))
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
-    with pytest.raises(select.BackendError, match="multiple of 16"):
-        fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
-
-
-def test_forced_flydsl_without_kernel_raises(monkeypatch):
-    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
-    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
-    x, x_scale, y, y_scale = wgrad_inputs(64, 32, 64)
-    with pytest.raises(select.BackendError, match="no FlyDSL kernel yet"):
-        fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64))
+    with pytest.raises(select.BackendError, match="not a multiple of 16"):
+        fn(*args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,9 +356,8 @@ def test_forced_flydsl_without_kernel_raises(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_selected_backend_under_emulator(arch, monkeypatch):
-    """The forward GEMM's kernel, emulated for each arch under strict memory, and the
-    weight-gradient GEMM (the reference until its kernel exists), against the FP32-accumulation
-    bound."""
+    """Both GEMMs' kernels, emulated for each arch under strict memory, against the
+    FP32-accumulation bound."""
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     m, n, k, ends = 80, 32, 96, offs(0, 17, 17, 70)
     a, a_scale, b, b_scale = fwd_inputs(m, n, k, 4)
@@ -369,7 +371,7 @@ def test_selected_backend_under_emulator(arch, monkeypatch):
     x, x_scale, y, y_scale = wgrad_inputs(128, 16, 96)
     ends = offs(0, 64, 96, 96)
     plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, ends, torch.float32)
-    assert plan.where == "emulator" and (plan.backend == "reference" or plan.arch == arch), plan
+    assert plan.where == "emulator" and plan.backend == "flydsl" and plan.arch == arch, plan
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, ends, torch.float32)
     x64, y64 = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()
     for g, (lo, hi) in enumerate(groups(ends)):

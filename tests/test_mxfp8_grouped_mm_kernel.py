@@ -165,3 +165,79 @@ def test_instructions_per_mfma_on_gfx950():
         run("gfx950", a, a_scale, b, b_scale, offs, "mfma")
     stats = launches[-1].stats
     assert stats.wave_instructions / stats.by_class["mfma"] <= 3.0
+
+
+# ---- the weight-gradient GEMM: out[g] = y[g rows]^T x[g rows], both quantized along M ---------------
+
+
+def make_wgrad_problem(m, n, k, sizes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x, x_scale = R.mxfp8_quantize(torch.randn(m, k, generator=gen) * 4, 0, "rceil")  # (M, K) stride (1, M), (K, M/32)
+    y, y_scale = R.mxfp8_quantize(torch.randn(m, n, generator=gen), 0, "rceil")
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return x, x_scale, y, y_scale, offs
+
+
+def expected_wgrad(x, x_scale, y, y_scale, offs):
+    X, Y = dequantize(x.t(), x_scale).t(), dequantize(y.t(), y_scale).t()  # (M, K), (M, N)
+    ref = torch.zeros(offs.shape[0], y.shape[1], x.shape[1], dtype=torch.float64)
+    mag = torch.zeros_like(ref)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        ref[g] = Y[start:end].t() @ X[start:end]
+        mag[g] = Y[start:end].t().abs() @ X[start:end].abs()
+        start = end
+    return ref, mag
+
+
+def run_wgrad(arch, x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
+    with toolchain.target(arch):
+        return G.grouped_mm_wgrad(x, x_scale, y, y_scale, offs, arch=arch, out_dtype=out_dtype)
+
+
+# (M, N, K, group sizes, out dtype): groups ending inside a 128-row step (tails of 1-3 blocks),
+# empty groups (a zero matrix), rows past the last group, two tiles along N and K, 70 groups
+WGRAD_CASES = [
+    (64, 32, 48, [32, 0, 32], torch.float32),
+    (320, 48, 64, [96, 160, 32, 0], torch.bfloat16),
+    (288, 144, 160, [288], torch.float32),
+    (128, 16, 32, [0] * 40 + [32] + [0] * 28 + [64], torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", WGRAD_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-E{len(c[3])}" for c in WGRAD_CASES])
+def test_wgrad_matches_the_mx_definition(arch, case):
+    m, n, k, sizes, out_dtype = case
+    x, x_scale, y, y_scale, offs = make_wgrad_problem(m, n, k, sizes)
+    out = run_wgrad(arch, x, x_scale, y, y_scale, offs, out_dtype)
+    ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+    check(out, ref, mag, max(sizes), out_dtype)
+    assert all(bool((out[g] == 0).all()) for g, size in enumerate(sizes) if size == 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_special_codes(arch):
+    """-0 elements, a NaN element code under a finite scale, a NaN scale, 2^-127 x 2^127."""
+    m, n, k, sizes = 128, 32, 48, [64, 64]
+    x, x_scale, y, y_scale, offs = make_wgrad_problem(m, n, k, sizes, seed=7)
+    xc, yc = x.view(torch.uint8), y.view(torch.uint8)  # (M, K) / (M, N) views of the column-major data
+    xc[::5, :] = 0x80
+    yc[3::7, :] = 0x80
+    yc[10, 4] = 0x7F  # group 0, y column 4: out[0, 4, :] NaN
+    x_scale.view(torch.uint8)[9, 3] = 0xFF  # x column 9, rows 96..127 (group 1): out[1, :, 9] NaN
+    x_scale.view(torch.uint8)[20, 0] = 0  # 2^-127 ...
+    y_scale.view(torch.uint8)[7, 0] = 254  # ... times 2^127: out[0, 7, 20] has an exactly unscaled block
+    out = run_wgrad(arch, x, x_scale, y, y_scale, offs, torch.float32)
+    ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+    assert torch.isnan(ref[0, 4]).all() and torch.isnan(ref[1, :, 9]).all() and torch.isfinite(ref[0, 7, 20])
+    check(out, ref, mag, 64, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_untrusted_offsets_stay_inside_the_tensors(arch):
+    """Unsorted, negative, past-M offs and group sizes that are not multiples of 32: no access
+    outside the tensors (strict memory); a group past M is clamped to M."""
+    x, x_scale, y, y_scale, _ = make_wgrad_problem(96, 16, 32, [96])
+    for bad in ([40, 10, 1000], [-5, 30, 20], [96, 2**31 - 1, -(2**31)]):
+        run_wgrad(arch, x, x_scale, y, y_scale, torch.tensor(bad, dtype=torch.int32))
