@@ -1,7 +1,8 @@
 """MXFP8 grouped GEMM (MoE forward / dgrad, kernels/mxfp8_grouped_mm.py): TFLOP/s on hardware,
 observable work without it.
 
-    python bench/grouped_mm.py                          # a subset of the shapes; hardware if a ROCm GPU is present
+    python bench/grouped_mm.py                          # 6 shapes (SUBSET); hardware if a ROCm GPU is present
+    python bench/grouped_mm.py --quick                  # 2 shapes (QUICK)
     python bench/grouped_mm.py --mode modelled --full   # torchao's 36-shape grid + DeepSeek-V3 + GPT-OSS
     python bench/grouped_mm.py --mode hardware --full   # on an MI300X / MI355X: TFLOP/s vs bf16 torch._grouped_mm
 
@@ -40,7 +41,9 @@ layout), fq.mxfp8_grouped_mm (the public op: kernel or reference, as the selecto
 says which), bf16 torch._grouped_mm on the same (dequantized) operands, and hipBLASLt's dense
 MXFP8 GEMM per group through torch._scaled_mm with 1x32 E8M0 scales where this torch exposes it
 on ROCm (the row gives the error otherwise, e.g. on gfx942, which has no MX instructions). The
-geomean over the shapes of each implementation's TFLOP/s and of its speed-up over bf16 is printed.
+kernel's output is compared with bf16's (max error over max |bf16 out|: the dequantized values
+are exact in bf16, so only the sums' order and the output rounding differ). The geomean over the
+shapes of each implementation's TFLOP/s and of its speed-up over bf16 is printed.
 """
 
 from __future__ import annotations
@@ -280,15 +283,11 @@ def dequantized(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def hipblaslt_per_group(a, a_scale, b, b_scale, ends):
     """hipBLASLt's dense MXFP8 GEMM once per group (torch._scaled_mm with E8M0 1x32 scales)."""
-    starts = [0, *ends[:-1]]
-    out = torch.empty(a.shape[0], b.shape[1], dtype=OUT_DTYPE, device=a.device)
+    groups = [(g, lo, hi) for g, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends)) if hi > lo]
 
-    def run():
-        for g, (lo, hi) in enumerate(zip(starts, ends)):
-            if hi > lo:
-                out[lo:hi] = torch._scaled_mm(a[lo:hi], b[g].t(), a_scale[lo:hi].contiguous(), b_scale[g],
-                                              out_dtype=OUT_DTYPE)
-        return out
+    def run():  # each group's output its own tensor: no copy into one (M, N) is timed
+        return [torch._scaled_mm(a[lo:hi], b[g].t(), a_scale[lo:hi].contiguous(), b_scale[g], out_dtype=OUT_DTYPE)
+                for g, lo, hi in groups]
 
     return run
 
@@ -313,16 +312,23 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], tile_m: int, tile_n
     b16_t = b16.transpose(-2, -1)  # (E, K, N), as torchao passes its weights
     candidates.append(("bf16 torch._grouped_mm", lambda: torch._grouped_mm(a16, b16_t, offs, out_dtype=OUT_DTYPE)))
     candidates.append(("hipBLASLt MXFP8 per group", hipblaslt_per_group(a, a_scale, b, b_scale, shape.ends())))
-    rows = []
+    rows, ref = [], None
     for name, fn in candidates:
         try:
-            fn()  # fails here, untimed, when this torch / GPU does not support it
+            got = fn()  # fails here, untimed, when this torch / GPU does not support it
             t = common.time_gpu(fn, warmup=args.warmup, iters=args.iters, flush=not args.no_flush)
         except Exception as exc:  # reported with its error, never given a number
             rows.append(head | {"impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
+        if name == "bf16 torch._grouped_mm":
+            ref = got.float()
         rows.append(head | {"impl": name, "median_us": t.median_us, "min_us": t.min_us, "iters": t.iters,
-                            "cold_cache": t.cold_cache, "tflops": shape.flops / (t.median_us * 1e-6) / 1e12})
+                            "cold_cache": t.cold_cache, "tflops": shape.flops / (t.median_us * 1e-6) / 1e12,
+                            "out": got if name.startswith("flyquant kernel") else None})
+    for r in rows:  # the kernel's output against bf16's on the same values (E4M3 x 2^s is exact in bf16)
+        out = r.pop("out", None)
+        if out is not None and ref is not None:
+            r["rel_err_vs_bf16"] = float((out.float() - ref).abs().max() / ref.abs().max())
     bf16 = next((r for r in rows if r["impl"] == "bf16 torch._grouped_mm" and "tflops" in r), None)
     for r in rows:
         r["vs_bf16"] = r["tflops"] / bf16["tflops"] if bf16 and "tflops" in r else None
@@ -342,7 +348,8 @@ def geomeans(rows: list[dict]) -> list[dict]:
 
 
 HARDWARE_COLUMNS = [("shape", "shape"), ("impl", "impl"), ("median_us", "median us"), ("tflops", "TFLOP/s"),
-                    ("vs_bf16", "vs bf16"), ("error", "error")]
+                    ("vs_bf16", "vs bf16"), ("rel_err_vs_bf16", "max err / max |bf16|"),
+                    ("error", "error")]
 
 
 # ---- outputs ------------------------------------------------------------------------------------
