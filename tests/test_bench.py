@@ -521,12 +521,16 @@ def test_grouped_mm_bench_modelled(tmp_path, keep_emu_arch):
 
 @pytest.mark.gpu
 def test_grouped_mm_bench_hardware(tmp_path):
-    """On a real MI300X/MI355X: the grouped GEMM bench times the kernel (both scale layouts) and
-    bf16 torch._grouped_mm on a small shape; the other baselines are timed or give their error."""
+    """On a real MI300X/MI355X: the grouped GEMM bench times the kernel (both scale layouts) on a
+    small shape, within bf16 rounding of bf16 torch._grouped_mm when that runs; every baseline is
+    timed or gives its error."""
     bench = load("grouped_mm")
     bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--shapes", "384x256x256x2",
                 "--out", str(tmp_path)])
     rows = read_outputs(tmp_path, "grouped_mm_hardware")["rows"]
     timed = {r["impl"] for r in rows if r.get("median_us", 0) > 0}
-    assert {"flyquant kernel (plain)", "flyquant kernel (mfma)", "bf16 torch._grouped_mm"} <= timed, rows
+    assert {"flyquant kernel (plain)", "flyquant kernel (mfma)"} <= timed, rows
     assert all("median_us" in r or "error" in r for r in rows if not r["shape"].startswith("geomean"))
+    for r in rows:
+        if r.get("rel_err_vs_bf16") is not None:  # K 256: fp32 sums, one bf16 rounding each side
+            assert r["rel_err_vs_bf16"] < 2**-6, r
