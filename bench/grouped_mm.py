@@ -318,7 +318,7 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], tile_m: int, tile_n
             got = fn()  # fails here, untimed, when this torch / GPU does not support it
             t = common.time_gpu(fn, warmup=args.warmup, iters=args.iters, flush=not args.no_flush)
         except Exception as exc:  # reported with its error, never given a number
-            rows.append(head | {"impl": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            rows.append(head | {"impl": name, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]})
             continue
         if name == "bf16 torch._grouped_mm":
             ref = got.float()
