@@ -158,7 +158,8 @@ def launch(inputs, arch: str, layout: str, tile_m: int, tile_n: int, out=None):
 
 def tile_classes(shape: Shape, tile_m: int, tile_n: int):
     """The grid's m-tiles by (rows, group boundaries strictly inside, relative to the tile's first
-    row, rows past the last group's end) -> count, and its n-tiles by width -> count."""
+    row) -> count, and its n-tiles by width -> count (the groups cover all M rows: no tile has
+    rows past the last group)."""
     ends = shape.ends()
     m_classes = collections.Counter()
     for row0 in range(0, shape.m, tile_m):
@@ -177,7 +178,7 @@ def tile_offs(rows: int, inside: tuple, experts: int) -> list[int]:
     return [*inside, *[rows] * (experts - len(inside))]
 
 
-def compulsory_bytes(rows: int, cols: int, k: int, groups: int, experts: int) -> int:
+def compulsory_bytes(rows: int, cols: int, k: int, groups: int, experts: int) -> float:
     """What one tile must move: its A rows and their scales, each group's B columns and scales,
     its output, offs."""
     return rows * k * (1 + 1 / MX_BLOCK) + groups * cols * k * (1 + 1 / MX_BLOCK) + rows * cols * 2 + experts * 4
@@ -214,7 +215,9 @@ def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, 
             names = ("a", "a_scale", "b", "b_scale", "offs")
             _, counts, records = common.emulate(lambda: launch(inputs, arch, layout, tile_m, tile_n, out),
                                                 dict(zip(names, inputs)) | {"out": out})
-            assert len(records) == 1 and counts.workgroups_launched == 1, "one workgroup per emulated tile"
+            if len(records) != 1 or counts.workgroups_launched != 1:
+                raise RuntimeError(f"expected one launch of one workgroup, got {len(records)} launches, "
+                                   f"{counts.workgroups_launched:.0f} workgroups")
             moved = counts.mem(common.GLOBAL_CLASSES).bytes
             need = compulsory_bytes(rows, width, shape.k, len(inside) + 1, shape.experts)
             tiles.append({"rows": rows, "boundaries": list(inside), "cols": width, "workgroups": m_count * n_count,
