@@ -62,6 +62,15 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
     return mode, archs
 
 
+def begin(args, title: str) -> tuple[str, list[str], str, dict[str, float]]:
+    """A script's start: (mode, archs, label, kernel_sources()) for its parsed common args, the
+    title and the mode's label printed."""
+    mode, archs = resolve_mode(args.mode, args.arch)
+    label = HARDWARE_LABEL if mode == "hardware" else MODELLED_LABEL
+    print(f"{title}: {label}")
+    return mode, archs, label, kernel_sources()
+
+
 def csv_list(text: str, kind=str) -> list:
     """ "a,b,c" -> [kind(a), kind(b), kind(c)] (for argparse)."""
     return [kind(v.strip()) for v in text.split(",") if v.strip()]

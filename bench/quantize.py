@@ -513,10 +513,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    mode, archs = common.resolve_mode(args.mode, args.arch)
-    label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
-    print(f"MXFP8 and MXFP4 quantize: {label}")
-    sources = common.kernel_sources()
+    mode, archs, label, sources = common.begin(args, "MXFP8 and MXFP4 quantize")
     rows, peer_rows = [], []
     for arch in archs:
         if mode == "modelled":

@@ -480,3 +480,57 @@ def test_moe_stages_instr_bench(tmp_path, keep_emu_arch):
     assert (s1["stage"], s2["stage"]) == (1, 2) and s1["kernel"].startswith("moe_gemm1_a16w4_swiglu_oai")
     assert all(r["wg_working"] == r["wg_launched"] > 0 for r in (s1, s2))
     assert s1["instr_per_mfma"] <= s2["instr_per_mfma"]
+
+
+def test_grouped_mm_bench_modelled(tmp_path, keep_emu_arch):
+    """bench/grouped_mm.py's smallest configuration: M 384, N 256, K 256, E = 2 (groups of 192
+    rows, so the middle m-tile has a group boundary at its row 64), gfx950, "mfma" scales. The
+    grid's counters, which the bench builds from one emulated workgroup per tile class, are those
+    of the whole launch emulated here: MFMAs, VALU, memory instructions, bytes and lines exactly;
+    wave-instructions up to the static instructions in which the emulated specialization (N 128)
+    differs from the launch's (N 256): at most that many per wave, per pass over K (two in the
+    straddling tile)."""
+    bench = load("grouped_mm")
+    argv = "--mode modelled --arch gfx950 --shapes 384x256x256x2 --layouts mfma --out".split()
+    bench.main([*argv, str(tmp_path)])
+    (row,) = read_outputs(tmp_path, "grouped_mm_modelled")["rows"]
+    assert (row["arch"], row["layout"], row["spills"]) == ("gfx950", "mfma", 0) and row["vgprs"] > 0
+    assert row["grid_workgroups"] == row["wg_launched"] == row["wg_working"] == 3 * 2
+    assert sorted((t["rows"], tuple(t["boundaries"]), t["cols"], t["workgroups"]) for t in row["tiles"]) == [
+        (128, (), 128, 4), (128, (64,), 128, 2)]
+    interior = next(t for t in row["tiles"] if not t["boundaries"])
+    # its 128 rows of A and 128 columns of B with their scales, 128 x 128 bf16 out, offs: at least that
+    assert interior["compulsory_bytes"] == 2 * 128 * 256 * 33 / 32 + 128 * 128 * 2 + 2 * 4
+    assert interior["global_bytes"] >= interior["compulsory_bytes"]
+
+    a, a_scale, b, b_scale, offs = bench.make_inputs(384, 256, 256, 2, [192, 384], "mfma", seed=0)
+    assert offs.tolist() == bench.Shape("t", 384, 256, 256, 2).ends()
+    out = emu.aligned_empty((384, 256), torch.bfloat16)
+    common = bench.common
+    _, whole, _ = common.emulate(lambda: bench.launch((a, a_scale, b, b_scale, offs), "gfx950", "mfma", 128, 128, out))
+    est = row["counts"]
+    for cls in ("mfma", "valu", "vmem_load", "vmem_store"):
+        assert est["by_class"][cls] == whole.by_class[cls], cls
+    for name, m in whole.memory.items():
+        assert (est["memory"][name]["bytes"], est["memory"][name]["lines"]) == (m.bytes, m.lines), name
+    waves, passes = 4, 2
+    bound = row["isa_diff_vs_full_n"] * waves * passes * row["grid_workgroups"]
+    assert abs(est["wave_instructions"] - whole.wave_instructions) <= bound
+    assert row["verdict"] == ("met" if row["instr_per_mfma"] <= 3 and row["coalescing_loads"] >= 1 else "missed")
+
+
+@pytest.mark.gpu
+def test_grouped_mm_bench_hardware(tmp_path):
+    """On a real MI300X/MI355X: the grouped GEMM bench times the kernel (both scale layouts) on a
+    small shape, within bf16 rounding of bf16 torch._grouped_mm when that runs; every baseline is
+    timed or gives its error."""
+    bench = load("grouped_mm")
+    bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--shapes", "384x256x256x2",
+                "--out", str(tmp_path)])
+    rows = read_outputs(tmp_path, "grouped_mm_hardware")["rows"]
+    timed = {r["impl"] for r in rows if r.get("median_us", 0) > 0}
+    assert {"flyquant kernel (plain)", "flyquant kernel (mfma)"} <= timed, rows
+    assert all("median_us" in r or "error" in r for r in rows if not r["shape"].startswith("geomean"))
+    for r in rows:
+        if r.get("rel_err_vs_bf16") is not None:  # K 256: fp32 sums, one bf16 rounding each side
+            assert r["rel_err_vs_bf16"] < 2**-6, r
