@@ -279,10 +279,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
             one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
             data = [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in a_row], [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in b_row]
-            ok = (c < 4) if chunk_ok is None else chunk_ok
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
-                a_sc = [ok.select(scale_src(rows[2 * p], c)[0] & ~3, fx.Int32(OOB)) for p in range_constexpr(MB // 2)]
-                b_sc = [ok.select(scale_src(cols[2 * q] + r, c)[0] & ~3, fx.Int32(OOB)) for q in range_constexpr(NB // 2)]
+                def word(row):
+                    o = scale_src(row, c)[0] & ~3
+                    return o if chunk_ok is None else chunk_ok.select(o, fx.Int32(OOB))
+
+                a_sc = [word(rows[2 * p]) for p in range_constexpr(MB // 2)]
+                b_sc = [word(cols[2 * q] + r) for q in range_constexpr(NB // 2)]
             else:
                 a_sc = [off(x, AS_PITCH, c, chunk_ok) for x in a_row]
                 b_sc = [off(x, AS_PITCH, c, chunk_ok) for x in b_row]
