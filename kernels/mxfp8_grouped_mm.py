@@ -80,15 +80,12 @@ from flydsl.expr.typing import Vector as Vec
 
 from flyquant import toolchain
 from flyquant.arch import arch_info
+from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
-from ._a16w4_common import OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
 
-MFMA_MN = 16
-BLOCK = 32  # MX block along K
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
-OUT_DTYPES = (torch.bfloat16, torch.float32)
-MAX_BUFFER_BYTES = (1 << 31) - 64
 
 
 @dataclass(frozen=True)
@@ -270,9 +267,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             offset as a function of s). Plain: row-major bytes. "mfma": aiter's e8m0_shuffle, whose
             dword at (32-row tile, 8-block column tile, kb_lo, row % 16) holds byte
             2 ((kb / 4) % 2) + (row / 16) % 2: rows row, row + 16 of two consecutive steps."""
-            if const_expr(SCALE_MFMA):
-                voff = row.shrui(fx.Int32(5)) * (32 * PCOLS) + kb_lo * 64 + (row & 15) * 4 + (row.shrui(fx.Int32(4)) & 1)
-                return voff, lambda s: s.shrui(fx.Int32(1)) * 256 + (s & 1) * 2
+            if const_expr(SCALE_MFMA):  # the layout's fields of kb = 4 s + kb_lo separate: kb_lo per lane, s scalar
+                def at(r, kb):
+                    return fx.Int32(mx.scale_offset("mfma", r, kb, PCOLS // 8))
+
+                return at(row, kb_lo), lambda s: at(fx.Int32(0), s << 2)
             return row * AS_PITCH + kb_lo, lambda s: s * (K_STEP // BLOCK) + S_BASE
 
         def scaled_offsets(a_row, b_row, chunk_ok=None):
