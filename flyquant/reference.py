@@ -65,7 +65,7 @@ def _layout_scales_2d(scales: torch.Tensor, scale_layout: Optional[str], flat: b
 
 def _scale_shape_2d(rows: int, cols: int, scale_layout: Optional[str], flat: bool) -> tuple:
     if scale_layout == "mfma":
-        return (_ceil_to(rows, layouts.MFMA_ROW_PAD), _ceil_to(cols, layouts.MFMA_COL_PAD))
+        return layouts.mfma_scales_shape(rows, cols)
     if scale_layout == "tcgen05":
         shape = (_ceil_to(rows, layouts.TCGEN05_TILE_ROWS), _ceil_to(cols, layouts.TCGEN05_TILE_COLS))
         return (shape[0] * shape[1],) if flat else shape

@@ -62,7 +62,7 @@ from flydsl._mlir.dialects import arith, llvm, vector
 from flydsl._mlir.dialects import rocdl
 
 from flyquant.formats import MX_BLOCK
-from flyquant.layouts import MFMA_COL_PAD, MFMA_ROW_PAD, TCGEN05_TILE_COLS, TCGEN05_TILE_ROWS
+from flyquant.layouts import MFMA_COL_PAD, MFMA_ROW_PAD, TCGEN05_TILE_COLS, TCGEN05_TILE_ROWS, mfma_scales_shape  # noqa: F401  (MFMA_ROW_PAD: kernels read mx.MFMA_ROW_PAD)
 
 from . import _mx_ir
 from ._mx_ir import *  # noqa: F401,F403  (the IR helpers: kernels reach them as mx.*)
@@ -187,7 +187,7 @@ def scale_layout_shape(rows: int, cols: int, scale_layout) -> tuple[int, int]:
     if scale_layout == "tcgen05":
         return -(-rows // TCGEN05_TILE_ROWS) * TCGEN05_TILE_ROWS, -(-cols // TCGEN05_TILE_COLS) * TCGEN05_TILE_COLS
     if scale_layout == "mfma":
-        return -(-rows // MFMA_ROW_PAD) * MFMA_ROW_PAD, -(-cols // MFMA_COL_PAD) * MFMA_COL_PAD
+        return mfma_scales_shape(rows, cols)
     return rows, cols
 
 
