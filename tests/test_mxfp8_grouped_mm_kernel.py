@@ -1,6 +1,7 @@
 """The MXFP8 grouped GEMM FlyDSL kernel (kernels/mxfp8_grouped_mm.py): executed under flyquant.emu
-for gfx950 and gfx942, both scale layouts, against a float64 computation written here from the
-MX definition (each E4M3 element times 2^(scale - 127), then a per-group matmul).
+for gfx950 and gfx942, both scale layouts, against tests/mx_fp64.py's float64 model of the MX
+definition (each E4M3 element times 2^(scale - 127), decoded from the bits, then a per-group
+matmul).
 
 Tolerance. E4M3 x E4M3 products and their power-of-two scales are exact in FP32 (away from
 underflow and overflow), so the kernel's only errors are the FP32 sums of the K products, in an
@@ -20,6 +21,7 @@ import flyquant.emu as emu
 from flyquant import layouts, toolchain
 from flyquant import reference as R
 from flyquant.kernels import mxfp8_grouped_mm as G
+from mx_fp64 import deq64, grouped64  # the FP64 model (E4M3 and E8M0 from their bit fields)
 
 ARCHS = ("gfx950", "gfx942")
 LAYOUTS = (None, "mfma")
@@ -27,25 +29,9 @@ U_F32 = 2.0**-24
 U_OUT = {torch.bfloat16: 2.0**-8, torch.float32: 0.0}
 
 
-def dequantize(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float64 values of E4M3 data with E8M0 scales along the last dim (0xFF: NaN)."""
-    codes = scales.view(torch.uint8).to(torch.float64)
-    s = torch.where(codes == 255, torch.nan, torch.exp2(codes - 127))
-    v = data.to(torch.float64)
-    return (v.unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
-
-
 def expected(a, a_scale, b, b_scale, offs):
     """(reference, sum |a b| per element) in float64; rows past offs[-1] are 0."""
-    A, B = dequantize(a, a_scale), dequantize(b, b_scale)
-    ref = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
-    mag = torch.zeros_like(ref)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        ref[start:end] = A[start:end] @ B[g].t()
-        mag[start:end] = A[start:end].abs() @ B[g].abs().t()
-        start = end
-    return ref, mag
+    return grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), offs)
 
 
 def make_problem(m, n, k, sizes, seed=0):
@@ -179,7 +165,7 @@ def make_wgrad_problem(m, n, k, sizes, seed=0):
 
 
 def expected_wgrad(x, x_scale, y, y_scale, offs):
-    X, Y = dequantize(x.t(), x_scale).t(), dequantize(y.t(), y_scale).t()  # (M, K), (M, N)
+    X, Y = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()  # (M, K), (M, N)
     ref = torch.zeros(offs.shape[0], y.shape[1], x.shape[1], dtype=torch.float64)
     mag = torch.zeros_like(ref)
     start = 0
