@@ -491,10 +491,10 @@ def environment() -> dict:
     the JSON never records a setting the run could not have used."""
     import flydsl
 
-    from flyquant import env, select
+    from flyquant import env, tuning
 
-    select.config_overrides()
-    select.tuning_table()
+    tuning.config_overrides()
+    tuning.tuning_table()
     return {
         "torch": torch.__version__,
         "flydsl": getattr(flydsl, "__version__", "?"),

@@ -75,7 +75,7 @@ import peers_aiter_moe  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
-from flyquant import select  # noqa: E402
+from flyquant import tuning  # noqa: E402
 from moe_tile_n_report import (  # noqa: E402
     HARDWARE_COLUMNS, MODELLED_COLUMNS, TARGETS, UPSTREAM_NOTES, UPSTREAM_PER_MFMA, UPSTREAM_SOURCE, _display,
     config_label, plot, print_upstream, target_misses,
@@ -314,7 +314,7 @@ def time_baselines(p: Problem, arch: str, weights: Weights, args) -> list[dict]:
 
 
 def tuning_table(rows: list[dict], shapes: dict) -> dict:
-    """The fastest flyquant config per (stage, arch, shape, tokens), in select.tuned_config's format."""
+    """The fastest flyquant config per (stage, arch, shape, tokens), in tuning.tuned_config's format."""
     best = {}
     for r in rows:
         if r.get("impl") != "flyquant":
@@ -336,7 +336,7 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
                     "model_dim": s.model_dim,
                     "inter_dim": s.inter_dim,
                 },
-                "config": {f: r[f] for f in select.TUNED_OPS[op][1]},
+                "config": {f: r[f] for f in tuning.TUNED_OPS[op][1]},
                 "median_us": r["median_us"],
             }
         )

@@ -381,7 +381,7 @@ def test_bytes_in_flight_follows_vmcnt():
 def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch, keep_emu_arch):
     """The hardware sweep's tuning table (written from timed rows; here two made-up timings)
     gives the selector the faster config for exactly that (arch, shape, tokens)."""
-    from flyquant import select
+    from flyquant import select, tuning
 
     bench = load("moe_tile_n")
     shape = bench.SHAPES["gptoss"]
@@ -409,16 +409,16 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch, keep_emu
         "model_dim": shape.model_dim,
         "inter_dim": shape.inter_dim,
     }
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1, "waves": 2}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 256, "k_batch": 1, "waves": 2}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx942", key) == {}
 
     # a stage-1 sweep's table merged into the same file: both stages' entries, stage 1 without k_batch
     stage1 = [dict(r, stage=1, tile_n=64, k_batch=1, median_us=5.0) for r in timed[1:]]
     table = bench.merge_tuning(path, bench.tuning_table(stage1, bench.SHAPES))
     assert sorted(e["op"] for e in table["entries"]) == ["moe_gemm1_a16w4", "moe_gemm2_a16w4"]
     bench.common.write_json(path, table)
-    assert select.tuned_config("moe_gemm1_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 64, "waves": 2}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
+    assert tuning.tuned_config("moe_gemm1_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 64, "waves": 2}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
     x = torch.empty(1, dtype=torch.bfloat16).expand(4, 3072)
     w1 = torch.empty(1, dtype=torch.uint8).expand(shape.experts, 2 * 3072, 3072 // 2)
     emu.enable("gfx950")

@@ -18,7 +18,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import env, reference, select, toolchain
+from flyquant import env, reference, select, toolchain, tuning
 from flyquant.emu import interp, runtime
 
 # --- offs ------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_bad_config_is_an_error_naming_it(monkeypatch, raw, message):
     """Each used to be a bare JSONDecodeError / silently ignored key / TypeError at launch."""
     monkeypatch.setenv("FLYQUANT_CONFIG", raw)
     with pytest.raises(env.EnvError, match=message):
-        select.config_overrides()
+        tuning.config_overrides()
 
 
 MOE_SHAPE = {"tokens": 4, "topk": 4, "experts": 128, "model_dim": 2880, "inter_dim": 2880}
@@ -142,16 +142,16 @@ def test_bad_tuning_table_is_an_error_naming_it(tmp_path, monkeypatch, table, me
     path.write_text(table if isinstance(table, str) else json.dumps(table))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
     with pytest.raises(env.EnvError, match=message):
-        select.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
+        tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
 
 
 def test_tuning_table_that_cannot_be_read(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYQUANT_TUNING", str(tmp_path / "missing.json"))
     with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*missing.json': expected the path of a JSON tuning table .*No such file"):
-        select.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
+        tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
     monkeypatch.setenv("FLYQUANT_TUNING", str(tmp_path))
     with pytest.raises(env.EnvError, match=r"reading it failed: .*Is a directory"):
-        select.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
+        tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
 
 
 def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, monkeypatch):
@@ -159,7 +159,7 @@ def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, mo
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"entries": [_entry(config={"tile_n": 512}, median_us=1.5)]}))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE) == {"tile_n": 512}  # well-formed
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE) == {"tile_n": 512}  # well-formed
     with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*' for \{'tokens': 4, .*\}: tile_n = 512: expected one of 64, 128, 256"):
         _moe_plan()
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from flyquant import select
+from flyquant import select, tuning
 
 
 @pytest.fixture
@@ -82,14 +82,14 @@ def test_tuning_table_and_overrides(tmp_path, monkeypatch):
     path.write_text(json.dumps(table))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
     shuffled = dict(reversed(TUNED_SHAPE.items()))  # the key does not depend on the order
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", shuffled) == {"tile_n": 256, "k_batch": 4}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx942", TUNED_SHAPE) == {}
-    assert select.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "tokens": 8}) == {}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", shuffled) == {"tile_n": 256, "k_batch": 4}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx942", TUNED_SHAPE) == {}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "tokens": 8}) == {}
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_n": 64}')
-    assert select.config_overrides() == {"tile_n": 64}
+    assert tuning.config_overrides() == {"tile_n": 64}
     monkeypatch.setenv("FLYQUANT_CONFIG", "[1]")
     with pytest.raises(ValueError, match="JSON object"):
-        select.config_overrides()
+        tuning.config_overrides()
 
 
 def test_column_kernel_matrices_of_2_gib_go_to_the_reference(monkeypatch):

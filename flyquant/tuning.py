@@ -1,0 +1,124 @@
+"""Configuration the selector reads besides first principles: the FLYQUANT_TUNING table that
+bench/ writes on hardware (the fastest MoE GEMM config per op, arch and shape) and FLYQUANT_CONFIG's
+forced fields. Both are checked whole when read: a malformed value is an EnvError naming the
+variable, the value and the expected form."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+from . import env
+from .arch import ARCHS
+
+MOE_CONFIG_FIELDS = ("tile_m", "tile_n", "k_batch", "waves")
+MOE_SHAPE_FIELDS = ("tokens", "topk", "experts", "model_dim", "inter_dim")
+# The ops a tuning table may hold: op -> (its shape fields, all required; its config fields).
+TUNED_OPS = {"moe_gemm2_a16w4": (MOE_SHAPE_FIELDS, MOE_CONFIG_FIELDS),
+             "moe_gemm1_a16w4": (MOE_SHAPE_FIELDS, ("tile_m", "tile_n", "waves"))}  # stage 1: no split K
+TUNING_TABLE_KEYS = ("entries",)
+TUNING_ENTRY_KEYS = ("op", "arch", "shape", "config")
+TUNING_ENTRY_NOTES = ("median_us",)  # what bench/ records beside an entry; read and ignored
+
+
+def _keys(where: str, value: dict, known, required=()) -> None:
+    """`value`'s keys are among `known` (and include `required`), else an EnvError listing them."""
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise env.EnvError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise env.EnvError(f"{where}: missing key(s) {', '.join(map(repr, missing))} (required: {', '.join(required)})")
+
+
+def _positive_ints(where: str, fields: dict) -> dict[str, int]:
+    for k, v in fields.items():
+        if type(v) is not int or v <= 0:  # bool is an int subclass: refused too
+            raise env.EnvError(f"{where}: {k} = {json.dumps(v)}: expected a positive integer")
+    return dict(fields)
+
+
+def _object(where: str, value, example: str) -> dict:
+    if not isinstance(value, dict):
+        raise env.EnvError(f"{where} = {json.dumps(value)}: expected a JSON object, e.g. {example}")
+    return value
+
+
+def config_overrides() -> dict[str, Any]:
+    """FLYQUANT_CONFIG: a JSON object of MoE configuration fields (MOE_CONFIG_FIELDS, positive
+    integers) forced for debugging; {} when unset. Anything else is an EnvError naming it."""
+    raw = env.raw("FLYQUANT_CONFIG")
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise env.error("FLYQUANT_CONFIG", raw, f"{env.VARIABLES['FLYQUANT_CONFIG']} ({exc})") from None
+    if not isinstance(value, dict):
+        raise env.error("FLYQUANT_CONFIG", raw, env.VARIABLES["FLYQUANT_CONFIG"])
+    _keys(f"FLYQUANT_CONFIG={raw!r}", value, MOE_CONFIG_FIELDS)
+    return _positive_ints(f"FLYQUANT_CONFIG={raw!r}", value)
+
+
+def _tuning_entry(where: str, e) -> tuple[tuple, dict]:
+    """One checked table entry -> ((op, arch, sorted shape items), config)."""
+    _object(where, e, '{"op": ..., "arch": ..., "shape": {...}, "config": {...}}')
+    _keys(where, e, TUNING_ENTRY_KEYS + TUNING_ENTRY_NOTES, TUNING_ENTRY_KEYS)
+    if e["op"] not in TUNED_OPS:
+        raise env.EnvError(f"{where}.op = {json.dumps(e['op'])}: expected one of {', '.join(TUNED_OPS)}")
+    if e["arch"] not in ARCHS:
+        raise env.EnvError(f"{where}.arch = {json.dumps(e['arch'])}: expected one of {', '.join(sorted(ARCHS))}")
+    shape_fields, config_fields = TUNED_OPS[e["op"]]
+    shape = _object(f"{where}.shape", e["shape"], "{" + ", ".join(f'"{f}": ...' for f in shape_fields) + "}")
+    _keys(f"{where}.shape", shape, shape_fields, shape_fields)
+    config = _object(f"{where}.config", e["config"], '{"tile_n": 128}')
+    _keys(f"{where}.config", config, config_fields)
+    key = (e["op"], e["arch"], tuple(sorted(_positive_ints(f"{where}.shape", shape).items())))
+    return key, _positive_ints(f"{where}.config", config)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
+    """The table at `path` (FLYQUANT_TUNING), checked whole: {"entries": [entry, ...]}, each entry
+    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key."""
+    where = f"FLYQUANT_TUNING={path!r}"
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except OSError as exc:
+        raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']}; reading it failed: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise env.EnvError(f"{where}: the file is not JSON ({exc})") from None
+    _object(where, table, '{"entries": [...]}')
+    _keys(where, table, TUNING_TABLE_KEYS, TUNING_TABLE_KEYS)
+    if not isinstance(table["entries"], list):
+        raise env.EnvError(f"{where}: entries must be a JSON list, got {type(table['entries']).__name__}")
+    entries: dict[tuple, dict] = {}
+    first: dict[tuple, int] = {}
+    for i, e in enumerate(table["entries"]):
+        key, config = _tuning_entry(f"{where}: entries[{i}]", e)
+        if key in first:
+            raise env.EnvError(f"{where}: entries[{first[key]}] and entries[{i}] are both for {key}: keep one")
+        first[key], entries[key] = i, config
+    return entries
+
+
+def tuning_table() -> dict[tuple, dict]:
+    """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
+    whole table is checked when it is first read (and again when the file changes)."""
+    path = env.raw("FLYQUANT_TUNING")
+    if path is None:
+        return {}
+    path = os.path.expanduser(path)
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError as exc:
+        raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']} ({exc.strerror})") from None
+    return _load_tuning(path, mtime)
+
+
+def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """The tuning table's configuration for exactly this (op, arch, shape), or {}."""
+    return dict(tuning_table().get((op, arch, tuple(sorted(shape.items()))), {}))
