@@ -14,8 +14,9 @@ their dgrads (N and K swapped). Operands: randn quantized 1x32 (flyquant.referen
 scales row-major ("plain") or aiter's e8m0_shuffle ("mfma"), both of which the kernel reads.
 
 Modelled mode (no AMD GPU): labelled "modelled, not timed". Per shape, arch and scale layout:
-- compile-only figures of the model-sized kernel (the launcher's default 128x128 tile, 2x2
-  waves): VGPR/AGPR, LDS, spills, workgroups per CU;
+- compile-only figures of the model-sized kernel (the tile the selector plans for the shape,
+  arch and scale layout, select.grouped_mm_tiles, unless --tile-m / --tile-n; 2x2 waves):
+  VGPR/AGPR, LDS, spills, workgroups per CU;
 - what one workgroup executes, emulated. The grid is (M / tile_m) x (N / tile_n) workgroups and
   every one runs the same code over the same K; they differ only in the rows they mask: a tile
   with a group boundary inside makes one pass over K per group, the last n-tile may be partial.
@@ -146,6 +147,14 @@ def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: s
     return tuple(emu.aligned(t) for t in (a, a_scale, b, b_scale, offs.to(device)))
 
 
+def tiles(shape: Shape, arch: str, layout: str, args) -> tuple[int, int]:
+    """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm."""
+    from flyquant import select
+
+    tm, tn = select.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts, LAYOUTS[layout])[0]
+    return args.tile_m or tm, args.tile_n or tn
+
+
 def launch(inputs, arch: str, layout: str, tile_m: int, tile_n: int, out=None):
     a, a_scale, b, b_scale, offs = inputs
     with toolchain.target(arch):
@@ -231,7 +240,7 @@ def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, 
     loads = grid.mem("vmem_load")
     row = {
         "shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "experts": shape.experts, "arch": arch,
-        "layout": layout, "tile_m": tile_m, "tile_n": tile_n, "kernel": full.name,
+        "layout": layout, "tile_m": tile_m, "tile_n": tile_n, "tile": f"{tile_m}x{tile_n}", "kernel": full.name,
         "wg_launched": grid.workgroups_launched, "wg_working": grid.workgroups_working,
         "grid_workgroups": math.ceil(shape.m / tile_m) * math.ceil(shape.n / tile_n),
         "instr_per_mfma": grid.wave_instructions / grid.cls("mfma"),
@@ -266,7 +275,7 @@ def target_misses(row: dict) -> list[str]:
 
 
 MODELLED_COLUMNS = [
-    ("shape", "shape"), ("arch", "arch"), ("layout", "scales"), ("vgprs", "VGPR"), ("agprs", "AGPR"),
+    ("shape", "shape"), ("arch", "arch"), ("layout", "scales"), ("tile", "tile"), ("vgprs", "VGPR"), ("agprs", "AGPR"),
     ("lds_bytes", "LDS B"), ("spills", "spill"), ("workgroups_per_cu", "WG/CU"), ("grid_workgroups", "WGs"),
     ("wg_working", "working"), ("instr_per_mfma", "instr/MFMA"), ("tile_instr_per_mfma", "tile"),
     ("coalescing_loads", "coal ld"), ("coal_a", "A"), ("coal_b", "B"), ("coal_scales", "scales"),
@@ -295,7 +304,7 @@ def hipblaslt_per_group(a, a_scale, b, b_scale, ends):
     return run
 
 
-def time_shape(shape: Shape, arch: str, layouts_: list[str], tile_m: int, tile_n: int, args) -> list[dict]:
+def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]:
     import flyquant as fq
     from flyquant import select
 
@@ -306,8 +315,9 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], tile_m: int, tile_n
     for layout in layouts_:
         inputs = plain if layout == "plain" else make_inputs(shape.m, shape.n, shape.k, shape.experts, shape.ends(),
                                                              layout, args.seed, "cuda")
-        candidates.append((f"flyquant kernel ({layout})", lambda i=inputs, lay=layout: launch(i, arch, lay, tile_m,
-                                                                                                 tile_n)))
+        tm, tn = tiles(shape, arch, layout, args)
+        candidates.append((f"flyquant kernel ({layout}, {tm}x{tn})",
+                           lambda i=inputs, lay=layout, tm=tm, tn=tn: launch(i, arch, lay, tm, tn)))
     plan = select.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
     candidates.append((f"fq.mxfp8_grouped_mm [{plan.backend}]", lambda: fq.mxfp8_grouped_mm(a, a_scale, b, b_scale,
                                                                                             offs)))
@@ -397,8 +407,8 @@ def parse_args(argv=None):
                     help=f"names, sets (grid, deepseek, gptoss) or MxNxKxE (default: {','.join(SUBSET)})")
     ap.add_argument("--full", action="store_true", help="every shape: torchao's grid, DeepSeek-V3, GPT-OSS")
     ap.add_argument("--layouts", type=common.csv_list, default=list(LAYOUTS), help="scale layouts: plain,mfma")
-    ap.add_argument("--tile-m", type=int, default=128)
-    ap.add_argument("--tile-n", type=int, default=128)
+    ap.add_argument("--tile-m", type=int, default=None, help="default: the selector's per shape, arch and scales")
+    ap.add_argument("--tile-n", type=int, default=None, help="default: the selector's per shape, arch and scales")
     common.add_common_args(ap)
     ap.set_defaults(arch=["gfx950", "gfx942"])
     args = ap.parse_args(argv)
@@ -413,19 +423,20 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    mode, archs, label, sources = common.begin(args, f"MXFP8 grouped GEMM, tile {args.tile_m}x{args.tile_n}")
+    forced = f"{args.tile_m or 'selector'}x{args.tile_n or 'selector'}"
+    mode, archs, label, sources = common.begin(args, f"MXFP8 grouped GEMM, tiles {forced}")
     rows = []
     for arch in archs:
         if mode == "modelled":
             emu.enable(arch)
         for shape in args.shapes:
             if mode == "hardware":
-                rows += time_shape(shape, arch, args.layouts, args.tile_m, args.tile_n, args)
+                rows += time_shape(shape, arch, args.layouts, args)
                 print(f"  {shape.name} {arch}: timed", flush=True)
                 continue
             for layout in args.layouts:
                 try:
-                    row = model_shape(shape, arch, layout, args.tile_m, args.tile_n, args.seed)
+                    row = model_shape(shape, arch, layout, *tiles(shape, arch, layout, args), args.seed)
                     row["target_misses"] = target_misses(row)
                     row["verdict"] = "missed" if row["target_misses"] else "met"
                 except Exception as exc:  # a failed compile or launch: reported, the other shapes go on

@@ -529,7 +529,7 @@ def test_grouped_mm_bench_hardware(tmp_path):
                 "--out", str(tmp_path)])
     rows = read_outputs(tmp_path, "grouped_mm_hardware")["rows"]
     timed = {r["impl"] for r in rows if r.get("median_us", 0) > 0}
-    assert {"flyquant kernel (plain)", "flyquant kernel (mfma)"} <= timed, rows
+    assert {"flyquant kernel (plain, 128x128)", "flyquant kernel (mfma, 128x128)"} <= timed, rows
     assert all("median_us" in r or "error" in r for r in rows if not r["shape"].startswith("geomean"))
     for r in rows:
         if r.get("rel_err_vs_bf16") is not None:  # K 256: fp32 sums, one bf16 rounding each side

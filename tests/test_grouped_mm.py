@@ -281,6 +281,27 @@ def test_plans_and_explain(capsys):
     assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: flydsl" in out
 
 
+@pytest.mark.parametrize("arch, m, n, experts, layout, tiles", [
+    ("gfx950", 16640, 2048, 8, "mfma", (128, 256)),  # torchao's grid: 130 x 8 workgroups
+    ("gfx950", 16640, 2048, 8, None, (128, 128)),  # row-major scales: too many VGPRs at 256
+    ("gfx942", 16640, 2048, 8, "mfma", (128, 128)),
+    ("gfx950", 16640, 2880, 8, "mfma", (128, 192)),  # GPT-OSS: 256 would mask 192 columns
+    ("gfx950", 16640, 2080, 8, "mfma", (128, 128)),  # neither 256 nor 192 divides N
+    ("gfx950", 2048, 2048, 8, "mfma", (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
+    ("gfx950", 16640, 2048, 256, "mfma", (64, 128)),  # 65 rows per group
+])
+def test_forward_tiles(arch, m, n, experts, layout, tiles):
+    assert select.grouped_mm_tiles(arch, m, n, experts, layout)[0] == tiles
+
+
+def test_explain_names_the_wide_tile():
+    a, a_scale, b, b_scale = fwd_inputs(32768, 256, 64, 1)
+    ends = offs(32768)
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, layouts.mfma_shuffle_scales(a_scale), b,
+                      torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale]), ends, scale_layout="mfma")
+    assert plan.config["tile_n"] == 256 and "tile_n 256" in plan.reasons[-1]
+
+
 @pytest.mark.parametrize("op", ["forward", "wgrad"])
 def test_shapes_the_kernels_do_not_take_go_to_the_reference(op, monkeypatch):
     """Output columns not a multiple of 16: the reference, with the reason (an error when the
@@ -494,7 +515,7 @@ def test_kernel_hook(monkeypatch):
     x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
     assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
-    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m"]),
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m", "tile_n"]),
                     ("gfx942", (2, 48, 32), torch.float32, [])]
     with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
         fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
