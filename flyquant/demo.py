@@ -5,7 +5,8 @@
 On an MI300X/MI355X it runs on the GPU. Elsewhere it enables flyquant.emu (gfx950 by default),
 so the same FlyDSL kernels, compiled for that arch, execute on the CPU. It prints where each
 call ran, whether the kernels matched the reference (bit-exact for quantize, within the derived
-bound for the MoE layer) and what the emulator executed.
+bound for the MoE layer and for the training step's grouped GEMMs against bf16 autograd) and what
+the emulator executed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import torch
 
 import flyquant as fq
-from flyquant import emu, reference, select
+from flyquant import emu, reference, select, training
 
 # MoE FFN: small, but with the shape constraints of the real thing (inter_dim % 256 for the
 # scale shuffle) and uneven routing so some experts get several blocks and some none.
@@ -140,7 +141,7 @@ def _same_bytes(a, b) -> bool:
 
 def check_mxfp8_step(device) -> bool:
     """Quantize activations (both orientations) and expert weights as MXFP8 training does, check
-    bit-exactness against the reference and a grouped matmul against bf16 within the MX bound."""
+    bit-exactness against the reference, then a training step through the grouped GEMMs."""
     g = torch.Generator().manual_seed(1)
     groups = 2
     x = (torch.randn(groups * GROUP_ROWS, HIDDEN, generator=g) * 4).to(device, torch.bfloat16)
@@ -166,19 +167,47 @@ def check_mxfp8_step(device) -> bool:
     print(f"mxfp8_quantize_3d {tuple(w.shape)}: {'bit-exact' if exact else 'MISMATCH'}")
     ok &= exact
 
-    wk, wks = fq.mxfp8_quantize(w.reshape(groups * EXPERT_N, HIDDEN))
-    x_deq = fq.mxfp8_dequantize(xr, sr)
-    w_deq = fq.mxfp8_dequantize(wk, wks).reshape(groups, EXPERT_N, HIDDEN)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).tolist()
-    worst = 0.0
-    for e, (lo, hi) in enumerate(zip(starts, offs.tolist())):
-        y_mx = x_deq[lo:hi] @ w_deq[e].t()
-        y_bf16 = x[lo:hi].float() @ w[e].float().t()
-        bound = MXFP8_PRODUCT_REL_ERR * (x[lo:hi].float().abs() @ w[e].float().abs().t())
-        worst = max(worst, ((y_mx - y_bf16).abs() / bound).max().item())
-    within = worst <= 1.0
-    print(f"grouped MXFP8 matmul vs bf16: max error / MX bound {worst:.3f} -> {'within' if within else 'OUTSIDE'}")
-    return ok and within
+    return ok and check_mxfp8_training(x, w, offs)
+
+
+def check_mxfp8_training(x, w, offs) -> bool:
+    """One expert GEMM of MXFP8 MoE training through flyquant.training.mxfp8_grouped_mm (torchao's
+    contract; its forward, dgrad and wgrad GEMMs are the grouped-GEMM kernels), against the bf16
+    autograd of the same grouped matmul: per element, the MX bound of each GEMM's two quantized
+    operands (MXFP8_PRODUCT_REL_ERR sum |a||b|), its FP32 sums ((K + 2) 2^-24 sum |a||b|) and
+    both sides' bf16 output rounding (2^-8 each)."""
+    g = torch.Generator().manual_seed(3)
+    grad_out = torch.randn(x.shape[0], w.shape[1], generator=g).to(x.device, torch.bfloat16)
+    xa, wt = x.detach().clone().requires_grad_(), w.transpose(1, 2).detach().clone().requires_grad_()
+    out = training.mxfp8_grouped_mm(xa, wt, offs)
+    out.backward(grad_out)
+    xr, wr = x.detach().clone().requires_grad_(), w.transpose(1, 2).detach().clone().requires_grad_()
+    ref = torch.cat([xr[lo:hi] @ wr[e] for e, (lo, hi) in enumerate(_groups(offs))])
+    ref.backward(grad_out)
+
+    def worst(got, want, a, b):  # got, want ~ a @ b (float64 magnitudes)
+        a, b = a.double(), b.double()
+        mag, exact = a.abs() @ b.abs(), a @ b
+        bound = (MXFP8_PRODUCT_REL_ERR + (a.shape[1] + 2) * F32_REL) * mag
+        bound = bound + 2 * BF16_REL * (exact.abs() + bound)
+        return float(((got.double() - want.double()).abs() / bound).max())
+
+    ratio = 0.0
+    for e, (lo, hi) in enumerate(_groups(offs)):
+        xg, we, ge = x[lo:hi].cpu(), w[e].cpu(), grad_out[lo:hi].cpu()
+        ratio = max(ratio, worst(out[lo:hi].detach().cpu(), ref[lo:hi].detach().cpu(), xg, we.t()),  # forward
+                    worst(xa.grad[lo:hi].cpu(), xr.grad[lo:hi].cpu(), ge, we),  # dgrad
+                    worst(wt.grad[e].cpu(), wr.grad[e].cpu(), xg.t(), ge))  # wgrad
+    within = ratio <= 1.0
+    print(f"MXFP8 training step (training.mxfp8_grouped_mm: forward, dgrad, wgrad) vs bf16 autograd: "
+          f"max error / MX bound {ratio:.3f} -> {'within' if within else 'OUTSIDE'}")
+    return within
+
+
+def _groups(offs):
+    """(first row, end row) of each token group."""
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def main(argv=None) -> int:

@@ -20,4 +20,7 @@ def test_demo_passes_its_checks(arch, capsys):
     # the MoE step is the whole layer: sorting, stage 1, stage 2 on flyquant's kernels
     assert "fused_moe" in out and "within the derived bound" in out
     assert "moe_sorting_" in out and "moe_gemm1_a16w4_silu_" in out
+    # the training step's forward, dgrad and wgrad GEMMs ran on flyquant's grouped-GEMM kernels
+    assert "MXFP8 training step" in out and "-> within" in out
+    assert "mxfp8_grouped_mm_" in out and "mxfp8_grouped_mm_wgrad_" in out
     assert "GPT-OSS swap (transformers' GptOssForCausalLM" in out  # transformers is in the test extra
