@@ -163,7 +163,6 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     stage_row = staged * tile_cols  # LDS bytes of a staged row
     dws = mx.PIECE_DWORDS  # dword columns per lane (column pairs for 16-bit)
     half = cols // 2  # columns whose codes each lane of a pair stores
-    clamp = mode == "floor" and spec.scaled_cvt
     lanes_per_kblock = MX_BLOCK // cols  # block_k = 32: lanes sharing a 32-column block
     source = SOURCE_TAG
     tag = f"{kind}" + (f"_k{block_k}" if block_k > 1 else "") + (f"_{scale_layout}" if scale_layout else "")
@@ -188,20 +187,18 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         return acc
 
     def scales(amax):
-        """Per dword column (code, conversion-scale word, clamp limit): 16-bit types: packed
-        pairs (codes, top_halves); FP32: (code, scale bits)."""
+        """Per dword column (code, conversion-scale word): 16-bit types: packed pairs (codes,
+        top_halves); FP32: (code, scale bits)."""
         if block_k > 1:  # one block for every column of the lane
             code, conv = mx.block_scale(spec, amax)
-            limit = mx.clamp_limit(spec, conv) if clamp else None
-            return [(code, mx.as_i32(conv), limit)] * dws
+            return [(code, mx.as_i32(conv))] * dws
         out = []
         for a in amax:
             if wide:
                 code, conv = mx.block_scale(spec, a)
-                out.append((code, mx.as_i32(conv), mx.clamp_limit(spec, conv) if clamp else None))
+                out.append((code, mx.as_i32(conv)))
             else:
-                codes, tops = mx.pair_scales(spec, a)
-                out.append((codes, tops, mx.clamp_limit_pair(spec, tops) if clamp else None))
+                out.append(mx.pair_scales(spec, a))
         return out
 
     def column_code(sc, j):
@@ -214,15 +211,11 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     def convert(words, sc, d):
         """The output dwords of dword column d's lane columns (1 or 2), 4 each (rows 0-3, 4-7,
         8-11, 12-15)."""
-        _, conv, limit = sc[d]
+        _, conv = sc[d]
         xs = [w[d] for w in words]
         if wide:
-            if clamp:
-                xs = [mx.clamp32(x, limit) for x in xs]
             c = mx.as_f32(conv)
             return [[mx.convert4_32(spec, xs[4 * q : 4 * q + 4], c) for q in range(4)]]
-        if clamp:
-            xs = [mx.clamp16(x, limit) for x in xs]
         outs = []
         for j in range(2):
             c = mx.as_f32(conv) if block_k > 1 else mx.scale_from_tops(spec, conv, j)
@@ -242,6 +235,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
         # a lane's 16 bytes may run past the tensor's end, uses range-checked per-row offsets.
         # Columns past K are dropped by the range checks; rows past N (last row tile) are
         # masked off by lane (a lane's 16 rows are all inside or all outside, N % 32 == 0).
+        mx.saturate_conversions(spec)
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)
@@ -536,7 +530,7 @@ def _rows_32x32(spec, words, sc, amax, nan_pass, ctx, scale_layout, lanes):
     row group's 16 rows store 16 / lanes of them each. A non-finite block (nan_pass) gets code
     0xFF and 0x7F data in place. Rows past N and columns past K (whole lanes: K % 32 == 0) are
     masked off by lane: a row-major row's columns past K would be the next row's."""
-    code, conv, limit = sc
+    code, conv = sc
     conv = mx.as_f32(conv)
     ok = mx.arith.andi(ctx["row_ok"], mx.cmp_ult(add(ctx["c0"], ctx["lane_cols"]), ctx["k"]))
     bad = mx.cmp_uge(amax, mx.NONFINITE[spec.dtype]) if nan_pass else None
@@ -545,7 +539,7 @@ def _rows_32x32(spec, words, sc, amax, nan_pass, ctx, scale_layout, lanes):
 
     def rows():  # a row's lanes store one whole LINE_BYTES line (rows_3d_t)
         for r in range(ROWS_PER_LANE):
-            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            outs = mx.convert_piece(spec, list(words[r]), conv)
             if bad is not None:
                 outs = [mx.select(bad, mx.E4M3_NAN_X4, o) for o in outs]
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
@@ -600,7 +594,6 @@ def _row_blocks(spec, words, nan_pass, ctx):
     wide, cols = spec.wide, mx.PIECE_BYTES // spec.elem_bytes
     lanes = MX_BLOCK // cols
     exact = ctx["exact"]
-    clamp = spec.mode == "floor" and spec.scaled_cvt
     amax = mx.chain_amax_interleaved(spec, [list(w) for w in words], exact)
     amax = [mx.amax_halves(spec, a) for a in amax]
     dist = 1
@@ -639,8 +632,7 @@ def _row_blocks(spec, words, nan_pass, ctx):
     def rows(put):
         for r in range(ROWS_PER_LANE):
             code, conv = convs[r]
-            limit = mx.clamp_limit(spec, conv) if clamp else None
-            outs = mx.convert_piece(spec, list(words[r]), conv, limit)
+            outs = mx.convert_piece(spec, list(words[r]), conv)
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
             if nan_pass:  # 0x7F over a non-finite block's row (a bitwise select: 16 lane masks
                 # would not fit in the SGPRs)

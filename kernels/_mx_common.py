@@ -33,10 +33,11 @@ are written for non-finite blocks by a rare pass after the common one.
 
 Elements. gfx950: v_cvt_scalef32_pk_fp8_{bf16,f16,f32} compute fp8(x / 2^(c-127)) (exact
 scaling, round to nearest even, OCP bits; the scale operand's exponent field is read as an E8M0
-code, so field 0 is 2^-127) but give NaN on overflow, so floor mode (where x / s reaches
-[448, 512)) first clamps |x| to L = 448 * 2^(c-127) = 1.75 * 2^(c-119), a normal number for
-every c: on 16-bit patterns with an unsigned min (negative patterns) then a signed min
-(positive patterns). rceil never overflows: amax / s <= 448, or 448 * (1 + 2^-23) for the
+code, so field 0 is 2^-127). They give NaN on overflow unless MODE.FP16_OVFL is set, when they
+saturate to +-448 (what AMD's Triton backend sets for its FP8 casts): floor mode, where x / s
+reaches [448, 512), sets it at the kernel's start (saturate_conversions) and needs no clamp;
+saturating after rounding equals clamping to 448 first, as every value in (448, 512) rounds to
+448 or past it. rceil never overflows: amax / s <= 448, or 448 * (1 + 2^-23) for the
 subnormal-descale tie, which rounds to 448.
 gfx942's converter v_cvt_pk_fp8_f32 is FNUZ E4M3 (bias 8): the OCP code of v is the FNUZ code
 of v / 2 for every finite v (both grids scale by exactly 2, subnormals included), so the
@@ -371,19 +372,15 @@ def bf16_scale_pair(spec: Spec, pair):
     (codes (c_hi << 16 | c_lo), top_halves of the two conversion scales).
 
     w = sat(p - low) with low = 0x400 (floor) or 0x3E1 (rceil, see block_scale) holds c in its
-    bits 14:7, where a top half holds the exponent field, so w is the tops. rceil leaves p's low
-    7 bits in each half (mantissa bits of the scale: ignored by the conversion); floor clears
-    them (the clamp bound is computed from the tops).
+    bits 14:7, where a top half holds the exponent field, so w is the tops; p's low 7 bits left
+    in each half are mantissa bits of the scale, which the conversion ignores.
     """
     if spec.mode == "floor":
         low = E4M3_MAX_POW2 << BF16_MANT_BITS
     else:
         low = (E4M3_MAX_POW2 << BF16_MANT_BITS) - ((1 << BF16_MANT_BITS) - 1 - BF16_MANT_175)  # 0x3E1
     w = pk(llvm.intr_usub_sat, pair, splat16(low))
-    codes = pk(arith.shrui, w, splat16(BF16_MANT_BITS))
-    if spec.mode == "floor":
-        return codes, band(w, splat16(0xFF80))
-    return codes, w
+    return pk(arith.shrui, w, splat16(BF16_MANT_BITS)), w
 
 
 def pair_scales(spec: Spec, pair):
@@ -396,48 +393,20 @@ def pair_scales(spec: Spec, pair):
     return pack_pair(c1, c0), top_halves(s1, s0)
 
 
-def clamp_limit_pair(spec: Spec, tops):
-    """floor's clamp bounds for two 16-bit blocks from their (clean) top_halves: the two L
-    patterns in one dword (see clamp_limit)."""
-    bump = (E4M3_MAX_POW2 << BF16_MANT_BITS) | BF16_MANT_175  # BF16 pattern: exponent + 8, 1.75
-    if spec.dtype == "bf16":
-        return pk(arith.addi, tops, splat16(bump))
-    l_lo = add(shl(tops, 16), (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)
-    l_hi = add(band(tops, 0xFFFF0000), (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)
-    return bitcast(i32_t(), rocdl.cvt_pkrtz(v2f16_t(), as_f32(l_lo), as_f32(l_hi)))
-
-
-def clamp_limit(spec: Spec, conv):
-    """floor mode's clamp bound L = 448 * 2^(e - 127) for the gfx950 conversions, in the input's
-    format: a 16-bit pattern in both halves (BF16 exact, FP16 rounded toward zero, which keeps
-    every representable |x| <= L unchanged) or FP32."""
-    bits = as_i32(conv)
-    l32 = add(bits, (E4M3_MAX_POW2 << F32_MANT_BITS) | F32_MANT_175)  # exponent e + 8, 1.75
-    if spec.dtype == "fp32":
-        return as_f32(l32)
-    if spec.dtype == "bf16":
-        l16 = lshr(l32, 16)
-    else:
-        pair = rocdl.cvt_pkrtz(v2f16_t(), as_f32(l32), as_f32(l32))
-        return bitcast(i32_t(), pair)
-    return mul(l16, 0x10001)
-
-
 # ------------------------------------------------------------------------------------------------
 # Element conversion
 # ------------------------------------------------------------------------------------------------
 
 
-def clamp16(x, limit):
-    """|x| <= L on two 16-bit sign-magnitude patterns (limit: the two L patterns): negative
-    patterns are >= 0x8000 unsigned, positive ones >= 0 signed, so an unsigned min with 0x8000|L
-    clamps the negatives and a signed min with L the positives."""
-    return pk_smin(pk_umin(x, bor(limit, 0x80008000)), limit)
+HWREG_MODE_FP16_OVFL = 1 | 23 << 6  # s_setreg SIMM16: hwRegId 1 (MODE), bit offset 23, 1 bit
 
 
-def clamp32(x, limit):
-    """|x| <= L on an FP32 value (bits in, bits out)."""
-    return as_i32(arith.minnumf(arith.maxnumf(as_f32(x), arith.negf(limit)), limit))  # v_med3_f32
+def saturate_conversions(spec: Spec):
+    """gfx950 floor: set MODE.FP16_OVFL for the rest of the wave, so that the FP8 conversions
+    saturate overflow to +-448 instead of giving NaN (module docstring). The kernels' other
+    instructions have no 16-bit float results it could change."""
+    if spec.mode == "floor" and spec.scaled_cvt:
+        llvm.call_intrinsic(None, "llvm.amdgcn.s.setreg", [const(HWREG_MODE_FP16_OVFL), const(1)], [], [])
 
 
 def _cvt16(spec: Spec, old, pair, scale, hi):
@@ -468,7 +437,7 @@ def _fnuz4(values, mult, clamp):
 
 def convert4_16(spec: Spec, p0, p1, conv):
     """Four 16-bit elements of one block, as two dwords of pairs (p0.lo, p0.hi, p1.lo, p1.hi),
-    -> one dword of E4M3 bytes in that order. gfx950 floor: clamp the inputs first (clamp16)."""
+    -> one dword of E4M3 bytes in that order."""
     if spec.scaled_cvt:
         return _cvt16(spec, _cvt16(spec, poison(i32_t()), p0, conv, False), p1, conv, True)
     vals = []
@@ -484,8 +453,7 @@ def convert4_16(spec: Spec, p0, p1, conv):
 
 
 def convert4_32(spec: Spec, xs, conv):
-    """Four FP32 elements (bits) of one block -> one dword of E4M3 bytes. gfx950 floor: clamp
-    first (clamp32)."""
+    """Four FP32 elements (bits) of one block -> one dword of E4M3 bytes."""
     if spec.scaled_cvt:
         return _cvt32(_cvt32(poison(i32_t()), xs[0], xs[1], conv, False), xs[2], xs[3], conv, True)
     out = _fnuz4(xs, conv, spec.mode == "floor")
@@ -494,12 +462,9 @@ def convert4_32(spec: Spec, xs, conv):
     return bor(out, band(signs, 0x80808080))
 
 
-def convert_piece(spec: Spec, dwords, conv, limit=None):
+def convert_piece(spec: Spec, dwords, conv):
     """One loaded piece (4 dwords: 8 BF16/FP16 or 4 FP32 of one block) -> its E4M3 bytes as
-    output dwords (2 or 1), element order kept. `limit` (floor, gfx950) from clamp_limit."""
-    clamp = spec.mode == "floor" and spec.scaled_cvt
+    output dwords (2 or 1), element order kept."""
     if spec.wide:
-        xs = [clamp32(x, limit) for x in dwords] if clamp else dwords
-        return [convert4_32(spec, xs, conv)]
-    xs = [clamp16(d, limit) for d in dwords] if clamp else dwords
-    return [convert4_16(spec, xs[i], xs[i + 1], conv) for i in (0, 2)]
+        return [convert4_32(spec, dwords, conv)]
+    return [convert4_16(spec, dwords[i], dwords[i + 1], conv) for i in (0, 2)]

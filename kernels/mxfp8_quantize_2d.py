@@ -187,8 +187,7 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
         for k in range(regs_n):
             g, j = divmod(k, per_lane)
             conv = mx.as_f32(gathered[g]) if per_lane == 1 else mx.scale_from_tops(spec, gathered[g], j)
-            limit = mx.clamp_limit(spec, conv) if (mode == "floor" and spec.scaled_cvt) else None
-            outs = mx.convert_piece(spec, words[k], conv, limit)
+            outs = mx.convert_piece(spec, words[k], conv)
             data = outs[0] if len(outs) == 1 else mx.from_elements(outs)
             mx.store(data, rq, add(v_out, group(k) * cols * MX_BLOCK))
         if not nan_pass:
@@ -234,6 +233,7 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
 
     def body(x, q, s, nblocks, tiles_per_wave, blk_base, nkb, magic, shift, dims, scale_bytes):
         # (outside the @flyc.kernel function: plain Python, not rewritten into scf)
+        mx.saturate_conversions(spec)
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)

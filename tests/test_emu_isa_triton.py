@@ -73,6 +73,17 @@ def test_fp16_ovfl_on_gfx942_fnuz_conversion():
     assert w.v[2, 0] & 0xFFFF == 0x407F
 
 
+def test_fp16_ovfl_leaves_selecting_f16_results():
+    # FP16_OVFL clamps overflowed f16 results and keeps true infinities (ISA, MODE register); a
+    # max/min/maximum3 result is one of its operands, never an overflow: the same with the bit
+    # set. Halves (lo, hi): max(-inf, 65504, -65504) = 65504 (0x7BFF); max(inf, -2, 2) = inf.
+    vg = {4: 0x7C00FC00, 5: 0xC0007BFF}
+    for setup in ((), (SET_FP16_OVFL,)):
+        w, _ = run("gfx950", *setup, I.v_pk_maximum3_f16(v[6], v[4], v[5], -v[5]), I.v_pk_max_f16(v[7], v[4], v[5]),
+                   vgpr=vg)
+        assert (int(w.v[6, 0]), int(w.v[7, 0])) == (0x7C007BFF, 0x7C007BFF)
+
+
 def test_f16_result_with_fp16_ovfl_fails_loudly():
     with pytest.raises(EmuError, match="f16 result with MODE.FP16_OVFL"):
         run("gfx950", SET_FP16_OVFL, I.v_cvt_f16_f32_e32(v[1], v[0]), vgpr={0: f32(1e6)})

@@ -156,9 +156,18 @@ def fp16_ovfl(w) -> bool:
     return bool(w.mode >> MODE_FP16_OVFL & 1)
 
 
+# f16 results that are one of the (negated) operands: never an overflow, so MODE.FP16_OVFL, which
+# clamps overflowed results and keeps true infinities (CDNA3/CDNA4 ISA, MODE register), leaves them
+F16_SELECTING = frozenset({"v_max_f16", "v_min_f16", "v_max3_f16", "v_min3_f16", "v_med3_f16", "v_pk_max_f16",
+                           "v_pk_min_f16", "v_pk_maximum3_f16", "v_pk_minimum3_f16"})
+
+
 def without_fp16_ovfl(ctx, inst, op):
     """`op` (an instruction with f16 results), failing when MODE.FP16_OVFL is set: clamping an
-    overflowed f16 result to +-MAX_FP16 (true infinities kept) is not modelled."""
+    overflowed f16 result to +-MAX_FP16 (true infinities kept) is not modelled, except for the
+    selecting instructions, whose results cannot overflow."""
+    if inst.name in F16_SELECTING:
+        return op
     err = ctx.error(inst, "an f16 result with MODE.FP16_OVFL set (clamped f16 overflow) is not modelled")
 
     def run(w):
