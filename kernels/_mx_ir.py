@@ -180,14 +180,6 @@ def pk_umax(a, b):
     return pk(arith.maxui, a, b)
 
 
-def pk_umin(a, b):
-    return pk(arith.minui, a, b)
-
-
-def pk_smin(a, b):
-    return pk(arith.minsi, a, b)
-
-
 def splat16(v: int) -> int:
     return (v & 0xFFFF) * 0x10001
 
