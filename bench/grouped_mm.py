@@ -299,6 +299,7 @@ WGRAD_SHAPES = {s.name: s for s in (
     WgradShape("wgrad-M4096-E4-N256-K512", 256, 512, (352, 1280, 1952, 512)),
 )}
 WGRAD_MODEL = (2048, 5120, 8)  # (N, K, E) of the compile-only model-sized kernel: registers, spills
+WGRAD_TILE = 128  # tile_m = tile_n, 2x2 waves (grouped_mm_wgrad's defaults)
 
 
 def wgrad_shape_arg(text: str) -> list[WgradShape]:
@@ -318,7 +319,8 @@ def wgrad_shape_arg(text: str) -> list[WgradShape]:
 
 
 def wgrad_compile_report(arch: str, n: int, k: int, experts: int, m: int):
-    cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=k, experts=experts, wgrad=True)
+    cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=k, experts=experts, tile_m=WGRAD_TILE,
+                            tile_n=WGRAD_TILE, wgrad=True)
     (report,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), m, 0, -(-n // cfg.tile_m), stream=0)
     return report
 
@@ -335,13 +337,14 @@ def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
 
     def run():
         with toolchain.target(arch):
-            G.grouped_mm_wgrad(x.t(), x_scale, y.t(), y_scale, offs, arch=arch, out=out)
+            G.grouped_mm_wgrad(x.t(), x_scale, y.t(), y_scale, offs, arch=arch, out=out, tile_m=WGRAD_TILE,
+                               tile_n=WGRAD_TILE)
 
     tensors = {"x": x, "x_scale": x_scale, "y": y, "y_scale": y_scale, "offs": offs, "out": out}
     _, counts, _ = common.emulate(run, tensors)
     res = common.Resources.of(wgrad_compile_report(arch, shape.n, shape.k, len(shape.sizes), shape.m))
     big = common.Resources.of(wgrad_compile_report(arch, *WGRAD_MODEL, shape.m))
-    grid = math.ceil(shape.n / 128) * math.ceil(shape.k / 128) * len(shape.sizes)
+    grid = math.ceil(shape.n / WGRAD_TILE) * math.ceil(shape.k / WGRAD_TILE) * len(shape.sizes)
     return {"shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "sizes": list(shape.sizes), "arch": arch,
             "instr_per_mfma": counts.wave_instructions / counts.cls("mfma"),
             "coalescing_loads": common.coalescing(counts.mem("vmem_load")),
@@ -361,7 +364,7 @@ def wgrad_main(args) -> dict:
     if args.mode == "hardware":
         raise SystemExit("--op wgrad: modelled mode only so far")
     args.mode = "modelled"
-    mode, archs, label, sources = common.begin(args, "MXFP8 grouped GEMM, weight gradient, tile 128x128")
+    mode, archs, label, sources = common.begin(args, f"MXFP8 grouped GEMM, weight gradient, tile {WGRAD_TILE}x{WGRAD_TILE}")
     rows = []
     for arch in archs:
         emu.enable(arch)
