@@ -354,7 +354,7 @@ def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
 
 
 WGRAD_COLUMNS = [("shape", "shape"), ("arch", "arch"), ("vgprs", "VGPR"), ("agprs", "AGPR"), ("spills", "spill"),
-                 ("grid_workgroups", "WGs"), ("wg_working", "working"), ("instr_per_mfma", "instr/MFMA"),
+                 ("workgroups_per_cu", "WG/CU"), ("grid_workgroups", "WGs"), ("wg_working", "working"), ("instr_per_mfma", "instr/MFMA"),
                  ("coalescing_loads", "coal ld"), ("model_vgprs", "model VGPR"), ("model_agprs", "model AGPR"),
                  ("model_spills", "model spill")]
 

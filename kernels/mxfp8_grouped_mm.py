@@ -29,8 +29,8 @@ row-major, scales (K, M / 32) and (N, M / 32)), group sizes multiples of 32:
 The same main loop with y^T as A (rows n), x^T as B (columns k) and the reduction over the
 group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the steps' scalar
 offsets, a run-time step count, and the last partial step's chunks past the group masked (an
-empty group runs that step fully masked: its matrix is 0). Row-major scales only; the steps are
-not software-pipelined yet.
+empty group's matrix is 0). Row-major scales only. gfx950: software-pipelined like the forward (each
+step's loads issued before the previous step's MFMAs), in step pairs over the run-time count.
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
@@ -84,6 +84,7 @@ from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
 from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_nans, _fnuz_words, _pair
 
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
 
@@ -115,28 +116,6 @@ def _byte(rsrc, voffset, soffset):
     """buffer_load_ubyte: one zero-extended byte per lane."""
     v = rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(), 0)
     return fx.Int32(arith.extui(T.i32, v))
-
-
-def _e8m0_f32(e):
-    """2^(e - 127) as f32 for an E8M0 code e (an i32 in [0, 255]): the exponent field for codes
-    1 .. 254, the subnormal 2^-127 for 0 and NaN for 255 (both get mantissa bit 22)."""
-    special = fx.Uint32(e - 1) > fx.Uint32(253)
-    return ((e << 23) | special.select(fx.Int32(1 << 22), fx.Int32(0))).bitcast(fx.Float32)
-
-
-def _fnuz_words(w):
-    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
-    bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
-    low = w & 0x7F7F7F7F
-    fixed = (w & (low + 0x7F7F7F7F)) | low  # a byte keeps its sign bit only when its low 7 bits are not 0
-    return fixed, low + 0x01010101
-
-
-def _fnuz_nans(w):
-    """NaN codes of an already -0-fixed OCP dword -> FNUZ's NaN (0x80) (the rare branch)."""
-    nan = ((w & 0x7F7F7F7F) + 0x01010101) & _s32(0x80808080)  # 0x80 in the NaN bytes
-    mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
-    return (w & ~mask) | nan
 
 
 def build_grouped_mm(cfg: GroupedMMConfig):
@@ -304,8 +283,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
             rocdl.sched_barrier(0)
             sd = _uniform(s * K_STEP + D_BASE)
-            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
-            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
+            if const_expr(WGRAD):  # the second 16 bytes through the scalar offset: with a run-time pitch, LLVM
+                # keeps offset + 16 in a VGPR per row block instead of the instruction's immediate
+                hi, sd_hi = (lambda x: x), _uniform(sd + 16)  # noqa: E731
+            else:
+                hi, sd_hi = (lambda x: x + 16), sd  # noqa: E731
+            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, hi(ao[mb]), sd_hi, 4)) for mb in range_constexpr(MB)]
+            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, hi(bo[nb]), sd_hi, 4)) for nb in range_constexpr(NB)]
             return av + bv + sc
 
         def scaled_compute(accs, data, scales, parity):
@@ -410,22 +394,48 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             w_b_rsrc, w_bs_rsrc, w_a_row, w_b_row = setup(g_w, 0, N)
             w_span = hi_w - lo_w
             w_steps, w_tail = w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3
-            w_o = scaled_offsets(w_a_row, w_b_row) if const_expr(SCALED) else fp8_offsets(w_a_row, w_b_row)
-            for w_s, w_state in range(0, w_steps, 1, init=[zero4] * (MB * NB)):
-                if const_expr(SCALED):
-                    w_loaded = scaled_load(fx.Int32(w_s), w_o, w_b_rsrc, w_bs_rsrc)
-                    rocdl.s_waitcnt(vmcnt=0)
-                    w_next = scaled_compute(list(w_state), w_loaded[:MB + NB], w_loaded[MB + NB:], 0)
-                else:
-                    w_next = fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
-                w_res = yield w_next
-            w_accs = list(w_res)
+            w_accs = [zero4] * (MB * NB)
             if const_expr(SCALED):
-                w_last = scaled_load(w_steps, scaled_offsets(w_a_row, w_b_row, c < w_tail), w_b_rsrc, w_bs_rsrc)
-                rocdl.s_waitcnt(vmcnt=0)
-                w_accs = scaled_compute(w_accs, w_last[:MB + NB], w_last[MB + NB:], 0)
+                # Software pipeline over the run-time step count: step 0 loaded ahead, then pairs of
+                # steps, each step's loads issued before the previous step's MFMAs, one wait per step;
+                # a last odd step finishes the pairs.
+                w_o, w_n = scaled_offsets(w_a_row, w_b_row), MB * NB
+                w_in_flight = 3 * (MB + NB)  # a step's loads: two per row block, its scale bytes
+                if w_steps > 0:
+                    w_cur = scaled_load(fx.Int32(0), w_o, w_b_rsrc, w_bs_rsrc)
+                    for w_i, w_st in range(0, (w_steps - 1).shrui(fx.Int32(1)), 1, init=w_accs + w_cur):
+                        w_s = fx.Int32(w_i) * 2 + 1
+                        w_nxt = scaled_load(w_s, w_o, w_b_rsrc, w_bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=w_in_flight)
+                        w_sum = scaled_compute(list(w_st[:w_n]), w_st[w_n:w_n + MB + NB], w_st[w_n + MB + NB:], 0)
+                        w_after = scaled_load(w_s + 1, w_o, w_b_rsrc, w_bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=w_in_flight)
+                        w_res = yield scaled_compute(w_sum, w_nxt[:MB + NB], w_nxt[MB + NB:], 0) + w_after
+                    w_accs, w_cur = list(w_res[:w_n]), list(w_res[w_n:])
+                    if (w_steps & 1) == 0:  # one full step after the one in flight
+                        w_nxt = scaled_load(w_steps - 1, w_o, w_b_rsrc, w_bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=w_in_flight)
+                        w_accs = scaled_compute(w_accs, w_cur[:MB + NB], w_cur[MB + NB:], 0)
+                        rocdl.s_waitcnt(vmcnt=0)
+                        w_accs = scaled_compute(w_accs, w_nxt[:MB + NB], w_nxt[MB + NB:], 0)
+                    else:
+                        rocdl.s_waitcnt(vmcnt=0)
+                        w_accs = scaled_compute(w_accs, w_cur[:MB + NB], w_cur[MB + NB:], 0)
+                if w_tail > 0:
+                    w_t = tuple([(c < w_tail).select(x, fx.Int32(OOB)) for x in part] for part in w_o)  # chunks past the group
+                    w_last = scaled_load(w_steps, w_t, w_b_rsrc, w_bs_rsrc)
+                    rocdl.s_waitcnt(vmcnt=0)
+                    w_accs = scaled_compute(w_accs, w_last[:MB + NB], w_last[MB + NB:], 0)
             else:
-                w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
+                w_o = fp8_offsets(w_a_row, w_b_row)
+                for w_s, w_state in range(0, w_steps, 1, init=w_accs):
+                    w_res = yield fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
+                w_accs = list(w_res)
+                if w_tail > 0:
+                    w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
             store(w_accs, 0, N, 1.0 if SCALED else 4.0)
         else:
             for g in range(g0, g1, 1):
@@ -513,6 +523,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows, bs_expert_bytes).launch(
             grid=(grid_m, -(-COLS // TILE_N), E if WGRAD else 1), block=(WAVES * WAVE, 1, 1), stream=stream)
 
+    if WGRAD and SCALED:  # two register sets of the pipeline: without a budget the allocator takes 272 (one wave per SIMD)
+        launch.compile_hints = {"waves_per_eu": 2}
     return launch
 
 
@@ -526,12 +538,6 @@ def _cat(x, y, ty=fx.Int32):
     """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
     x, y = Vec(x), Vec(y)
     return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
-
-
-def _pair(v, h):
-    """Elements 2h, 2h + 1 of a 4-vector of f32 (a packed-math operand)."""
-    v = v if isinstance(v, list) else Vec(v)
-    return Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)
 
 
 @functools.lru_cache(maxsize=None)
