@@ -283,13 +283,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
             rocdl.sched_barrier(0)
             sd = _uniform(s * K_STEP + D_BASE)
-            if const_expr(WGRAD):  # the second 16 bytes through the scalar offset: with a run-time pitch, LLVM
-                # keeps offset + 16 in a VGPR per row block instead of the instruction's immediate
-                hi, sd_hi = (lambda x: x), _uniform(sd + 16)  # noqa: E731
-            else:
-                hi, sd_hi = (lambda x: x + 16), sd  # noqa: E731
-            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, hi(ao[mb]), sd_hi, 4)) for mb in range_constexpr(MB)]
-            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, hi(bo[nb]), sd_hi, 4)) for nb in range_constexpr(NB)]
+            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
+            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
             return av + bv + sc
 
         def scaled_compute(accs, data, scales, parity):
@@ -396,39 +391,37 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             w_steps, w_tail = w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3
             w_accs = [zero4] * (MB * NB)
             if const_expr(SCALED):
-                # Software pipeline over the run-time step count: step 0 loaded ahead, then pairs of
-                # steps, each step's loads issued before the previous step's MFMAs, one wait per step;
-                # a last odd step finishes the pairs.
-                w_o, w_n = scaled_offsets(w_a_row, w_b_row), MB * NB
+                # Software pipeline over the run-time step count: steps 0 and 1 loaded ahead, step 0's
+                # MFMAs from a constant 0 (no zeroed accumulators), then step pairs, each step's loads
+                # issued before the previous step's MFMAs, one wait per step. The load after the last
+                # step is clamped to it (a one-step or odd group reloads its last step, never computed).
+                w_o, w_n, w_d = scaled_offsets(w_a_row, w_b_row), MB * NB, MB + NB
                 w_in_flight = 3 * (MB + NB)  # a step's loads: two per row block, its scale bytes
                 if w_steps > 0:
                     w_cur = scaled_load(fx.Int32(0), w_o, w_b_rsrc, w_bs_rsrc)
-                    for w_i, w_st in range(0, (w_steps - 1).shrui(fx.Int32(1)), 1, init=w_accs + w_cur):
-                        w_s = fx.Int32(w_i) * 2 + 1
-                        w_nxt = scaled_load(w_s, w_o, w_b_rsrc, w_bs_rsrc)
+                    w_nxt = scaled_load(fx.min(w_steps - 1, fx.Int32(1)), w_o, w_b_rsrc, w_bs_rsrc)
+                    rocdl.sched_barrier(0)
+                    rocdl.s_waitcnt(vmcnt=w_in_flight)
+                    w_accs = scaled_compute(w_accs, w_cur[:w_d], w_cur[w_d:], 0)
+                    for w_i, w_st in range(0, (w_steps - 1).shrui(fx.Int32(1)), 1, init=w_accs + w_nxt):
+                        w_s = fx.Int32(w_i) * 2 + 2  # step w_s - 1 is in flight
+                        w_after = scaled_load(w_s, w_o, w_b_rsrc, w_bs_rsrc)
                         rocdl.sched_barrier(0)
                         rocdl.s_waitcnt(vmcnt=w_in_flight)
-                        w_sum = scaled_compute(list(w_st[:w_n]), w_st[w_n:w_n + MB + NB], w_st[w_n + MB + NB:], 0)
-                        w_after = scaled_load(w_s + 1, w_o, w_b_rsrc, w_bs_rsrc)
+                        w_sum = scaled_compute(list(w_st[:w_n]), w_st[w_n:w_n + w_d], w_st[w_n + w_d:], 0)
+                        w_ahead = scaled_load(fx.min(w_s + 1, w_steps - 1), w_o, w_b_rsrc, w_bs_rsrc)
                         rocdl.sched_barrier(0)
                         rocdl.s_waitcnt(vmcnt=w_in_flight)
-                        w_res = yield scaled_compute(w_sum, w_nxt[:MB + NB], w_nxt[MB + NB:], 0) + w_after
-                    w_accs, w_cur = list(w_res[:w_n]), list(w_res[w_n:])
-                    if (w_steps & 1) == 0:  # one full step after the one in flight
-                        w_nxt = scaled_load(w_steps - 1, w_o, w_b_rsrc, w_bs_rsrc)
-                        rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=w_in_flight)
-                        w_accs = scaled_compute(w_accs, w_cur[:MB + NB], w_cur[MB + NB:], 0)
-                        rocdl.s_waitcnt(vmcnt=0)
-                        w_accs = scaled_compute(w_accs, w_nxt[:MB + NB], w_nxt[MB + NB:], 0)
-                    else:
-                        rocdl.s_waitcnt(vmcnt=0)
-                        w_accs = scaled_compute(w_accs, w_cur[:MB + NB], w_cur[MB + NB:], 0)
+                        w_res = yield scaled_compute(w_sum, w_after[:w_d], w_after[w_d:], 0) + w_ahead
+                    w_accs, w_nxt = list(w_res[:w_n]), list(w_res[w_n:])
+                    rocdl.s_waitcnt(vmcnt=0)
+                    if (w_steps & 1) == 0:  # the last step is in flight
+                        w_accs = scaled_compute(w_accs, w_nxt[:w_d], w_nxt[w_d:], 0)
                 if w_tail > 0:
                     w_t = tuple([(c < w_tail).select(x, fx.Int32(OOB)) for x in part] for part in w_o)  # chunks past the group
                     w_last = scaled_load(w_steps, w_t, w_b_rsrc, w_bs_rsrc)
                     rocdl.s_waitcnt(vmcnt=0)
-                    w_accs = scaled_compute(w_accs, w_last[:MB + NB], w_last[MB + NB:], 0)
+                    w_accs = scaled_compute(w_accs, w_last[:w_d], w_last[w_d:], 0)
             else:
                 w_o = fp8_offsets(w_a_row, w_b_row)
                 for w_s, w_state in range(0, w_steps, 1, init=w_accs):
@@ -523,8 +516,6 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         grouped_mm_kernel(a, a_scale, b, b_scale, offs, out, m_rows, bs_expert_bytes).launch(
             grid=(grid_m, -(-COLS // TILE_N), E if WGRAD else 1), block=(WAVES * WAVE, 1, 1), stream=stream)
 
-    if WGRAD and SCALED:  # two register sets of the pipeline: without a budget the allocator takes 272 (one wave per SIMD)
-        launch.compile_hints = {"waves_per_eu": 2}
     return launch
 
 
