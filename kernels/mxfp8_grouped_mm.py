@@ -347,12 +347,16 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             step's blocks below it are read, the others masked (a run-time count; None: all)."""
             ao, bo = o
             sd = _uniform(s * K_STEP + D_BASE)
+            # wgrad: block j through the scalar offset (with its run-time pitch LLVM would keep base + 32 j
+            # in a VGPR per row block and block instead of the instruction's immediate)
+            sdj = [_uniform(sd + j * BLOCK) if const_expr(WGRAD) else sd for j in range_constexpr(blocks)]
 
             def at(base, j):
-                return base + j * BLOCK if valid is None else (fx.Int32(j) < valid).select(base + j * BLOCK, fx.Int32(OOB))
+                o = base if const_expr(WGRAD) else base + j * BLOCK
+                return o if valid is None else (fx.Int32(j) < valid).select(o, fx.Int32(OOB))
 
-            av = [[_load(a_rsrc, at(ao[mb], j), sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
-            bv = [[_load(b_rsrc, at(bo[nb], j), sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            av = [[_load(a_rsrc, at(ao[mb], j), sdj[j], 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, blocks if valid is None else valid)
             probe = fx.Int32(0)
             flat = []
