@@ -346,6 +346,7 @@ def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
     big = common.Resources.of(wgrad_compile_report(arch, *WGRAD_MODEL, shape.m))
     grid = math.ceil(shape.n / WGRAD_TILE) * math.ceil(shape.k / WGRAD_TILE) * len(shape.sizes)
     return {"shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "sizes": list(shape.sizes), "arch": arch,
+            "layout": "plain",  # row-major scales: the only ones the weight gradient reads
             "instr_per_mfma": counts.wave_instructions / counts.cls("mfma"),
             "coalescing_loads": common.coalescing(counts.mem("vmem_load")),
             "grid_workgroups": grid, "wg_working": counts.workgroups_working,
@@ -379,7 +380,8 @@ def wgrad_main(args) -> dict:
         "wgrad_shapes": [s.name for s in args.wgrad_shapes], "shapes": None},
         "environment": common.environment() | {"kernel_sources_changed": common.warn_if_sources_changed(sources)},
         "rows": rows}
-    print(f"\nwrote {common.write_json(args.out / 'grouped_mm_wgrad_modelled.json', payload)}")
+    json_path = common.write_json(args.out / "grouped_mm_wgrad_modelled.json", payload)
+    print(f"\nwrote {json_path} and {plot(rows, mode, args.out / 'grouped_mm_wgrad_modelled.png')}")
     return payload
 
 
