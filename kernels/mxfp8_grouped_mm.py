@@ -316,7 +316,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
             A's as [row][block] (a lane reads its row's 4 blocks at once), B's as [block][column]
             (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
-            sa[mb] 4 f32 (blocks), sb[nb][j] 4 f32 (columns 4c .. 4c + 3)."""
+            sa[mb] 4 f32 (blocks), sb(nb, j) reading 4 f32 (columns 4c .. 4c + 3)."""
             gpu.barrier()  # the previous step's reads are done
             ss = _uniform(scale_src(fx.Int32(0), 0)[1](s))
             for q0 in range_constexpr(0, (TILE_M + TILE_N) * 4, WAVES * WAVE):
@@ -337,8 +337,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             gpu.barrier()
             sa = [Vec(mx.lds_load(4, (lds_base + ((wm_i * WM + mb * MFMA_MN + r) << 4)).ir_value())).bitcast(fx.Float32)
                   for mb in range_constexpr(MB)]
-            sb = [[Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2)).ir_value()))
-                   .bitcast(fx.Float32) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+
+            def sb(nb, j):  # read where used: all of them at once would hold NB x blocks x 4 VGPRs
+                return Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2))
+                                       .ir_value())).bitcast(fx.Float32)
+
             return sa, sb
 
         def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks, valid=None):
@@ -376,12 +379,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 # all of the block's MFMAs first: their results are read a block's worth of MFMAs later
                 parts = [Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[i % NB][j], a_ops[i // NB][j], zero4]))
                          for i in range_constexpr(MB * NB)]
+                sbj = [sb(nb, j) for nb in range_constexpr(NB)]
                 for mb in range_constexpr(MB):
                     sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
                     for nb in range_constexpr(NB):
                         i = mb * NB + nb
                         acc = Vec(accs[i])
-                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
+                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sbj[nb], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
                         accs[i] = _cat(*halves, ty=fx.Float32)
             return accs
 
