@@ -55,11 +55,12 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
 
 Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
-every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked
-scalar offset and it stays below K (wgrad: the step's first row of M, the gfx942 block's too, inside
-the group for every chunk not masked; the pipeline reloads the last step rather than read past it). The group loop indexes offs below E; any offs values (unsorted,
-negative, past M) keep every access inside the tensors (rows are clamped to [0, M)); with offs
-that are not non-decreasing, output rows outside every group are not written.
+every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked scalar
+offset and it stays below K (wgrad: the step's first row of M, the gfx942 block's too, inside the
+group for every chunk not masked; the pipeline reloads the last step rather than read past it). The
+group loop indexes offs below E; any offs values (unsorted, negative, past M) keep every access
+inside the tensors (rows are clamped to [0, M)); with offs that are not non-decreasing, output rows
+outside every group are not written.
 
 Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
 32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
