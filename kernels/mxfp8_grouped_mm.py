@@ -29,8 +29,8 @@ row-major, scales (K, M / 32) and (N, M / 32)), group sizes multiples of 32:
 The same main loop with y^T as A (rows n), x^T as B (columns k) and the reduction over the
 group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the steps' scalar
 offsets, a run-time step count, and the last partial step's chunks past the group masked (an
-empty group runs that step fully masked: its matrix is 0). Row-major scales only; the steps are
-not software-pipelined yet.
+empty group's matrix is 0). Row-major scales only. gfx950: software-pipelined like the forward (each
+step's loads issued before the previous step's MFMAs), in step pairs over the run-time count.
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
@@ -55,10 +55,12 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
 
 Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
-every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked
-scalar offset and it stays below K. The group loop indexes offs below E; any offs values (unsorted,
-negative, past M) keep every access inside the tensors (rows are clamped to [0, M)); with offs
-that are not non-decreasing, output rows outside every group are not written.
+every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked scalar
+offset and it stays below K (wgrad: the step's first row of M, the gfx942 block's too, inside the
+group for every chunk not masked; the pipeline reloads the last step rather than read past it). The
+group loop indexes offs below E; any offs values (unsorted, negative, past M) keep every access
+inside the tensors (rows are clamped to [0, M)); with offs that are not non-decreasing, output rows
+outside every group are not written.
 
 Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
 32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
@@ -84,6 +86,7 @@ from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
 from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_nans, _fnuz_words, _pair
 
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
 
@@ -115,28 +118,6 @@ def _byte(rsrc, voffset, soffset):
     """buffer_load_ubyte: one zero-extended byte per lane."""
     v = rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(), 0)
     return fx.Int32(arith.extui(T.i32, v))
-
-
-def _e8m0_f32(e):
-    """2^(e - 127) as f32 for an E8M0 code e (an i32 in [0, 255]): the exponent field for codes
-    1 .. 254, the subnormal 2^-127 for 0 and NaN for 255 (both get mantissa bit 22)."""
-    special = fx.Uint32(e - 1) > fx.Uint32(253)
-    return ((e << 23) | special.select(fx.Int32(1 << 22), fx.Int32(0))).bitcast(fx.Float32)
-
-
-def _fnuz_words(w):
-    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
-    bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
-    low = w & 0x7F7F7F7F
-    fixed = (w & (low + 0x7F7F7F7F)) | low  # a byte keeps its sign bit only when its low 7 bits are not 0
-    return fixed, low + 0x01010101
-
-
-def _fnuz_nans(w):
-    """NaN codes of an already -0-fixed OCP dword -> FNUZ's NaN (0x80) (the rare branch)."""
-    nan = ((w & 0x7F7F7F7F) + 0x01010101) & _s32(0x80808080)  # 0x80 in the NaN bytes
-    mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
-    return (w & ~mask) | nan
 
 
 def build_grouped_mm(cfg: GroupedMMConfig):
@@ -337,7 +318,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
             A's as [row][block] (a lane reads its row's 4 blocks at once), B's as [block][column]
             (a lane reads its 4 output columns of a block at once). Returns the wave's (sa, sb):
-            sa[mb] 4 f32 (blocks), sb[nb][j] 4 f32 (columns 4c .. 4c + 3)."""
+            sa[mb] 4 f32 (blocks), sb(nb, j) reading 4 f32 (columns 4c .. 4c + 3)."""
             gpu.barrier()  # the previous step's reads are done
             ss = _uniform(scale_src(fx.Int32(0), 0)[1](s))
             for q0 in range_constexpr(0, (TILE_M + TILE_N) * 4, WAVES * WAVE):
@@ -358,8 +339,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             gpu.barrier()
             sa = [Vec(mx.lds_load(4, (lds_base + ((wm_i * WM + mb * MFMA_MN + r) << 4)).ir_value())).bitcast(fx.Float32)
                   for mb in range_constexpr(MB)]
-            sb = [[Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2)).ir_value()))
-                   .bitcast(fx.Float32) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+
+            def sb(nb, j):  # read where used: all of them at once would hold NB x blocks x 4 VGPRs
+                return Vec(mx.lds_load(4, (lds_base + ((TILE_M * 4 + j * TILE_N + wn_i * WN + nb * MFMA_MN + c * 4) << 2))
+                                       .ir_value())).bitcast(fx.Float32)
+
             return sa, sb
 
         def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks, valid=None):
@@ -368,12 +352,16 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             step's blocks below it are read, the others masked (a run-time count; None: all)."""
             ao, bo = o
             sd = _uniform(s * K_STEP + D_BASE)
+            # wgrad: block j through the scalar offset (with its run-time pitch LLVM would keep base + 32 j
+            # in a VGPR per row block and block instead of the instruction's immediate)
+            sdj = [_uniform(sd + j * BLOCK) if const_expr(WGRAD) else sd for j in range_constexpr(blocks)]
 
             def at(base, j):
-                return base + j * BLOCK if valid is None else (fx.Int32(j) < valid).select(base + j * BLOCK, fx.Int32(OOB))
+                o = base if const_expr(WGRAD) else base + j * BLOCK
+                return o if valid is None else (fx.Int32(j) < valid).select(o, fx.Int32(OOB))
 
-            av = [[_load(a_rsrc, at(ao[mb], j), sd, 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
-            bv = [[_load(b_rsrc, at(bo[nb], j), sd, 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
+            av = [[_load(a_rsrc, at(ao[mb], j), sdj[j], 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
+            bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, blocks if valid is None else valid)
             probe = fx.Int32(0)
             flat = []
@@ -393,12 +381,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 # all of the block's MFMAs first: their results are read a block's worth of MFMAs later
                 parts = [Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[i % NB][j], a_ops[i // NB][j], zero4]))
                          for i in range_constexpr(MB * NB)]
+                sbj = [sb(nb, j) for nb in range_constexpr(NB)]
                 for mb in range_constexpr(MB):
                     sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
                     for nb in range_constexpr(NB):
                         i = mb * NB + nb
                         acc = Vec(accs[i])
-                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sb[nb][j], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
+                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sbj[nb], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
                         accs[i] = _cat(*halves, ty=fx.Float32)
             return accs
 
@@ -410,22 +399,46 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             w_b_rsrc, w_bs_rsrc, w_a_row, w_b_row = setup(g_w, 0, N)
             w_span = hi_w - lo_w
             w_steps, w_tail = w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3
-            w_o = scaled_offsets(w_a_row, w_b_row) if const_expr(SCALED) else fp8_offsets(w_a_row, w_b_row)
-            for w_s, w_state in range(0, w_steps, 1, init=[zero4] * (MB * NB)):
-                if const_expr(SCALED):
-                    w_loaded = scaled_load(fx.Int32(w_s), w_o, w_b_rsrc, w_bs_rsrc)
-                    rocdl.s_waitcnt(vmcnt=0)
-                    w_next = scaled_compute(list(w_state), w_loaded[:MB + NB], w_loaded[MB + NB:], 0)
-                else:
-                    w_next = fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
-                w_res = yield w_next
-            w_accs = list(w_res)
+            w_accs = [zero4] * (MB * NB)
             if const_expr(SCALED):
-                w_last = scaled_load(w_steps, scaled_offsets(w_a_row, w_b_row, c < w_tail), w_b_rsrc, w_bs_rsrc)
-                rocdl.s_waitcnt(vmcnt=0)
-                w_accs = scaled_compute(w_accs, w_last[:MB + NB], w_last[MB + NB:], 0)
+                # Software pipeline over the run-time step count: steps 0 and 1 loaded ahead, step 0's
+                # MFMAs from a constant 0 (no zeroed accumulators), then step pairs, each step's loads
+                # issued before the previous step's MFMAs, one wait per step. The load after the last
+                # step is clamped to it (a one-step or odd group reloads its last step, never computed).
+                w_o, w_n, w_d = scaled_offsets(w_a_row, w_b_row), MB * NB, MB + NB
+                w_in_flight = 3 * (MB + NB)  # a step's loads: two per row block, its scale bytes
+                if w_steps > 0:
+                    w_cur = scaled_load(fx.Int32(0), w_o, w_b_rsrc, w_bs_rsrc)
+                    w_nxt = scaled_load(fx.min(w_steps - 1, fx.Int32(1)), w_o, w_b_rsrc, w_bs_rsrc)
+                    rocdl.sched_barrier(0)
+                    rocdl.s_waitcnt(vmcnt=w_in_flight)
+                    w_accs = scaled_compute(w_accs, w_cur[:w_d], w_cur[w_d:], 0)
+                    for w_i, w_st in range(0, (w_steps - 1).shrui(fx.Int32(1)), 1, init=w_accs + w_nxt):
+                        w_s = fx.Int32(w_i) * 2 + 2  # step w_s - 1 is in flight
+                        w_after = scaled_load(w_s, w_o, w_b_rsrc, w_bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=w_in_flight)
+                        w_sum = scaled_compute(list(w_st[:w_n]), w_st[w_n:w_n + w_d], w_st[w_n + w_d:], 0)
+                        w_ahead = scaled_load(fx.min(w_s + 1, w_steps - 1), w_o, w_b_rsrc, w_bs_rsrc)
+                        rocdl.sched_barrier(0)
+                        rocdl.s_waitcnt(vmcnt=w_in_flight)
+                        w_res = yield scaled_compute(w_sum, w_after[:w_d], w_after[w_d:], 0) + w_ahead
+                    w_accs, w_nxt = list(w_res[:w_n]), list(w_res[w_n:])
+                    rocdl.s_waitcnt(vmcnt=0)
+                    if (w_steps & 1) == 0:  # the last step is in flight
+                        w_accs = scaled_compute(w_accs, w_nxt[:w_d], w_nxt[w_d:], 0)
+                if w_tail > 0:
+                    w_t = tuple([(c < w_tail).select(x, fx.Int32(OOB)) for x in part] for part in w_o)  # chunks past the group
+                    w_last = scaled_load(w_steps, w_t, w_b_rsrc, w_bs_rsrc)
+                    rocdl.s_waitcnt(vmcnt=0)
+                    w_accs = scaled_compute(w_accs, w_last[:w_d], w_last[w_d:], 0)
             else:
-                w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
+                w_o = fp8_offsets(w_a_row, w_b_row)
+                for w_s, w_state in range(0, w_steps, 1, init=w_accs):
+                    w_res = yield fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
+                w_accs = list(w_res)
+                if w_tail > 0:
+                    w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
             store(w_accs, 0, N, 1.0 if SCALED else 4.0)
         else:
             for g in range(g0, g1, 1):
@@ -526,12 +539,6 @@ def _cat(x, y, ty=fx.Int32):
     """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
     x, y = Vec(x), Vec(y)
     return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
-
-
-def _pair(v, h):
-    """Elements 2h, 2h + 1 of a 4-vector of f32 (a packed-math operand)."""
-    v = v if isinstance(v, list) else Vec(v)
-    return Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)
 
 
 @functools.lru_cache(maxsize=None)

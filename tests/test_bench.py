@@ -519,6 +519,21 @@ def test_grouped_mm_bench_modelled(tmp_path, keep_emu_arch):
     assert row["verdict"] == ("met" if row["instr_per_mfma"] <= 3 and row["coalescing_loads"] >= 1 else "missed")
 
 
+def test_grouped_mm_bench_wgrad_modelled(tmp_path, keep_emu_arch):
+    """bench/grouped_mm.py --op wgrad on N 128, K 256 and groups of 160, 0 and 256 rows: the whole
+    launch (1 x 2 n/k-tiles x 3 groups) emulated. Every workgroup stores (the empty group's zeros);
+    the MFMAs are one per 16x16 block pair of a wave (4 x 4 in a 128x128 tile of 2x2 waves) per
+    128-row step with rows of the group in it (160 rows: 2, 0 rows: none, 256 rows: 2)."""
+    bench = load("grouped_mm")
+    bench.main("--mode modelled --op wgrad --arch gfx950 --wgrad-shapes 128x256:160+0+256 --out".split() + [str(tmp_path)])
+    (row,) = read_outputs(tmp_path, "grouped_mm_wgrad_modelled")["rows"]
+    assert (row["arch"], row["m"], row["sizes"], row["spills"], row["model_spills"]) == ("gfx950", 416, [160, 0, 256], 0, 0)
+    assert row["grid_workgroups"] == row["counts"]["workgroups_launched"] == row["wg_working"] == 6
+    mfma = row["counts"]["by_class"]["mfma"]
+    assert mfma == 2 * 4 * 16 * (2 + 0 + 2)
+    assert row["instr_per_mfma"] == row["counts"]["wave_instructions"] / mfma
+
+
 @pytest.mark.gpu
 def test_grouped_mm_bench_hardware(tmp_path):
     """On a real MI300X/MI355X: the grouped GEMM bench times the kernel (both scale layouts) on a

@@ -197,8 +197,11 @@ def run_wgrad(arch, x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
 
 
 # (M, N, K, group sizes, out dtype): groups ending inside a 128-row step (tails of 1-3 blocks),
-# empty groups (a zero matrix), rows past the last group, two tiles along N and K, 70 groups
+# empty groups (a zero matrix), rows past the last group, two tiles along N and K, 70 groups; the
+# gfx950 pipeline's cases: 1 step, 3 (odd), 2 + a 32-row tail, 4 (even), 5 + a 96-row tail
 WGRAD_CASES = [
+    (1344, 32, 48, [128, 384, 0, 288, 512], torch.float32),
+    (736, 16, 32, [736], torch.bfloat16),
     (64, 32, 48, [32, 0, 32], torch.float32),
     (320, 48, 64, [96, 160, 32, 0], torch.bfloat16),
     (288, 144, 160, [288], torch.float32),
@@ -215,6 +218,17 @@ def test_wgrad_matches_the_mx_definition(arch, case):
     ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
     check(out, ref, mag, max(sizes), out_dtype)
     assert all(bool((out[g] == 0).all()) for g, size in enumerate(sizes) if size == 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_compiles_without_spills(arch):
+    """A model-sized weight gradient (N 2048, K 5120, 8 groups, the launcher's 128x128 tile): no
+    spills, at most 256 VGPRs (two waves per SIMD; on gfx950 with the pipeline's two register sets)."""
+    cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=5120, experts=8, tile_m=128, wgrad=True)
+    (rep,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), 16640, 0, 16, stream=0)
+    assert rep.spills == 0 and rep.vgprs <= 256
+    mfma = "v_mfma_scale_f32_16x16x128_f8f6f4" if arch == "gfx950" else "v_mfma_f32_16x16x32_fp8_fp8"
+    assert rep.count(mfma) > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
