@@ -344,9 +344,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if spec.needs_exact_redo:
             # BF16 read as FP16 (gfx950): a wave with a pattern from 2^121 up (NaN and Inf among them)
             # redoes the amax exactly and handles NaN/Inf blocks; every other wave has none of them
+            # (the common result first, the rare branch replacing it: the common path falls through, with no
+            # else-block and jump back as an if/else lays it out)
             peak = mx.pair_max(amax) if n == 2 else amax
+            out = finish(amax, False)
             out = mx.if_else(mx.wave_any(mx.cmp_uge(peak, spec.suspicious)), lambda: finish(lined_amax(words, True), True),
-                             lambda: finish(amax, False), types=[mx.i32_t()] * (1 + len(groups)))
+                             lambda: out, types=[mx.i32_t()] * (1 + len(groups)))
         else:
             out = finish(amax, True)
         codes, data = out[0], out[1:]
@@ -401,8 +404,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         sel = sub(0x0C0C0400, mul(odd, 0x0400 - 0x0206))
         s_lane = add(own, mul(odd, WAVE - 1))
 
-        def step(i):
-            t0s = [tile(shl(i, 1)), tile(add(shl(i, 1), 1))]
+        def step(t):
+            t0s = [mx.opaque_sgpr(t), mx.opaque_sgpr(add(t, WAVE))]
             if pair_tiles:
                 both = lined_tiles(t0s[0], 2, *args, store_code=False)
             else:
@@ -412,7 +415,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 
         end = mul(add(first, tiles_per_wave), WAVE)
         pairs = mx.select(mx.cmp_ule(end, nb), lshr(tiles_per_wave, 1), 0)  # trip counts, not a branch
-        mx.for_range(pairs, step)
+        t_first = mul(first, WAVE)  # the loop runs over the pair's first unit: one induction variable
+        mx.for_range(add(t_first, mul(pairs, 2 * WAVE)), step, t_first, 2 * WAVE)
         mx.for_range(sub(tiles_per_wave, shl(pairs, 1)), lambda i: lined_tiles(tile(add(shl(pairs, 1), i)), 1, *args))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
