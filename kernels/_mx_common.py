@@ -270,6 +270,16 @@ def _tree(values, op):
     return values[0]
 
 
+def nonfinite_halves(spec: Spec, pair):
+    """Two 16-bit amax patterns h (< 2^15) in a dword -> 1 in bit 0 / 16 where h >= NONFINITE (NaN
+    or Inf), else 0: with 2^s = 2^15 - NONFINITE, h >> s is all ones exactly there, so adding 1
+    carries into bit 15 - s. Packed shifts and an add of inline constants (a compare would keep
+    its bound in a register)."""
+    s = (0x8000 - NONFINITE[spec.dtype]).bit_length() - 1
+    top = pk(arith.addi, pk(arith.shrui, pair, splat16(s)), splat16(1))
+    return pk(arith.shrui, top, splat16(15 - s))
+
+
 def amax_max(spec: Spec, a, b):
     """Combine two partial amaxes (same representation as chain_amax)."""
     return umax(a, b) if spec.wide else pk_umax(a, b)

@@ -323,23 +323,22 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             data = _mxfp4_common.convert_pieces(spec, groups, operands, rare, lambda: mx.all_gather(arch, dists, codes))
             if not special:
                 return [codes] + data
-            amaxes = [band(amax, 0xFFFF), lshr(amax, 16)] if n == 2 else [amax]
-            bads = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in amaxes]
+            if n == 2:  # the two blocks' flags in bits 0 and 16 (nonfinite_halves: no constant kept in a register)
+                bits = mx.nonfinite_halves(spec, amax)
+                bad, codes = mx.cmp_ne(bits, 0), bor(codes, mul(bits, mx.E8M0_NAN))
+            else:
+                bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+                bits, codes = arith.extui(mx.i32_t(), bad), mx.select(bad, mx.E8M0_NAN, codes)
 
             def nan_patched():  # NaN/Inf blocks: nibble 0x7 for the elements present, 0 for a partial block's padding
-                bits = functools.reduce(bor, [shl(arith.extui(mx.i32_t(), b), j) for j, b in enumerate(bads)])
                 flags = mx.all_gather(arch, dists, bits)
-                hits = [mx.cmp_ne(band(f, 1 << j) if n == 2 else f, 0) for j in range(n) for f in flags]
+                hits = [mx.cmp_ne(band(f, 1 << 16 * j) if n == 2 else f, 0) for j in range(n) for f in flags]
                 nans = ([_mxfp4_common.nan_words(v)[0] for _, vs in loaded for v in vs] if tail
                         else [_mxfp4_common.E2M1_NAN_X8] * len(groups))
                 return [mx.select(h, nn, d) for h, nn, d in zip(hits, nans, data)]
 
-            data = mx.if_else(mx.wave_any(functools.reduce(arith.ori, bads)), nan_patched, lambda: data,
-                              types=[mx.i32_t()] * len(data))
-            if n == 1:
-                return [mx.select(bads[0], mx.E8M0_NAN, codes)] + data
-            return [functools.reduce(bor, [mx.select(b, mx.E8M0_NAN << 16 * j, 0) for j, b in enumerate(bads)], codes)
-                    ] + data
+            data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * len(data))
+            return [codes] + data
 
         if spec.needs_exact_redo:
             # BF16 read as FP16 (gfx950): a wave with a pattern from 2^121 up (NaN and Inf among them)
@@ -401,7 +400,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         odd = band(own, 1)  # own's bit 0 is col's, the lane's bit at code_dist
         # selector bytes of (hi = the partner's dword, lo = this lane's): first tile's codes in bytes
         # 0 / 4, second tile's in 2 / 6; 0x0C: zero
-        sel = sub(0x0C0C0400, mul(odd, 0x0400 - 0x0206))
+        sel = arith.xori(const(0x0C0C0400), mul(odd, 0x0400 ^ 0x0206))
         s_lane = add(own, mul(odd, WAVE - 1))
 
         def step(t):
