@@ -103,19 +103,22 @@ def scale_pair(spec: Spec, pair):
 def hw_pieces(spec: Spec, groups, scales):
     """gfx950: pieces of 8 elements (4 dwords of 16-bit pairs, or 8 FP32; or 16-byte pieces of 4
     FP32, 2 bytes), each with its scale (the code in an FP32 exponent field) -> a dword of
-    nibbles each with the scaled FP4 conversions, emitted across the pieces step by step (no
-    hazard wait between two writes of one destination)."""
+    nibbles each with the scaled FP4 conversions. 16-bit: emitted across the pieces step by step
+    (no hazard wait between two writes of one destination); FP32 piece by piece (fewer
+    instructions in the columnwise kernel, measured)."""
     per = len(groups[0]) // 2 if spec.wide else len(groups[0])
+    count = range(len(groups))
+    order = [(i, b) for i in count for b in range(per)] if spec.wide else [(i, b) for b in range(per) for i in count]
     accs = [mx.poison(mx.i32_t())] * len(groups)
-    for b in range(per):
-        for i, (words, scale) in enumerate(zip(groups, scales)):
-            if spec.wide:
-                a, c = words[2 * b], words[2 * b + 1]
-                accs[i] = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), accs[i], mx.as_f32(a), mx.as_f32(c), scale, b)
-            else:
-                op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
-                src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[b])
-                accs[i] = op(mx.i32_t(), accs[i], src, scale, b)
+    for i, b in order:
+        words, scale = groups[i], scales[i]
+        if spec.wide:
+            a, c = words[2 * b], words[2 * b + 1]
+            accs[i] = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), accs[i], mx.as_f32(a), mx.as_f32(c), scale, b)
+        else:
+            op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
+            src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[b])
+            accs[i] = op(mx.i32_t(), accs[i], src, scale, b)
     return accs
 
 
