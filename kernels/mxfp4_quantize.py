@@ -20,12 +20,13 @@ line, 2 bytes per lane), the block's conversion operand (_mxfp4_common.piece_ope
 gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
 piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
 lines). Blocks past the end read zeros and their stores are dropped (buffer range checks).
-gfx950, 16-bit x, plain layouts, K % 32 == 0 (pair_tiles): those two tiles are one step of 8
-loads per lane, as mxfp8_quantize_2d's tile of 128 blocks: the lane's two blocks' amaxes end
-the reduce-scatter packed in one dword (_mx_common.halves_pair), so the scale rule (BF16: one
-v_pk_sub_u16, _mxfp4_common.scale_pair), the rare-path test and the gather of the conversion
-scales (top halves, one dword) are done once for both, and the packed codes are the code
-line's two bytes. A wave takes 8 tiles (512 blocks, as mxfp8_quantize_2d's 4 of 128), so its
+gfx950, 16-bit x, K % 32 == 0, plain, mfma or a4w4 layouts (pair_tiles): two tiles are one
+step of 8 loads per lane, as mxfp8_quantize_2d's tile of 128 blocks (plain scales: code_lines'
+two tiles; layouts: a wave's tiles in pairs, an odd last one alone): the lane's two blocks'
+amaxes end the reduce-scatter packed in one dword (_mx_common.halves_pair), so the scale rule
+(BF16: one v_pk_sub_u16, _mxfp4_common.scale_pair), the rare-path test and the gather of the
+conversion scales (top halves, one dword) are done once for both, and the packed codes are the
+code line's two bytes. A wave takes 8 tiles (512 blocks, as mxfp8_quantize_2d's 4 of 128), so its
 setup is spread as thinly.
 K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elements, so a load
 instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
@@ -383,7 +384,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return codes
 
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
-    pair_tiles = code_lines(arch, dtype, shuffle, scale_layout) and spec.f16_view and not tail  # tail: 70 VGPRs
+    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs), not a16w4 (its tiles carry their row and kb))
+    pair_tiles = spec.f16_view and not tail and shuffle in (None, "a4w4")
 
     # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
     # outside dists, col's bit 0) owns the block after this lane's.
@@ -456,6 +458,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
+        elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
+            args = (bufs, lanes, shape, sizes, n1_args)
+            mx.for_range(lshr(val(tiles_per_wave), 1), lambda i: lined_tiles(tile(shl(i, 1)), 2, *args))
+            mx.for_range(band(val(tiles_per_wave), 1), lambda i: lined_tiles(tile(sub(val(tiles_per_wave), 1)), 1, *args))
         else:
             mx.for_range(tiles_per_wave, lambda i: lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args))
 
