@@ -271,6 +271,16 @@ def _tree(values, op):
     return values[0]
 
 
+def nonfinite_halves(spec: Spec, pair):
+    """Two 16-bit amax patterns h (< 2^15) in a dword -> 1 in bit 0 / 16 where h >= NONFINITE (NaN
+    or Inf), else 0: with 2^s = 2^15 - NONFINITE, h >> s is all ones exactly there, so adding 1
+    carries into bit 15 - s. Packed shifts and an add of inline constants (a compare would keep
+    its bound in a register)."""
+    s = (0x8000 - NONFINITE[spec.dtype]).bit_length() - 1
+    top = pk(arith.addi, pk(arith.shrui, pair, splat16(s)), splat16(1))
+    return pk(arith.shrui, top, splat16(15 - s))
+
+
 def amax_max(spec: Spec, a, b):
     """Combine two partial amaxes (same representation as chain_amax)."""
     return umax(a, b) if spec.wide else pk_umax(a, b)
@@ -319,6 +329,25 @@ def amax_f32_bits(spec: Spec, amax):
     return amax
 
 
+def scale_carry(mode: str, rceil_mant: int, even_mant_bits=None) -> int:
+    """What f32_scale_code adds to the FP32 amax bits before taking the exponent field."""
+    if mode == "floor":
+        return 0
+    if mode == "rceil":
+        return (1 << F32_MANT_BITS) - 1 - rceil_mant
+    return 1 << (F32_MANT_BITS - 1 - even_mant_bits)
+
+
+def bf16_scale_tops(pair, mode: str, max_pow2: int, rceil_mant: int, even_mant_bits=None):
+    """f32_scale_code for two BF16 amax patterns p in one dword, with one v_pk_sub_u16 (clamp):
+    w = sat(p - ((max_pow2 << 7) - carry / 2^16)) per half (the carry's low 16 bits never reach
+    p's, whose FP32 value has its low 16 bits zero) holds the code in its bits 14:7, where the top
+    half of an FP32 holds its exponent field: w is the top_halves of the gfx950 conversion scales
+    (bits 6:0 are what is left of p's mantissa, which the conversions ignore)."""
+    low = (max_pow2 << BF16_MANT_BITS) - (scale_carry(mode, rceil_mant, even_mant_bits) >> 16)
+    return pk(llvm.intr_usub_sat, pair, splat16(low))
+
+
 def f32_scale_code(bits, mode: str, max_pow2: int, rceil_mant: int, tie=None, even_mant_bits=None):
     """The E8M0 code of a block from its FP32 amax bits (eb = exponent field, j = mantissa field)
     for an element format whose largest value is (1 + rceil_mant / 2^23) * 2^max_pow2:
@@ -327,9 +356,7 @@ def f32_scale_code(bits, mode: str, max_pow2: int, rceil_mant: int, tie=None, ev
              precision: the carry reaches the exponent from mantissa 1 - 2^-(m+1))
       rceil: max(eb - max_pow2 + [j > rceil_mant], 0), and 0 for the amax pattern `tie` (the
              one subnormal-descale exception of the format, checked exhaustively in tests)."""
-    carry = {"floor": 0, "rceil": (1 << F32_MANT_BITS) - 1 - rceil_mant}.get(mode)
-    if mode == "even":
-        carry = 1 << (F32_MANT_BITS - 1 - even_mant_bits)
+    carry = scale_carry(mode, rceil_mant, even_mant_bits)
     code = lshr(usub_sat(add(bits, carry) if carry else bits, max_pow2 << F32_MANT_BITS), F32_MANT_BITS)
     if tie is not None and mode == "rceil":
         code = select(cmp_eq(bits, tie), 0, code)
@@ -371,15 +398,10 @@ def bf16_scale_pair(spec: Spec, pair):
     """block_scale for two BF16 amax patterns in one dword (gfx950), with v_pk_* ops:
     (codes (c_hi << 16 | c_lo), top_halves of the two conversion scales).
 
-    w = sat(p - low) with low = 0x400 (floor) or 0x3E1 (rceil, see block_scale) holds c in its
-    bits 14:7, where a top half holds the exponent field, so w is the tops; p's low 7 bits left
-    in each half are mantissa bits of the scale, which the conversion ignores.
+    w = bf16_scale_tops(...) is the tops; its low 7 bits (what is left of p's mantissa) are
+    mantissa bits of the scale, which the conversion ignores.
     """
-    if spec.mode == "floor":
-        low = E4M3_MAX_POW2 << BF16_MANT_BITS
-    else:
-        low = (E4M3_MAX_POW2 << BF16_MANT_BITS) - ((1 << BF16_MANT_BITS) - 1 - BF16_MANT_175)  # 0x3E1
-    w = pk(llvm.intr_usub_sat, pair, splat16(low))
+    w = bf16_scale_tops(pair, spec.mode, E4M3_MAX_POW2, F32_MANT_175)
     return pk(arith.shrui, w, splat16(BF16_MANT_BITS)), w
 
 

@@ -427,9 +427,10 @@ def for_range_carry(count, init, body):
     return list(loop.results)
 
 
-def for_range(count, body):
-    """Emit `for i in range(count): body(i)` as a runtime loop (i32 induction variable)."""
-    loop = scf.ForOp(const(0), val(count), const(1))
+def for_range(count, body, start=0, step=1):
+    """Emit `for i in range(start, count, step): body(i)` as a runtime loop (i32 induction
+    variable; a loop over the quantity the body uses spares a second one)."""
+    loop = scf.ForOp(val(start), val(count), val(step))
     with ir.InsertionPoint(loop.body):
         body(loop.induction_variable)
         scf.YieldOp([])

@@ -90,20 +90,36 @@ def scale_code(spec: Spec, amax):
                              E2M1_MANT_BITS)
 
 
-def hw_piece(spec: Spec, words, scale):
-    """gfx950: 8 elements (4 dwords of 16-bit pairs, or 8 FP32; or a 16-byte piece of 4 FP32, 2
-    bytes) -> a dword of nibbles with the scaled FP4 conversions (`scale`: the code in an FP32
-    exponent field)."""
-    acc = mx.poison(mx.i32_t())
-    for b in range(len(words) // 2 if spec.wide else len(words)):
+def scale_pair(spec: Spec, pair):
+    """gfx950, 16-bit x: (codes c1 << 16 | c0, top_halves of the two conversion scales) of two
+    blocks whose amax patterns share a dword (BF16: packed, _mx_common.bf16_scale_tops)."""
+    if spec.dtype == "bf16":
+        tops = mx.bf16_scale_tops(pair, spec.mode, E2M1_MAX_POW2, E2M1_RCEIL_MANT, E2M1_MANT_BITS)
+        return mx.pk(arith.shrui, tops, mx.splat16(mx.BF16_MANT_BITS)), tops
+    lo, hi = (scale_code(spec, h) for h in (band(pair, 0xFFFF), lshr(pair, 16)))
+    return mx.pack_pair(hi, lo), mx.top_halves(piece_operand(spec, hi), piece_operand(spec, lo))
+
+
+def hw_pieces(spec: Spec, groups, scales):
+    """gfx950: pieces of 8 elements (4 dwords of 16-bit pairs, or 8 FP32; or 16-byte pieces of 4
+    FP32, 2 bytes), each with its scale (the code in an FP32 exponent field) -> a dword of
+    nibbles each with the scaled FP4 conversions. 16-bit: emitted across the pieces step by step
+    (no hazard wait between two writes of one destination); FP32 piece by piece (fewer
+    instructions in the columnwise kernel, measured)."""
+    per = len(groups[0]) // 2 if spec.wide else len(groups[0])
+    count = range(len(groups))
+    order = [(i, b) for i in count for b in range(per)] if spec.wide else [(i, b) for b in range(per) for i in count]
+    accs = [mx.poison(mx.i32_t())] * len(groups)
+    for i, b in order:
+        words, scale = groups[i], scales[i]
         if spec.wide:
             a, c = words[2 * b], words[2 * b + 1]
-            acc = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), acc, mx.as_f32(a), mx.as_f32(c), scale, b)
+            accs[i] = rocdl.cvt_scalef32_pk_fp4_f32(mx.i32_t(), accs[i], mx.as_f32(a), mx.as_f32(c), scale, b)
         else:
             op = rocdl.cvt_scalef32_pk_fp4_bf16 if spec.dtype == "bf16" else rocdl.cvt_scalef32_pk_fp4_f16
             src = mx.bitcast(mx.v2bf16_t() if spec.dtype == "bf16" else mx.v2f16_t(), words[b])
-            acc = op(mx.i32_t(), acc, src, scale, b)
-    return acc
+            accs[i] = op(mx.i32_t(), accs[i], src, scale, b)
+    return accs
 
 
 def pieces(spec: Spec, words):
@@ -233,7 +249,7 @@ def convert_pieces(spec: Spec, groups, operands, rare=None, codes=None):
     encoder, or the FP32 one for FP32 input or when `rare` (wave-uniform i1: a block outside the
     16-bit range; `codes()` then gives the pieces' codes)."""
     if spec.scaled_cvt:
-        return [hw_piece(spec, w, mx.as_f32(op)) for w, op in zip(groups, operands)]
+        return hw_pieces(spec, groups, [mx.as_f32(op) for op in operands])
     via_f32 = lambda cs: [sw32_piece(spec, w, sw32_mult(c)) for w, c in zip(groups, cs)]  # noqa: E731
     if spec.wide:
         return via_f32(operands)

@@ -20,6 +20,14 @@ line, 2 bytes per lane), the block's conversion operand (_mxfp4_common.piece_ope
 gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
 piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
 lines). Blocks past the end read zeros and their stores are dropped (buffer range checks).
+gfx950, 16-bit x, K % 32 == 0, plain, mfma or a4w4 layouts (pair_tiles): two tiles are one
+step of 8 loads per lane, as mxfp8_quantize_2d's tile of 128 blocks (plain scales: code_lines'
+two tiles; layouts: a wave's tiles in pairs, an odd last one alone): the lane's two blocks'
+amaxes end the reduce-scatter packed in one dword (_mx_common.halves_pair), so the scale rule
+(BF16: one v_pk_sub_u16, _mxfp4_common.scale_pair), the rare-path test and the gather of the
+conversion scales (top halves, one dword) are done once for both, and the packed codes are the
+code line's two bytes. A wave takes 8 tiles (512 blocks, as mxfp8_quantize_2d's 4 of 128), so its
+setup is spread as thinly.
 K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elements, so a load
 instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
 read: offset out of range); a wave holding a partial piece masks its missing elements (a
@@ -55,14 +63,14 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
-from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
+from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate
 from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
 MAX_WAVES = 4
-TILES_PER_WAVE = 4
+TILES_PER_WAVE = 8  # 512 blocks per wave, as mxfp8_quantize_2d (its setup then weighs as little)
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 
@@ -204,10 +212,14 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     dists = DISTS[(arch, spec.elem_bytes)]
 
     def lined_amax(words, exact):
-        """The amax pattern of the block this lane owns after the reduce-scatter (register k =
-        its bits at dists)."""
-        parts = [mx.chain_amax(spec, w, exact) for w in reversed(words)][::-1]  # last load first: one wait
-        return mx.amax_halves(spec, mx.reduce_scatter(arch, dists, parts, functools.partial(mx.amax_max, spec))[0])
+        """The amax pattern of the block this lane owns after the reduce-scatter in each tile
+        (words: per tile its registers; register k of a tile: its bits at dists); two tiles: the
+        two patterns in the halves of one dword (the first tile's low)."""
+        n = len(words)
+        # register g of tile j is part j + n g (reduce_scatter's order); last load first: one wait
+        parts = [mx.chain_amax(spec, words[j][g], exact) for g in reversed(range(loads)) for j in reversed(range(n))]
+        red = mx.reduce_scatter(arch, dists, parts[::-1], functools.partial(mx.amax_max, spec))
+        return mx.halves_pair(*red) if n == 2 else mx.amax_halves(spec, red[0])
 
     paired = shuffle and not spec.wide  # 16-bit x with a data shuffle: a register spans 2 blocks of a row
 
@@ -238,14 +250,15 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return [(row, kb), (row, add(kb, 2))]
         return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
 
-    def lined_loads(t0, rx, lane, shape, firsts, n1_args, sizes):
-        """The registers' 16-byte pieces (4, FP32 8) as dwords (shuffles: lined_units; `lane[0]`
+    def lined_loads(t0, du, rx, lane, shape, firsts, n1_args, sizes):
+        """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
+        constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), firsts: a4w4_tiles, the rows of
         x by _a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
             col, piece = lane[1:3]
-            gs = [add(add(t0, col), i * (LOAD_BYTES // in_block)) for i in range(loads)]
+            gs = [add(add(t0, col), du + i * (LOAD_BYTES // in_block)) for i in range(loads)]
             rows = [lshr(add(mx.umulhi(g, magic), g), shift) for g in gs]
             kbs = [sub(g, mul(row, nkb)) for g, row in zip(gs, rows)]
             valids = [mx.usub_sat(sub(k, mul(kb, MX_BLOCK)), mul(piece, spec.elems_per_piece)) for kb in kbs]
@@ -266,7 +279,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
-            offs = [add(v_in, i * LOAD_BYTES) for i in range(loads)]
+            offs = [add(v_in, du * in_block + i * LOAD_BYTES) for i in range(loads)]
         else:
             if shuffle == "a16w4_gate_up":
                 firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
@@ -275,74 +288,104 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             offs = [add(bases[p], add(mul(row_bytes, r), d_kb * in_block)) for p, d_kb, r in places]
         return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
 
-    def lined_tile(t0, bufs, lane, shape, sizes, n1_args, first=None, store_code=True):
-        """Units t0 .. t0 + 63 (t0 wave-uniform): register k of lane (col, piece) is piece `piece`
-        of unit t0 + lane unit + lined_units(k), so each load reads whole lines and each data
-        store 256 (FP32: 128) contiguous bytes; the block amaxes are reduce-scattered (the lane
-        owns register `piece`'s block), the conversion operands gathered back. Returns the owned
-        block's code byte (stored here if store_code)."""
+    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True):
+        """Units t0 .. t0 + 64 n - 1 (t0 wave-uniform), as n tiles of 64 (two: 16-bit x on gfx950,
+        pair_tiles): register k of lane (col, piece) is piece `piece` of unit t0 + lane unit +
+        lined_units(k), so each load reads whole lines and each data store 256 (FP32: 128)
+        contiguous bytes; the block amaxes are reduce-scattered (the lane owns register `piece`'s
+        block of each tile), the conversion operands gathered back. Two tiles share the reduction's
+        end, the scale rule (on the two amaxes packed in a dword), the rare-path test and the
+        gather. Returns the owned blocks' code bytes (two tiles: in bytes 0 and 2), stored here if
+        store_code."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
-        firsts = a4w4_tiles(t0, shape, first) if shuffle else None
+        t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
+        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s]
         nb = sizes[0]
-        words, valids = lined_loads(t0, rx, lane[2:], shape, firsts, n1_args, sizes)
+        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes) for j, f in enumerate(firsts)]
+        words = [w for w, _ in loaded]
         mx.wait_loads()
         amax = lined_amax(words, False)
+        groups = [w for ws in words for w in ws]  # tile-major, as the data stores
 
         def finish(amax, special):
-            """The owned block's code byte and the data dwords from the block amaxes; special: the
-            wave may hold NaN/Inf blocks (code 0xFF, nibbles patched in a rare branch)."""
-            code = _mxfp4_common.scale_code(spec, amax)
-            operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, code))
-            rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, code, amax))
-            data = _mxfp4_common.convert_pieces(spec, words, operands, rare, lambda: mx.all_gather(arch, dists, code))
+            """The owned blocks' codes and the data dwords from the block amaxes; special: the wave
+            may hold NaN/Inf blocks (code 0xFF, nibbles patched in a rare branch)."""
+            if n == 2:
+                codes, tops = _mxfp4_common.scale_pair(spec, amax)
+                gathered = mx.all_gather(arch, dists, tops)
+                operands = [mx.as_i32(mx.scale_from_tops(spec, t, j)) for j in range(n) for t in gathered]
+                rare = None
+            else:
+                codes = _mxfp4_common.scale_code(spec, amax)
+                operands = mx.all_gather(arch, dists, _mxfp4_common.piece_operand(spec, codes))
+                rare = None if spec.scaled_cvt else mx.wave_any(_mxfp4_common.sw_outside16(spec, codes, amax))
+            data = _mxfp4_common.convert_pieces(spec, groups, operands, rare, lambda: mx.all_gather(arch, dists, codes))
             if not special:
-                return [code] + data
-            bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+                return [codes] + data
+            if n == 2:  # the two blocks' flags in bits 0 and 16 (nonfinite_halves: no constant kept in a register)
+                bits = mx.nonfinite_halves(spec, amax)
+                bad, codes = mx.cmp_ne(bits, 0), bor(codes, mul(bits, mx.E8M0_NAN))
+            else:
+                bad = mx.cmp_uge(amax, mx.NONFINITE[dtype])
+                bits, codes = arith.extui(mx.i32_t(), bad), mx.select(bad, mx.E8M0_NAN, codes)
 
             def nan_patched():  # NaN/Inf blocks: nibble 0x7 for the elements present, 0 for a partial block's padding
-                flags = mx.all_gather(arch, dists, arith.extui(mx.i32_t(), bad))
-                nans = [_mxfp4_common.nan_words(v)[0] for v in valids] if tail else [_mxfp4_common.E2M1_NAN_X8] * loads
-                return [mx.select(mx.cmp_ne(f, 0), n, d) for f, n, d in zip(flags, nans, data)]
+                flags = mx.all_gather(arch, dists, bits)
+                hits = [mx.cmp_ne(band(f, 1 << 16 * j) if n == 2 else f, 0) for j in range(n) for f in flags]
+                nans = ([_mxfp4_common.nan_words(v)[0] for _, vs in loaded for v in vs] if tail
+                        else [_mxfp4_common.E2M1_NAN_X8] * len(groups))
+                return [mx.select(h, nn, d) for h, nn, d in zip(hits, nans, data)]
 
-            data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * loads)
-            return [mx.select(bad, mx.E8M0_NAN, code)] + data
+            data = mx.if_else(mx.wave_any(bad), nan_patched, lambda: data, types=[mx.i32_t()] * len(data))
+            return [codes] + data
 
         if spec.needs_exact_redo:
             # BF16 read as FP16 (gfx950): a wave with a pattern from 2^121 up (NaN and Inf among them)
             # redoes the amax exactly and handles NaN/Inf blocks; every other wave has none of them
-            out = mx.if_else(mx.wave_any(mx.cmp_uge(amax, spec.suspicious)), lambda: finish(lined_amax(words, True), True),
-                             lambda: finish(amax, False), types=[mx.i32_t()] * (1 + loads))
+            # (the common result first, the rare branch replacing it: the common path falls through, with no
+            # else-block and jump back as an if/else lays it out)
+            peak = mx.pair_max(amax) if n == 2 else amax
+            out = finish(amax, False)
+            out = mx.if_else(mx.wave_any(mx.cmp_uge(peak, spec.suspicious)), lambda: finish(lined_amax(words, True), True),
+                             lambda: out, types=[mx.i32_t()] * (1 + len(groups)))
         else:
             out = finish(amax, True)
-        code_byte, data = out[0], out[1:]
-        g = add(t0, own)
-        s_off = g
-        if shuffle == "a4w4":  # the owned unit's place in the tile
-            pair, d_kb, d_row = tile_place(own)
-            odd = mx.cmp_ne(pair, 0)
-            row = add(mx.select(odd, firsts[1][0], firsts[0][0]), d_row)
-            kb = add(mx.select(odd, firsts[1][1], firsts[0][1]), d_kb)
-            s_off = add(mul(row, nkb), kb)
-        elif shuffle:  # a16w4: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb % 256
-            # == 0) plus the lane's (lane[5]: _a16w4_scale_offset's linear part of the owned block)
-            row, kb = firsts[0]
-            tile_s = mx.select(mx.cmp_ult(t0, nb), _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb), mx.OOB)
-            s_off = add(tile_s, lane[5])
-        elif scale_layout:
-            row = lshr(add(mx.umulhi(g, magic), g), shift)
-            kb = sub(g, mul(row, nkb))
-        if scale_layout:
-            s_off = mx.scale_offset(scale_layout, row, kb, dims)
-        if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
-            s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
-        if store_code:
-            mx.store_byte(code_byte, rs, s_off)
+        codes, data = out[0], out[1:]
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
-        for i, d in enumerate(data):  # FP32: a piece of 4 elements is 2 bytes
-            (mx.store_short if spec.wide else mx.store)(d, rq, add(v_out, lined_units(i) * OUT_BLOCK_BYTES))
-        return code_byte
+        for j, t in enumerate(t0s):
+            tile_data = data[loads * j:loads * j + loads]
+            g = add(t, own)
+            s_off = g
+            if shuffle == "a4w4":  # the owned unit's place in the tile
+                pair, d_kb, d_row = tile_place(own)
+                odd = mx.cmp_ne(pair, 0)
+                row = add(mx.select(odd, firsts[j][1][0], firsts[j][0][0]), d_row)
+                kb = add(mx.select(odd, firsts[j][1][1], firsts[j][0][1]), d_kb)
+                s_off = add(mul(row, nkb), kb)
+            elif shuffle:  # a16w4: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb % 256
+                # == 0) plus the lane's (lane[5]: _a16w4_scale_offset's linear part of the owned block)
+                row, kb = firsts[j][0]
+                tile_s = mx.select(mx.cmp_ult(t, nb), _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb), mx.OOB)
+                s_off = add(tile_s, lane[5])
+            elif scale_layout:
+                row = lshr(add(mx.umulhi(g, magic), g), shift)
+                kb = sub(g, mul(row, nkb))
+            if scale_layout:
+                s_off = mx.scale_offset(scale_layout, row, kb, dims)
+            if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
+                s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
+            if store_code:
+                mx.store_byte(lshr(codes, 16 * j) if j else codes, rs, s_off)
+            for i, d in enumerate(tile_data):  # FP32: a piece of 4 elements is 2 bytes
+                off = add(v_out, (WAVE * j + lined_units(i)) * OUT_BLOCK_BYTES)  # tile j: a constant offset
+                (mx.store_short if spec.wide else mx.store)(d, rq, off)
+        return codes
+
+    # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
+    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs), not a16w4 (its tiles carry their row and kb))
+    pair_tiles = spec.f16_view and not tail and shuffle in (None, "a4w4")
 
     # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
     # outside dists, col's bit 0) owns the block after this lane's.
@@ -359,19 +402,23 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         odd = band(own, 1)  # own's bit 0 is col's, the lane's bit at code_dist
         # selector bytes of (hi = the partner's dword, lo = this lane's): first tile's codes in bytes
         # 0 / 4, second tile's in 2 / 6; 0x0C: zero
-        sel = sub(0x0C0C0400, mul(odd, 0x0400 - 0x0206))
+        sel = arith.xori(const(0x0C0C0400), mul(odd, 0x0400 ^ 0x0206))
         s_lane = add(own, mul(odd, WAVE - 1))
 
-        def step(i):
-            t0 = tile(shl(i, 1))
-            codes = [lined_tile(t, *args, store_code=False) for t in (t0, tile(add(shl(i, 1), 1)))]
-            both = mx.perm(codes[1], codes[0], 0x0C040C00)  # the codes in bytes 0 and 2
-            mx.store_short(mx.perm(mx.lane_xor(both, code_dist), both, sel), rs, s_lane, soffset=t0)
+        def step(t):
+            t0s = [mx.opaque_sgpr(t), mx.opaque_sgpr(add(t, WAVE))]
+            if pair_tiles:
+                both = lined_tiles(t0s[0], 2, *args, store_code=False)
+            else:
+                codes = [lined_tiles(t, 1, *args, store_code=False) for t in t0s]
+                both = mx.perm(codes[1], codes[0], 0x0C040C00)  # the codes in bytes 0 and 2
+            mx.store_short(mx.perm(mx.lane_xor(both, code_dist), both, sel), rs, s_lane, soffset=t0s[0])
 
         end = mul(add(first, tiles_per_wave), WAVE)
         pairs = mx.select(mx.cmp_ule(end, nb), lshr(tiles_per_wave, 1), 0)  # trip counts, not a branch
-        mx.for_range(pairs, step)
-        mx.for_range(sub(tiles_per_wave, shl(pairs, 1)), lambda i: lined_tile(tile(add(shl(pairs, 1), i)), *args))
+        t_first = mul(first, WAVE)  # the loop runs over the pair's first unit: one induction variable
+        mx.for_range(add(t_first, mul(pairs, 2 * WAVE)), step, t_first, 2 * WAVE)
+        mx.for_range(sub(tiles_per_wave, shl(pairs, 1)), lambda i: lined_tiles(tile(add(shl(pairs, 1), i)), 1, *args))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
              s_bytes, dims):
@@ -404,15 +451,19 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if shuffle and shuffle != "a4w4":  # a16w4: the tile's (row, kb) carried, kb + 4 wrapping to the next row tile
 
             def step(i, row, kb):
-                lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args, (row, kb))
+                lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args, (row, kb))
                 wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
                 return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
 
             mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
+        elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
+            args = (bufs, lanes, shape, sizes, n1_args)
+            mx.for_range(lshr(val(tiles_per_wave), 1), lambda i: lined_tiles(tile(shl(i, 1)), 2, *args))
+            mx.for_range(band(val(tiles_per_wave), 1), lambda i: lined_tiles(tile(sub(val(tiles_per_wave), 1)), 1, *args))
         else:
-            mx.for_range(tiles_per_wave, lambda i: lined_tile(tile(i), bufs, lanes, shape, sizes, n1_args))
+            mx.for_range(tiles_per_wave, lambda i: lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args))
 
     @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
     def kernel(

@@ -88,7 +88,9 @@ MFMA_CASES = [("gfx950", torch.bfloat16, "even", (263, 165)), ("gfx942", torch.f
               ("gfx950", torch.float32, "rceil", (1, 3221)), ("gfx942", torch.bfloat16, "rceil", (37, 75))] + [
     # K % 32 == 0: the block split over lanes (a partial last tile of 64 blocks; FP32: 8 lanes per block)
     ("gfx950", torch.float32, "floor", (263, 160)), ("gfx942", torch.float32, "even", (37, 96)),
-    ("gfx942", torch.bfloat16, "floor", (263, 160))]
+    ("gfx942", torch.bfloat16, "floor", (263, 160)),
+    # gfx950 16-bit: tiles taken in pairs; 3 tiles: a pair (the NaN in its second) and an odd last one
+    ("gfx950", torch.bfloat16, "rceil", (24, 256))]
 
 
 @pytest.mark.parametrize("arch,dtype,mode,shape", MFMA_CASES, ids=[f"{c[0]}-{c[2]}-{c[3][0]}x{c[3][1]}" for c in MFMA_CASES])
@@ -164,7 +166,8 @@ def _gemm_a4w4_reference(run_torch, a, a_scales, b, b_scales):
 
 # (arch, dtype, mode, M, N, K): M tails (activation scale rows padded to 256); nkb 10 and 2 (scale
 # columns padded to 16 and 8, so K is padded too)
-GEMM_CASES = [("gfx950", torch.bfloat16, "even", 37, 48, 320), ("gfx942", torch.float32, "rceil", 5, 16, 64)]
+GEMM_CASES = [("gfx950", torch.bfloat16, "even", 37, 48, 320), ("gfx942", torch.float32, "rceil", 5, 16, 64),
+              ("gfx950", torch.bfloat16, "rceil", 24, 16, 384)]  # 5 and 3 tiles: tile pairs and an odd last tile
 
 
 @pytest.mark.parametrize("arch,dtype,mode,m,n,k", GEMM_CASES, ids=[f"{c[0]}-{c[3]}x{c[4]}x{c[5]}" for c in GEMM_CASES])
