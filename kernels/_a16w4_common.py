@@ -19,6 +19,7 @@ from flydsl.expr.typing import Vector as Vec
 from flyquant import validate
 
 from . import _mx_common as mx
+from ._mx_common import i32_bits
 
 # ---- layout constants (aiter's A16W4 shuffles) -------------------------------------------------
 WAVE = 64
@@ -53,12 +54,6 @@ MAX_ACC_PER_LANE = 64  # accumulator registers per lane (16x16 block = 4): more 
 MAX_WAVE_N = 128  # columns per wave: two 128-wide steps of B in flight = 64 VGPRs
 
 
-
-def _s32(bits: int) -> int:
-    """A 32-bit pattern as the signed int an Int32 constant takes (keeps i32 arithmetic i32)."""
-    return bits - (1 << 32) if bits >= 1 << 31 else bits
-
-
 # gfx942 software unpack. FP4 magnitude code c (0..7) = 2^E(c) * (1 + f(c)/2):
 # E = [-, -1, 0, 0, 1, 1, 2, 2], f = [-, 0, 0, 1, 0, 1, 0, 1]; code 0 is zero.
 SW_EXP_LO_ADJ = 0x00000100  # codes 0..3 (bytes): exponent s + [*, -1, 0, 0]  (subtract)
@@ -66,7 +61,7 @@ SW_EXP_HI_ADJ = 0x02020101  # codes 4..7: exponent s + [1, 1, 2, 2]             
 SW_MANT_LO = 0x40000000  # mantissa-msb byte 0x40 for codes 3
 SW_MANT_HI = 0x40004000  # ... and 5, 7
 SEL_MAG = 0x07070707  # per-byte 3-bit magnitude of the low nibble
-SIGN_BYTES = _s32(0x80808080)
+SIGN_BYTES = i32_bits(0x80808080)
 PERM_LO_PAIRS = 0x05010400  # [lo.b0, hi.b0, lo.b1, hi.b1]: bf16 of lookups 0 and 1
 PERM_HI_PAIRS = 0x07030602  # [lo.b2, hi.b2, lo.b3, hi.b3]: bf16 of lookups 2 and 3
 PERM_EVEN_HALVES = 0x05040100  # bf16 0 of two dwords
@@ -272,7 +267,7 @@ def _sw_tables(dword, byte: int):
     x_hi = rep + SW_EXP_HI_ADJ
     hi0 = x_lo.shrui(fx.Int32(1)) & 0x7F7F7F00  # byte 0 (code 0) -> 0
     hi1 = x_hi.shrui(fx.Int32(1)) & 0x7F7F7F7F
-    lo0 = ((x_lo << 7) & _s32(0x80808000)) | SW_MANT_LO
+    lo0 = ((x_lo << 7) & i32_bits(0x80808000)) | SW_MANT_LO
     lo1 = ((x_hi << 7) & SIGN_BYTES) | SW_MANT_HI
     return lo0, lo1, hi0, hi1
 
@@ -412,7 +407,7 @@ def bias_blocks(bias, bias_stride, expert, first, col_wave, kl, nb: int, pair: b
         if bias_bytes == 4:
             vals = [words[i].bitcast(fx.Float32) for i in range_constexpr(4)]
         else:  # bf16 = the high half of an f32
-            vals = [((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & _s32(0xFFFF0000))).bitcast(fx.Float32)
+            vals = [((words[i // 2] << 16) if i % 2 == 0 else (words[i // 2] & i32_bits(0xFFFF0000))).bitcast(fx.Float32)
                     for i in range_constexpr(4)]
         blocks.append(Vec.from_elements(vals, fx.Float32).ir_value())
     return blocks

@@ -116,7 +116,7 @@ from . import _mx_common as mx
 from ._a16w4_common import (
     A_BYTES_PER_LANE, K_CHUNK, K_STEP, KT, MFMA_MN, OOB, S_TILE_BYTES, TOKEN_BITS, TOKEN_MASK, W_PAST_END,
     W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _ballot, _lanes_below, _load, _rsrc,
-    _s32, _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks,
+    _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks,
     store_activation, wave_fits,
 )
 
@@ -336,7 +336,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         if const_expr(sub == 0):
                             sc = [_load(s_rsrc, s_off[p], it[2], 1) for p in range_constexpr(NP)]
                             if const_expr(masked):
-                                keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(_s32(0xFFFF0000)), fx.Int32(0))
+                                keep = chunk_ok(kt, 0).select(fx.Int32(0xFFFF), fx.Int32(0)) | chunk_ok(kt, 1).select(fx.Int32(mx.i32_bits(0xFFFF0000)), fx.Int32(0))
                                 sc = [v & keep for v in sc]
                             if const_expr(NB == 1):
                                 sc = [v.shrui(half_shift) for v in sc]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import flydsl.expr as fx
 from flydsl.expr.typing import Vector as Vec
 
-from ._a16w4_common import _s32
+from ._mx_common import i32_bits
 
 
 def _e8m0_f32(e):
@@ -26,7 +26,7 @@ def _fnuz_words(w):
 
 def _fnuz_nans(w):
     """NaN codes of an already -0-fixed OCP dword -> FNUZ's NaN (0x80) (the rare branch)."""
-    nan = ((w & 0x7F7F7F7F) + 0x01010101) & _s32(0x80808080)  # 0x80 in the NaN bytes
+    nan = ((w & 0x7F7F7F7F) + 0x01010101) & i32_bits(0x80808080)  # 0x80 in the NaN bytes
     mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
     return (w & ~mask) | nan
 

@@ -85,7 +85,7 @@ from flyquant.arch import arch_info
 from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
-from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _s32, _scalar_load, _zext
+from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _scalar_load, _zext
 from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_nans, _fnuz_words, _pair
 
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
@@ -370,7 +370,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                     fixed, p = _fnuz_words(v[h])
                     probe = probe | p
                     flat.append(fixed)
-            has_nan = mx.wave_any(((probe & _s32(0x80808080)) != 0).ir_value())
+            has_nan = mx.wave_any(((probe & mx.i32_bits(0x80808080)) != 0).ir_value())
             flat = [fx.Int32(x) for x in mx.if_else(has_nan, lambda: [_fnuz_nans(w) for w in flat], lambda: flat,
                                                      types=[T.i32] * len(flat))]
             ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
