@@ -19,6 +19,7 @@ import torch
 
 import flyquant as fq
 from flyquant import emu, reference, select, training
+from flyquant.reference_grouped_mm import group_bounds
 
 # MoE FFN: small, but with the shape constraints of the real thing (inter_dim % 256 for the
 # scale shuffle) and uneven routing so some experts get several blocks and some none.
@@ -182,7 +183,8 @@ def check_mxfp8_training(x, w, offs) -> bool:
     out = training.mxfp8_grouped_mm(xa, wt, offs)
     out.backward(grad_out)
     xr, wr = x.detach().clone().requires_grad_(), w.transpose(1, 2).detach().clone().requires_grad_()
-    ref = torch.cat([xr[lo:hi] @ wr[e] for e, (lo, hi) in enumerate(_groups(offs))])
+    bounds = group_bounds(offs)
+    ref = torch.cat([xr[lo:hi] @ wr[e] for e, (lo, hi) in enumerate(bounds)])
     ref.backward(grad_out)
 
     def worst(got, want, a, b):  # got, want ~ a @ b (float64 magnitudes)
@@ -193,7 +195,7 @@ def check_mxfp8_training(x, w, offs) -> bool:
         return float(((got.double() - want.double()).abs() / bound).max())
 
     ratio = 0.0
-    for e, (lo, hi) in enumerate(_groups(offs)):
+    for e, (lo, hi) in enumerate(bounds):
         xg, we, ge = x[lo:hi].cpu(), w[e].cpu(), grad_out[lo:hi].cpu()
         ratio = max(ratio, worst(out[lo:hi].detach().cpu(), ref[lo:hi].detach().cpu(), xg, we.t()),  # forward
                     worst(xa.grad[lo:hi].cpu(), xr.grad[lo:hi].cpu(), ge, we),  # dgrad
@@ -202,12 +204,6 @@ def check_mxfp8_training(x, w, offs) -> bool:
     print(f"MXFP8 training step (training.mxfp8_grouped_mm: forward, dgrad, wgrad) vs bf16 autograd: "
           f"max error / MX bound {ratio:.3f} -> {'within' if within else 'OUTSIDE'}")
     return within
-
-
-def _groups(offs):
-    """(first row, end row) of each token group."""
-    ends = offs.tolist()
-    return list(zip([0, *ends[:-1]], ends))
 
 
 def main(argv=None) -> int:

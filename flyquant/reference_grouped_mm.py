@@ -102,7 +102,8 @@ def check_grouped_mm_wgrad_offs(offs, rows: int) -> None:
     validate.offs_values(offs, rows, MX_BLOCK, exact_end=False)
 
 
-def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+def group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """(first row, end row) of each token group of offs (cumulative group ends)."""
     ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
 
@@ -125,7 +126,7 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
     a32 = mxfp8_dequantize(a, a_scale, axis=-1)
     b32 = mxfp8_dequantize(b.reshape(e * n, k), b_scale.reshape(e * n, k // MX_BLOCK), axis=-1).view(e, n, k)
     out = torch.zeros(a.shape[0], n, dtype=torch.float32, device=a.device)
-    for g, (lo, hi) in enumerate(_group_bounds(offs)):
+    for g, (lo, hi) in enumerate(group_bounds(offs)):
         out[lo:hi] = a32[lo:hi] @ b32[g].t()
     return out.to(out_dtype)
 
@@ -143,6 +144,6 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
     x32 = mxfp8_dequantize(x, x_scale, axis=0)
     y32 = mxfp8_dequantize(y, y_scale, axis=0)
     out = torch.zeros(offs.shape[0], y.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    for g, (lo, hi) in enumerate(_group_bounds(offs)):
+    for g, (lo, hi) in enumerate(group_bounds(offs)):
         out[g] = y32[lo:hi].t() @ x32[lo:hi]
     return out.to(out_dtype)
