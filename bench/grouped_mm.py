@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 
 import flyquant.emu as emu  # noqa: E402
-from flyquant import layouts, reference, toolchain  # noqa: E402
+from flyquant import layouts, reference, select, toolchain  # noqa: E402
 from flyquant.kernels import mxfp8_grouped_mm as G  # noqa: E402
 
 MX_BLOCK = 32
@@ -149,8 +149,6 @@ def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: s
 
 def tiles(shape: Shape, arch: str, layout: str, args) -> tuple[int, int]:
     """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm."""
-    from flyquant import select
-
     tm, tn = select.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts, LAYOUTS[layout])[0]
     return args.tile_m or tm, args.tile_n or tn
 
@@ -416,7 +414,6 @@ def hipblaslt_per_group(a, a_scale, b, b_scale, ends):
 
 def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]:
     import flyquant as fq
-    from flyquant import select
 
     head = {"shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "experts": shape.experts, "arch": arch}
     plain = make_inputs(shape.m, shape.n, shape.k, shape.experts, shape.ends(), "plain", args.seed, "cuda")
