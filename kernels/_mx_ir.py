@@ -331,6 +331,14 @@ def lds_load(dwords, addr):
     return llvm.load(vec_i32_t(dwords) if dwords > 1 else i32_t(), lds_ptr(addr), alignment=4 * dwords)
 
 
+def lds_exchange_fence():
+    """Between lanes' LDS stores and the wave's loads of what other lanes stored. LLVM sees each
+    lane alone, so without a fence it may give a lane that stored nothing the value of its earlier
+    load of the same address; a wavefront-scope fence emits no instruction (the wave's LDS
+    accesses run in order)."""
+    llvm.fence(llvm.AtomicOrdering.acq_rel, syncscope="wavefront")
+
+
 def dwords_of(vec, n=PIECE_DWORDS):
     return [extract(vec, i) for i in range(n)]
 

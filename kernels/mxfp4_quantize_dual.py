@@ -19,12 +19,23 @@ writes its 32 elements into the wave's LDS tile transposed, over the row-major o
 apart beyond that, so the reads stay 16-byte aligned); lane l reads column 64t + l's 32
 elements back with 16-byte LDS loads (16-bit: as (row 2i, row 2i + 1) dwords, the rowwise
 words' order) and quantizes and stores them the same way. A wave's LDS accesses run in program
-order, so the wave needs no barrier (each wave has its own LDS tile; the transposed stores
-follow the row-major loads, the next tile's stores this tile's loads). Rows past M read zeros
-(past x's end), columns past K are masked; stores of rows past M, columns past K and blocks past
-the last row block are moved out of range. Stores are 16 bytes (data) and 1 byte (codes) but
-not coalesced: a tile's rows are 16 bytes of 32 different output rows.
-"""
+order, so the wave needs no barrier for its own tile (the transposed stores follow the
+row-major loads, the next tile's stores this tile's loads). Rows past M read zeros (past x's
+end), columns past K are masked; stores of rows past M, columns past K and blocks past the last
+row block are moved out of range.
+
+Whole output lines. A 128-byte line of rowwise data is 8 blocks of a row (256 columns), one of
+columnwise data 8 row blocks of a column (256 rows), so a workgroup of WAVES = 4 waves owns 256
+rows x 256 columns: wave w the column tile 4 bx + w of row blocks 8 by .. 8 by + 7, walked in
+order (unrolled; the row blocks past the last are skipped, the same for every wave). Rowwise: per
+row block the waves put their 16-byte blocks into a shared LDS stage of 32 rows x 128 bytes
+(double-buffered, one barrier per row block), and each wave stores 8 of its rows as whole
+lines. Columnwise: a lane keeps its column's 16 bytes of each row block in registers (32
+VGPRs); after the last row block the wave writes them to its LDS tile, 128 bytes per column
+(FP32: all 64 columns at once; 16-bit: 32 per pass, the tile's size), and stores 8 columns'
+lines per instruction. Data stores are 16 bytes and write whole lines where K and M are
+multiples of 256 (each row's and each column's data start on a line); code bytes are stored per
+block."""
 
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ import torch
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl._mlir.dialects import arith
+from flydsl.expr import gpu
 
 from flyquant import toolchain
 from flyquant.arch import arch_info
@@ -49,41 +61,47 @@ from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_wor
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common, rows_kernel)
 
-MAX_WAVES = 4
-MIN_WORKGROUPS_PER_CU = 2  # plan_dual takes fewer waves where the LDS tiles would allow only one
-TILES_PER_WAVE = 2
+WAVES = 4  # a workgroup's column tiles: 4 x 2 blocks of 16 bytes = a rowwise output line
+ROW_BLOCKS = 8  # a workgroup's row blocks: 8 x 16 bytes = a columnwise output line
 TILE_COLS = 2 * MX_BLOCK  # 64 columns: the two row blocks of a tile's row
 LDS_PAD = PIECE_BYTES  # between LDS rows (row-major) or columns (transposed)
+LINE_BYTES = ROW_BLOCKS * OUT_BLOCK_BYTES  # one output line, staged in LDS
+LINE_STRIDE = LINE_BYTES + LDS_PAD
+LINE_PIECES = LINE_BYTES // PIECE_BYTES  # 8 lanes store a line
+ROW_STAGE_BYTES = MX_BLOCK * LINE_STRIDE  # a row block's rowwise lines (two, double-buffered)
+assert WAVES * 2 * OUT_BLOCK_BYTES == LINE_BYTES
 
 
 @dataclass(frozen=True)
 class DualPlan:
-    waves: int
-    tiles_per_wave: int
-    workgroups: int
-    col_tiles: int  # tiles along K (the minor tile index)
+    col_groups: int  # grid x: 256-column groups (WAVES column tiles)
+    row_groups: int  # grid y: 256-row groups (ROW_BLOCKS row blocks)
+    lds_bytes: int  # per workgroup
 
 
 def wave_lds_bytes(elem_bytes: int) -> int:
     """LDS bytes of a wave's tile: the row-major tile of the whole-line loads or the transposed
-    one, whichever is larger (they share the bytes)."""
+    one, whichever is larger (they share the bytes, and then stage the column lines)."""
     row_major = MX_BLOCK * (TILE_COLS * elem_bytes + LDS_PAD)
     transposed = TILE_COLS * (MX_BLOCK * elem_bytes + LDS_PAD)
     return max(row_major, transposed)
 
 
+def column_pass(elem_bytes: int) -> int:
+    """Columns whose lines a wave stages at once in its tile: 64 (FP32), 32 (16-bit)."""
+    fit = wave_lds_bytes(elem_bytes) // LINE_STRIDE
+    return min(WAVE, 1 << (fit.bit_length() - 1))
+
+
 def plan_dual(shape, arch: str, dtype: torch.dtype = torch.bfloat16) -> DualPlan:
-    """The tiling of a dual quantize of an (M, K) tensor: up to MAX_WAVES waves per workgroup, fewer
-    where MIN_WORKGROUPS_PER_CU workgroups' LDS tiles would not fit in a CU (FP32 on gfx942)."""
-    lds = arch_info(arch).lds_bytes_per_cu
+    """The grid of a dual quantize of an (M, K) tensor: a workgroup per 256 x 256 elements."""
     m, k = shape
-    waves = min(MAX_WAVES, lds // (MIN_WORKGROUPS_PER_CU * wave_lds_bytes(torch.empty((), dtype=dtype).element_size())))
-    col_tiles = -(-k // TILE_COLS)
-    tiles = -(-m // MX_BLOCK) * col_tiles
-    return DualPlan(*mx.wave_split(tiles, waves, TILES_PER_WAVE), col_tiles)
+    lds = WAVES * wave_lds_bytes(torch.empty((), dtype=dtype).element_size()) + 2 * ROW_STAGE_BYTES
+    assert lds <= arch_info(arch).lds_bytes_per_cu
+    return DualPlan(-(-k // (WAVES * TILE_COLS)), -(-m // (ROW_BLOCKS * MX_BLOCK)), lds)
 
 
-def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WAVES):
+def build_dual(arch: str, dtype: str, mode: str, tail: bool):
     """An uncached @flyc.jit launcher of the dual kernel for one specialization (tail: K % 32 !=
     0, whose 16-bit last element needs the rowwise kernel's 2-byte load)."""
     spec = Spec(arch, dtype, mode)
@@ -96,7 +114,8 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
     row_stride = tile_bytes + LDS_PAD  # the row-major tile (whole-line loads)
     col_stride = MX_BLOCK * eb + LDS_PAD  # the transposed tile
     wave_lds = wave_lds_bytes(eb)
-    name = f"mxfp4_dual_{spec.tag}" + ("_tail" if tail else "") + f"_w{waves}"
+    per_pass = column_pass(eb)
+    name = f"mxfp4_dual_{spec.tag}" + ("_tail" if tail else "")
     source = SOURCE_TAG
 
     def line_loads(rx, rb, t, nkb, row_bytes, lane):
@@ -115,12 +134,12 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
         lds_off = add(mul(row, row_stride), mul(piece, PIECE_BYTES))
         return [(mx.load(rx, o), add(lds_off, i * rows_per_load * row_stride)) for i, o in enumerate(offs)]
 
-    def tile(tt, bufs, dims, lds):
+    def tile(rb, t, bufs, dims, lds, stage):
+        """Row block rb of column tile t: the rowwise blocks into the LDS stage (row r's line at r *
+        LINE_STRIDE, this wave's two blocks at 32 w) and their codes stored; returns the lane's
+        column data (4 dwords), its code stored."""
         rx, q1, s1, q0, s0 = bufs
-        m, k, nkb, nmb, col_tiles, magic, shift, row_bytes, x_bytes = dims
-        lane = band(val(fx.Int32(fx.thread_idx.x)), WAVE - 1)
-        rb = lshr(add(mx.umulhi(tt, magic), tt), shift)
-        t = sub(tt, mul(rb, col_tiles))
+        m, k, nkb, nmb, row_bytes, x_bytes, wave, lane = dims
         r, h = band(lane, MX_BLOCK - 1), lshr(lane, 5)
         row, kb = add(shl(rb, 5), r), add(shl(t, 1), h)
         valid = mx.usub_sat(k, mul(kb, MX_BLOCK))  # elements present (>= 32: all)
@@ -135,13 +154,13 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
         else:  # whole lines into LDS (row-major), then the lane's block back
             for reg, at in line_loads(rx, rb, t, nkb, row_bytes, lane):
                 mx.lds_store(reg, add(lds, at))
+            mx.lds_exchange_fence()
             block_addr = add(lds, add(mul(r, row_stride), mul(h, in_block)))
             words = [w for i in range(loads) for w in mx.dwords_of(mx.lds_load(PIECE_DWORDS, add(block_addr, i * PIECE_BYTES)))]
         # rowwise: the lane's block (row rb * 32 + r, block 2t + h)
         out = quantize_words(spec, words, valid)
-        inside = arith.andi(mx.cmp_ult(kb, nkb), mx.cmp_ult(row, m))
-        mx.store_byte(out[4], s1, mx.select(inside, g, mx.OOB))
-        mx.store(mx.from_elements(out[:4]), q1, mx.select(inside, mul(g, OUT_BLOCK_BYTES), mx.OOB))
+        mx.store_byte(out[4], s1, mx.select(arith.andi(mx.cmp_ult(kb, nkb), mx.cmp_ult(row, m)), g, mx.OOB))
+        mx.lds_store(mx.from_elements(out[:4]), add(stage, add(mul(r, LINE_STRIDE), add(shl(wave, 5), shl(h, 4)))))
         # the elements into LDS, transposed (over the row-major tile: the wave's LDS accesses run
         # in program order): element j of the lane's block is column h * 32 + j
         base = add(add(lds, mul(h, MX_BLOCK * col_stride)), mul(r, eb))
@@ -151,20 +170,52 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
                 mx.lds_store(words[j], addr)
             else:
                 mx.lds_store_short(words[j // 2] if j % 2 == 0 else lshr(words[j // 2], 16), addr)
+        mx.lds_exchange_fence()
         # columnwise: column 64 t + lane over the row block
         col_addr = add(lds, mul(lane, col_stride))
         cwords = [w for i in range(loads) for w in mx.dwords_of(mx.lds_load(PIECE_DWORDS, add(col_addr, i * PIECE_BYTES)))]
-        cvalid = mx.usub_sat(m, shl(rb, 5))
-        cout = quantize_words(spec, cwords, cvalid)
+        cout = quantize_words(spec, cwords, mx.usub_sat(m, shl(rb, 5)))
         col = add(mul(t, TILE_COLS), lane)
-        cg = add(mul(col, nmb), rb)
         cinside = arith.andi(mx.cmp_ult(col, k), mx.cmp_ult(rb, nmb))
-        mx.store_byte(cout[4], s0, mx.select(cinside, cg, mx.OOB))
-        mx.store(mx.from_elements(cout[:4]), q0, mx.select(cinside, mul(cg, OUT_BLOCK_BYTES), mx.OOB))
+        mx.store_byte(cout[4], s0, mx.select(cinside, add(mul(col, nmb), rb), mx.OOB))
+        return cout[:4]
 
-    def body(x, q1, s1, q0, s0, m, k, nkb, nmb, col_tiles, magic, shift, row_bytes, x_bytes, tiles_per_wave):
+    def row_lines(rb, bx, bufs, dims, stage):
+        """After the barrier: wave w stores rows 8w .. 8w + 7 of the stage, a line per 8 lanes."""
+        q1 = bufs[1]
+        m, nkb, wave, lane = dims[0], dims[2], dims[6], dims[7]
+        r, piece = add(shl(wave, 3), lshr(lane, 3)), band(lane, LINE_PIECES - 1)
+        data = mx.lds_load(PIECE_DWORDS, add(stage, add(mul(r, LINE_STRIDE), shl(piece, 4))))
+        row, kb = add(shl(rb, 5), r), add(shl(bx, 3), piece)
+        inside = arith.andi(mx.cmp_ult(row, m), mx.cmp_ult(kb, nkb))
+        mx.store(data, q1, mx.select(inside, shl(add(mul(row, nkb), kb), 4), mx.OOB))
+
+    def column_lines(cols, t, rb0, bufs, dims, lds):
+        """The lane's column data of the row blocks (cols[i]: row block rb0 + i) as whole lines:
+        through the wave's tile, per_pass columns at a time, a line per 8 lanes."""
+        q0 = bufs[3]
+        k, nmb, lane = dims[1], dims[3], dims[7]
+        for p in range(WAVE // per_pass):
+            at = add(lds, mul(sub(lane, p * per_pass), LINE_STRIDE))
+            put = lambda: [mx.lds_store(mx.from_elements(c), add(at, i * PIECE_BYTES)) for i, c in enumerate(cols)]  # noqa: E731
+            if per_pass == WAVE:
+                put()
+            else:
+                mx.if_then(mx.cmp_ult(sub(lane, p * per_pass), per_pass), put)
+            mx.lds_exchange_fence()
+            piece = band(lane, LINE_PIECES - 1)
+            rb = add(rb0, piece)
+            for q in range(per_pass // LINE_PIECES):
+                c = add(q * LINE_PIECES, lshr(lane, 3))
+                data = mx.lds_load(PIECE_DWORDS, add(lds, add(mul(c, LINE_STRIDE), shl(piece, 4))))
+                col = add(add(mul(t, TILE_COLS), p * per_pass), c)
+                inside = arith.andi(mx.cmp_ult(col, k), mx.cmp_ult(rb, nmb))
+                mx.store(data, q0, mx.select(inside, shl(add(mul(col, nmb), rb), 4), mx.OOB))
+
+    def body(x, q1, s1, q0, s0, m, k, nkb, nmb, row_bytes, x_bytes):
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
+        lane = band(tid, WAVE - 1)
         zero = const(0, mx.i64_t())
         mv, kv, nkbv, nmbv = val(m), val(k), val(nkb), val(nmb)
         rx = mx.buffer(x, zero, mx.to_i64(val(x_bytes)))
@@ -172,13 +223,29 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
                 mx.buffer(s1, zero, mx.to_i64(mul(mv, nkbv))),
                 mx.buffer(q0, zero, mx.to_i64(mul(mul(kv, nmbv), OUT_BLOCK_BYTES))),
                 mx.buffer(s0, zero, mx.to_i64(mul(kv, nmbv))))
-        dims = (mv, kv, nkbv, nmbv, val(col_tiles), val(magic), val(shift), val(row_bytes), val(x_bytes))
-        stage = fx.SharedAllocator().allocate(waves * wave_lds, alignment=PIECE_BYTES)
-        lds = add(val(fx.Int32(fx.ptrtoint(stage.peek().ptr))), mul(wave, wave_lds))
-        first = mul(add(mul(val(fx.Int32(fx.block_idx.x)), waves), wave), tiles_per_wave)
-        mx.for_range(tiles_per_wave, lambda i: tile(mx.opaque_sgpr(add(first, i)), bufs, dims, lds))
+        dims = (mv, kv, nkbv, nmbv, val(row_bytes), val(x_bytes), wave, lane)
+        alloc = fx.SharedAllocator().allocate(WAVES * wave_lds + 2 * ROW_STAGE_BYTES, alignment=PIECE_BYTES)
+        lds0 = val(fx.Int32(fx.ptrtoint(alloc.peek().ptr)))
+        lds = add(lds0, mul(wave, wave_lds))
+        bx, by = (val(fx.Int32(v)) for v in (fx.block_idx.x, fx.block_idx.y))
+        t, rb0 = add(shl(bx, 2), wave), shl(by, 3)
+        present = mx.umin(sub(nmbv, rb0), ROW_BLOCKS)  # row blocks of this workgroup (>= 1)
 
-    @flyc.kernel(name=name, known_block_size=[WAVE * waves, 1, 1])
+        def row_block(i):
+            stage = add(lds0, WAVES * wave_lds + (i % 2) * ROW_STAGE_BYTES)
+            rb = add(rb0, i)
+            col = tile(rb, t, bufs, dims, lds, stage)
+            gpu.barrier()  # every wave's rowwise blocks are in the stage
+            row_lines(rb, bx, bufs, dims, stage)
+            return col
+
+        cols = [row_block(0)]
+        for i in range(1, ROW_BLOCKS):  # the same branch for the whole workgroup (barriers inside)
+            cols.append(mx.if_else(mx.cmp_ult(i, present), lambda i=i: row_block(i),
+                                   lambda: [const(0)] * PIECE_DWORDS, types=[mx.i32_t()] * PIECE_DWORDS))
+        column_lines(cols, t, rb0, bufs, dims, lds)
+
+    @flyc.kernel(name=name, known_block_size=[WAVE * WAVES, 1, 1])
     def kernel(
         x: fx.Tensor,  # (M, K) BF16/FP16/FP32, row-major
         q1: fx.Tensor,  # (M, nkb * 16) uint8: rowwise packed E2M1
@@ -189,14 +256,10 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
         k: fx.Int32,
         nkb: fx.Int32,  # ceil(K / 32)
         nmb: fx.Int32,  # ceil(M / 32)
-        col_tiles: fx.Int32,  # ceil(K / 64)
-        magic: fx.Int32,  # floor(t / col_tiles) = (umulhi(t, magic) + t) >> shift
-        shift: fx.Int32,
         row_bytes: fx.Int32,  # K * element bytes
         x_bytes: fx.Int32,  # M * K * element bytes
-        tiles_per_wave: fx.Int32,
     ):
-        body(x, q1, s1, q0, s0, m, k, nkb, nmb, col_tiles, magic, shift, row_bytes, x_bytes, tiles_per_wave)
+        body(x, q1, s1, q0, s0, m, k, nkb, nmb, row_bytes, x_bytes)
 
     @flyc.jit
     def launch(
@@ -209,18 +272,15 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool, waves: int = MAX_WA
         k: fx.Int32,
         nkb: fx.Int32,
         nmb: fx.Int32,
-        col_tiles: fx.Int32,
-        magic: fx.Int32,
-        shift: fx.Int32,
         row_bytes: fx.Int32,
         x_bytes: fx.Int32,
-        tiles_per_wave: fx.Int32,
-        workgroups: fx.Int32,
+        col_groups: fx.Int32,
+        row_groups: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
-        kernel(x, q1, s1, q0, s0, m, k, nkb, nmb, col_tiles, magic, shift, row_bytes, x_bytes, tiles_per_wave).launch(
-            grid=(workgroups, 1, 1), block=(WAVE * waves, 1, 1), stream=stream
+        kernel(x, q1, s1, q0, s0, m, k, nkb, nmb, row_bytes, x_bytes).launch(
+            grid=(col_groups, row_groups, 1), block=(WAVE * WAVES, 1, 1), stream=stream
         )
 
     return launch
@@ -230,14 +290,14 @@ _cached_dual = functools.lru_cache(maxsize=None)(build_dual)
 
 
 def too_large(shape, dtype: torch.dtype) -> str | None:
-    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets; the last workgroup's
-    tiles past the end reach MAX_WAVES * TILES_PER_WAVE row blocks past M), or None."""
+    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets; the last row block's
+    rows past M are read, as zeros), or None."""
     m, k = shape
     row_bytes = k * torch.empty((), dtype=dtype).element_size()
-    x_bytes = (m + MX_BLOCK * MAX_WAVES * TILES_PER_WAVE) * row_bytes
+    x_bytes = (m + MX_BLOCK) * row_bytes
     out_bytes = max(m * -(-k // MX_BLOCK), k * -(-m // MX_BLOCK)) * OUT_BLOCK_BYTES
     if max(x_bytes, out_bytes) >= mx.MAX_LAUNCH_BYTES:
-        return f"x plus {MX_BLOCK * MAX_WAVES * TILES_PER_WAVE} rows ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB (32-bit buffer offsets)"
+        return f"x plus {MX_BLOCK} rows ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB (32-bit buffer offsets)"
     return None
 
 
@@ -256,9 +316,8 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     if m * k == 0:
         return (d1, s1.view(e8)), (d0, s0.view(e8))
     cfg = plan_dual((m, k), arch, x.dtype)
-    magic, shift = mx.divide_magic(cfg.col_tiles)
     with toolchain.target(arch):
-        launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0, cfg.waves)
-        launch(x, d1, s1, d0, s0, m, k, nkb, nmb, cfg.col_tiles, mx.i32_bits(magic), shift, k * x.element_size(),
-               x.numel() * x.element_size(), cfg.tiles_per_wave, cfg.workgroups, stream=mx.torch_stream(x))
+        launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0)
+        launch(x, d1, s1, d0, s0, m, k, nkb, nmb, k * x.element_size(), x.numel() * x.element_size(),
+               cfg.col_groups, cfg.row_groups, stream=mx.torch_stream(x))
     return (d1, s1.view(e8)), (d0, s0.view(e8))

@@ -227,10 +227,15 @@ def test_dual(arch, mode, dtype):
     their values across the columns; NaN/Inf, -0, subnormals, saturation), an odd row count
     with a K tail (odd K: the 16-bit last element), one row, one column; K % 32 == 0 (the
     whole-line loads): an odd row count with an odd block count (the tile's second block past the
-    row's end), and whole tiles."""
+    row's end), and whole tiles; workgroups of 256 x 256 (2 x 3 here): the last row group with 2
+    of its 8 row blocks, the last column group with 1 of its 4 column tiles (the other waves'
+    blocks all past K), NaN and Inf in the second group's rows; and with a K tail over groups."""
     emu.enable(arch)
+    grouped = random_rows(300, 544, dtype, 13)
+    grouped[260, 300], grouped[1, 540] = float("nan"), float("-inf")
     for x in (rows_tensor(dtype), random_rows(37, 75, dtype, 6), random_rows(1, 3221, dtype, 7),
-              random_rows(2333, 1, dtype, 8), random_rows(67, 96, dtype, 11), random_rows(64, 128, dtype, 12)):
+              random_rows(2333, 1, dtype, 8), random_rows(67, 96, dtype, 11), random_rows(64, 128, dtype, 12),
+              grouped, random_rows(290, 301, dtype, 14)):
         with emu.record() as launches:
             got = kd.quantize_dual(x, arch=arch, scaling_mode=mode)
         assert len(launches) == 1 and launches[0].kernel.startswith(f"mxfp4_dual_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}")
@@ -246,7 +251,7 @@ def test_dual_api():
     x = random_rows(6, 70, torch.float16, seed=10).reshape(2, 3, 70)
     with emu.record() as launches:
         got = fq.mxfp4_quantize_dual(x, "even")
-    assert [r.kernel[: r.kernel.rindex("_w")] for r in launches] == ["mxfp4_dual_even_fp16_gfx950_tail"]
+    assert [r.kernel for r in launches] == ["mxfp4_dual_even_fp16_gfx950_tail"]
     assert_same(got[0], reference.mxfp4_quantize(x, -1, "even"), "dual api rows")
     assert_same(got[1], reference.mxfp4_quantize(x, 0, "even"), "dual api cols")
     plan = fq.explain(fq.mxfp4_quantize_dual, x, "rceil")
@@ -263,30 +268,34 @@ def test_dual_api():
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("tail", [True, False], ids=["tail", "lined"])
 def test_compile_dual(arch, dtype, tail):
-    """Dual: no scratch; the tile's 16-byte loads once (tail: the lane's block, plus the 2-byte
-    load of the last element for 16-bit x; lined: whole lines into LDS and 16-byte stores there,
-    then the block's 16-byte LDS loads); 32 transposed LDS stores, 16-byte LDS loads of the
-    column; two 16-byte data stores and two code bytes per lane."""
+    """Dual: no scratch; per row block of the workgroup (8, unrolled) the tile's 16-byte loads once
+    (tail: the lane's block, plus the 2-byte load of the last element for 16-bit x; lined: whole
+    lines into LDS and 16-byte stores there, then the block's 16-byte LDS loads), 32 transposed
+    LDS stores, 16-byte LDS loads of the column, the rowwise block into the shared stage, a
+    barrier, a 16-byte load of the stage and data store (whole rowwise lines) and two code bytes
+    per lane; then the column lines: per pass 8 16-byte LDS stores per lane, and 8 LDS loads and
+    data stores in all."""
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     x = torch.zeros(64, 256, dtype=torch_dtype)
     q1, s1, q0, s0 = (torch.zeros(s, dtype=U8) for s in ((64, 128), (64, 8), (256, 32), (256, 2)))
-    waves = kd.plan_dual((8192, 8192), arch, torch_dtype).waves  # a large tensor: the most waves
-    (r,) = toolchain.compile_only(arch, kd.build_dual(arch, dtype, "even", tail, waves), x, q1, s1, q0, s0, 64, 256, 8,
-                                  2, 4, 0, 2, 256 * x.element_size(), x.numel() * x.element_size(), 2, 1, stream=0)
-    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, LDS {r.lds_bytes}")
+    (r,) = toolchain.compile_only(arch, kd.build_dual(arch, dtype, "even", tail), x, q1, s1, q0, s0, 64, 256, 8, 2,
+                                  256 * x.element_size(), x.numel() * x.element_size(), 1, 1, stream=0)
+    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, LDS {r.lds_bytes}, {r.workgroups_per_cu()} workgroups/CU")
     loads = 8 if dtype == "fp32" else 4
     eb = x.element_size()
     wave_lds = max(32 * (kd.TILE_COLS * eb + kd.LDS_PAD), kd.TILE_COLS * (32 * eb + kd.LDS_PAD))
-    assert r.spills == 0 and r.lds_bytes == waves * wave_lds
-    assert waves == (3 if (arch, dtype) == ("gfx942", "fp32") else kd.MAX_WAVES)
-    assert r.count("buffer_load_dwordx4") == loads
-    assert r.count("buffer_load_ushort") == (1 if tail and dtype == "bf16" else 0)
-    assert r.count("ds_write_b128") == (0 if tail else loads)
-    assert r.count("ds_read_b128") == (loads if tail else 2 * loads)
+    passes = 1 if dtype == "fp32" else 2  # 64 columns' 144-byte staged lines fit the FP32 tile, 32 the 16-bit one
+    assert r.spills == 0 and r.lds_bytes == 4 * wave_lds + 2 * 32 * 144  # 4 waves' tiles, the double row stage
+    blocks = 8
+    assert r.count("buffer_load_dwordx4") == blocks * loads
+    assert r.count("buffer_load_ushort") == (blocks if tail and dtype == "bf16" else 0)
+    assert r.count("ds_write_b128") == blocks * (1 + (0 if tail else loads)) + passes * 8
+    assert r.count("ds_read_b128") == blocks * ((loads if tail else 2 * loads) + 1) + 8
     writes = 2 * r.count("ds_write2_b32") if dtype == "fp32" else r.count("ds_write_b16") + r.count("ds_write_b16_d16_hi")
-    assert writes == 32
-    assert r.count("buffer_store_dwordx4") == 2 and r.count("buffer_store_byte") == 2
-    assert r.workgroups_per_cu(waves) >= kd.MIN_WORKGROUPS_PER_CU  # FP32 on gfx942: 3 waves' 9 KiB LDS tiles
+    assert writes == blocks * 32
+    assert r.count("s_barrier") == blocks
+    assert r.count("buffer_store_dwordx4") == blocks + 8 and r.count("buffer_store_byte") == 2 * blocks
+    assert r.workgroups_per_cu() >= (1 if (arch, dtype) == ("gfx942", "fp32") else 2)
 
 
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
@@ -418,7 +427,7 @@ def test_compile_cols(arch, dtype):
 def test_instructions_and_coalescing(arch):
     """Executed wave-instructions per element (printed); loads of whole lines and all data stores
     fully coalesced (rowwise, also with the a4w4 and a16w4 (gate_up) shuffles: 4-byte stores of
-    a piece each, FP32 2-byte ones; columnwise: 16-byte stores); the codes of the plain rowwise
+    a piece each, FP32 2-byte ones; columnwise and dual: 16-byte stores); the codes of the plain rowwise
     kernel on gfx950 in whole lines (test_code_lines), the others one byte each."""
     x = emu.aligned(random_rows(128, 4096, torch.bfloat16, seed=3))
     xc = emu.aligned(random_rows(2048, 256, torch.bfloat16, seed=4))  # 8 row blocks: whole wave tiles
@@ -440,6 +449,17 @@ def test_instructions_and_coalescing(arch):
         assert sc.bytes == t.numel() // 32 and (sc.coalescing == 1.0) == (i == 0 and arch == "gfx950")
         assert mem["buffer_load_dwordx4"].bytes == t.numel() * t.element_size()
         assert mem["buffer_load_dwordx4"].coalescing == 1.0  # whole lines (rowwise: a block over 4 lanes)
+    # dual: both orientations' data in whole lines (M and K multiples of 256: every row's and
+    # column's data starts on a line), the codes a byte each
+    xd = emu.aligned(random_rows(512, 512, torch.bfloat16, seed=6))
+    with emu.device_like_allocations(), emu.record() as launches:
+        dual = kd.quantize_dual(xd, arch=arch, scaling_mode="rceil")
+    (r,) = launches
+    print(f"{r.kernel} {tuple(xd.shape)}: {r.stats.wave_instructions / xd.numel():.4f} wave-instructions per element")
+    for data, scales in dual:
+        d = r.stats.traffic_within(data.data_ptr(), data.data_ptr() + data.numel())
+        assert d.bytes == xd.numel() // 2 and d.coalescing == 1.0 and d.partial_store_lines == 0
+    assert r.stats.memory["buffer_load_dwordx4"].coalescing == 1.0
 
 
 @pytest.mark.gpu
