@@ -10,8 +10,8 @@ N/32, K) or (E, N/32, K/32); 32x1 (K, M/32); or a padded layout of the (K, N/32)
 The transposed 3D view (strides (N*K, 1, N)) is quantized along its contiguous dim: see
 quantize_3d.
 
-The kernel (work split, tails) is kernels/_mx_col.py's build_col; here its plan and the
-torch-facing launchers.
+The kernel (work split, tails) is kernels/_mx_col.py's build_col (its row-major outputs:
+kernels/_mx_col_rows.py); here its plan and the torch-facing launchers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
-from ._mx_col import MAX_WAVES, ROWS_PER_LANE, TILE_ROWS, _cached_col, rows_3d_t
+from ._mx_col import MAX_WAVES, _cached_col
+from ._mx_col_rows import ROWS_PER_LANE, TILE_ROWS, rows_3d_t
 from ._mx_common import MX_BLOCK, WAVE
 
 MAX_LAUNCH_BYTES = mx.MAX_LAUNCH_BYTES  # per expert (data) and for the whole scale tensor
@@ -49,7 +50,7 @@ def plan_col(shape, dtype: torch.dtype, arch: str, block_k: int = 1, kind: str =
     Tile rows: 128, or 64 for N = 64 (32 x 1 blocks, not dual), where a 128-row tile would
     leave half its lanes idle; for other N the 128-row tiles' full-line column stores win. A
     wave walks up to TILES_PER_WAVE consecutive column tiles of one row tile, workgroups of up
-    to 4 waves. 3d_t: 64 (FP32: 32) rows x 128 columns (_mx_col.rows_3d_t)."""
+    to 4 waves. 3d_t: 64 (FP32: 32) rows x 128 columns (_mx_col_rows.rows_3d_t)."""
     e, n, k = shape
     arch_info(arch)
     elem_bytes = torch.empty((), dtype=dtype).element_size()

@@ -22,6 +22,7 @@ from flyquant import reference, toolchain
 from flyquant.arch import occupancy
 from flyquant.kernels import mxfp8_quantize_2d as q2
 from flyquant.kernels import _mx_col as col
+from flyquant.kernels import _mx_col_rows as col_rows
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
 ARCHS = ("gfx950", "gfx942")
@@ -341,7 +342,7 @@ def test_compile_resources(arch, mode):
 def test_compile_dual(arch, dtype):
     """dual: no scratch; the 1x32 rows go through LDS (16 KiB per wave, or 8 KiB where the
     group's last tiles store the line's second half from registers) exactly as far as that
-    costs no occupancy (col.staged_tiles): the registers' occupancy is kept, and on gfx950 that
+    costs no occupancy (col_rows.staged_tiles): the registers' occupancy is kept, and on gfx950 that
     is 2 workgroups of 4 waves per CU (as before the staging)."""
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
@@ -349,17 +350,17 @@ def test_compile_dual(arch, dtype):
     plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
     r = _compile(arch, col.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256, 256 * x.element_size(),
                  1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1)
-    group = col.LINE_BYTES // plan.tile_cols
-    staged = col.staged_tiles(arch, dtype)
+    group = col_rows.LINE_BYTES // plan.tile_cols
+    staged = col_rows.staged_tiles(arch, dtype)
     # all tiles of a group staged, except on gfx942 with 8 waves per CU: FP16 / FP32 stage the
     # line's first half (1 of 2 / 2 of 4 tiles: 8 waves x 8 KiB fill its 64 KiB)
     assert staged == (group // 2 if arch == "gfx942" and dtype != "bf16" else group)
     by_regs = occupancy(arch, r.vgprs, r.agprs, 0, col.MAX_WAVES)
     print(f"{r.name}: {r.vgprs} VGPRs, LDS {r.lds_bytes}, {r.workgroups_per_cu()} workgroups/CU")
     assert r.spills == 0, r.name
-    assert r.lds_bytes == col.MAX_WAVES * col.stage_bytes(dtype, staged) and r.workgroups_per_cu() == by_regs
+    assert r.lds_bytes == col.MAX_WAVES * col_rows.stage_bytes(dtype, staged) and r.workgroups_per_cu() == by_regs
     if staged < group:  # the full stage would cost occupancy
-        assert occupancy(arch, r.vgprs, r.agprs, col.MAX_WAVES * col.stage_bytes(dtype, group), col.MAX_WAVES) < by_regs
+        assert occupancy(arch, r.vgprs, r.agprs, col.MAX_WAVES * col_rows.stage_bytes(dtype, group), col.MAX_WAVES) < by_regs
     if arch == "gfx950" or dtype != "bf16":
         assert r.workgroups_per_cu() >= 2, r.vgprs
 

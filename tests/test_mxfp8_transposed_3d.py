@@ -22,6 +22,7 @@ import flyquant.emu as emu
 from flyquant import api, toolchain
 from flyquant import reference as R
 from flyquant.kernels import _mx_col as col
+from flyquant.kernels import _mx_col_rows as col_rows
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
 import oracles
@@ -226,7 +227,7 @@ def test_3d_t_stores_whole_lines_without_spills(arch, dtype):
     assert store.bytes == e * n * k and store.partial_store_lines == 0 and store.coalescing == 1.0
     assert stats.memory["buffer_load_dwordx4"].coalescing == 1.0
     plan = q3.plan_col((e, k, n), dtype, arch, 32, "3d_t")
-    assert (plan.tile_rows, plan.tile_cols) == (col.rows_3d_t(x.element_size()), 128)
+    assert (plan.tile_rows, plan.tile_cols) == (col_rows.rows_3d_t(x.element_size()), 128)
     launch = col.build_col(arch, q3.TORCH_DTYPES[dtype], "rceil", "3d_t", None, 32, False, plan.waves, plan.tile_rows)
     q, s, o = torch.zeros(e * n * k, dtype=U8), torch.zeros(e * n * k // 1024, dtype=U8), torch.zeros(1, dtype=torch.int32)
     reports = toolchain.compile_only(arch, launch, x, q, s, o, o, o, k, n, n * x.element_size(), plan.tiles_per_wave,
