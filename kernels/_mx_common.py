@@ -248,9 +248,11 @@ def chain_amax(spec: Spec, dwords, exact=False):
     return _tree([band(d, splat16(0x7FFF)) for d in dwords], pk_umax)
 
 
-def chain_amax_interleaved(spec: Spec, columns, exact=False):
+def chain_amax_interleaved(spec: Spec, columns, exact=False, pinned=False):
     """chain_amax of several independent lists, emitted step by step across the lists so that
-    consecutive instructions do not depend on each other (no hazard wait states between them)."""
+    consecutive instructions do not depend on each other (no hazard wait states between them).
+    pinned: a scheduling barrier after each step keeps that order (LLVM's scheduler otherwise may
+    run a fourth chain alone, an s_nop between each of its steps)."""
     if spec.wide and spec.arch != "gfx950" or (not spec.wide and not (spec.f16_view and not exact)):
         return [chain_amax(spec, col, exact) for col in columns]
     first = _f32_abs if spec.wide else (lambda d: band(d, splat16(0x7FFF)))
@@ -258,6 +260,8 @@ def chain_amax_interleaved(spec: Spec, columns, exact=False):
     accs = [first(col[0]) for col in columns]
     for i in range(1, len(columns[0])):
         accs = [step(a, col[i]) for a, col in zip(accs, columns)]
+        if pinned:
+            fx.rocdl.sched_barrier(0)
     return accs
 
 

@@ -38,12 +38,14 @@ from flyquant.arch import arch_info
 from . import _mx_common as mx
 from . import _mxfp4_common
 from ._mx_common import MX_BLOCK, PIECE_BYTES, PIECE_DWORDS, WAVE, Spec, add, band, const, lshr, mul, sub, val
-from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, hw_convert, nan_words, scale_code, sw_convert
+from ._mxfp4_common import (OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, convert_pieces, hw_convert, nan_words, pieces,
+                            scale_code, scale_pair, sw_convert)
 
 SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
 TILE_ROW_BLOCKS = 8  # row blocks per wave tile (lane % 8)
 TILE_GROUPS = WAVE // TILE_ROW_BLOCKS  # 16-byte column groups per wave tile (lane / 8)
+ROW_STEPS = 8  # inner tiles' loads: a vector offset per 8 rows, a scalar one per row within them
 HALF_SEL = (0x05040100, 0x07060302)  # v_perm_b32: the low / high halves of (hi, lo) dwords
 MAX_WAVES = 4
 TILES_PER_WAVE = 2
@@ -102,19 +104,49 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
         return mx.if_else(mx.wave_any(at0), patched, lambda: words, types=[mx.i32_t()] * PIECE_DWORDS)
 
     def column_amaxes(regs):
-        """The amax pattern of each of the lane's cpl columns over its 32 rows."""
+        """(the amax patterns of the lane's cpl columns over its 32 rows as split() reads them,
+        wave-uniform i1: whether one of the wave's columns may hold a NaN or an Inf). The test is one
+        compare of the lane's peak; BF16 read as FP16 (gfx950) makes it only in the exact redo,
+        which every such column takes (NONFINITE is above `suspicious`)."""
         chains = [[row[j] for row in regs] for j in range(PIECE_DWORDS)]
-        acc = mx.chain_amax_interleaved(spec, chains)
-        if spec.needs_exact_redo:  # BF16 read as FP16 (gfx950): columns from 2^121 up redo it exactly
-            peak = mx.pair_max(acc[0])
+        acc = mx.chain_amax_interleaved(spec, chains, pinned=True)
+        nonfinite = mx.NONFINITE[dtype]
+
+        def peak(acc):
+            p = acc[0] if spec.wide else mx.pair_max(acc[0])
             for a in acc[1:]:
-                peak = mx.umax(peak, mx.pair_max(a))
-            acc = mx.if_else(mx.wave_any(mx.cmp_uge(peak, spec.suspicious)),
-                             lambda: mx.chain_amax_interleaved(spec, chains, exact=True), lambda: acc,
-                             types=[mx.i32_t()] * PIECE_DWORDS)
-        if spec.wide:
-            return acc
-        return [h for a in acc for h in (band(a, 0xFFFF), lshr(a, 16))]
+                p = mx.umax(p, a if spec.wide else mx.pair_max(a))
+            return p
+
+        if spec.needs_exact_redo:  # columns from 2^121 up redo it exactly
+            def exact():
+                e = mx.chain_amax_interleaved(spec, chains, exact=True)
+                return e + [mx.select(mx.wave_any(mx.cmp_uge(peak(e), nonfinite)), 1, 0)]
+
+            out = mx.if_else(mx.wave_any(mx.cmp_uge(peak(acc), spec.suspicious)), exact, lambda: acc + [const(0)],
+                             types=[mx.i32_t()] * (PIECE_DWORDS + 1))
+            acc, bad = out[:-1], mx.wave_any(mx.cmp_ne(out[-1], 0))
+        else:
+            bad = mx.wave_any(mx.cmp_uge(peak(acc), nonfinite))
+        return acc, bad
+
+    def split(acc):
+        """Each column's amax pattern: FP32 as is, 16-bit the halves (column 2j low, 2j + 1 high)."""
+        return list(acc) if spec.wide else [h for a in acc for h in (band(a, 0xFFFF), lshr(a, 16))]
+
+    def codes_and_data(regs, acc):
+        """Each column's code (in the low byte) and 4 data dwords. BF16 on gfx950 takes the scale
+        rule two columns per packed instruction (_mxfp4_common.scale_pair, as the rowwise kernel)."""
+        if not (spec.scaled_cvt and spec.dtype == "bf16"):
+            amaxes = split(acc)
+            codes = [scale_code(spec, a) for a in amaxes]
+            return codes, [convert(spec, column_words(regs, c), codes[c], amaxes[c]) for c in range(cpl)]
+        codes, operands = [], []
+        for a in acc:
+            pair, tops = scale_pair(spec, a)
+            codes += [pair, lshr(pair, 16)]
+            operands += [mx.as_i32(mx.scale_from_tops(spec, tops, j)) for j in range(2)]
+        return codes, [convert_pieces(spec, pieces(spec, column_words(regs, c)), [operands[c]] * 4) for c in range(cpl)]
 
     def column_words(regs, c):
         """Column c's 32 elements as conversion input: FP32 in row order, or 16 dwords of (row 2i,
@@ -126,42 +158,58 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
     def tile(t, bufs, dims, grid):
         rx, rq, rs = bufs
         m, k, x_bytes = dims
-        lane, col_tiles, magic, shift, nmb, row_bytes = grid
+        lane, col_tiles, magic, shift, nmb, row_bytes, row_steps, whole_rows, whole_cols = grid
         rt = lshr(add(mx.umulhi(t, magic), t), shift)
         ct = sub(t, mul(rt, col_tiles))
         mb = add(mul(rt, TILE_ROW_BLOCKS), band(lane, TILE_ROW_BLOCKS - 1))
         cg = add(mul(ct, TILE_GROUPS), lshr(lane, 3))
         off = add(mul(mul(mb, MX_BLOCK), row_bytes), mul(cg, PIECE_BYTES))
-        offs = [off]
-        for _ in range(1, MX_BLOCK):
-            offs.append(add(offs[-1], row_bytes))
-        regs = [load_row(rx, o, x_bytes, r == 0) for r, o in enumerate(offs)]
-        amaxes = column_amaxes(regs)
-        codes = [scale_code(spec, a) for a in amaxes]
-        data = [convert(spec, column_words(regs, c), codes[c], amaxes[c]) for c in range(cpl)]
-        bads = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in amaxes]
-        any_bad = bads[0]
-        for b in bads[1:]:
-            any_bad = arith.ori(any_bad, b)
+
+        def checked():  # each row's offset range-checked: rows past M read 0, groups past K are not stored
+            offs = [off]
+            for _ in range(1, MX_BLOCK):
+                offs.append(add(offs[-1], row_bytes))
+            return [w for r, o in enumerate(offs) for w in load_row(rx, o, x_bytes, r == 0)]
+
+        if odd:
+            flat = checked()
+        else:
+            # a tile inside x: row 8j + i at the vector offset of row 8j plus the scalar offset of i
+            # rows (the range check sees only the vector offset, which is why the edge tiles take
+            # `checked`): 3 vector adds instead of 31
+            inside = arith.andi(mx.cmp_ult(rt, whole_rows), mx.cmp_ult(ct, whole_cols))
+
+            def fast():
+                bases = [off]
+                for _ in range(1, MX_BLOCK // ROW_STEPS):
+                    bases.append(add(bases[-1], row_steps[-1]))
+                return [w for b in bases for so in row_steps[:-1] for w in mx.dwords_of(mx.load(rx, b, soffset=so))]
+
+            flat = mx.if_else(inside, fast, checked, types=[mx.i32_t()] * (MX_BLOCK * PIECE_DWORDS))
+        regs = [flat[r * PIECE_DWORDS:(r + 1) * PIECE_DWORDS] for r in range(MX_BLOCK)]
+        mx.wait_loads()  # one wait for the 32 rows, not one per row
+        acc, any_bad = column_amaxes(regs)
+        codes, data = codes_and_data(regs, acc)
         rows = sub(m, mul(mb, MX_BLOCK))  # rows of this block present (>= 32 for inner blocks)
 
         def patched():
+            bads = [mx.cmp_uge(a, mx.NONFINITE[dtype]) for a in split(acc)]
             nan = nan_words(rows)
             out = []
             for c in range(cpl):
                 out += [mx.select(bads[c], n, d) for n, d in zip(nan, data[c])] + [mx.select(bads[c], mx.E8M0_NAN, codes[c])]
             return out
 
-        flat = mx.if_else(mx.wave_any(any_bad), patched, lambda: [v for c in range(cpl) for v in data[c] + [codes[c]]],
+        flat = mx.if_else(any_bad, patched, lambda: [v for c in range(cpl) for v in data[c] + [codes[c]]],
                           types=[mx.i32_t()] * (5 * cpl))
-        block_ok = mx.cmp_ult(mb, nmb)
+        # column c's offsets: the first column's plus c rows of the outputs; a column past K lands
+        # past the outputs' end (dropped), a row block past the last is moved out of range
+        block = add(mul(mul(cg, cpl), nmb), mb)  # (first column, row block)
+        ok = mx.cmp_ult(mb, nmb)
+        s_off, d_off = mx.select(ok, block, mx.OOB), mx.select(ok, mul(block, OUT_BLOCK_BYTES), mx.OOB)
         for c in range(cpl):
-            col = add(mul(cg, cpl), c)
-            ok = arith.andi(block_ok, mx.cmp_ult(col, k))
-            d_off = mx.select(ok, add(mul(col, mul(nmb, OUT_BLOCK_BYTES)), mul(mb, OUT_BLOCK_BYTES)), mx.OOB)
-            s_off = mx.select(ok, add(mul(col, nmb), mb), mx.OOB)
-            mx.store_byte(flat[5 * c + 4], rs, s_off)
-            mx.store(mx.from_elements(flat[5 * c:5 * c + 4]), rq, d_off)
+            mx.store_byte(flat[5 * c + 4], rs, add(s_off, mul(nmb, c)) if c else s_off)
+            mx.store(mx.from_elements(flat[5 * c:5 * c + 4]), rq, add(d_off, mul(nmb, c * OUT_BLOCK_BYTES)) if c else d_off)
 
     def body(x, q, s, m, k, nmb, row_bytes, tiles, tiles_per_wave, col_tiles, magic, shift):
         tid = val(fx.Int32(fx.thread_idx.x))
@@ -175,7 +223,12 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
         rs = mx.buffer(s, zero, mx.to_i64(mul(k, nmb)))
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
         bufs, dims = (rx, rq, rs), (m, k, x_bytes)
-        grid = (lane, val(col_tiles), val(magic), val(shift), nmb, row_bytes)
+        # 0 .. 8 rows' distances (scalar, once per wave) and the tiles inside x (row tiles of 256
+        # rows below M, column tiles of 128 bytes within a row)
+        row_steps = [const(0)] + [mul(row_bytes, r) for r in range(1, ROW_STEPS + 1)]
+        whole_rows = lshr(m, (MX_BLOCK * TILE_ROW_BLOCKS).bit_length() - 1)
+        whole_cols = lshr(row_bytes, (TILE_GROUPS * PIECE_BYTES).bit_length() - 1)
+        grid = (lane, val(col_tiles), val(magic), val(shift), nmb, row_bytes, row_steps, whole_rows, whole_cols)
 
         def step(i):
             t = mx.opaque_sgpr(add(first, i))

@@ -11,6 +11,8 @@ code 2 - 2 + 127 = 127, elements unscaled: 6 -> 0x7, -0.75 -> -1.0 (tie to even)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -200,9 +202,10 @@ def test_cols(arch, mode, dtype):
 
 # Columnwise tails: one element; 1 x 7 (16-bit: the last element at offset 0 of an odd row); a
 # column of 3 rows (odd K = 1: the last row's load moved back); a prime M and K (rows at 2-byte
-# alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group). One
-# mode per dtype (the modes differ only in the scale rule, which test_cols covers).
-COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4)]
+# alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group); 544 x
+# 136: tiles inside x (scalar row offsets) beside edge tiles in both directions, a NaN and an Inf
+# inside. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -213,6 +216,8 @@ def test_cols_tails(arch, dtype):
         x = random_rows(m, k, dtype, seed=i)
         if (m, k) == (40, 9):
             x[37, 2], x[3, 8] = float("nan"), float("inf")
+        if (m, k) == (544, 136):
+            x[300, 20], x[40, 70], x[530, 130] = float("nan"), float("-inf"), float("inf")
         got = kc.quantize_cols(x, arch=arch, scaling_mode=mode)
         assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
 
@@ -404,20 +409,22 @@ def test_compile_lined(arch, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile_cols(arch, dtype):
     """Columnwise: no scratch; 32 16-byte row loads (odd: plus the 2-byte load of the last
-    element), one 16-byte data store and one code byte per column; the scaled FP4 conversion on
-    gfx950 only."""
+    element; the plain variant has them twice: tiles inside x with 28 of them at a scalar row
+    offset, edge tiles with every row's offset range-checked), one 16-byte data store and one
+    code byte per column; the scaled FP4 conversion on gfx950 only."""
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     cvt = "v_cvt_scalef32_pk_fp4_" + {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}[dtype]
     x = torch.zeros(256, 256, dtype=torch_dtype)
     q, s = torch.zeros(256, 128, dtype=U8), torch.zeros(256, 8, dtype=U8)
     cols = 16 // x.element_size()
-    for odd in (dtype != "fp32",):  # 16-bit: the odd-K variant (the plain one's code plus the realigned loads)
+    for odd in (False, True) if dtype != "fp32" else (False,):  # 16-bit odd K: the realigned loads
         (r,) = toolchain.compile_only(arch, kc.build_cols(arch, dtype, "floor", odd), x, q, s, 256, 256, 8, 256 * x.element_size(),
                                       8, 2, 4, 0, 2, 1,
                                       stream=0)
         print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, {r.workgroups_per_cu()} workgroups/CU")
         assert r.spills == 0 and r.lds_bytes == 0, r.name
-        assert r.count("buffer_load_dwordx4") == 32 and r.count("buffer_load_ushort") == int(odd), r.name
+        assert r.count("buffer_load_dwordx4") == (32 if odd else 64) and r.count("buffer_load_ushort") == int(odd), r.name
+        assert len(re.findall(r"buffer_load_dwordx4 .*, s\d+ offen", r.isa)) == (0 if odd else 28), r.name
         assert r.count("buffer_store_dwordx4") == cols and r.count("buffer_store_byte") == cols, r.name
         assert r.count(cvt) == (16 * cols if arch == "gfx950" else 0), r.name
         assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950"), r.name
