@@ -193,6 +193,8 @@ def _store_lines(ctx):
     offsets = [mx.bit_select(lo, own, other), mx.bit_select(lo, other, own)]
 
     def put(data, r):
+        if not r:  # the partner lanes' staged rows (stored at earlier tiles)
+            mx.lds_exchange_fence()
         staged = mx.lds_load(mx.PIECE_DWORDS // 2, add(ctx["partner_lds"], r * ctx["stage_row"]))
         if r:  # the next row (rows go in order): offsets in VGPRs, SGPRs are scarce here
             offsets[:] = [add(o, k) for o in offsets]
@@ -213,6 +215,7 @@ def _flush_rows(ctx):
     rq = _rows_buffer(ctx, first_col)
 
     def stores():
+        mx.lds_exchange_fence()  # rows other lanes staged
         for j in range(0, TILE_ROWS[0], FLUSH_ROWS):
             data = mx.lds_load(mx.PIECE_DWORDS, add(ctx["flush_lds"], j * LINE_BYTES))
             mx.store(data, rq, add(ctx["flush_q1"], mul(j, k)) if j else ctx["flush_q1"])
