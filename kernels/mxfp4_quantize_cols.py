@@ -11,8 +11,11 @@ chains interleaved), its columns' codes, and their 32 elements converted from (r
 pairs (16-bit: v_perm_b32 gathers a column's halves from two rows). It stores per column one
 16-byte data block at (column, row block): the 8 lanes of a column group store 128 contiguous
 bytes of each output row (whole lines), and the code bytes likewise 8 in a row. Tiles run over
-row tiles (major) and column tiles; a wave takes `tiles_per_wave` consecutive ones. Columns past
-K and row blocks past the last are not stored (their offsets are moved out of range).
+row tiles (major) and column tiles; a wave takes `tiles_per_wave` consecutive ones. A tile wholly
+inside x loads row 8j + i at the vector offset of row 8j plus a scalar offset of i rows (the
+buffer's range check sees only the vector offset); an edge tile range-checks every row's offset
+(rows past M read 0). Columns past K land past the outputs' end and row blocks past the last are
+moved out of range: their stores are dropped.
 
 16-bit types with odd K: the tensor's last element is the low half of a dword whose high half
 lies past x's end, which the buffer range check reads as 0; a variant of the kernel moves such
