@@ -285,6 +285,13 @@ def wait_loads():
     fx.rocdl.s_waitcnt(vmcnt=0)
 
 
+def wait_lds():
+    """s_waitcnt lgkmcnt(0): one wait for all LDS accesses issued so far, instead of one per first
+    use of a load; a scheduling barrier keeps the uses after it."""
+    fx.rocdl.s_waitcnt(lgkmcnt=0)
+    fx.rocdl.sched_barrier(0)
+
+
 def load(rsrc, offset, dwords=PIECE_DWORDS, soffset=0):
     ty = vec_i32_t(dwords) if dwords > 1 else i32_t()
     return rocdl.raw_ptr_buffer_load(ty, rsrc, val(offset), val(soffset))

@@ -152,11 +152,14 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
             if not spec.wide:
                 words = rows_kernel._last_element(words, g, valid, (rx,), (mul(m, nkb), x_bytes))
         else:  # whole lines into LDS (row-major), then the lane's block back
-            for reg, at in line_loads(rx, rb, t, nkb, row_bytes, lane):
+            regs = line_loads(rx, rb, t, nkb, row_bytes, lane)
+            mx.wait_loads()  # one wait for the tile's loads, one for its LDS reads (not one per use)
+            for reg, at in regs:
                 mx.lds_store(reg, add(lds, at))
             mx.lds_exchange_fence()
             block_addr = add(lds, add(mul(r, row_stride), mul(h, in_block)))
             words = [w for i in range(loads) for w in mx.dwords_of(mx.lds_load(PIECE_DWORDS, add(block_addr, i * PIECE_BYTES)))]
+            mx.wait_lds()
         # rowwise: the lane's block (row rb * 32 + r, block 2t + h)
         out = quantize_words(spec, words, valid)
         mx.store_byte(out[4], s1, mx.select(arith.andi(mx.cmp_ult(kb, nkb), mx.cmp_ult(row, m)), g, mx.OOB))
@@ -174,6 +177,7 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
         # columnwise: column 64 t + lane over the row block
         col_addr = add(lds, mul(lane, col_stride))
         cwords = [w for i in range(loads) for w in mx.dwords_of(mx.lds_load(PIECE_DWORDS, add(col_addr, i * PIECE_BYTES)))]
+        mx.wait_lds()
         cout = quantize_words(spec, cwords, mx.usub_sat(m, shl(rb, 5)))
         col = add(mul(t, TILE_COLS), lane)
         cinside = arith.andi(mx.cmp_ult(col, k), mx.cmp_ult(rb, nmb))
