@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import flydsl.expr as fx
 from flydsl._mlir import ir
 from flydsl._mlir.dialects import arith, llvm, rocdl, vector
 
@@ -184,21 +185,29 @@ def _f16_const(v: float):
     return _f16(const(mx.splat16(int(np.float16(v).view(np.uint16)))))
 
 
-def _code_pair(spec: Spec, pair, scale, floor: bool):
-    """Two 16-bit elements (a dword) -> a dword whose bytes 0 and 2 are the codes of |x| (module
-    docstring); `scale`: the re-bias (BF16) or the FP16 multiplier, both halves."""
-    a = band(pair, 0x7FFF7FFF)
+def _code_pairs(spec: Spec, pairs, scales, floor: bool):
+    """Dwords of two 16-bit elements -> dwords whose bytes 0 and 2 are the codes of |x| (module
+    docstring); `scales`: per dword the re-bias (BF16) or the FP16 multiplier, both halves.
+    Emitted step by step across the dwords, a scheduling barrier after each step: LLVM otherwise
+    runs one dword's chain alone, an s_nop between its dependent packed ops (gfx942)."""
+    steps = [lambda a, sc: band(a, 0x7FFF7FFF)]
     if spec.dtype == "bf16":
-        y = _f16(mx.pk(arith.shli, mx.pk(llvm.intr_usub_sat, a, scale), mx.splat16(BF16_TO_F16_MANT)))
+        steps += [lambda a, sc: mx.pk(llvm.intr_usub_sat, a, sc),
+                  lambda a, sc: _f16(mx.pk(arith.shli, a, mx.splat16(BF16_TO_F16_MANT)))]
     else:
-        y = arith.mulf(_f16(a), _f16(scale))
-    v = None
+        steps += [lambda a, sc: arith.mulf(_f16(a), _f16(sc))]
+    vals = list(pairs)
+    for step in steps:
+        vals = [step(a, sc) for a, sc in zip(vals, scales)]
+        fx.rocdl.sched_barrier(0)
+    ys, v = vals, [None] * len(vals)
     for k, c in V_TERMS:
-        t = llvm.intr_fma(y, _f16_const(k), _f16_const(c))
-        v = t if v is None else arith.minnumf(v, t)
+        ts = [llvm.intr_fma(y, _f16_const(k), _f16_const(c)) for y in ys]
+        v = [t if u is None else arith.minnumf(u, t) for u, t in zip(v, ts)]
+        fx.rocdl.sched_barrier(0)
     if floor:
-        v = arith.minnumf(v, _f16_const(F16_SAT))
-    return mx.bitcast(mx.i32_t(), v)
+        v = [arith.minnumf(u, _f16_const(F16_SAT)) for u in v]
+    return [mx.bitcast(mx.i32_t(), u) for u in v]
 
 
 def sw16_scale(spec: Spec, code):
@@ -215,9 +224,12 @@ def sw16_scale(spec: Spec, code):
 
 def sw16_pieces(spec: Spec, groups, scales):
     """gfx942 BF16/FP16: pieces of 8 elements (4 dwords of pairs each, with their sw16_scale) ->
-    a dword of nibbles each (module docstring). All codes first, then the packing: interleaving
-    independent chains keeps the dependent packed ops apart (no hazard s_nops)."""
-    ms = [[_code_pair(spec, w, sc, spec.mode == "floor") for w in p] for p, sc in zip(groups, scales)]
+    a dword of nibbles each (module docstring). All codes first (every dword's step by step,
+    _code_pairs), then the packing: interleaving independent chains keeps the dependent packed
+    ops apart (no hazard s_nops)."""
+    flat = _code_pairs(spec, [w for p in groups for w in p], [sc for p, sc in zip(groups, scales) for _ in p],
+                       spec.mode == "floor")
+    ms = [flat[4 * i:4 * i + 4] for i in range(len(groups))]
     out = []
     for p, m in zip(groups, ms):
         # elements 0-3 and 4-7 as code bytes with their signs
