@@ -21,8 +21,8 @@ elements back with 16-byte LDS loads (16-bit: as (row 2i, row 2i + 1) dwords, th
 words' order) and quantizes and stores them the same way. A wave's LDS accesses run in program
 order, so the wave needs no barrier for its own tile (the transposed stores follow the
 row-major loads, the next tile's stores this tile's loads). Rows past M read zeros (past x's
-end), columns past K are masked; stores of rows past M, columns past K and blocks past the last
-row block are moved out of range.
+end), columns past K are masked; stores of rows past M, columns past K and (in the column lines)
+row blocks past the last are moved out of range.
 
 Whole output lines. A 128-byte line of rowwise data is 8 blocks of a row (256 columns), one of
 columnwise data 8 row blocks of a column (256 rows), so a workgroup of WAVES = 4 waves owns 256
@@ -180,8 +180,8 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
         mx.wait_lds()
         cout = quantize_words(spec, cwords, mx.usub_sat(m, shl(rb, 5)))
         col = add(mul(t, TILE_COLS), lane)
-        cinside = arith.andi(mx.cmp_ult(col, k), mx.cmp_ult(rb, nmb))
-        mx.store_byte(cout[4], s0, mx.select(cinside, add(mul(col, nmb), rb), mx.OOB))
+        # (rb is below nmb: the row blocks past the last are skipped)
+        mx.store_byte(cout[4], s0, mx.select(mx.cmp_ult(col, k), add(mul(col, nmb), rb), mx.OOB))
         return cout[:4]
 
     def row_lines(rb, bx, bufs, dims, stage):
@@ -199,6 +199,8 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
         through the wave's tile, per_pass columns at a time, a line per 8 lanes."""
         q0 = bufs[3]
         k, nmb, lane = dims[1], dims[3], dims[7]
+        piece = band(lane, LINE_PIECES - 1)
+        rb = add(rb0, piece)
         for p in range(WAVE // per_pass):
             at = add(lds, mul(sub(lane, p * per_pass), LINE_STRIDE))
             put = lambda: [mx.lds_store(mx.from_elements(c), add(at, i * PIECE_BYTES)) for i, c in enumerate(cols)]  # noqa: E731
@@ -207,8 +209,6 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
             else:
                 mx.if_then(mx.cmp_ult(sub(lane, p * per_pass), per_pass), put)
             mx.lds_exchange_fence()
-            piece = band(lane, LINE_PIECES - 1)
-            rb = add(rb0, piece)
             for q in range(per_pass // LINE_PIECES):
                 c = add(q * LINE_PIECES, lshr(lane, 3))
                 data = mx.lds_load(PIECE_DWORDS, add(lds, add(mul(c, LINE_STRIDE), shl(piece, 4))))
