@@ -82,6 +82,13 @@ def code_lines(arch: str, dtype: str, shuffle, scale_layout) -> bool:
     return not (shuffle or scale_layout) and (arch == "gfx950" or dtype == "fp32")
 
 
+def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
+    """The a4w4 kernel's K alignment (build_rows' k_align): 256 where steps of two tiles run (gfx950,
+    16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else 0."""
+    two_tiles = arch == "gfx950" and dtype != "fp32"
+    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 0
+
+
 @dataclass(frozen=True)
 class RowPlan:
     waves: int  # waves per workgroup
@@ -195,18 +202,23 @@ def _a4w4_block(u, nkb, magic, shift):
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
-               waves: int = MAX_WAVES):
+               waves: int = MAX_WAVES, k_align: int = 0):
     """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
     != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
     shuffle_weight(layout=(16, 16)) layout, M % 16 == 0, K % 64 == 0; scale_layout None or "mfma",
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
-    caller's zeros))."""
+    caller's zeros)); k_align (a4w4: a4w4_k_align): 128, a tile's two pairs of blocks lie in one
+    row tile, so its places come from one division (a4w4_tiles) and its codes' offsets are a tile
+    part plus a lane part; 256, so do a step's two tiles (the second's offsets are the first's
+    plus constants)."""
     spec = Spec(arch, dtype, mode)
+    assert k_align in (0, 128, 256) and (not k_align or shuffle == "a4w4")
+    k128, k256 = k_align >= 128, k_align == 256
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
-            + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
+            + (f"_k{k_align}" if k_align else "") + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
     source = SOURCE_TAG
 
     dists = DISTS[(arch, spec.elem_bytes)]
@@ -242,13 +254,13 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     def a4w4_tiles(t0, shape, first):
         """Data shuffles: (output row, kb) of the first unit of each of the tile's two pairs of
         row tiles t = t0 / 16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even;
-        a16w4, nkb % 8 == 0: both in the tile's one row tile, `first` its (row, kb), carried
-        from tile to tile)."""
+        k128 and a16w4 (nkb % 8 == 0): both in the tile's one row tile, the second 2 blocks on;
+        a16w4: `first` the tile's (row, kb), carried from tile to tile)."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        if shuffle != "a4w4":
-            row, kb = first
-            return [(row, kb), (row, add(kb, 2))]
-        return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
+        if shuffle == "a4w4" and not k128:
+            return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
+        row, kb = first if shuffle != "a4w4" else _a4w4_block(t0, nkb, magic, shift)
+        return [(row, kb), (row, add(kb, 2))]
 
     def lined_loads(t0, du, rx, lane, shape, firsts, n1_args, sizes):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
@@ -279,14 +291,17 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
-            offs = [add(v_in, du * in_block + i * LOAD_BYTES) for i in range(loads)]
-        else:
-            if shuffle == "a16w4_gate_up":
-                firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
-            bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
-            places = [tile_place(lined_units(i)) for i in range(loads)]
-            offs = [add(bases[p], add(mul(row_bytes, r), d_kb * in_block)) for p, d_kb, r in places]
-        return [mx.dwords_of(mx.load(rx, o)) for o in offs], None
+            return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block + i * LOAD_BYTES))) for i in range(loads)], None
+        if shuffle == "a16w4_gate_up":
+            firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
+        bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
+        if shuffle != "a4w4" or k128:  # one row tile: the second pair 2 blocks on (an immediate offset)
+            bases[1] = add(bases[0], 2 * in_block)
+        # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
+        # (M % 16 == 0), and a row tile past the end has its base out of range
+        places = [tile_place(lined_units(i)) for i in range(loads)]
+        return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block), soffset=mul(row_bytes, r) if r else 0))
+                for p, d_kb, r in places], None
 
     def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True):
         """Units t0 .. t0 + 64 n - 1 (t0 wave-uniform), as n tiles of 64 (two: 16-bit x on gfx950,
@@ -301,7 +316,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
-        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s]
+        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s[:1 if k256 else n]]
+        if k256 and n == 2:  # the second tile 4 blocks on in the first's row tile (the step starts at kb % 8 == 0)
+            row, kb = firsts[0][0]
+            firsts.append([(row, add(kb, 4)), (row, add(kb, 6))])
         nb = sizes[0]
         loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes) for j, f in enumerate(firsts)]
         words = [w for w, _ in loaded]
@@ -358,23 +376,31 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             tile_data = data[loads * j:loads * j + loads]
             g = add(t, own)
             s_off = g
-            if shuffle == "a4w4":  # the owned unit's place in the tile
+            if shuffle == "a4w4" and not k128:  # the owned unit's place in the tile
                 pair, d_kb, d_row = tile_place(own)
                 odd = mx.cmp_ne(pair, 0)
                 row = add(mx.select(odd, firsts[j][1][0], firsts[j][0][0]), d_row)
                 kb = add(mx.select(odd, firsts[j][1][1], firsts[j][0][1]), d_kb)
                 s_off = add(mul(row, nkb), kb)
-            elif shuffle:  # a16w4: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb % 256
-                # == 0) plus the lane's (lane[5]: _a16w4_scale_offset's linear part of the owned block)
-                row, kb = firsts[j][0]
-                tile_s = mx.select(mx.cmp_ult(t, nb), _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb), mx.OOB)
+            elif shuffle:  # a16w4, k128: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb %
+                # 64 == 0, k256's steps: % 128) plus the lane's (lane[5]: the owned block's offset from the tile's first)
+                if j and k256:  # 4 blocks on, in the same 8-block column tile of the "mfma" layout
+                    tile_s = add(tile_s, 2 if scale_layout else 4)
+                else:
+                    row, kb = firsts[j][0]
+                    if shuffle != "a4w4":
+                        tile_s = _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
+                    else:
+                        tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
+                    tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
                 s_off = add(tile_s, lane[5])
             elif scale_layout:
                 row = lshr(add(mx.umulhi(g, magic), g), shift)
                 kb = sub(g, mul(row, nkb))
-            if scale_layout:
+            if scale_layout and not k128:
                 s_off = mx.scale_offset(scale_layout, row, kb, dims)
-            if shuffle == "a4w4" or scale_layout:  # past the last block: out of range (the layouts' offsets would wrap into them)
+            if (shuffle == "a4w4" or scale_layout) and not k128:
+                # past the last block: out of range (the layouts' offsets would wrap into them)
                 s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
             if store_code:
                 mx.store_byte(lshr(codes, 16 * j) if j else codes, rs, s_off)
@@ -386,6 +412,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
     # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs), not a16w4 (its tiles carry their row and kb))
     pair_tiles = spec.f16_view and not tail and shuffle in (None, "a4w4")
+    assert pair_tiles or not k256
 
     # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
     # outside dists, col's bit 0) owns the block after this lane's.
@@ -443,8 +470,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             lane_in = add(add(mul(d_row, val(row_bytes)), mul(d_kb, in_block)), shl(piece, 4))
         else:
             lane_in = add(mul(col, in_block), shl(piece, 4))
-        # a16w4: the owned block's kb % 4 = own / 16, row nl = own % 16 (_a16w4_scale_offset's linear part)
-        lane_scale = add(shl(lshr(own, 4), 6), shl(band(own, 15), 2))
+        # the owned block's kb % 4 = own / 16 and row % 16 = own % 16 as an offset from its tile's first
+        # block's code: a16w4 (_a16w4_scale_offset's linear part) and k128's "mfma" (scale_offset's) alike
+        if k128 and not scale_layout:
+            lane_scale = add(mul(band(own, 15), val(nkb)), lshr(own, 4))
+        else:
+            lane_scale = add(shl(lshr(own, 4), 6), shl(band(own, 15), 2))
         lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), own, lane_in, col, piece,
                  lane_scale)
         tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
@@ -558,7 +589,8 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     magic_n1, shift_n1 = mx.divide_magic(n1)
     cfg = plan_rows((m, k), arch)
     with toolchain.target(arch):
-        launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves)
+        launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
+                              a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,

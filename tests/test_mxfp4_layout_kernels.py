@@ -146,6 +146,36 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
+# K % 128 == 0 (kernels/mxfp4_quantize.a4w4_k_align): a tile's places from one division; K % 256 ==
+# 0 on gfx950 16-bit: a step's two tiles from one. (80, 512): 20 tiles over 3 waves, the last wave's
+# second half past the end; (32, 384): nkb 12, gfx950 16-bit steps at K % 256 != 0 (k128)
+A4W4_ALIGNED = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
+
+
+@pytest.mark.parametrize("arch,dtype,mode", A4W4_ALIGNED, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A4W4_ALIGNED])
+def test_a4w4_aligned_k(arch, dtype, mode):
+    """The a4w4 kernels whose tiles (K % 128 == 0) or two-tile steps (K % 256 == 0, gfx950 16-bit)
+    lie in one row tile, with plain and "mfma" scales, against the reference layouts (checked
+    against aiter's above): the special blocks (NaN, Inf, zeros, subnormals, saturation) spread
+    over row tiles and both tiles of a step."""
+    emu.enable(arch)
+    specials = special_blocks(dtype)
+    for m, k in ((80, 512), (32, 384)):
+        x = random_rows(m, k, dtype, seed=m + k)
+        blocks = x.view(-1, 32)
+        picks = torch.arange(specials.shape[0]) * 37 % blocks.shape[0]
+        blocks[picks] = specials
+        align = 256 if arch == "gfx950" and dtype != torch.float32 and k % 256 == 0 else 128
+        for layout in (None, "mfma"):
+            with emu.record() as launches:
+                got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
+            (launch,) = launches
+            assert f"_a4w4_k{align}{'_mfma' if layout else ''}_w" in launch.kernel
+            assert_same(got, reference.mxfp4_quantize(x, -1, mode, layout, "a4w4"), f"a4w4 {m}x{k} {layout}")
+            plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
+            assert launch.kernel.startswith(plan.kernel + "_w")
+
+
 def _zero_padded(t, shape):
     out = torch.zeros(shape, dtype=U8)
     out[:t.shape[0], :t.shape[1]] = t.view(U8)
