@@ -10,12 +10,6 @@ from . import emu, nn, reference, training
 from .api import (
     dequantize_mxfp4,
     explain,
-    fused_moe,
-    moe_block_m,
-    moe_gemm1_a16w4,
-    moe_gemm2_a16w4,
-    moe_sorting,
-    moe_stage2,
     mxfp4_quantize,
     mxfp4_quantize_3d,
     mxfp4_quantize_dual,
@@ -28,6 +22,7 @@ from .api import (
     shuffle_weight_a16w4,
     warmup,
 )
+from .api_moe import fused_moe, moe_block_m, moe_gemm1_a16w4, moe_gemm2_a16w4, moe_sorting, moe_stage2
 from .grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad
 from .moe import moe_routing
 from .select import Plan

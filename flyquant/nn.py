@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import api, layouts, validate
+from . import api, api_moe, layouts, validate
 from .formats import MX_BLOCK
 
 __all__ = ["MoEExperts", "from_gpt_oss_experts", "patch_gpt_oss"]
@@ -207,11 +207,11 @@ class MoEExperts(torch.nn.Module):
         model, inter = _pad(self.model_dim, MODEL_CHUNK), _pad(self.inter_dim, INTER_CHUNK)
         x = torch.nn.functional.pad(x, (0, model - self.model_dim)) if model != self.model_dim else x.contiguous()
         wide = hidden_states.dtype in (torch.float32, torch.float64)
-        out = api.fused_moe(x, self.w1, self.w1_scale, self.w2, self.w2_scale,
-                            topk_weights.reshape(x.shape[0], -1).to(torch.float32),
-                            topk_ids.reshape(x.shape[0], -1), b1=self.b1, b2=self.b2, activation=self.activation,
-                            alpha=self.alpha, limit=self.limit, out_dtype=torch.float32 if wide else torch.bfloat16,
-                            model_dim=model, inter_dim=inter)
+        out = api_moe.fused_moe(x, self.w1, self.w1_scale, self.w2, self.w2_scale,
+                                topk_weights.reshape(x.shape[0], -1).to(torch.float32),
+                                topk_ids.reshape(x.shape[0], -1), b1=self.b1, b2=self.b2, activation=self.activation,
+                                alpha=self.alpha, limit=self.limit,
+                                out_dtype=torch.float32 if wide else torch.bfloat16, model_dim=model, inter_dim=inter)
         if model != self.model_dim:
             out = out[:, :self.model_dim]
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)

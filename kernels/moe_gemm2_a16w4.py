@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flyquant import reference, toolchain, validate
+from flyquant import reference_moe, toolchain, validate
 from flyquant.arch import arch_info
 
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
@@ -86,8 +86,8 @@ def moe_gemm2_a16w4(
         validate.tensor(out, "out", OUT_DTYPES, ndim=2)
         validate.shape(out, "out", (tokens, model_dim))
         validate.same_device("a2", a2, "out", out)
-        reference.check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids,
-                                         num_valid_ids, bias)  # the same refusals as the reference path
+        reference_moe.check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids,
+                                             num_valid_ids, bias)  # the same refusals as the reference path
     validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
     if bias is not None:
         validate.tensor(bias, "bias", ndim=2)

@@ -27,6 +27,20 @@ def test_public_names():
     import flyquant.compat.torchao  # noqa: F401
 
 
+def test_moe_modules_names_stay_reachable_where_they_were():
+    """The MoE halves split out of flyquant.api and flyquant.reference (api_moe, reference_moe):
+    their public names still resolve, to the same objects, under the old modules."""
+    from flyquant import api, api_moe, reference_moe
+
+    for name in reference_moe.__all__:
+        assert getattr(fq.reference, name) is getattr(reference_moe, name), name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        fq.reference.no_such_name
+    for name in ("APPLY_WEIGHTS_AT", "fused_moe", "moe_block_m", "moe_gemm1_a16w4", "moe_gemm2_a16w4", "moe_sorting",
+                 "moe_stage2"):
+        assert getattr(api, name) is getattr(api_moe, name), name
+
+
 X = torch.zeros(64, 64, dtype=torch.bfloat16)
 
 

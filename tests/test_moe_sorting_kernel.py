@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import api, toolchain
+from flyquant import api_moe, toolchain
 from flyquant.kernels import moe_sorting as K
 from flyquant.moe import moe_sorting as reference
 
@@ -285,11 +285,11 @@ def test_api_runs_one_launch_and_no_device_work_besides_allocation(arch, monkeyp
     assert_identical(got, reference(ids, weights, 16, 32))
     assert (moe_buf == 0).all()
     with AtenOps() as body:
-        api._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
+        api_moe._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
     assert body.ops == ["aten.empty.memory_format"] * 4
     monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
     with AtenOps() as body:
-        api._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
+        api_moe._moe_sorting_op._init_fn(ids, weights, 16, 32, None, None)
     assert "aten._local_scalar_dense.default" in body.ops
 
 

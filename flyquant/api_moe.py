@@ -1,0 +1,378 @@
+"""The public A16W4 MoE ops (BF16 activations, MXFP4 expert weights): moe_sorting, the stage-1
+and stage-2 GEMMs, moe_stage2 and the whole layer (fused_moe). Each call asks the selector for a
+plan, then runs the FlyDSL kernel or the reference (flyquant.reference_moe; moe_sorting's is
+flyquant.moe). The kernel-backed ops are ``torch.library`` custom ops with fake implementations,
+so ``torch.compile`` traces them without graph breaks. flyquant.api re-exports the ops; its
+explain() and warmup() cover them.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Optional
+
+import torch
+
+from . import env, moe, reference_moe, select, validate
+from .select import Plan
+
+# ---------------------------------------------------------------------------------------------
+# A16W4 MoE stage 2
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_gemm2_a16w4_", mutates_args=("out",))
+def _moe_gemm2_op(
+    out: torch.Tensor,
+    a2: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_weights: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid_ids: torch.Tensor,
+    topk: int,
+    block_m: int,
+    bias: Optional[torch.Tensor],
+    apply_weights: bool,
+    model_dim: int,
+    inter_dim: int,
+) -> None:
+    args = (a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    reference_moe.check_moe_gemm2_memory(out, *args, bias)  # addresses: on real tensors, both backends
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None)
+    if plan.backend == "reference":
+        reference_moe.moe_gemm2_a16w4(
+            *args, topk, block_m, out=out, bias=bias, apply_weights=apply_weights, model_dim=model_dim,
+            inter_dim=inter_dim,
+        )
+        return
+    from .kernels import moe_gemm2_a16w4 as k
+
+    k.moe_gemm2_a16w4(
+        *args, arch=plan.arch, topk=topk, block_m=block_m, out=out, bias=bias, apply_weights=apply_weights,
+        model_dim=model_dim, inter_dim=inter_dim, tile_m=plan.config["tile_m"], tile_n=plan.config["tile_n"],
+        k_batch=plan.config["k_batch"], waves=plan.config["waves"],
+    )
+
+
+@_moe_gemm2_op.register_fake
+def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
+      apply_weights, model_dim, inter_dim):
+    return None
+
+
+def _check_out_dtype(out_dtype) -> None:
+    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32."""
+    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+
+
+def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None,
+                    inter_dim=None):
+    """MoE down projection: out[t] (+)= sum_k w_tk * (a2[t*topk + k] @ W2[e]^T + bias[e]).
+
+    a2: (tokens * topk, inter_dim) BF16 stage-1 output (token-major); w2, w2_scale: MXFP4 weights
+    and E8M0 scales laid out by shuffle_weight_a16w4 / shuffle_scale_a16w4; the sorted_* tensors
+    and num_valid_ids: moe_sorting's outputs for `block_m` (use moe_block_m() to choose it).
+    out given: results are added into it; None: a zeroed out_dtype (bf16 or fp32) output.
+    model_dim / inter_dim: the true sizes when the weights are padded (default: their shapes).
+
+    Rows in use (below num_valid_ids[0], token < T) whose slot is not below topk, and blocks whose
+    expert id is outside [0, E), are dropped on the kernel path (nothing is read for them); with
+    FLYQUANT_DEBUG=1 they raise a ValueError (a host synchronisation), as the reference always does.
+    A negative num_valid_ids[0] means no rows. out must not overlap an input, and no input may
+    require grad (the op has no backward). Weights that were not shuffled cannot be told from
+    shuffled ones (a permutation of the same bytes): they give wrong values, no error.
+    """
+    model_dim, inter_dim, tokens = reference_moe.check_moe_gemm2_call(
+        a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
+        bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    if env.flag("FLYQUANT_DEBUG"):
+        reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
+                                             w2.shape[0])
+    if out is None:
+        _check_out_dtype(out_dtype)
+        out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
+                  block_m, bias, apply_weights, model_dim, inter_dim)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A16W4 MoE stage 1
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_gemm1_a16w4_", mutates_args=("out",))
+def _moe_gemm1_op(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_weights: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid_ids: torch.Tensor,
+    topk: int,
+    block_m: int,
+    bias: Optional[torch.Tensor],
+    activation: str,
+    alpha: float,
+    limit: float,
+    apply_weights: bool,
+    model_dim: int,
+    inter_dim: int,
+) -> None:
+    args = (x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
+    validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
+                                         sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
+                                         num_valid_ids=num_valid_ids, bias=bias))
+    plan = select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
+    kw = dict(bias=bias, activation=activation, alpha=alpha, limit=limit, apply_weights=apply_weights, out=out,
+              model_dim=model_dim, inter_dim=inter_dim)
+    if plan.backend == "reference":
+        reference_moe.moe_gemm1_a16w4(*args, topk, block_m, **kw)
+        return
+    from .kernels import moe_gemm1_a16w4 as k
+
+    k.moe_gemm1_a16w4(*args, arch=plan.arch, topk=topk, block_m=block_m, tile_m=plan.config["tile_m"],
+                      tile_n=plan.config["tile_n"], waves=plan.config["waves"], **kw)
+
+
+@_moe_gemm1_op.register_fake
+def _(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
+      activation, alpha, limit, apply_weights, model_dim, inter_dim):
+    return None
+
+
+def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                    bias=None, activation="silu", alpha=1.702, limit=7.0, apply_weights=False, out=None,
+                    model_dim=None, inter_dim=None):
+    """MoE gate/up projection with the activation fused: for every routed pair (token t, slot k,
+    expert e), a2[t*topk + k, :inter_dim] = bf16(act(x[t] @ Wg[e]^T + bg[e], x[t] @ Wu[e]^T + bu[e])),
+    times the routing weight when apply_weights (flyquant.reference.moe_gemm1_a16w4 is the contract).
+
+    x: (T, model_dim) bf16 (other float dtypes run the reference); w1, w1_scale: (E, 2P, K/2) MXFP4
+    gate rows then up rows and their E8M0 scales, shuffled with gate_up=True (aiter's stage-1
+    layout; gate_up_rows_from_interleaved converts GPT-OSS's interleaved weights); the sorted_* and
+    num_valid_ids: moe_sorting's outputs for `block_m`. bias: (E, 2P) in w1's row order.
+    activation: "silu" | "gelu" (tanh) | "swiglu_oai" (GPT-OSS, with alpha and limit).
+    out: (T*topk, >= inter_dim) bf16, rows of routed pairs written, the others untouched; None: a
+    zeroed (T*topk, inter_dim) tensor. model_dim / inter_dim: the true sizes when the weights are
+    padded. Kernel path: one launch, no host synchronisation; rows with an out-of-range slot or
+    expert id are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference always does).
+    """
+    model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
+        x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+    if env.flag("FLYQUANT_DEBUG"):
+        reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
+                                             w1.shape[0])
+    if out is None:
+        out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                  bias, activation, float(alpha), float(limit), bool(apply_weights), model_dim, inter_dim)
+    return out
+
+
+def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
+    """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
+    check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
+    return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, torch.device(device or "cpu"))
+
+
+def check_moe_sizes(**sizes) -> None:
+    """MoE shape arguments: ints, tokens >= 0 and the others >= 1 (they divide)."""
+    for name, value in sizes.items():
+        low = 0 if name == "tokens" else 1
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= low
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
+               inter_dim=None):
+    """From routing (topk_ids, topk_weights (tokens, topk)) and the stage-1 output a2 to the layer
+    output: moe_sorting with the selector's block size (which also zeroes the output), then
+    moe_gemm2_a16w4 adding into it. Two launches on the kernel path and no host synchronisation:
+    routing ids outside [0, E) are dropped there (FLYQUANT_DEBUG=1 and the reference refuse them)."""
+    validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
+    validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
+    tokens, topk = topk_ids.shape
+    experts = w2.shape[0]
+    check_moe_sizes(topk=topk, experts=experts)
+    model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
+    block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
+    _check_out_dtype(out_dtype)
+    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
+                           model_dim=model_dim, inter_dim=inter_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE sorting
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flyquant::moe_sorting", mutates_args=("moe_buf",))
+def _moe_sorting_op(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    expert_mask: Optional[torch.Tensor],
+    moe_buf: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if moe_buf is not None:  # addresses: checked here, on real tensors (not while torch.compile traces)
+        validate.no_overlap(moe_buf, "moe_buf", {"topk_ids": topk_ids, "topk_weights": topk_weights,
+                                                 "expert_mask": expert_mask})
+    plan = select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
+    if plan.backend == "reference":
+        if moe_buf is not None:
+            moe_buf.zero_()
+        return tuple(t.clone() for t in moe.moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask))
+    from .kernels import moe_sorting as k
+
+    if expert_mask is not None:
+        expert_mask = (expert_mask if expert_mask.dtype in k.MASK_DTYPES else expert_mask != 0).contiguous()
+    if moe_buf is not None and not (moe_buf.is_contiguous() and moe_buf.nbytes % 4 == 0
+                                    and moe_buf.nbytes < k.MAX_MOE_BUF_BYTES):
+        moe_buf.zero_()  # the kernel zeroes whole dwords of a contiguous buffer
+        moe_buf = None
+    return k.moe_sorting(topk_ids.contiguous(), topk_weights.contiguous(), num_experts, block_m, expert_mask,
+                         arch=plan.arch, moe_buf=moe_buf, waves=plan.config["waves"])
+
+
+@_moe_sorting_op.register_fake
+def _(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf):
+    rows = topk_ids.shape[0] * topk_ids.shape[1] + num_experts * block_m - topk_ids.shape[1]
+    new = functools.partial(topk_ids.new_empty, dtype=torch.int32)
+    return new(rows), topk_ids.new_empty(rows, dtype=torch.float32), new(-(-rows // block_m)), new(2)
+
+
+def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
+    """Group the routing pairs by expert into blocks of block_m rows (flyquant.moe.moe_sorting's
+    contract and outputs): on the kernel path one launch with no host synchronisation, where
+    ids outside [0, num_experts) are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference
+    always does). moe_buf: a tensor zeroed in the same launch (the stage-2 output, as aiter's
+    moe_sorting zeroes moe_buf)."""
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
+                          check_ids=env.flag("FLYQUANT_DEBUG"))
+    if moe_buf is not None:
+        validate.tensor(moe_buf, "moe_buf")
+        validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
+    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole A16W4 MoE layer
+# ---------------------------------------------------------------------------------------------
+
+APPLY_WEIGHTS_AT = ("stage1", "stage2")
+
+
+def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None, b2=None, activation="silu",
+              alpha=1.702, limit=7.0, expert_mask=None, apply_weights_at="stage2", out=None,
+              out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
+    """The A16W4 MoE layer: out[t] = sum_k w_tk * (act(x[t] @ W1g[e]^T + b1g[e], x[t] @ W1u[e]^T +
+    b1u[e]) @ W2[e]^T + b2[e]) over the routed pairs (e = topk_ids[t, k], w_tk = topk_weights[t, k]).
+
+    Three ops, each one launch on the kernel path, with no host synchronisation (a serving engine
+    can capture the call in a graph): moe_sorting (which also zeroes `out`), moe_gemm1_a16w4 (into
+    a2, token-major (T * topk, inter_dim) bf16) and moe_gemm2_a16w4 (adding into `out`), all on the
+    selector's block_m. Weights as the stage ops take them: w1 (E, 2P, K/2) gate rows then up rows
+    shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
+    order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only,
+    in order (local ids). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
+    weight). out: (T, model_dim), overwritten; None: a new out_dtype tensor. model_dim / inter_dim:
+    the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] / 2).
+    Routing ids outside [0, num_experts) are dropped on the kernel path (checked only with
+    FLYQUANT_DEBUG=1; the reference path always refuses them). fq.moe_routing gives topk_weights
+    and topk_ids from router logits.
+    """
+    tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
+        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    if out is None:
+        _check_out_dtype(out_dtype)
+        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
+    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
+    moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
+                    alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
+                    model_dim=model_dim, inter_dim=inter_dim)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
+                           apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):
+    """fused_moe's own checks and sizes: (tokens, topk, num_experts, model_dim, inter_dim, block_m);
+    the stage ops check the rest."""
+    if apply_weights_at not in APPLY_WEIGHTS_AT:
+        raise ValueError(f"apply_weights_at must be one of {APPLY_WEIGHTS_AT}, got {apply_weights_at!r}")
+    validate.tensor(x, "x", ndim=2)
+    validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
+    validate.tensor(w1, "w1", ndim=3)
+    validate.tensor(w2, "w2", ndim=3)
+    tokens, topk = topk_ids.shape
+    if x.shape[0] != tokens:
+        raise ValueError(f"x.shape[0] = {x.shape[0]} must equal topk_ids.shape[0] = {tokens} (one routing row per token)")
+    experts = w1.shape[0]
+    if w2.shape[0] != experts:
+        raise ValueError(f"w2.shape[0] = {w2.shape[0]} must equal w1.shape[0] = {experts} (the experts held here)")
+    num_experts = experts if expert_mask is None else expert_mask.shape[0]
+    model_dim = x.shape[1] if model_dim is None else model_dim
+    inter_dim = w1.shape[1] // 2 if inter_dim is None else inter_dim
+    check_moe_sizes(topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
+    block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, x.device)
+    return tokens, topk, num_experts, model_dim, inter_dim, block_m
+
+
+# ---------------------------------------------------------------------------------------------
+# explain()'s planners for the ops above
+# ---------------------------------------------------------------------------------------------
+
+
+def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                 out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
+    reference_moe.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                                  topk, block_m)
+    model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
+    dtype = out.dtype if out is not None else out_dtype
+    return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
+
+
+def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
+                  bias=None, activation="silu", alpha=1.702, limit=7.0, apply_weights=False, out=None, model_dim=None,
+                  inter_dim=None):
+    model_dim, inter_dim, _ = reference_moe.check_moe_gemm1_call(
+        x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+    return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
+
+
+def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
+
+
+def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None, b2=None,
+                       activation="silu", alpha=1.702, limit=7.0, expert_mask=None, apply_weights_at="stage2",
+                       out=None, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None) -> tuple[Plan, Plan, Plan]:
+    """The three plans fused_moe runs: sorting, stage 1, stage 2 (on the same block_m)."""
+    tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
+        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    dtype = out.dtype if out is not None else out_dtype
+    return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
+            select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation),
+            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None))
+
+
+EXPLAINERS = {moe_gemm2_a16w4: _explain_moe, moe_gemm1_a16w4: _explain_moe1, moe_sorting: _explain_sorting,
+              fused_moe: _explain_fused_moe}
