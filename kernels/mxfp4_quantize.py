@@ -20,9 +20,9 @@ line, 2 bytes per lane), the block's conversion operand (_mxfp4_common.piece_ope
 gathered back and each lane converts its pieces into 4 (FP32: 2) bytes each, stored at 16 u + 4
 piece (2 piece): 256 (128) contiguous bytes per instruction (shuffles: two whole 128-byte
 lines). Blocks past the end read zeros and their stores are dropped (buffer range checks).
-gfx950, 16-bit x, K % 32 == 0, plain, mfma or a4w4 layouts (pair_tiles): two tiles are one
-step of 8 loads per lane, as mxfp8_quantize_2d's tile of 128 blocks (plain scales: code_lines'
-two tiles; layouts: a wave's tiles in pairs, an odd last one alone): the lane's two blocks'
+gfx950, 16-bit x, K % 32 == 0, every layout (pair_tiles): two tiles are one step of 8 loads per
+lane, as mxfp8_quantize_2d's tile of 128 blocks (plain scales: code_lines' two tiles; layouts: a
+wave's tiles in pairs, an odd last one alone): the lane's two blocks'
 amaxes end the reduce-scatter packed in one dword (_mx_common.halves_pair), so the scale rule
 (BF16: one v_pk_sub_u16, _mxfp4_common.scale_pair), the rare-path test and the gather of the
 conversion scales (top halves, one dword) are done once for both, and the packed codes are the
@@ -39,7 +39,10 @@ Layouts written in the same pass (each block's 16 bytes and code byte stored at 
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
-K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous. shuffle "a16w4"
+K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous; where K %
+128 == 0 (256 with two-tile steps) a tile's (a step's) blocks lie in one row tile: one division
+places them and the codes' offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align).
+Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4"
 (3D expert weights; N % 32 == 0, K % 256 == 0): _a16w4_offsets; its data units are a4w4's
 (gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
 that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
@@ -316,8 +319,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
-        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s[:1 if k256 else n]]
-        if k256 and n == 2:  # the second tile 4 blocks on in the first's row tile (the step starts at kb % 8 == 0)
+        # a step of two tiles in one row tile (k256, a16w4: nkb % 8 == 0 and steps start at kb % 8 == 0)
+        one_row_tile = n == 2 and bool(shuffle) and (k256 or shuffle != "a4w4")
+        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
+        if one_row_tile:  # the second tile 4 blocks on
             row, kb = firsts[0][0]
             firsts.append([(row, add(kb, 4)), (row, add(kb, 6))])
         nb = sizes[0]
@@ -383,9 +388,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 kb = add(mx.select(odd, firsts[j][1][1], firsts[j][0][1]), d_kb)
                 s_off = add(mul(row, nkb), kb)
             elif shuffle:  # a16w4, k128: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb %
-                # 64 == 0, k256's steps: % 128) plus the lane's (lane[5]: the owned block's offset from the tile's first)
-                if j and k256:  # 4 blocks on, in the same 8-block column tile of the "mfma" layout
-                    tile_s = add(tile_s, 2 if scale_layout else 4)
+                # 64 == 0, two-tile steps: % 128) plus the lane's (lane[5]: the owned block's offset from the tile's first)
+                if j and one_row_tile:  # 4 blocks on: the same 8-block column tile of "mfma" and a16w4's layouts
+                    tile_s = add(tile_s, 4 if shuffle == "a4w4" and not scale_layout else 2)
                 else:
                     row, kb = firsts[j][0]
                     if shuffle != "a4w4":
@@ -410,8 +415,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return codes
 
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
-    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs), not a16w4 (its tiles carry their row and kb))
-    pair_tiles = spec.f16_view and not tail and shuffle in (None, "a4w4")
+    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs); a16w4: its steps carry their row and kb)
+    pair_tiles = spec.f16_view and not tail
     assert pair_tiles or not k256
 
     # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
@@ -479,14 +484,16 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), own, lane_in, col, piece,
                  lane_scale)
         tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
-        if shuffle and shuffle != "a4w4":  # a16w4: the tile's (row, kb) carried, kb + 4 wrapping to the next row tile
+        if shuffle and shuffle != "a4w4":  # a16w4: the step's (row, kb) carried, wrapping to the next row tile
+            per = 2 if pair_tiles else 1  # tiles per step (pairs: tiles_per_wave is even, N nkb % 256 == 0)
 
             def step(i, row, kb):
-                lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args, (row, kb))
-                wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
-                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
+                lined_tiles(tile(mul(i, per)), per, bufs, lanes, shape, sizes, n1_args, (row, kb))
+                wrap = mx.cmp_eq(add(kb, A16W4_KLANE * per), shape[0])
+                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE * per))]
 
-            mx.for_range_carry(tiles_per_wave, _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]), step)
+            mx.for_range_carry(lshr(val(tiles_per_wave), per - 1), _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]),
+                               step)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one

@@ -55,8 +55,8 @@ A16W4_CASES = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in A
 @pytest.mark.parametrize("arch,dtype,mode", A16W4_CASES, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A16W4_CASES])
 def test_3d_a16w4_lined(arch, dtype, mode):
     """The a16w4 shuffle with a block over lanes (each wave quantizes one 16-row x 4-block tile of
-    the output order, gate_up's row tiles permuted; 16-bit: a register spans 2 blocks of 8 rows,
-    FP32: 8 blocks of 8 rows),
+    the output order per step, gfx950 16-bit two of a row tile, gate_up's row tiles permuted;
+    16-bit: a register spans 2 blocks of 8 rows, FP32: 8 blocks of 8 rows),
     against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
