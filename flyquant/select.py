@@ -249,19 +249,20 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
     if axis == -1:
-        config = dataclasses.asdict(rows.plan_rows(shape, target.arch))
+        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, "a4w4" if shuffle == "a4w4" else None))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
         if shuffle == "a4w4":
             k_align = rows.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])
-            name += "_a4w4" + (f"_k{k_align}" if k_align else "")
+            name += f"_a4w4_k{k_align}"
         elif shuffle:
             name += "_a16w4_gate_up" if gate_up else "_a16w4"
         name += f"_{scale_layout}" if scale_layout else ""
         split = "one lane per block of 32, 16-byte loads and stores"
         if shuffle == "a4w4":
             split += "; data stored in aiter's shuffle_weight (16, 16) layout"
-            if k_align:
-                split += f" (K % {k_align} == 0: a {'step' if k_align == 256 else 'tile'}'s places from one division)"
+            split += {256: " (K % 256 == 0: a step of two tiles placed by one division)",
+                      128: " (K % 128 == 0: a tile placed by one division)",
+                      64: " (K % 128 == 64: a row tile's last tile half a phantom, its stores dropped)"}[k_align]
         elif shuffle:
             split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
         if scale_layout:

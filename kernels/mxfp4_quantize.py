@@ -61,7 +61,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl._mlir.dialects import arith
 
-from flyquant import layouts, toolchain
+from flyquant import toolchain
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
@@ -86,10 +86,11 @@ def code_lines(arch: str, dtype: str, shuffle, scale_layout) -> bool:
 
 
 def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
-    """The a4w4 kernel's K alignment (build_rows' k_align): 256 where steps of two tiles run (gfx950,
-    16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else 0."""
+    """The a4w4 kernel's K alignment (build_rows' k_align; K % 64 == 0): 256 where steps of two tiles
+    run (gfx950, 16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else 64 (a row tile's last
+    tile holds its last pair of blocks and a phantom pair)."""
     two_tiles = arch == "gfx950" and dtype != "fp32"
-    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 0
+    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 64
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,14 @@ class RowPlan:
     workgroups: int
 
 
-def plan_rows(shape, arch: str) -> RowPlan:
+def plan_rows(shape, arch: str, shuffle=None) -> RowPlan:
     """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
-    split on both arches)."""
+    split on both arches; a4w4: 16-row x 4-block tiles, a row tile's last one partly a phantom
+    when K % 128 == 64)."""
     arch_info(arch)
     m, k = shape
-    tiles = -(-(m * -(-k // MX_BLOCK)) // WAVE)
+    nkb = -(-k // MX_BLOCK)
+    tiles = m // 16 * -(-nkb // 4) if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
     return RowPlan(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE))
 
 
@@ -150,33 +153,13 @@ def _last_element(words, g, valid, bufs, sizes):
     return _last_elements([words], [g], [valid], bufs[0], sizes)[0]
 
 
-def _a16w4_offsets(row, kb, nkb, n1_args, gate_up: bool):
-    """(data byte offset, scale byte offset) of block (row, kb) of (E * N, K / 32) in the layouts
-    of aiter's shuffle_weight_a16w4 (NLANE 16) and shuffle_scale_a16w4 (flyquant.layouts: its
-    splits and permutations, written out per block). A block's 16 data bytes are one KPACK unit.
-    row = e * N + n; q = row / 16. Weights, unit index (E, N0, [2,] K0, KLANE 4, NLANE 16):
-    plain ((q * K0 + kb / 4) * 4 + kb % 4) * 16 + row % 16 with K0 = nkb / 4; gate_up (n = h * N / 2
-    + n0 * 16 + row % 16, N1 = N / 32): q = (2 e + h) * N1 + n0, the unit ((((e * N1 + n0) * 2 + h)
-    * K0 + k0) * 4 + kl) * 16 + nl. Scales (E, N1, K1, KL 4, LANE 16, KP 2, P 2) with n = n1 * 32 + p
-    * 16 + lane (gate_up: n = p * N / 2 + n1 * 16 + lane), kb = k1 * 8 + kp * 4 + kl, K1 = nkb / 8."""
-    n1, magic, shift = n1_args
-    q, nl = lshr(row, 4), band(row, A16W4_NLANE - 1)
-    k0, kl = lshr(kb, 2), band(kb, A16W4_KLANE - 1)
-    if gate_up:
-        t = lshr(add(mx.umulhi(q, magic), q), shift)  # 2 e + h
-        n0 = sub(q, mul(t, n1))
-        unit_row = add(mul(add(mul(lshr(t, 1), n1), n0), 2), band(t, 1))  # (e * N1 + n0) * 2 + h
-    else:
-        unit_row = q
-    unit = add(mul(add(mul(unit_row, lshr(nkb, 2)), k0), A16W4_KLANE * A16W4_NLANE), add(shl(kl, 4), nl))
-    return mul(unit, OUT_BLOCK_BYTES), _a16w4_scale_offset(unit_row, kb, nl, nkb)
-
-
 def _a16w4_scale_offset(tile, kb, nl, nkb):
     """The scale byte offset of block kb of row nl of the output's 16-row tile `tile` (plain: x's
-    tile q; gate_up: (e * N1 + n0) * 2 + h) in shuffle_scale_a16w4's layout (_a16w4_offsets):
-    the pair of tiles tile / 2 (the scale row n1, or e * N1 + n0), p = tile % 2. Linear in kb %
-    4 (64 bytes each) and nl (4 bytes each)."""
+    tile q; gate_up: (e * N1 + n0) * 2 + h, N1 = N / 32) in the layout of aiter's
+    shuffle_scale_a16w4 (flyquant.layouts), (E, N1, K1, KL 4, LANE 16, KP 2, P 2) with n = n1 * 32
+    + p * 16 + lane (gate_up: n = p * N / 2 + n1 * 16 + lane), kb = k1 * 8 + kp * 4 + kl, K1 =
+    nkb / 8: the pair of tiles tile / 2 (the scale row n1, or e * N1 + n0), p = tile % 2. Linear
+    in kb % 4 (64 bytes each) and nl (4 bytes each)."""
     kl, kp, k1 = band(kb, A16W4_KLANE - 1), band(lshr(kb, 2), 1), lshr(kb, 3)
     return add(mul(add(mul(lshr(tile, 1), lshr(nkb, 3)), k1), 4 * 16 * 2 * 2),
                add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), band(tile, 1))))
@@ -184,10 +167,11 @@ def _a16w4_scale_offset(tile, kb, nl, nkb):
 
 def _a16w4_source_row(row, n1_args):
     """gate_up: the row of x that row `row` of the plain a16w4 order holds. Without gate_up,
-    aiter's shuffle_weight_a16w4 is shuffle_weight(layout=(16, 16)) when K % 128 == 0 (unit ((q
-    K0 + kb / 4) 4 + kb % 4) 16 + nl = (q nkb + kb) 16 + nl, _a16w4_offsets), so its data units
-    are _a4w4_block's; gate_up permutes the row tiles: tile (e N1 + n0) 2 + h holds x's tile (2 e
-    + h) N1 + n0 = r + (e + h) N1 with r = e N1 + n0, e = r / N1."""
+    aiter's shuffle_weight_a16w4 (NLANE 16, KPACK units of 16 bytes: (E, N0, K0, KLANE 4, NLANE 16))
+    is shuffle_weight(layout=(16, 16)) when K % 128 == 0 (unit ((q K0 + kb / 4) 4 + kb % 4) 16 + nl
+    = (q nkb + kb) 16 + nl), so its data units are a4w4's (_row_tile_first); gate_up permutes the
+    row tiles: tile (e N1 + n0) 2 + h holds x's tile (2 e + h) N1 + n0 = r + (e + h) N1 with r = e
+    N1 + n0, e = r / N1."""
     n1, magic, shift = n1_args
     pair = lshr(row, 4)
     r = lshr(pair, 1)
@@ -195,13 +179,15 @@ def _a16w4_source_row(row, n1_args):
     return add(shl(add(r, mul(add(e, band(pair, 1)), n1)), 4), band(row, A16W4_NLANE - 1))
 
 
-def _a4w4_block(u, nkb, magic, shift):
-    """(row, kb) of the block whose 16 data bytes are unit u of aiter's shuffle_weight(data,
-    layout=(16, 16)) (flyquant.layouts.shuffle_weight_a4w4: block (row, kb) is unit ((row / 16) *
-    nkb + kb) * 16 + row % 16): t = u / 16, row = (t / nkb) * 16 + u % 16, kb = t % nkb."""
-    t = lshr(u, 4)
+def _row_tile_first(t0, tpr, magic, shift):
+    """(row, kb) of the first block of the shuffles' tile at unit t0 (t0 % 64 == 0): in aiter's
+    shuffle_weight(data, layout=(16, 16)) (flyquant.layouts.shuffle_weight_a4w4) block (row, kb)
+    is unit ((row / 16) nkb + kb) 16 + row % 16, so a tile of 16 rows x 4 blocks is 64 units in a
+    row; tpr = ceil(nkb / 4) tiles per row tile (magic, shift: its division), the tile t0 / 64
+    being tile t % tpr of row tile t / tpr."""
+    t = lshr(t0, 6)
     q = lshr(add(mx.umulhi(t, magic), t), shift)
-    return add(shl(q, 4), band(u, layouts.A4W4_ROWS - 1)), sub(t, mul(q, nkb))
+    return shl(q, 4), shl(sub(t, mul(q, tpr)), 2)
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
@@ -211,13 +197,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
     shuffle_weight(layout=(16, 16)) layout, M % 16 == 0, K % 64 == 0; scale_layout None or "mfma",
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
-    caller's zeros)); k_align (a4w4: a4w4_k_align): 128, a tile's two pairs of blocks lie in one
-    row tile, so its places come from one division (a4w4_tiles) and its codes' offsets are a tile
-    part plus a lane part; 256, so do a step's two tiles (the second's offsets are the first's
-    plus constants)."""
+    caller's zeros)); k_align (a4w4_k_align, a4w4 only): 256, a step's two tiles lie in one row tile
+    (the second's offsets are the first's plus constants); 64, a row tile's last tile has a phantom
+    second pair of blocks (its stores dropped)."""
     spec = Spec(arch, dtype, mode)
-    assert k_align in (0, 128, 256) and (not k_align or shuffle == "a4w4")
-    k128, k256 = k_align >= 128, k_align == 256
+    assert (k_align in (64, 128, 256)) == (shuffle == "a4w4") or k_align == 0 and shuffle != "a4w4"
+    phantom, k256 = k_align == 64, k_align == 256
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
@@ -254,21 +239,17 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return u >> 5, (u >> 4) & 1, u & 15
         return lshr(u, 5), band(lshr(u, 4), 1), band(u, 15)
 
-    def a4w4_tiles(t0, shape, first):
-        """Data shuffles: (output row, kb) of the first unit of each of the tile's two pairs of
-        row tiles t = t0 / 16 + 2 p (wave-uniform; a pair stays in one row tile: nkb is even;
-        k128 and a16w4 (nkb % 8 == 0): both in the tile's one row tile, the second 2 blocks on;
-        a16w4: `first` the tile's (row, kb), carried from tile to tile)."""
+    def tile_first(t0, shape, first):
+        """Shuffles: (output row, kb) of the tile's first block (wave-uniform): a tile is 16 rows x
+        4 blocks of one row tile, its two pairs of 2 blocks (pair 1: phantom past the row's last
+        block, K % 128 == 64); a16w4: `first`, carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        if shuffle == "a4w4" and not k128:
-            return [_a4w4_block(shl(add(lshr(t0, 4), 2 * p), 4), nkb, magic, shift) for p in range(2)]
-        row, kb = first if shuffle != "a4w4" else _a4w4_block(t0, nkb, magic, shift)
-        return [(row, kb), (row, add(kb, 2))]
+        return first if first is not None else _row_tile_first(t0, lshr(add(nkb, 3), 2), magic, shift)
 
-    def lined_loads(t0, du, rx, lane, shape, firsts, n1_args, sizes):
+    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
-        the lane's byte offset in a tile (shuffles: in a row tile pair), firsts: a4w4_tiles, the rows of
+        the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
         x by _a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
@@ -295,11 +276,15 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
             return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block + i * LOAD_BYTES))) for i in range(loads)], None
+        row, kb = first
         if shuffle == "a16w4_gate_up":
-            firsts = [(_a16w4_source_row(row, n1_args), kb) for row, kb in firsts]
-        bases = [add(lane[0], add(mul(row, row_bytes), mul(kb, in_block))) for row, kb in firsts]
-        if shuffle != "a4w4" or k128:  # one row tile: the second pair 2 blocks on (an immediate offset)
-            bases[1] = add(bases[0], 2 * in_block)
+            row = _a16w4_source_row(row, n1_args)
+        tile_in = add(mul(row, row_bytes), mul(kb, in_block))
+        bases = [add(lane[0], tile_in)]
+        if phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
+            bases.append(add(lane[0], mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, add(tile_in, 2 * in_block))))
+        else:  # the second pair 2 blocks on: an immediate offset
+            bases.append(add(bases[0], 2 * in_block))
         # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
         # (M % 16 == 0), and a row tile past the end has its base out of range
         places = [tile_place(lined_units(i)) for i in range(loads)]
@@ -321,10 +306,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
         # a step of two tiles in one row tile (k256, a16w4: nkb % 8 == 0 and steps start at kb % 8 == 0)
         one_row_tile = n == 2 and bool(shuffle) and (k256 or shuffle != "a4w4")
-        firsts = [a4w4_tiles(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
+        firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
         if one_row_tile:  # the second tile 4 blocks on
-            row, kb = firsts[0][0]
-            firsts.append([(row, add(kb, 4)), (row, add(kb, 6))])
+            row, kb = firsts[0]
+            firsts.append((row, add(kb, 4)))
         nb = sizes[0]
         loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes) for j, f in enumerate(firsts)]
         words = [w for w, _ in loaded]
@@ -377,40 +362,41 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             out = finish(amax, True)
         codes, data = out[0], out[1:]
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
+        tile_s = None  # shuffles: the code offset's tile part (a two-tile step's second tile: the first's plus a constant)
         for j, t in enumerate(t0s):
             tile_data = data[loads * j:loads * j + loads]
-            g = add(t, own)
-            s_off = g
-            if shuffle == "a4w4" and not k128:  # the owned unit's place in the tile
-                pair, d_kb, d_row = tile_place(own)
-                odd = mx.cmp_ne(pair, 0)
-                row = add(mx.select(odd, firsts[j][1][0], firsts[j][0][0]), d_row)
-                kb = add(mx.select(odd, firsts[j][1][1], firsts[j][0][1]), d_kb)
-                s_off = add(mul(row, nkb), kb)
-            elif shuffle:  # a16w4, k128: the tile's part (wave-uniform; tiles lie wholly inside or past the end: M nkb %
-                # 64 == 0, two-tile steps: % 128) plus the lane's (lane[5]: the owned block's offset from the tile's first)
+            v_outs, tile_units = [v_out, v_out], WAVE * j  # per pair of the tile, and tile j's constant offset
+            if shuffle:  # the tile's part (wave-uniform; tiles lie wholly inside or past the end: M % 16 == 0) plus the
+                # lane's (lane[5]: the owned block's offset from the tile's first)
+                row, kb = firsts[j]
+                if phantom:  # tiles are not runs of 64 units here: the tile's first unit, and whether pair 1 is a phantom
+                    t = add(mul(row, nkb), shl(kb, 4))
+                    t_out = mul(t, OUT_BLOCK_BYTES)
+                    v_outs = [add(lane_out, t_out), add(lane_out, mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, t_out))]
+                    tile_units = 0
                 if j and one_row_tile:  # 4 blocks on: the same 8-block column tile of "mfma" and a16w4's layouts
                     tile_s = add(tile_s, 4 if shuffle == "a4w4" and not scale_layout else 2)
                 else:
-                    row, kb = firsts[j][0]
                     if shuffle != "a4w4":
                         tile_s = _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
                     else:
                         tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
                     tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
-                s_off = add(tile_s, lane[5])
-            elif scale_layout:
-                row = lshr(add(mx.umulhi(g, magic), g), shift)
-                kb = sub(g, mul(row, nkb))
-            if scale_layout and not k128:
-                s_off = mx.scale_offset(scale_layout, row, kb, dims)
-            if (shuffle == "a4w4" or scale_layout) and not k128:
-                # past the last block: out of range (the layouts' offsets would wrap into them)
-                s_off = mx.select(mx.cmp_ult(g, nb), s_off, mx.OOB)
+                lane_s = tile_s
+                if phantom:  # the owned block in a phantom pair: dropped
+                    lane_s = mx.select(mx.cmp_uge(own, 32), mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, tile_s), tile_s)
+                s_off = add(lane_s, lane[5])
+            else:
+                g = add(t, own)
+                s_off = g
+                if scale_layout:  # past the last block: out of range (the layout's offsets would wrap into them)
+                    row = lshr(add(mx.umulhi(g, magic), g), shift)
+                    kb = sub(g, mul(row, nkb))
+                    s_off = mx.select(mx.cmp_ult(g, nb), mx.scale_offset(scale_layout, row, kb, dims), mx.OOB)
             if store_code:
                 mx.store_byte(lshr(codes, 16 * j) if j else codes, rs, s_off)
             for i, d in enumerate(tile_data):  # FP32: a piece of 4 elements is 2 bytes
-                off = add(v_out, (WAVE * j + lined_units(i)) * OUT_BLOCK_BYTES)  # tile j: a constant offset
+                off = add(v_outs[tile_place(lined_units(i))[0]], (tile_units + lined_units(i)) * OUT_BLOCK_BYTES)
                 (mx.store_short if spec.wide else mx.store)(d, rq, off)
         return codes
 
@@ -476,8 +462,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         else:
             lane_in = add(mul(col, in_block), shl(piece, 4))
         # the owned block's kb % 4 = own / 16 and row % 16 = own % 16 as an offset from its tile's first
-        # block's code: a16w4 (_a16w4_scale_offset's linear part) and k128's "mfma" (scale_offset's) alike
-        if k128 and not scale_layout:
+        # block's code: a16w4 (_a16w4_scale_offset's linear part) and a4w4's "mfma" (scale_offset's) alike
+        if shuffle == "a4w4" and not scale_layout:
             lane_scale = add(mul(band(own, 15), val(nkb)), lshr(own, 4))
         else:
             lane_scale = add(shl(lshr(own, 4), 6), shl(band(own, 15), 2))
@@ -492,8 +478,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 wrap = mx.cmp_eq(add(kb, A16W4_KLANE * per), shape[0])
                 return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE * per))]
 
-            mx.for_range_carry(lshr(val(tiles_per_wave), per - 1), _a4w4_block(mul(first, WAVE), shape[0], shape[3], shape[4]),
-                               step)
+            mx.for_range_carry(lshr(val(tiles_per_wave), per - 1), tile_first(mul(first, WAVE), shape, None), step)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
@@ -513,7 +498,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb: fx.Int32,
         row_bytes: fx.Int32,  # K * element bytes
         k: fx.Int32,  # K
-        magic: fx.Int32,  # floor(g / nkb) = (umulhi(g, magic) + g) >> shift (tail only)
+        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles ceil(nkb / 4)
         shift: fx.Int32,
         x_bytes: fx.Int32,  # M * K * element bytes
         n1: fx.Int32,  # shuffle: N / 32 (rows per expert / 32)
@@ -591,10 +576,10 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
-    magic, shift = mx.divide_magic(nkb)
+    magic, shift = mx.divide_magic(-(-nkb // 4) if shuffle else nkb)  # shuffles: tiles per row tile
     n1 = (rows_per_expert or A16W4_NLANE * 2) // (A16W4_NLANE * 2)
     magic_n1, shift_n1 = mx.divide_magic(n1)
-    cfg = plan_rows((m, k), arch)
+    cfg = plan_rows((m, k), arch, shuffle)
     with toolchain.target(arch):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)

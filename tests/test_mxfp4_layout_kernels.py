@@ -130,11 +130,11 @@ def test_a4w4_shuffle_is_aiters(arch):
         with emu.record() as launches:
             got = fq.mxfp4_quantize(x, scaling_mode="rceil", scale_layout=layout, shuffle="a4w4")
         (launch,) = launches
-        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4{'_mfma' if layout else ''}_w")
+        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4_k64{'_mfma' if layout else ''}_w")
         assert_same(got, want, f"a4w4 {layout}")
         assert_same(reference.mxfp4_quantize(x, -1, "rceil", layout, "a4w4"), want, f"reference a4w4 {layout}")
     plan = fq.explain(fq.mxfp4_quantize, x, scale_layout="mfma", shuffle="a4w4")
-    assert plan.kernel.endswith(f"_{arch}_a4w4_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
+    assert plan.kernel.endswith(f"_{arch}_a4w4_k64_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
     for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
                        ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
                        ((x, 0), "rowwise only")):
@@ -146,32 +146,37 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
-# K % 128 == 0 (kernels/mxfp4_quantize.a4w4_k_align): a tile's places from one division; K % 256 ==
-# 0 on gfx950 16-bit: a step's two tiles from one. (80, 512): 20 tiles over 3 waves, the last wave's
-# second half past the end; (32, 384): nkb 12, gfx950 16-bit steps at K % 256 != 0 (k128)
-A4W4_ALIGNED = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
+# The a4w4 tile orders (kernels/mxfp4_quantize.a4w4_k_align): (80, 512), K % 256 == 0 (gfx950 16-bit:
+# a step's two tiles placed by one division), 20 tiles over 3 waves, the last wave's second half
+# past the end; (32, 384), nkb 12: K % 128 == 0 (gfx950 16-bit steps at K % 256 != 0); (32, 2880),
+# GPT-OSS's K, and (48, 320): K % 128 == 64, each row tile's last tile half a phantom
+A4W4_ORDERS = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
 
 
-@pytest.mark.parametrize("arch,dtype,mode", A4W4_ALIGNED, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A4W4_ALIGNED])
-def test_a4w4_aligned_k(arch, dtype, mode):
-    """The a4w4 kernels whose tiles (K % 128 == 0) or two-tile steps (K % 256 == 0, gfx950 16-bit)
-    lie in one row tile, with plain and "mfma" scales, against the reference layouts (checked
-    against aiter's above): the special blocks (NaN, Inf, zeros, subnormals, saturation) spread
-    over row tiles and both tiles of a step."""
+@pytest.mark.parametrize("arch,dtype,mode", A4W4_ORDERS, ids=[f"{a}-{str(d)[6:]}-{m}" for a, d, m in A4W4_ORDERS])
+def test_a4w4_tile_orders(arch, dtype, mode):
+    """The a4w4 kernel's tile orders (16-row x 4-block tiles, two-tile steps in one row tile where K
+    % 256 == 0 on gfx950 16-bit, a phantom pair at each row's end where K % 128 == 64), with plain
+    and "mfma" scales, against the reference layouts (checked against aiter's above): the special
+    blocks (NaN, Inf, zeros, subnormals, saturation) spread over row tiles and both tiles of a
+    step."""
     emu.enable(arch)
     specials = special_blocks(dtype)
-    for m, k in ((80, 512), (32, 384)):
+    for m, k in ((80, 512), (32, 384), (32, 2880), (48, 320)):
         x = random_rows(m, k, dtype, seed=m + k)
         blocks = x.view(-1, 32)
         picks = torch.arange(specials.shape[0]) * 37 % blocks.shape[0]
         blocks[picks] = specials
-        align = 256 if arch == "gfx950" and dtype != torch.float32 and k % 256 == 0 else 128
+        align = 256 if arch == "gfx950" and dtype != torch.float32 and k % 256 == 0 else 128 if k % 128 == 0 else 64
         for layout in (None, "mfma"):
             with emu.record() as launches:
                 got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             (launch,) = launches
             assert f"_a4w4_k{align}{'_mfma' if layout else ''}_w" in launch.kernel
             assert_same(got, reference.mxfp4_quantize(x, -1, mode, layout, "a4w4"), f"a4w4 {m}x{k} {layout}")
+            # every data byte and real code stored once (a phantom pair's stores dropped, not overwritten later)
+            for t, n in ((got[0], got[0].numel()), (got[1], m * k // 32)):
+                assert launch.stats.traffic_within(t.data_ptr(), t.data_ptr() + t.numel()).bytes == n
             plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             assert launch.kernel.startswith(plan.kernel + "_w")
 
