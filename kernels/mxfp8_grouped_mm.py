@@ -29,8 +29,9 @@ row-major, scales (K, M / 32) and (N, M / 32)), group sizes multiples of 32:
 The same main loop with y^T as A (rows n), x^T as B (columns k) and the reduction over the
 group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the steps' scalar
 offsets, a run-time step count, and the last partial step's chunks past the group masked (an
-empty group's matrix is 0). Row-major scales only. gfx950: software-pipelined like the forward (each
-step's loads issued before the previous step's MFMAs), in step pairs over the run-time count.
+empty group's matrix is 0). Row-major scales only. gfx950: the forward's software pipeline (one
+helper) over the run-time count: its loop runs every step pair, the load after the last step
+clamped to it.
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
@@ -42,7 +43,8 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
   aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
   one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
   by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
-  (scales first) are issued before the previous step's MFMAs, one wait per step.
+  (scales first) are issued before the previous step's MFMAs, one wait per step; with the
+  forward's compile-time step count the last 1 or 2 steps are unrolled (no load past them).
 - gfx942 (no MX MFMA; FP8 is the FNUZ format there): v_mfma_f32_16x16x32_fp8_fp8 per 32-wide
   scale block, lane (c, r) supplying bytes 8c .. 8c + 7 of the block (an 8-byte load). OCP E4M3
   codes read as FNUZ are worth exactly half (exponent bias 8 instead of 7), except -0 (0x80, NaN in
@@ -133,7 +135,6 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     N_STEPS = -(-K // K_STEP)
     TAIL_CHUNKS = (K % K_STEP) // BLOCK  # valid 32-wide chunks of a partial last step (0: none)
     FULL_STEPS = N_STEPS - (1 if TAIL_CHUNKS else 0)
-    ODD_EVEN_PAIRS = max(0, (FULL_STEPS - 2) // 2)  # gfx950 loop iterations: steps (2i + 1, 2i + 2), prefetching 2i + 3
     SCALE_MFMA = cfg.scale_layout == "mfma"
     PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
     OUT_F32 = cfg.out_dtype == torch.float32
@@ -239,9 +240,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                      for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
 
-        def off(row, pitch, extra, chunk_ok=None):
-            ok = row >= 0 if chunk_ok is None else (row >= 0) & chunk_ok
-            return ok.select(row * pitch + extra, fx.Int32(OOB))
+        def off(row, pitch, extra):
+            return (row >= 0).select(row * pitch + extra, fx.Int32(OOB))
 
         def scale_src(row, kb_lo):
             """Where scale (row, 4 s + kb_lo) of step s is: (per-lane byte offset, the step's scalar
@@ -255,20 +255,16 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 return at(row, kb_lo), lambda s: at(fx.Int32(0), s << 2)
             return row * AS_PITCH + kb_lo, lambda s: s * (K_STEP // BLOCK) + S_BASE
 
-        def scaled_offsets(a_row, b_row, chunk_ok=None):
+        def scaled_offsets(a_row, b_row):
             """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
             one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
-            data = [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in a_row], [off(x, A_PITCH, c * BLOCK, chunk_ok) for x in b_row]
+            data = [off(x, A_PITCH, c * BLOCK) for x in a_row], [off(x, A_PITCH, c * BLOCK) for x in b_row]
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
-                def word(row):
-                    o = scale_src(row, c)[0] & ~3
-                    return o if chunk_ok is None else chunk_ok.select(o, fx.Int32(OOB))
-
-                a_sc = [word(rows[2 * p]) for p in range_constexpr(MB // 2)]
-                b_sc = [word(cols[2 * q] + r) for q in range_constexpr(NB // 2)]
+                a_sc = [scale_src(rows[2 * p], c)[0] & ~3 for p in range_constexpr(MB // 2)]
+                b_sc = [scale_src(cols[2 * q] + r, c)[0] & ~3 for q in range_constexpr(NB // 2)]
             else:
-                a_sc = [off(x, AS_PITCH, c, chunk_ok) for x in a_row]
-                b_sc = [off(x, AS_PITCH, c, chunk_ok) for x in b_row]
+                a_sc = [off(x, AS_PITCH, c) for x in a_row]
+                b_sc = [off(x, AS_PITCH, c) for x in b_row]
             return data + (a_sc, b_sc)
 
         def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
@@ -346,10 +342,12 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
             return sa, sb
 
-        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, blocks, valid=None):
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, valid=K_STEP // BLOCK):
             """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
             block pair from 0, added to the accumulator times sa * sb (packed math). `valid`: the
-            step's blocks below it are read, the others masked (a run-time count; None: all)."""
+            step's blocks below it are read; a compile-time count loads only those, a run-time one
+            (the weight gradient's last step) all four, the others masked."""
+            blocks = valid if isinstance(valid, int) else K_STEP // BLOCK
             ao, bo = o
             sd = _uniform(s * K_STEP + D_BASE)
             # wgrad: block j through the scalar offset (with its run-time pitch LLVM would keep base + 32 j
@@ -358,11 +356,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
             def at(base, j):
                 o = base if const_expr(WGRAD) else base + j * BLOCK
-                return o if valid is None else (fx.Int32(j) < valid).select(o, fx.Int32(OOB))
+                return o if isinstance(valid, int) else (fx.Int32(j) < valid).select(o, fx.Int32(OOB))
 
             av = [[_load(a_rsrc, at(ao[mb], j), sdj[j], 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
             bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
-            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, blocks if valid is None else valid)
+            sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, valid)
             probe = fx.Int32(0)
             flat = []
             for v in [x for row in av + bv for x in row]:
@@ -391,54 +389,94 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                         accs[i] = _cat(*halves, ty=fx.Float32)
             return accs
 
+        def scaled_pipeline(o, b_rsrc, bs_rsrc, steps):
+            """gfx950: the sums of full steps [0, steps), steps >= 1: compile-time (the forward's K)
+            or run-time (the weight gradient's group). Software pipeline: a step's loads are in
+            flight while the previous step computes, one wait per step. Step 0 is peeled (its MFMAs
+            start from a constant 0: no zeroed accumulators); the loop then walks (odd, even) step
+            pairs, so that an "mfma" scale dword, loaded with an even step, serves it and the odd
+            step after it. A compile-time count ends the loop before its prefetch would pass the
+            last step and unrolls the 1 or 2 steps left; a run-time one runs every pair, the load
+            after the last step clamped to it (reloaded, never computed), then an odd last step."""
+            static = isinstance(steps, int)
+            n_acc, n_data = MB * NB, MB + NB
+            per_step = not SCALE_MFMA  # plain scales are loaded with every step
+            n_sc = n_data if per_step else n_data // 2  # a step's scale bytes, or a step pair's dwords
+            n_odd = n_data + (n_sc if per_step else 0)  # an odd step's loaded values: data, plain scales
+            loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
+            split = lambda st: (list(st[:n_acc]), list(st[n_acc:n_acc + n_odd]), list(st[n_acc + n_odd:]))  # noqa: E731
+
+            def advance(accs, cur, scales, parity, nxt=None, nxt_scales=True):
+                """Issue step nxt's loads (None: none), wait for the others, compute the step `cur`."""
+                loaded = []
+                if const_expr(nxt is None):
+                    rocdl.s_waitcnt(vmcnt=0)
+                else:
+                    loaded = scaled_load(nxt, o, b_rsrc, bs_rsrc, scales=nxt_scales)
+                    rocdl.sched_barrier(0)
+                    rocdl.s_waitcnt(vmcnt=loads(nxt_scales))
+                return scaled_compute(accs, cur[:n_data], scales, parity), loaded
+
+            def ahead(s):  # the step loaded ahead: run-time counts clamp it to the last step
+                return fx.Int32(s) if const_expr(static) else fx.min(s, steps - 1)
+
+            d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
+            accs, odd = advance([zero4] * n_acc, d0, d0[n_data:], 0, None if static and steps == 1 else ahead(1), per_step)
+            # an odd step's scales: its own (plain, odd[n_data:]) or its pair's ("mfma", `pair`); the other is empty
+            pair = [] if per_step else d0[n_data:]
+            pairs = max(0, (steps - 2) // 2) if static else (steps - 1).shrui(fx.Int32(1))
+            if const_expr(not static or pairs > 0):
+                for i, state in range(0, pairs, 1, init=accs + odd + pair):
+                    s_odd = fx.Int32(i) * 2 + 1
+                    accs, odd, pair = split(state)
+                    accs, even = advance(accs, odd, odd[n_data:] + pair, 1, s_odd + 1)
+                    accs, odd = advance(accs, even, even[n_data:], 0, ahead(s_odd + 2), per_step)
+                    res = yield accs + odd + ([] if per_step else even[n_data:])
+                accs, odd, pair = split(res)
+            if const_expr(static):
+                s_odd = 2 * pairs + 1  # the steps left: s_odd (in flight) and, if below steps, s_odd + 1
+                if const_expr(steps - s_odd == 2):
+                    accs, even = advance(accs, odd, odd[n_data:] + pair, 1, fx.Int32(s_odd + 1))
+                    accs, _ = advance(accs, even, even[n_data:], 0)
+                elif const_expr(steps - s_odd == 1):
+                    accs, _ = advance(accs, odd, odd[n_data:] + pair, 1)
+            else:
+                rocdl.s_waitcnt(vmcnt=0)
+                if (steps & 1) == 0:  # the last step, odd, is in flight
+                    accs = scaled_compute(accs, odd[:n_data], odd[n_data:], 1)
+            return accs
+
+        def reduce(b_rsrc, bs_rsrc, a_row, b_row, lo, hi, steps, tail):
+            """The tile's sums (setup's buffers and rows) over steps [0, steps) and a partial step
+            `steps` of `tail` 32-wide chunks (0: none), both compile-time (the forward: K) or
+            run-time (the weight gradient: the group's rows; 0 steps for an empty group)."""
+            accs = [zero4] * (MB * NB)
+            if const_expr(SCALED):
+                o = scaled_offsets(a_row, b_row)
+                if steps > 0:
+                    accs = scaled_pipeline(o, b_rsrc, bs_rsrc, steps)
+                if tail > 0:  # the chunks past the tail masked
+                    t = tuple([(c < tail).select(x, fx.Int32(OOB)) for x in part] for part in o)
+                    last = scaled_load(fx.Int32(steps), t, b_rsrc, bs_rsrc)
+                    rocdl.s_waitcnt(vmcnt=0)
+                    # the parity: the "mfma" scales' byte select (forward only: a compile-time count)
+                    accs = scaled_compute(accs, last[:MB + NB], last[MB + NB:], steps % 2 if const_expr(SCALE_MFMA) else 0)
+            else:
+                o = fp8_offsets(a_row, b_row)
+                for s, state in range(0, steps, 1, init=accs):
+                    res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi)
+                accs = list(res)
+                if tail > 0:
+                    accs = fp8_step(fx.Int32(steps), accs, o, b_rsrc, bs_rsrc, lo, hi, tail)
+            return accs
+
         if const_expr(WGRAD):
             # out[g] = y[g rows]^T x[g rows]: the reduction walks the group's rows of M in 128-wide
             # steps; a last partial step (group sizes are multiples of 32) has its chunks past the
-            # group masked, and an empty group runs it fully masked: its tile is written as 0.
-            # (Names w_*: the forward's branch below assigns the plain ones under a run-time if.)
-            w_b_rsrc, w_bs_rsrc, w_a_row, w_b_row = setup(g_w, 0, N)
+            # group masked, and an empty group runs none: its tile is written as 0.
+            w_operands = setup(g_w, 0, N)
             w_span = hi_w - lo_w
-            w_steps, w_tail = w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3
-            w_accs = [zero4] * (MB * NB)
-            if const_expr(SCALED):
-                # Software pipeline over the run-time step count: steps 0 and 1 loaded ahead, step 0's
-                # MFMAs from a constant 0 (no zeroed accumulators), then step pairs, each step's loads
-                # issued before the previous step's MFMAs, one wait per step. The load after the last
-                # step is clamped to it (a one-step or odd group reloads its last step, never computed).
-                w_o, w_n, w_d = scaled_offsets(w_a_row, w_b_row), MB * NB, MB + NB
-                w_in_flight = 3 * (MB + NB)  # a step's loads: two per row block, its scale bytes
-                if w_steps > 0:
-                    w_cur = scaled_load(fx.Int32(0), w_o, w_b_rsrc, w_bs_rsrc)
-                    w_nxt = scaled_load(fx.min(w_steps - 1, fx.Int32(1)), w_o, w_b_rsrc, w_bs_rsrc)
-                    rocdl.sched_barrier(0)
-                    rocdl.s_waitcnt(vmcnt=w_in_flight)
-                    w_accs = scaled_compute(w_accs, w_cur[:w_d], w_cur[w_d:], 0)
-                    for w_i, w_st in range(0, (w_steps - 1).shrui(fx.Int32(1)), 1, init=w_accs + w_nxt):
-                        w_s = fx.Int32(w_i) * 2 + 2  # step w_s - 1 is in flight
-                        w_after = scaled_load(w_s, w_o, w_b_rsrc, w_bs_rsrc)
-                        rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=w_in_flight)
-                        w_sum = scaled_compute(list(w_st[:w_n]), w_st[w_n:w_n + w_d], w_st[w_n + w_d:], 0)
-                        w_ahead = scaled_load(fx.min(w_s + 1, w_steps - 1), w_o, w_b_rsrc, w_bs_rsrc)
-                        rocdl.sched_barrier(0)
-                        rocdl.s_waitcnt(vmcnt=w_in_flight)
-                        w_res = yield scaled_compute(w_sum, w_after[:w_d], w_after[w_d:], 0) + w_ahead
-                    w_accs, w_nxt = list(w_res[:w_n]), list(w_res[w_n:])
-                    rocdl.s_waitcnt(vmcnt=0)
-                    if (w_steps & 1) == 0:  # the last step is in flight
-                        w_accs = scaled_compute(w_accs, w_nxt[:w_d], w_nxt[w_d:], 0)
-                if w_tail > 0:
-                    w_t = tuple([(c < w_tail).select(x, fx.Int32(OOB)) for x in part] for part in w_o)  # chunks past the group
-                    w_last = scaled_load(w_steps, w_t, w_b_rsrc, w_bs_rsrc)
-                    rocdl.s_waitcnt(vmcnt=0)
-                    w_accs = scaled_compute(w_accs, w_last[:w_d], w_last[w_d:], 0)
-            else:
-                w_o = fp8_offsets(w_a_row, w_b_row)
-                for w_s, w_state in range(0, w_steps, 1, init=w_accs):
-                    w_res = yield fp8_step(fx.Int32(w_s), list(w_state), w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4)
-                w_accs = list(w_res)
-                if w_tail > 0:
-                    w_accs = fp8_step(w_steps, w_accs, w_o, w_b_rsrc, w_bs_rsrc, 0, N, 4, valid=w_tail)
+            w_accs = reduce(*w_operands, 0, N, w_span.shrui(fx.Int32(7)), w_span.shrui(fx.Int32(5)) & 3)
             store(w_accs, 0, N, 1.0 if SCALED else 4.0)
         else:
             for g in range(g0, g1, 1):
@@ -447,73 +485,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 lo = fx.max((g > 0).select(start, fx.Int32(0)), row0)
                 hi = fx.min(_scalar_load(offs + _zext(g << 2)), row_end)
                 if lo < hi:
-                    b_rsrc, bs_rsrc, a_row, b_row = setup(g, lo, hi)
-                    accs = [zero4] * (MB * NB)
-                    if const_expr(SCALED):
-                        o = scaled_offsets(a_row, b_row)
-                    else:
-                        o = fp8_offsets(a_row, b_row)
-                    if const_expr(SCALED and FULL_STEPS > 0):
-                        # Software pipeline: a step's loads are in flight while the previous step
-                        # computes. Step 0 is peeled (its MFMAs start from a constant 0: no zeroed
-                        # accumulators); the loop then walks (odd, even) step pairs, so that an "mfma"
-                        # scale dword, loaded with an even step, serves it and the odd step after it.
-                        n_acc, n_data = MB * NB, MB + NB
-                        n_sc = (MB + NB) // 2 if SCALE_MFMA else MB + NB
-                        per_step = not SCALE_MFMA  # plain scales are loaded with every step
-                        loads = lambda with_scales: 2 * n_data + (n_sc if with_scales else 0)  # noqa: E731
-                        d0 = scaled_load(fx.Int32(0), o, b_rsrc, bs_rsrc)
-                        if const_expr(FULL_STEPS > 1):
-                            odd = scaled_load(fx.Int32(1), o, b_rsrc, bs_rsrc, scales=per_step)
-                            rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=loads(per_step))
-                        else:
-                            rocdl.s_waitcnt(vmcnt=0)
-                        accs = scaled_compute([zero4] * n_acc, d0[:n_data], d0[n_data:], 0)
-                        pair = [] if per_step else d0[n_data:]  # "mfma": the current pair's scale dwords
-
-                        def odd_scales(odd, pair):
-                            return odd[n_data:] if const_expr(per_step) else pair
-
-                        if const_expr(ODD_EVEN_PAIRS > 0):
-                            for i, state in range(0, ODD_EVEN_PAIRS, 1, init=accs + odd + pair):
-                                s_odd = fx.Int32(i) * 2 + 1
-                                accs, odd = list(state[:n_acc]), list(state[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
-                                pair = list(state[n_acc + len(odd):])
-                                even = scaled_load(s_odd + 1, o, b_rsrc, bs_rsrc)
-                                rocdl.sched_barrier(0)
-                                rocdl.s_waitcnt(vmcnt=loads(True))
-                                accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                                nxt = scaled_load(s_odd + 2, o, b_rsrc, bs_rsrc, scales=per_step)
-                                rocdl.sched_barrier(0)
-                                rocdl.s_waitcnt(vmcnt=loads(per_step))
-                                accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
-                                res = yield accs + nxt + ([] if per_step else even[n_data:])
-                            accs = list(res[:n_acc])
-                            odd = list(res[n_acc:n_acc + n_data + (n_sc if per_step else 0)])
-                            pair = list(res[n_acc + len(odd):])
-                        s_odd = 2 * ODD_EVEN_PAIRS + 1  # the remaining full steps: s_odd (prefetched), s_odd + 1
-                        if const_expr(FULL_STEPS - s_odd == 2):
-                            even = scaled_load(fx.Int32(s_odd + 1), o, b_rsrc, bs_rsrc)
-                            rocdl.sched_barrier(0)
-                            rocdl.s_waitcnt(vmcnt=loads(True))
-                            accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                            rocdl.s_waitcnt(vmcnt=0)
-                            accs = scaled_compute(accs, even[:n_data], even[n_data:], 0)
-                        elif const_expr(FULL_STEPS - s_odd == 1):
-                            rocdl.s_waitcnt(vmcnt=0)
-                            accs = scaled_compute(accs, odd[:n_data], odd_scales(odd, pair), 1)
-                    if const_expr(not SCALED and FULL_STEPS > 0):
-                        for s, state in range(0, FULL_STEPS, 1, init=accs):
-                            res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi, 4)
-                        accs = list(res)
-                    if const_expr(TAIL_CHUNKS):
-                        if const_expr(SCALED):  # its own scale words, masked by chunk
-                            tail = scaled_load(fx.Int32(FULL_STEPS), scaled_offsets(a_row, b_row, c < TAIL_CHUNKS), b_rsrc, bs_rsrc)
-                            accs = scaled_compute(accs, tail[:MB + NB], tail[MB + NB:], FULL_STEPS % 2)
-                        else:
-                            accs = fp8_step(fx.Int32(FULL_STEPS), accs, o, b_rsrc, bs_rsrc, lo, hi, TAIL_CHUNKS)
-                    store(accs, lo, hi, 1.0 if SCALED else 4.0)
+                    store(reduce(*setup(g, lo, hi), lo, hi, FULL_STEPS, TAIL_CHUNKS), lo, hi, 1.0 if SCALED else 4.0)
 
             # rows at or past the last group's end: zeros
             z_lo = fx.max(_scalar_load(offs + (E - 1) * 4), row0)
