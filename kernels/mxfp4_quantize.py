@@ -39,11 +39,12 @@ Layouts written in the same pass (each block's 16 bytes and code byte stored at 
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
-K % 64 == 0): units are taken in the layout's order, so the data stores stay contiguous; where K %
-128 == 0 (256 with two-tile steps) a tile's (a step's) blocks lie in one row tile: one division
-places them and the codes' offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align).
-Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4"
-(3D expert weights; N % 32 == 0, K % 256 == 0): _a16w4_offsets; its data units are a4w4's
+K % 64 == 0): a tile is 16 rows x 4 blocks of one row tile, 64 consecutive units of the layout,
+so the data stores stay contiguous; one division places it (_row_tile_first), and its codes'
+offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align: where K % 128 == 64 a row
+tile's last tile holds a phantom pair, not read, its stores dropped; where K % 256 == 0 a
+two-tile step shares the division). Shuffles load a register's rows 8 on through the scalar
+offset. shuffle "a16w4" (3D expert weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's
 (gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
 that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
 (wave-uniform) plus a lane part (_a16w4_scale_offset).
