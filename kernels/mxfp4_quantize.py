@@ -202,7 +202,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     (the second's offsets are the first's plus constants); 64, a row tile's last tile has a phantom
     second pair of blocks (its stores dropped)."""
     spec = Spec(arch, dtype, mode)
-    assert (k_align in (64, 128, 256)) == (shuffle == "a4w4") or k_align == 0 and shuffle != "a4w4"
+    assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
     phantom, k256 = k_align == 64, k_align == 256
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
@@ -247,6 +247,11 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb, row_bytes, k, magic, shift, dims = shape
         return first if first is not None else _row_tile_first(t0, lshr(add(nkb, 3), 2), magic, shift)
 
+    def unless_phantom(kb, nkb, x):
+        """x, or out of range where the tile at block kb holds a phantom second pair (its row
+        tile's last, K % 128 == 64): its loads and stores dropped."""
+        return mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, x)
+
     def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
@@ -283,7 +288,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         tile_in = add(mul(row, row_bytes), mul(kb, in_block))
         bases = [add(lane[0], tile_in)]
         if phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
-            bases.append(add(lane[0], mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, add(tile_in, 2 * in_block))))
+            bases.append(add(lane[0], unless_phantom(kb, nkb, add(tile_in, 2 * in_block))))
         else:  # the second pair 2 blocks on: an immediate offset
             bases.append(add(bases[0], 2 * in_block))
         # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
@@ -373,7 +378,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 if phantom:  # tiles are not runs of 64 units here: the tile's first unit, and whether pair 1 is a phantom
                     t = add(mul(row, nkb), shl(kb, 4))
                     t_out = mul(t, OUT_BLOCK_BYTES)
-                    v_outs = [add(lane_out, t_out), add(lane_out, mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, t_out))]
+                    v_outs = [add(lane_out, t_out), add(lane_out, unless_phantom(kb, nkb, t_out))]
                     tile_units = 0
                 if j and one_row_tile:  # 4 blocks on: the same 8-block column tile of "mfma" and a16w4's layouts
                     tile_s = add(tile_s, 4 if shuffle == "a4w4" and not scale_layout else 2)
@@ -385,7 +390,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                     tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
                 lane_s = tile_s
                 if phantom:  # the owned block in a phantom pair: dropped
-                    lane_s = mx.select(mx.cmp_uge(own, 32), mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, tile_s), tile_s)
+                    lane_s = mx.select(mx.cmp_uge(own, 32), unless_phantom(kb, nkb, tile_s), tile_s)
                 s_off = add(lane_s, lane[5])
             else:
                 g = add(t, own)
