@@ -583,7 +583,8 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
     magic, shift = mx.divide_magic(-(-nkb // 4) if shuffle else nkb)  # shuffles: tiles per row tile
-    n1 = (rows_per_expert or A16W4_NLANE * 2) // (A16W4_NLANE * 2)
+    # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
+    n1 = rows_per_expert // (A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
     cfg = plan_rows((m, k), arch, shuffle)
     with toolchain.target(arch):

@@ -22,7 +22,8 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
     """fq.mxfp4_quantize_3d(w, shuffle="a16w4") writes in one launch the bytes of aiter's own
     shuffle_weight_a16w4 / shuffle_scale_a16w4 (aiter/ops/shuffle.py, loaded by path) applied to
     the plain quantize (E = 3, N = 64: two 32-row scale tiles, two gate/up halves of 32; K = 512:
-    two 256-wide scale tiles, a NaN block among them); without the shuffle it is quantize_mxfp4."""
+    two 256-wide scale tiles, a NaN block among them); without the shuffle it is quantize_mxfp4,
+    also for N < 32."""
     aiter = oracles.aiter_shuffle()
     emu.enable(arch)
     w = random_rows(3 * 64, 512, torch.bfloat16, seed=11).reshape(3, 64, 512)
@@ -39,6 +40,9 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
     if not gate_up:
         assert_same(fq.mxfp4_quantize_3d(w[:, :, :500].contiguous(), "rceil"),
                     reference.quantize_mxfp4(w[:, :, :500].contiguous(), "rceil"), "3d plain")
+        # experts of fewer than 32 rows, unshuffled (a gate_up division by N / 32 once crashed here)
+        assert_same(fq.mxfp4_quantize_3d(w[:, :2, :300].contiguous(), "floor"),
+                    reference.quantize_mxfp4(w[:, :2, :300].contiguous(), "floor"), "3d plain, N 2")
     for kwargs, match in ((dict(shuffle="a16w4x"), "shuffle must be one of"), (dict(gate_up=True), "gate_up=True"),
                           (dict(shuffle="a16w4", gate_up=1), "gate_up must be a bool")):
         with pytest.raises(ValueError, match=match):
