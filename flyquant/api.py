@@ -187,7 +187,7 @@ def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[
     variant = ("a16w4_gate_up" if gate_up else "a16w4") if shuffle else None
     packed, scales = rows.quantize_rows(w.reshape(e * n, k), arch=plan.arch, scaling_mode=scaling_mode, shuffle=variant,
                                         rows_per_expert=n)
-    return packed.view(e, n, -1), scales.view(e, n, -1)
+    return reference.weight_shaped(w, packed, scales)  # (no -1 in the view: E or N may be 0)
 
 
 @_mxfp4_quantize_3d_op.register_fake

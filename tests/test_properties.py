@@ -1,5 +1,5 @@
-"""Property-based tests of the public API (issue 21): random shapes, views, dtypes, modes and
-layouts, each call made on the kernel path (FlyDSL under flyquant.emu, both arches, strict
+"""Property-based tests of the public API (issue 21; the MXFP4 quantize ops too): random shapes,
+views, dtypes, modes and layouts, each call made on the kernel path (FlyDSL under flyquant.emu, both arches, strict
 memory from conftest.py) and on the reference path. Both must agree: the same bytes as the
 reference on a contiguous copy, or the same exception type and message on both paths.
 
@@ -155,6 +155,38 @@ def test_mxfp8_quantize_3d(arch, data, mode, block_k, layout):
     shape = (data.draw(st.sampled_from([0, 1, 2, 3])), data.draw(BLOCK_DIM), data.draw(FREE_DIM))
     w = data.draw(tensors(shape))
     both_paths(arch, fq.mxfp8_quantize_3d, w, scaling_mode=mode, scale_block_k=block_k, scale_layout=layout)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**PROFILE)
+@given(data=st.data(), axis=st.sampled_from([-1, 0]), mode=st.sampled_from(["floor", "rceil", "even"]),
+       layout=st.sampled_from([None, "mfma"]), shuffle=st.sampled_from([None, "a4w4"]))
+def test_mxfp4_quantize(arch, data, axis, mode, layout, shuffle):
+    # any M and K (tails are zero-padded blocks); a4w4 takes M % 16 == 0 and K % 64 == 0 (128, 192, 320: the
+    # kernel's three tile orders), columnwise neither layout: refused alike on both paths
+    dims = st.sampled_from([0, 1, 3, 16, 33, 64, 128, 192, 320])
+    x = data.draw(tensors((data.draw(dims), data.draw(dims))))
+    both_paths(arch, fq.mxfp4_quantize, x, axis=axis, scaling_mode=mode, scale_layout=layout, shuffle=shuffle)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**PROFILE)
+@given(data=st.data(), mode=st.sampled_from(["floor", "rceil", "even"]))
+def test_mxfp4_quantize_dual(arch, data, mode):
+    x = data.draw(tensors((data.draw(FREE_DIM), data.draw(BLOCK_DIM))))
+    both_paths(arch, fq.mxfp4_quantize_dual, x, scaling_mode=mode)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**PROFILE)
+@given(data=st.data(), mode=st.sampled_from(["floor", "rceil", "even"]), shuffle=st.sampled_from([None, "a16w4"]),
+       gate_up=st.booleans())
+def test_mxfp4_quantize_3d(arch, data, mode, shuffle, gate_up):
+    # experts of any N (below 32 too) unshuffled; the a16w4 shuffle takes N % 32 == 0 and K % 256 == 0
+    shape = (data.draw(st.sampled_from([0, 1, 2, 3])), data.draw(st.sampled_from([1, 2, 16, 32, 37, 64])),
+             data.draw(st.sampled_from([0, 31, 64, 256, 300, 512])))
+    w = data.draw(tensors(shape))
+    both_paths(arch, fq.mxfp4_quantize_3d, w, scaling_mode=mode, shuffle=shuffle, gate_up=gate_up and shuffle is not None)
 
 
 # ------------------------------------------------------------------------------------------------
