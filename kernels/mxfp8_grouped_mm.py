@@ -141,6 +141,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     WGRAD = cfg.wgrad
     COLS = K if WGRAD else N  # output columns: the B operand's rows
     N_TAIL = COLS % TILE_N != 0  # the last n-tile has columns past COLS (masked)
+    # the tile's A rows can be masked: the forward's (other groups, past M) or the wgrad's past N
+    A_MASKED = not WGRAD or N % TILE_M != 0
     OUT_ELEM = 4 if OUT_F32 else 2
     if TILE_M % (cfg.waves_m * MFMA_MN) or TILE_N % (cfg.waves_n * MFMA_MN) or COLS % MFMA_MN or (K % BLOCK and not WGRAD):
         raise ValueError(f"{cfg}: tiles must split into 16x16 blocks per wave; the output's columns a multiple of 16, "
@@ -215,8 +217,9 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         def store(accs, lo, hi, scale):
             """out[rows in [lo, hi), this lane's 4 columns of every block] = accs (* scale)."""
             for mb in range_constexpr(MB):
-                ok = (rows[mb] >= lo) & (rows[mb] < hi)
-                base = ok.select(rows[mb] * (COLS * OUT_ELEM) + c * (4 * OUT_ELEM), fx.Int32(OOB))
+                base = rows[mb] * (COLS * OUT_ELEM) + c * (4 * OUT_ELEM)
+                if const_expr(A_MASKED):
+                    base = ((rows[mb] >= lo) & (rows[mb] < hi)).select(base, fx.Int32(OOB))
                 for nb in range_constexpr(NB):
                     v = Vec(accs[mb * NB + nb])
                     if const_expr(scale != 1.0):
@@ -235,13 +238,15 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             else:
                 b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
                 bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
-            a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) for mb in range_constexpr(MB)]
+            a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) if const_expr(A_MASKED)
+                     else rows[mb] for mb in range_constexpr(MB)]
             b_row = [(cols[nb] < COLS).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
                      for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
 
-        def off(row, pitch, extra):
-            return (row >= 0).select(row * pitch + extra, fx.Int32(OOB))
+        def off(row, pitch, extra, masked):
+            """row's offset, or OOB where `masked` (compile-time: the row may be -1) and it is -1."""
+            return (row >= 0).select(row * pitch + extra, fx.Int32(OOB)) if const_expr(masked) else row * pitch + extra
 
         def scale_src(row, kb_lo):
             """Where scale (row, 4 s + kb_lo) of step s is: (per-lane byte offset, the step's scalar
@@ -258,13 +263,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         def scaled_offsets(a_row, b_row):
             """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
             one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
-            data = [off(x, A_PITCH, c * BLOCK) for x in a_row], [off(x, A_PITCH, c * BLOCK) for x in b_row]
+            data = [off(x, A_PITCH, c * BLOCK, A_MASKED) for x in a_row], [off(x, A_PITCH, c * BLOCK, N_TAIL) for x in b_row]
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
                 a_sc = [scale_src(rows[2 * p], c)[0] & ~3 for p in range_constexpr(MB // 2)]
                 b_sc = [scale_src(cols[2 * q] + r, c)[0] & ~3 for q in range_constexpr(NB // 2)]
             else:
-                a_sc = [off(x, AS_PITCH, c) for x in a_row]
-                b_sc = [off(x, AS_PITCH, c) for x in b_row]
+                a_sc = [off(x, AS_PITCH, c, A_MASKED) for x in a_row]
+                b_sc = [off(x, AS_PITCH, c, N_TAIL) for x in b_row]
             return data + (a_sc, b_sc)
 
         def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
@@ -308,7 +313,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
         def fp8_offsets(a_row, b_row):
             """gfx942: lane (c, r)'s 8 bytes of each 32-wide block of its row."""
-            return [off(x, A_PITCH, c * 8) for x in a_row], [off(x, A_PITCH, c * 8) for x in b_row]
+            return [off(x, A_PITCH, c * 8, A_MASKED) for x in a_row], [off(x, A_PITCH, c * 8, N_TAIL) for x in b_row]
 
         def fp8_scales(s, lo, hi, bs_rsrc, blocks, valid):
             """gfx942: the tile's scales of step s as f32 in LDS, each converted once per workgroup:
