@@ -249,7 +249,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
     if axis == -1:
-        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, "a4w4" if shuffle == "a4w4" else None))
+        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, shuffle))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
         if shuffle == "a4w4":
             k_align = rows.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])

@@ -507,7 +507,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles ceil(nkb / 4)
         shift: fx.Int32,
         x_bytes: fx.Int32,  # M * K * element bytes
-        n1: fx.Int32,  # shuffle: N / 32 (rows per expert / 32)
+        n1: fx.Int32,  # a16w4_gate_up: N / 32 (rows per expert / 32); 1 otherwise
         magic_n1: fx.Int32,  # floor(q / n1) = (umulhi(q, magic_n1) + q) >> shift_n1 (gate_up)
         shift_n1: fx.Int32,
         s_bytes: fx.Int32,  # s's size: M * nkb, or the padded mfma layout's

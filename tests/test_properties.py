@@ -1,6 +1,6 @@
 """Property-based tests of the public API (issue 21; the MXFP4 quantize ops too): random shapes,
-views, dtypes, modes and layouts, each call made on the kernel path (FlyDSL under flyquant.emu, both arches, strict
-memory from conftest.py) and on the reference path. Both must agree: the same bytes as the
+views, dtypes, modes and layouts, each call made on the kernel path (FlyDSL under flyquant.emu,
+both arches, strict memory from conftest.py) and on the reference path. Both must agree: the same bytes as the
 reference on a contiguous copy, or the same exception type and message on both paths.
 
 Example counts are bounded (PROFILE) so the default run stays short; examples are derived
@@ -162,9 +162,10 @@ def test_mxfp8_quantize_3d(arch, data, mode, block_k, layout):
 @given(data=st.data(), axis=st.sampled_from([-1, 0]), mode=st.sampled_from(["floor", "rceil", "even"]),
        layout=st.sampled_from([None, "mfma"]), shuffle=st.sampled_from([None, "a4w4"]))
 def test_mxfp4_quantize(arch, data, axis, mode, layout, shuffle):
-    # any M and K (tails are zero-padded blocks); a4w4 takes M % 16 == 0 and K % 64 == 0 (128, 192, 320: the
-    # kernel's three tile orders), columnwise neither layout: refused alike on both paths
-    dims = st.sampled_from([0, 1, 3, 16, 33, 64, 128, 192, 320])
+    # any M and K (tails are zero-padded blocks); a4w4 takes M % 16 == 0 and K % 64 == 0 (its tile
+    # orders: K % 256 == 0 256, K % 128 == 0 128, K % 128 == 64 192 and 320), columnwise neither
+    # layout: refused alike on both paths
+    dims = st.sampled_from([0, 1, 3, 16, 33, 64, 128, 192, 256, 320])
     x = data.draw(tensors((data.draw(dims), data.draw(dims))))
     both_paths(arch, fq.mxfp4_quantize, x, axis=axis, scaling_mode=mode, scale_layout=layout, shuffle=shuffle)
 
