@@ -293,20 +293,24 @@ class WgradShape:
     n: int
     k: int
     sizes: tuple[int, ...]
+    plan: tuple[int, int] | None = None  # the (N, K) whose tiles the selector picks (default: n, k)
 
     @property
     def m(self) -> int:
         return sum(self.sizes)
 
 
-# Small enough to emulate every workgroup (grid N/128 x K/128 x E). Group sizes in 128-row steps:
-# 16 (even); 2 + 3 chunks (a 96-row tail), 10 (even), 15 + 1 chunk (odd, a 32-row tail), 4.
+# Small enough to emulate every workgroup (grid N/tile_m x K/tile_n x E). Group sizes in 128-row
+# steps: 16 (even); 2 + 3 chunks (a 96-row tail), 10 (even), 15 + 1 chunk (odd, a 32-row tail), 4.
+# The grid-* rows are one tile of torchao's grid (M 16640, N = K = 2048) on the tiles the selector
+# picks for the whole shape: every tile of it executes the same, so its per-MFMA figure is the grid's.
 WGRAD_SHAPES = {s.name: s for s in (
     WgradShape("wgrad-M2048-E1-N128-K128", 128, 128, (2048,)),
     WgradShape("wgrad-M4096-E4-N256-K512", 256, 512, (352, 1280, 1952, 512)),
+    WgradShape("grid-E1-N2048-K2048-one-tile", 128, 128, (16640,), (2048, 2048)),
+    WgradShape("grid-E8-N2048-K2048-one-tile", 128, 256, (2080,) * 8, (2048, 2048)),
 )}
 WGRAD_MODEL = (2048, 5120, 8)  # (N, K, E) of the compile-only model-sized kernel: registers, spills
-WGRAD_TILE = 128  # tile_m = tile_n, 2x2 waves (grouped_mm_wgrad's defaults)
 
 
 def wgrad_shape_arg(text: str) -> list[WgradShape]:
@@ -325,16 +329,25 @@ def wgrad_shape_arg(text: str) -> list[WgradShape]:
     return out
 
 
-def wgrad_compile_report(arch: str, n: int, k: int, experts: int, m: int):
-    cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=k, experts=experts, tile_m=WGRAD_TILE,
-                            tile_n=WGRAD_TILE, wgrad=True)
+def wgrad_tiles(args, arch: str, n: int, k: int, experts: int) -> tuple[int, int]:
+    """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm_wgrad."""
+    tm, tn = select.grouped_mm_wgrad_tiles(arch, n, k, experts)[0]
+    return args.tile_m or tm, args.tile_n or tn
+
+
+def wgrad_compile_report(arch: str, n: int, k: int, experts: int, m: int, tiles: tuple[int, int]):
+    cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=k, experts=experts, tile_m=tiles[0],
+                            tile_n=tiles[1], wgrad=True)
     (report,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), m, 0, -(-n // cfg.tile_m), stream=0)
     return report
 
 
-def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
+def model_wgrad(shape: WgradShape, arch: str, args) -> dict:
     """The whole launch emulated (randn operands quantized 32x1, rceil), and the compile-only
-    resources of the emulated kernel and of the model-sized one (WGRAD_MODEL)."""
+    resources of the emulated kernel and of the model-sized one (WGRAD_MODEL), each on its tiles."""
+    seed = args.seed
+    tiles = wgrad_tiles(args, arch, *(shape.plan or (shape.n, shape.k)), len(shape.sizes))
+    model_tiles = wgrad_tiles(args, arch, *WGRAD_MODEL)
     gen = torch.Generator().manual_seed(seed)
     x, x_scale = reference.mxfp8_quantize(torch.randn(shape.m, shape.k, generator=gen) * 4, 0, "rceil")
     y, y_scale = reference.mxfp8_quantize(torch.randn(shape.m, shape.n, generator=gen), 0, "rceil")
@@ -344,15 +357,16 @@ def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
 
     def run():
         with toolchain.target(arch):
-            G.grouped_mm_wgrad(x.t(), x_scale, y.t(), y_scale, offs, arch=arch, out=out, tile_m=WGRAD_TILE,
-                               tile_n=WGRAD_TILE)
+            G.grouped_mm_wgrad(x.t(), x_scale, y.t(), y_scale, offs, arch=arch, out=out, tile_m=tiles[0],
+                               tile_n=tiles[1])
 
     tensors = {"x": x, "x_scale": x_scale, "y": y, "y_scale": y_scale, "offs": offs, "out": out}
     _, counts, _ = common.emulate(run, tensors)
-    res = common.Resources.of(wgrad_compile_report(arch, shape.n, shape.k, len(shape.sizes), shape.m))
-    big = common.Resources.of(wgrad_compile_report(arch, *WGRAD_MODEL, shape.m))
-    grid = math.ceil(shape.n / WGRAD_TILE) * math.ceil(shape.k / WGRAD_TILE) * len(shape.sizes)
+    res = common.Resources.of(wgrad_compile_report(arch, shape.n, shape.k, len(shape.sizes), shape.m, tiles))
+    big = common.Resources.of(wgrad_compile_report(arch, *WGRAD_MODEL, shape.m, model_tiles))
+    grid = math.ceil(shape.n / tiles[0]) * math.ceil(shape.k / tiles[1]) * len(shape.sizes)
     return {"shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "sizes": list(shape.sizes), "arch": arch,
+            "tile": f"{tiles[0]}x{tiles[1]}", "model_tile": f"{model_tiles[0]}x{model_tiles[1]}",
             "layout": "plain",  # row-major scales: the only ones the weight gradient reads
             "instr_per_mfma": counts.wave_instructions / counts.cls("mfma"),
             "coalescing_loads": common.coalescing(counts.mem("vmem_load")),
@@ -361,9 +375,9 @@ def model_wgrad(shape: WgradShape, arch: str, seed: int) -> dict:
             "model_kernel": big.kernel, "counts": counts.to_json()} | common.resource_figures(res)
 
 
-WGRAD_COLUMNS = [("shape", "shape"), ("arch", "arch"), ("vgprs", "VGPR"), ("agprs", "AGPR"), ("spills", "spill"),
+WGRAD_COLUMNS = [("shape", "shape"), ("arch", "arch"), ("tile", "tile"), ("vgprs", "VGPR"), ("agprs", "AGPR"), ("spills", "spill"),
                  ("workgroups_per_cu", "WG/CU"), ("grid_workgroups", "WGs"), ("wg_working", "working"), ("instr_per_mfma", "instr/MFMA"),
-                 ("coalescing_loads", "coal ld"), ("model_vgprs", "model VGPR"), ("model_agprs", "model AGPR"),
+                 ("coalescing_loads", "coal ld"), ("model_tile", "model tile"), ("model_vgprs", "model VGPR"), ("model_agprs", "model AGPR"),
                  ("model_spills", "model spill")]
 
 
@@ -372,12 +386,13 @@ def wgrad_main(args) -> dict:
     if args.mode == "hardware":
         raise SystemExit("--op wgrad: modelled mode only so far")
     args.mode = "modelled"
-    mode, archs, label, sources = common.begin(args, f"MXFP8 grouped GEMM, weight gradient, tile {WGRAD_TILE}x{WGRAD_TILE}")
+    forced = f"{args.tile_m or 'selector'}x{args.tile_n or 'selector'}"
+    mode, archs, label, sources = common.begin(args, f"MXFP8 grouped GEMM, weight gradient, tiles {forced}")
     rows = []
     for arch in archs:
         emu.enable(arch)
         for shape in args.wgrad_shapes:
-            rows.append(model_wgrad(shape, arch, args.seed))
+            rows.append(model_wgrad(shape, arch, args))
             print(f"  {shape.name} {arch}: {rows[-1]['instr_per_mfma']:.3f} wave-instructions per MFMA", flush=True)
     print()
     common.print_table(rows, WGRAD_COLUMNS)

@@ -484,6 +484,22 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
     return (tile_m, tile_n), tuple(why)
 
 
+def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tuple[int, int], tuple]:
+    """The weight gradient's (tile_m, tile_n) over its (N, K) output per group, and why: 128 x 128,
+    or on gfx950 128 x 256 / 128 x 192 (the widest dividing K) when that still gives every CU a
+    workgroup: as the forward's wide tiles, each fragment loaded feeds 8/3 MFMAs instead of 2
+    (bench/grouped_mm.py --op wgrad, torchao's groups of 2080 rows: 2.84 instead of 3.55
+    wave-instructions per MFMA), with 376 VGPRs, so one workgroup per CU instead of two."""
+    tile_n = 128
+    why = ["tile 128x128"]
+    if arch == "gfx950":
+        cus = arch_info(arch).compute_units
+        tile_n = next((t for t in (256, 192) if k % t == 0 and -(-n // 128) * (k // t) * experts >= cus), 128)
+        if tile_n != 128:
+            why = [f"tile_n {tile_n}: gfx950, {tile_n} divides K = {k}, every CU a workgroup"]
+    return (128, tile_n), tuple(why)
+
+
 def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int, experts: int,
                      scale_layout=None) -> Plan:
     target = _kernel_target(op, device)
@@ -497,6 +513,8 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     reasons = ()
     if op == "mxfp8_grouped_mm":
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts, scale_layout)
+    else:
+        (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
     return _kernel_plan(op, target, f"{op}_{_dtype_name(out_dtype)}_{target.arch}", config, *reasons)
 
 

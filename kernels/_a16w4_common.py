@@ -192,10 +192,19 @@ def _i32(v):
     return fx.Int32(v)
 
 
-def _rsrc(addr, nbytes):
-    """Buffer resource over [addr, addr + nbytes): loads past the end return 0."""
-    ptr_ty = fx.PointerType.get(T.i32, address_space=fx.AddressSpace.Global, alignment=4)
-    return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(fx.inttoptr(ptr_ty, addr), num_records_bytes=fx.Int64(nbytes)))
+def _rsrc(addr, nbytes, own: str | None = None):
+    """Buffer resource over [addr, addr + nbytes): loads past the end return 0. `own` (a name
+    unique in the kernel) gives the descriptor registers of its own: LLVM otherwise builds
+    descriptors that share a word (the flags, an equal size) from one register and, in a loop
+    that needs all four quads at once, copies the shared words back into each quad every
+    iteration (s_movs in the main loop)."""
+    if own is None:
+        ptr_ty = fx.PointerType.get(T.i32, address_space=fx.AddressSpace.Global, alignment=4)
+        return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(fx.inttoptr(ptr_ty, addr), num_records_bytes=fx.Int64(nbytes)))
+    base = llvm.inttoptr(ir.Type.parse("!llvm.ptr<1>"), mx.opaque_sgpr(fx.Int64(addr), f"{own} base"))
+    return rocdl.MakeBufferRsrcOp(ir.Type.parse("!llvm.ptr<8>"), base, mx.const(0, T.i16),
+                                  mx.opaque_sgpr(fx.Int64(nbytes), f"{own} size"),
+                                  mx.opaque_sgpr(mx.CDNA_BUFFER_FLAGS, f"{own} flags")).result
 
 
 def _zext(x):

@@ -215,11 +215,13 @@ def readfirstlane(x):
     return rocdl.readfirstlane(i32_t(), val(x))
 
 
-def opaque_sgpr(x):
-    """x, hidden from LLVM's loop optimizations by an empty inline asm (no instruction): keeps a
-    per-iteration address computation inside the loop, where constant offsets fold into the
-    buffer instructions' immediate field instead of becoming strength-reduced VALU adds."""
-    return llvm.inline_asm(i32_t(), [val(x)], "", "=s,0")
+def opaque_sgpr(x, tag: str = ""):
+    """x (i32 or i64), hidden from LLVM's optimizations by an empty inline asm (no instruction):
+    keeps a per-iteration address computation inside the loop, where constant offsets fold into
+    the buffer instructions' immediate field instead of becoming strength-reduced VALU adds. A
+    `tag` (an asm comment) keeps equal values apart: LLVM merges identical asm of equal operands."""
+    x = val(x)
+    return llvm.inline_asm(x.type, [x], f"; {tag}" if tag else "", "=s,0")
 
 
 def lane_word(pred_bit):

@@ -30,17 +30,20 @@ The same main loop with y^T as A (rows n), x^T as B (columns k) and the reductio
 group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the steps' scalar
 offsets, a run-time step count, and the last partial step's chunks past the group masked (an
 empty group's matrix is 0). Row-major scales only. gfx950: the forward's software pipeline (one
-helper) over the run-time count: its loop runs every step pair, the load after the last step
-clamped to it.
+helper) over the run-time count: its loop runs every step pair but the last, whose load after the
+last step is clamped to it. Tiles: 128x128, or on gfx950 128x256 / 128x192 where the selector
+finds them (select.grouped_mm_wgrad_tiles).
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
 output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous bytes.
 - gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 32
   bytes of its row at k = 128 s + 32 c (two 16-byte loads; a row's 4 lanes read half of each
-  128-byte line per instruction, the other half with the next) and that block's E8M0 scale,
-  which the hardware applies. Scales row-major: one byte load per row block and step. Scales in
-  aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
+  128-byte line per instruction, the other half with the next; the second's +16 in the vector
+  offset, or on the wide tiles with row-major scales (more than 8 row blocks per wave and a scale
+  byte per block and step), where a VGPR per block would spill, in the scalar offset) and that
+  block's E8M0 scale, which the hardware applies. Scales row-major: one byte load per row block
+  and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
   one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
   by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
   (scales first) are issued before the previous step's MFMAs, one wait per step; with the
@@ -59,10 +62,11 @@ Memory safety. Every access goes through a buffer resource sized to its tensor (
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
 every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked scalar
 offset and it stays below K (wgrad: the step's first row of M, the gfx942 block's too, inside the
-group for every chunk not masked; the pipeline reloads the last step rather than read past it). The
-group loop indexes offs below E; any offs values (unsorted, negative, past M) keep every access
-inside the tensors (rows are clamped to [0, M)); with offs that are not non-decreasing, output rows
-outside every group are not written.
+group for every chunk not masked; the pipeline reloads the last step rather than read past it),
+with, on gfx950's wide tiles with row-major scales, the +16 of a 32-byte chunk whose checked
+start is inside. The group loop indexes offs below E; any offs values (unsorted, negative, past M)
+keep every access inside the tensors (rows are clamped to [0, M)); with offs that are not
+non-decreasing, output rows outside every group are not written.
 
 Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
 32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
@@ -196,15 +200,15 @@ def build_grouped_mm(cfg: GroupedMMConfig):
         g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
 
         if const_expr(WGRAD):  # a: y^T (N, M), out: the group's (N, K)
-            a_rsrc = _rsrc(a, _zext(m_rows) * N)
-            as_rsrc = _rsrc(a_scale, _zext(AS_PITCH) * N)
+            a_rsrc = _rsrc(a, _zext(m_rows) * N, "a")
+            as_rsrc = _rsrc(a_scale, _zext(AS_PITCH) * N, "a_scale")
             out_rsrc = _rsrc(out + _zext(g_w) * (N * K * OUT_ELEM), N * K * OUT_ELEM)
         else:
-            a_rsrc = _rsrc(a, _zext(m_rows) * K)
+            a_rsrc = _rsrc(a, _zext(m_rows) * K, "a")
             if const_expr(SCALE_MFMA):  # rows padded to 256
-                as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS)
+                as_rsrc = _rsrc(a_scale, _zext((m_rows + 255) & ~255) * PCOLS, "a_scale")
             else:
-                as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB)
+                as_rsrc = _rsrc(a_scale, _zext(m_rows) * KB, "a_scale")
             out_rsrc = _rsrc(out, _zext(m_rows) * (N * OUT_ELEM))
         rows = [row0 + wm_i * WM + mb * MFMA_MN + r for mb in range_constexpr(MB)]
         cols = [col_wave + nb * MFMA_MN for nb in range_constexpr(NB)]  # each block's first column
@@ -233,11 +237,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
             g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
             if const_expr(WGRAD):  # b: x^T (K, M)
-                b_rsrc = _rsrc(b, _zext(m_rows) * K)
-                bs_rsrc = _rsrc(b_scale, _zext(AS_PITCH) * K)
+                b_rsrc = _rsrc(b, _zext(m_rows) * K, "b")
+                bs_rsrc = _rsrc(b_scale, _zext(AS_PITCH) * K, "b_scale")
             else:
-                b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K)
-                bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes))
+                b_rsrc = _rsrc(b + _zext(g) * (N * K), N * K, "b")
+                bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes), "b_scale")
             a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) if const_expr(A_MASKED)
                      else rows[mb] for mb in range_constexpr(MB)]
             b_row = [(cols[nb] < COLS).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
@@ -286,8 +290,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
             rocdl.sched_barrier(0)
             sd = _uniform(s * K_STEP + D_BASE)
-            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, ao[mb] + 16, sd, 4)) for mb in range_constexpr(MB)]
-            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, bo[nb] + 16, sd, 4)) for nb in range_constexpr(NB)]
+            if const_expr(MB + NB > 8 and not SCALE_MFMA):  # the second 16 bytes through the scalar offset (module doc)
+                sd16 = _uniform(sd + 16)
+                hi = lambda o: (o, sd16)  # noqa: E731
+            else:
+                hi = lambda o: (o + 16, sd)  # noqa: E731
+            av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, *hi(ao[mb]), 4)) for mb in range_constexpr(MB)]
+            bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, *hi(bo[nb]), 4)) for nb in range_constexpr(NB)]
             return av + bv + sc
 
         def scaled_compute(accs, data, scales, parity):
@@ -401,8 +410,9 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             start from a constant 0: no zeroed accumulators); the loop then walks (odd, even) step
             pairs, so that an "mfma" scale dword, loaded with an even step, serves it and the odd
             step after it. A compile-time count ends the loop before its prefetch would pass the
-            last step and unrolls the 1 or 2 steps left; a run-time one runs every pair, the load
-            after the last step clamped to it (reloaded, never computed), then an odd last step."""
+            last step and unrolls the 1 or 2 steps left; a run-time one runs every pair, the last
+            one peeled to clamp its load after the last step to it (reloaded, never computed: the
+            clamp costs SALU per pair when in the loop), then an odd last step."""
             static = isinstance(steps, int)
             n_acc, n_data = MB * NB, MB + NB
             per_step = not SCALE_MFMA  # plain scales are loaded with every step
@@ -429,15 +439,31 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             accs, odd = advance([zero4] * n_acc, d0, d0[n_data:], 0, None if static and steps == 1 else ahead(1), per_step)
             # an odd step's scales: its own (plain, odd[n_data:]) or its pair's ("mfma", `pair`); the other is empty
             pair = [] if per_step else d0[n_data:]
-            pairs = max(0, (steps - 2) // 2) if static else (steps - 1).shrui(fx.Int32(1))
-            if const_expr(not static or pairs > 0):
-                for i, state in range(0, pairs, 1, init=accs + odd + pair):
-                    s_odd = fx.Int32(i) * 2 + 1
-                    accs, odd, pair = split(state)
-                    accs, even = advance(accs, odd, odd[n_data:] + pair, 1, s_odd + 1)
-                    accs, odd = advance(accs, even, even[n_data:], 0, ahead(s_odd + 2), per_step)
-                    res = yield accs + odd + ([] if per_step else even[n_data:])
-                accs, odd, pair = split(res)
+
+            def pair_of_steps(i, state, clamp):
+                """Compute steps 2 i + 1 and 2 i + 2 (state: accs, odd step's values, pair's scales),
+                loading 2 i + 2 and 2 i + 3 (`clamp`: at most the last step)."""
+                s_odd = fx.Int32(i) * 2 + 1
+                accs, odd, pair = split(state)
+                accs, even = advance(accs, odd, odd[n_data:] + pair, 1, s_odd + 1)
+                accs, odd = advance(accs, even, even[n_data:], 0, ahead(s_odd + 2) if clamp else s_odd + 2, per_step)
+                return accs + odd + ([] if per_step else even[n_data:])
+
+            state = accs + odd + pair
+            if const_expr(static):
+                pairs = max(0, (steps - 2) // 2)
+                if const_expr(pairs > 0):
+                    for i, st in range(0, pairs, 1, init=state):
+                        res = yield pair_of_steps(i, st, False)
+                    state = list(res)
+            else:  # only the last pair's load can pass the last step: the loop's are not clamped
+                pairs = (steps - 1).shrui(fx.Int32(1))
+                for i, st in range(0, pairs - 1, 1, init=state):
+                    res = yield pair_of_steps(i, st, False)
+                state = list(res)
+                state = mx.if_else((pairs > 0).ir_value(), lambda: pair_of_steps(pairs - 1, state, True), lambda: state,
+                                   types=[v.type for v in state])
+            accs, odd, pair = split(state)
             if const_expr(static):
                 s_odd = 2 * pairs + 1  # the steps left: s_odd (in flight) and, if below steps, s_odd + 1
                 if const_expr(steps - s_odd == 2):

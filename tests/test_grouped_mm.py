@@ -294,6 +294,17 @@ def test_forward_tiles(arch, m, n, experts, layout, tiles):
     assert select.grouped_mm_tiles(arch, m, n, experts, layout)[0] == tiles
 
 
+@pytest.mark.parametrize("arch, n, k, experts, tiles", [
+    ("gfx950", 2048, 2048, 8, (128, 256)),  # torchao's grid: 16 x 8 x 8 workgroups
+    ("gfx950", 2048, 2048, 1, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
+    ("gfx950", 2880, 2880, 32, (128, 192)),  # GPT-OSS: 256 does not divide K
+    ("gfx950", 2048, 2080, 8, (128, 128)),  # neither 256 nor 192 divides K
+    ("gfx942", 2048, 2048, 8, (128, 128)),
+])
+def test_wgrad_tiles(arch, n, k, experts, tiles):
+    assert select.grouped_mm_wgrad_tiles(arch, n, k, experts)[0] == tiles
+
+
 def test_explain_names_the_wide_tile():
     a, a_scale, b, b_scale = fwd_inputs(32768, 256, 64, 1)
     ends = offs(32768)
@@ -516,7 +527,7 @@ def test_kernel_hook(monkeypatch):
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
     assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
     assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m", "tile_n"]),
-                    ("gfx942", (2, 48, 32), torch.float32, [])]
+                    ("gfx942", (2, 48, 32), torch.float32, ["tile_m", "tile_n"])]
     with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
         fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
     assert len(seen) == 2
