@@ -35,7 +35,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, **options) 
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, scale_layout)
+    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
                 (a, a_scale, b, b_scale, offs), out_dtype, scale_layout=scale_layout)
 
@@ -92,7 +92,7 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
 
 def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
-    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, scale_layout)
+    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
 
 
 def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):

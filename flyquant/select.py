@@ -465,22 +465,22 @@ def _grouped_mm_unsupported(op: str, arch: str, m: int, n: int, k: int, out_dtyp
     return None
 
 
-def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None) -> tuple[tuple[int, int], tuple]:
+def grouped_mm_tiles(arch: str, m: int, n: int, experts: int) -> tuple[tuple[int, int], tuple]:
     """The forward / dgrad GEMM's (tile_m, tile_n) and why. tile_m 64 when the average group is
     smaller than the 128-row tile (less masked work at group boundaries), else 128 (fewer loads per
-    MFMA). On gfx950 with "mfma" scales and tile_m 128, tile_n is the widest of 256 and 192 that
-    divides N (no masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 128
-    (or 64 x 96), each fragment loaded feeding more MFMAs (bench/grouped_mm.py: 2.25-2.69
-    wave-instructions per MFMA on torchao's grid instead of 2.8-3.4). They hold 300-390 VGPRs,
-    so one workgroup (4 waves) per CU instead of two; row-major scales would need ~430. Else 128."""
+    MFMA). On gfx950 with tile_m 128, tile_n is the widest of 256 and 192 that divides N (no
+    masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 128 (or 64 x 96),
+    each fragment loaded feeding more MFMAs (bench/grouped_mm.py, torchao's grid: "mfma" scales
+    2.25-2.66 wave-instructions per MFMA instead of 2.8-3.4, row-major 2.6-2.9 instead of
+    3.1-3.7). They hold 300-380 VGPRs, so one workgroup (4 waves) per CU instead of two. Else 128."""
     tile_m = 128 if m >= 128 * max(experts, 1) else 64
     why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
     tile_n = 128
-    if arch == "gfx950" and scale_layout == "mfma" and tile_m == 128:
+    if arch == "gfx950" and tile_m == 128:
         cus = arch_info(arch).compute_units
         tile_n = next((t for t in (256, 192) if n % t == 0 and -(-m // tile_m) * (n // t) >= cus), 128)
         if tile_n != 128:
-            why.append(f"tile_n {tile_n}: gfx950, 'mfma' scales, {tile_n} divides N = {n}, every CU a workgroup")
+            why.append(f"tile_n {tile_n}: gfx950, {tile_n} divides N = {n}, every CU a workgroup")
     return (tile_m, tile_n), tuple(why)
 
 
@@ -500,8 +500,8 @@ def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tup
     return (128, tile_n), tuple(why)
 
 
-def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int, experts: int,
-                     scale_layout=None) -> Plan:
+def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
+                     experts: int) -> Plan:
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
@@ -512,16 +512,16 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     config = {"launcher": GROUPED_MM_KERNELS[op]}
     reasons = ()
     if op == "mxfp8_grouped_mm":
-        (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts, scale_layout)
+        (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts)
     else:
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
     return _kernel_plan(op, target, f"{op}_{_dtype_name(out_dtype)}_{target.arch}", config, *reasons)
 
 
-def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, scale_layout=None) -> Plan:
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, scale_layout)
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e)
 
 
 def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype) -> Plan:

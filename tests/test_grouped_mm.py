@@ -281,17 +281,16 @@ def test_plans_and_explain(capsys):
     assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: flydsl" in out
 
 
-@pytest.mark.parametrize("arch, m, n, experts, layout, tiles", [
-    ("gfx950", 16640, 2048, 8, "mfma", (128, 256)),  # torchao's grid: 130 x 8 workgroups
-    ("gfx950", 16640, 2048, 8, None, (128, 128)),  # row-major scales: too many VGPRs at 256
-    ("gfx942", 16640, 2048, 8, "mfma", (128, 128)),
-    ("gfx950", 16640, 2880, 8, "mfma", (128, 192)),  # GPT-OSS: 256 would mask 192 columns
-    ("gfx950", 16640, 2080, 8, "mfma", (128, 128)),  # neither 256 nor 192 divides N
-    ("gfx950", 2048, 2048, 8, "mfma", (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
-    ("gfx950", 16640, 2048, 256, "mfma", (64, 128)),  # 65 rows per group
+@pytest.mark.parametrize("arch, m, n, experts, tiles", [
+    ("gfx950", 16640, 2048, 8, (128, 256)),  # torchao's grid: 130 x 8 workgroups (either scale layout)
+    ("gfx942", 16640, 2048, 8, (128, 128)),
+    ("gfx950", 16640, 2880, 8, (128, 192)),  # GPT-OSS: 256 would mask 192 columns
+    ("gfx950", 16640, 2080, 8, (128, 128)),  # neither 256 nor 192 divides N
+    ("gfx950", 2048, 2048, 8, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
+    ("gfx950", 16640, 2048, 256, (64, 128)),  # 65 rows per group
 ])
-def test_forward_tiles(arch, m, n, experts, layout, tiles):
-    assert select.grouped_mm_tiles(arch, m, n, experts, layout)[0] == tiles
+def test_forward_tiles(arch, m, n, experts, tiles):
+    assert select.grouped_mm_tiles(arch, m, n, experts)[0] == tiles
 
 
 @pytest.mark.parametrize("arch, n, k, experts, tiles", [

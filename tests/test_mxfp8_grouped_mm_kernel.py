@@ -148,12 +148,19 @@ def test_no_rows_is_an_empty_launch():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compiles_without_spills(arch):
-    cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=5120, experts=8, scale_layout="mfma")
-    (rep,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), 256, 1, 1, stream=0)
-    assert rep.spills == 0
-    mfma = "v_mfma_scale_f32_16x16x128_f8f6f4" if arch == "gfx950" else "v_mfma_f32_16x16x32_fp8_fp8"
-    assert rep.count(mfma) > 0
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+def test_compiles_without_spills(arch, scale_layout):
+    """A model-sized forward (M 16640, N 2048, K 5120, 8 groups) on the selector's tile (gfx950:
+    128x256, either scale layout) and on the launcher's default 64x128: no spills."""
+    tiles = {(64, 128), select.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
+    assert len(tiles) == 2
+    for tile_m, tile_n in tiles:
+        cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=5120, experts=8, tile_m=tile_m,
+                                tile_n=tile_n, scale_layout=scale_layout)
+        (rep,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), 16640, 1, 1, stream=0)
+        assert rep.spills == 0 and rep.vgprs <= 512
+        mfma = "v_mfma_scale_f32_16x16x128_f8f6f4" if arch == "gfx950" else "v_mfma_f32_16x16x32_fp8_fp8"
+        assert rep.count(mfma) > 0
 
 
 @pytest.mark.parametrize("k, tile_n", [(8192, 128), (2048, 256)])
