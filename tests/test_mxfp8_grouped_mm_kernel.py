@@ -163,14 +163,14 @@ def test_compiles_without_spills(arch, scale_layout):
         assert rep.count(mfma) > 0
 
 
-@pytest.mark.parametrize("k, tile_n", [(8192, 128), (2048, 256)])
-def test_instructions_per_mfma_on_gfx950(k, tile_n):
-    """The issue's modelled target: at most 3 wave-instructions per MFMA, "mfma" scales, one
-    128-row tile over N 256 (bench/grouped_mm.py prints the grid's figure): the 128x128 tile at
-    K 8192, and the selector's 128x256 tile at the grid's shortest K, 2048."""
+@pytest.mark.parametrize("scale_layout, k, tile_n", [("mfma", 8192, 128), ("mfma", 2048, 256), (None, 2048, 256)])
+def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_n):
+    """The issue's modelled target: at most 3 wave-instructions per MFMA, one 128-row tile over N
+    256 (bench/grouped_mm.py prints the grid's figure): "mfma" scales on the 128x128 tile at K
+    8192, and the selector's 128x256 tile at the grid's shortest K, 2048, with either scales."""
     a, a_scale, b, b_scale, offs = make_problem(128, 256, k, [128])
     with emu.record() as launches:
-        run("gfx950", a, a_scale, b, b_scale, offs, "mfma", tile_n=tile_n)
+        run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_n=tile_n)
     stats = launches[-1].stats
     assert stats.wave_instructions / stats.by_class["mfma"] <= 3.0
 
