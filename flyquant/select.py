@@ -475,12 +475,9 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int) -> tuple[tuple[int
     3.1-3.7). They hold 300-380 VGPRs, so one workgroup (4 waves) per CU instead of two. Else 128."""
     tile_m = 128 if m >= 128 * max(experts, 1) else 64
     why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
-    tile_n = 128
-    if arch == "gfx950" and tile_m == 128:
-        cus = arch_info(arch).compute_units
-        tile_n = next((t for t in (256, 192) if n % t == 0 and -(-m // tile_m) * (n // t) >= cus), 128)
-        if tile_n != 128:
-            why.append(f"tile_n {tile_n}: gfx950, {tile_n} divides N = {n}, every CU a workgroup")
+    tile_n = _wide_tile_n(arch, n, -(-m // tile_m)) if tile_m == 128 else 128
+    if tile_n != 128:
+        why.append(f"tile_n {tile_n}: gfx950, {tile_n} divides N = {n}, every CU a workgroup")
     return (tile_m, tile_n), tuple(why)
 
 
@@ -490,14 +487,19 @@ def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tup
     workgroup: as the forward's wide tiles, each fragment loaded feeds 8/3 MFMAs instead of 2
     (bench/grouped_mm.py --op wgrad, torchao's groups of 2080 rows: 2.84 instead of 3.55
     wave-instructions per MFMA), with 376 VGPRs, so one workgroup per CU instead of two."""
-    tile_n = 128
-    why = ["tile 128x128"]
-    if arch == "gfx950":
-        cus = arch_info(arch).compute_units
-        tile_n = next((t for t in (256, 192) if k % t == 0 and -(-n // 128) * (k // t) * experts >= cus), 128)
-        if tile_n != 128:
-            why = [f"tile_n {tile_n}: gfx950, {tile_n} divides K = {k}, every CU a workgroup"]
+    tile_n = _wide_tile_n(arch, k, -(-n // 128) * experts)
+    why = [f"tile_n {tile_n}: gfx950, {tile_n} divides K = {k}, every CU a workgroup" if tile_n != 128 else "tile 128x128"]
     return (128, tile_n), tuple(why)
+
+
+def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int) -> int:
+    """The grouped GEMMs' tile_n over `cols` output columns: on gfx950 the widest of 256 and 192
+    that divides them and still gives every CU a workgroup (the grid has tiles_per_column_tile
+    workgroups per column tile), else 128."""
+    if arch != "gfx950":
+        return 128
+    cus = arch_info(arch).compute_units
+    return next((t for t in (256, 192) if cols % t == 0 and tiles_per_column_tile * (cols // t) >= cus), 128)
 
 
 def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,

@@ -43,8 +43,8 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
   offset, or on the wide tiles with row-major scales (more than 8 row blocks per wave and a scale
   byte per block and step), where a VGPR per block would spill, in the scalar offset) and that
   block's E8M0 scale, which the hardware applies. Scales row-major: one byte load per row block
-  and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with scale_layout="mfma"):
-  one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
+  and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with
+  scale_layout="mfma"): one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
   by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
   (scales first) are issued before the previous step's MFMAs, one wait per step; with the
   forward's compile-time step count the last 1 or 2 steps are unrolled (no load past them).
