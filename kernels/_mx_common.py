@@ -352,6 +352,33 @@ def bf16_scale_tops(pair, mode: str, max_pow2: int, rceil_mant: int, even_mant_b
     return pk(llvm.intr_usub_sat, pair, splat16(low))
 
 
+F16_MANT_BITS = 10
+F16_TO_F32_BIAS = 127 - 15
+# v_cmp_class mask of the FP16 amax patterns f16_scale_tops leaves to the caller: sNaN, qNaN,
+# +-Inf, +-subnormal, +-0 (a zero block's code is 0, which the packed rule would not give)
+F16_UNUSUAL = 0x2F7
+
+
+def f16_scale_tops(pair, mode: str, max_pow2: int, rceil_mant: int, even_mant_bits=None):
+    """bf16_scale_tops for two FP16 amax patterns p in one dword, both normal (blocks whose amax is
+    0, an FP16 subnormal, Inf or NaN are the caller's rare path: f16_unusual). An FP16 pattern's
+    FP32 bits have their low 13 bits zero, so the FP32 carry acts as carry >> 13 on p, and FP32's
+    exponent field is FP16's plus 112: w = ((p + carry') >> 3) + ((112 - max_pow2) << 7) holds the
+    code in bits 14:7; bits 6:0 are mantissa, which the conversions ignore. Three packed 16-bit
+    instructions (two for floor)."""
+    carry = scale_carry(mode, rceil_mant, even_mant_bits) >> (F32_MANT_BITS - F16_MANT_BITS)
+    t = pk(arith.shrui, pk(arith.addi, pair, splat16(carry)) if carry else pair, splat16(3))
+    return pk(arith.addi, t, splat16((F16_TO_F32_BIAS - max_pow2) << BF16_MANT_BITS))
+
+
+def f16_unusual(pair):
+    """i1: a half of `pair` (FP16 amax patterns) is 0, subnormal, Inf or NaN (v_cmp_class each)."""
+    halves = bitcast(v2f16_t(), pair)
+    cls = [llvm.call_intrinsic(ir.IntegerType.get_signless(1), "llvm.amdgcn.class.f16",
+                               [extract(halves, h), const(F16_UNUSUAL)], [], []) for h in range(2)]
+    return arith.ori(*cls)
+
+
 def f32_scale_code(bits, mode: str, max_pow2: int, rceil_mant: int, tie=None, even_mant_bits=None):
     """The E8M0 code of a block from its FP32 amax bits (eb = exponent field, j = mantissa field)
     for an element format whose largest value is (1 + rceil_mant / 2^23) * 2^max_pow2:

@@ -323,11 +323,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         amax = lined_amax(words, False)
         groups = [w for ws in words for w in ws]  # tile-major, as the data stores
 
-        def finish(amax, special):
+        def finish(amax, special, normal=False):
             """The owned blocks' codes and the data dwords from the block amaxes; special: the wave
-            may hold NaN/Inf blocks (code 0xFF, nibbles patched in a rare branch)."""
+            may hold NaN/Inf blocks (code 0xFF, nibbles patched in a rare branch); normal (FP16,
+            two tiles): every amax is a normal FP16 (_mxfp4_common.scale_pair's packed rule)."""
             if n == 2:
-                codes, tops = _mxfp4_common.scale_pair(spec, amax)
+                codes, tops = _mxfp4_common.scale_pair(spec, amax, normal)
                 gathered = mx.all_gather(arch, dists, tops)
                 operands = [mx.as_i32(mx.scale_from_tops(spec, t, j)) for j in range(n) for t in gathered]
                 rare = None
@@ -364,6 +365,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             out = finish(amax, False)
             out = mx.if_else(mx.wave_any(mx.cmp_uge(peak, spec.suspicious)), lambda: finish(lined_amax(words, True), True),
                              lambda: out, types=[mx.i32_t()] * (1 + len(groups)))
+        elif n == 2 and spec.dtype == "fp16":
+            # FP16 (gfx950): the packed scale rule, unless the wave holds a block whose amax is 0, an
+            # FP16 subnormal, Inf or NaN (then the exact rule per block, NaN/Inf blocks patched)
+            out = finish(amax, False, normal=True)
+            out = mx.if_else(mx.wave_any(mx.f16_unusual(amax)), lambda: finish(amax, True), lambda: out,
+                             types=[mx.i32_t()] * (1 + len(groups)))
         else:
             out = finish(amax, True)
         codes, data = out[0], out[1:]
