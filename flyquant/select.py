@@ -249,7 +249,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
     if axis == -1:
-        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, shuffle))
+        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, shuffle, _dtype_name(x.dtype)))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
         if shuffle == "a4w4":
             k_align = rows.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])
@@ -260,7 +260,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         split = "one lane per block of 32, 16-byte loads and stores"
         if shuffle == "a4w4":
             split += "; data stored in aiter's shuffle_weight (16, 16) layout"
-            split += {256: " (K % 256 == 0: a step of two tiles placed by one division)",
+            split += {256: " (K % 256 == 0: a wave's tiles in one row tile, placed once; steps of two tiles)",
                       128: " (K % 128 == 0: a tile placed by one division)",
                       64: " (K % 128 == 64: a row tile's last tile half a phantom, its stores dropped)"}[k_align]
         elif shuffle:

@@ -42,8 +42,9 @@ real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 
 K % 64 == 0): a tile is 16 rows x 4 blocks of one row tile, 64 consecutive units of the layout,
 so the data stores stay contiguous; one division places it (_row_tile_first), and its codes'
 offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align: where K % 128 == 64 a row
-tile's last tile holds a phantom pair, not read, its stores dropped; where K % 256 == 0 a
-two-tile step shares the division). Shuffles load a register's rows 8 on through the scalar
+tile's last tile holds a phantom pair, not read, its stores dropped; where K % 256 == 0 on gfx950
+with 16-bit x, a wave's tiles lie in one row tile (plan_rows), placed by one division, and its
+steps' x and code offsets are linear in their first unit). Shuffles load a register's rows 8 on through the scalar
 offset. shuffle "a16w4" (3D expert weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's
 (gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
 that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
@@ -101,15 +102,19 @@ class RowPlan:
     workgroups: int
 
 
-def plan_rows(shape, arch: str, shuffle=None) -> RowPlan:
+def plan_rows(shape, arch: str, shuffle=None, dtype: str = "bf16") -> RowPlan:
     """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
     split on both arches; a4w4: 16-row x 4-block tiles, a row tile's last one partly a phantom
-    when K % 128 == 64)."""
+    when K % 128 == 64; where its steps take two tiles of one row tile (a4w4_k_align 256), a
+    wave's tiles lie in one row tile: 8, 4 or 2 of them, whichever divides the row tile's)."""
     arch_info(arch)
     m, k = shape
     nkb = -(-k // MX_BLOCK)
     tiles = m // 16 * -(-nkb // 4) if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
-    return RowPlan(*mx.wave_split(tiles, MAX_WAVES, TILES_PER_WAVE))
+    per_wave = TILES_PER_WAVE
+    if shuffle == "a4w4" and a4w4_k_align(arch, dtype, k) == 256:
+        per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if nkb // 4 % t == 0)
+    return RowPlan(*mx.wave_split(tiles, MAX_WAVES, per_wave))
 
 
 def _tail_masks(spec: Spec, valid):
@@ -252,7 +257,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         tile's last, K % 128 == 64): its loads and stores dropped."""
         return mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, x)
 
-    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes):
+    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
@@ -282,10 +287,11 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
             return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block + i * LOAD_BYTES))) for i in range(loads)], None
-        row, kb = first
-        if shuffle == "a16w4_gate_up":
-            row = _a16w4_source_row(row, n1_args)
-        tile_in = add(mul(row, row_bytes), mul(kb, in_block))
+        if tile_in is None:
+            row, kb = first
+            if shuffle == "a16w4_gate_up":
+                row = _a16w4_source_row(row, n1_args)
+            tile_in = add(mul(row, row_bytes), mul(kb, in_block))
         bases = [add(lane[0], tile_in)]
         if phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
             bases.append(add(lane[0], unless_phantom(kb, nkb, add(tile_in, 2 * in_block))))
@@ -294,10 +300,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
         # (M % 16 == 0), and a row tile past the end has its base out of range
         places = [tile_place(lined_units(i)) for i in range(loads)]
-        return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block), soffset=mul(row_bytes, r) if r else 0))
+        return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block + extra), soffset=mul(row_bytes, r) if r else 0))
                 for p, d_kb, r in places], None
 
-    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True):
+    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True, placed=None):
         """Units t0 .. t0 + 64 n - 1 (t0 wave-uniform), as n tiles of 64 (two: 16-bit x on gfx950,
         pair_tiles): register k of lane (col, piece) is piece `piece` of unit t0 + lane unit +
         lined_units(k), so each load reads whole lines and each data store 256 (FP32: 128)
@@ -305,19 +311,26 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         block of each tile), the conversion operands gathered back. Two tiles share the reduction's
         end, the scale rule (on the two amaxes packed in a dword), the rare-path test and the
         gather. Returns the owned blocks' code bytes (two tiles: in bytes 0 and 2), stored here if
-        store_code."""
+        store_code. placed (a4w4 k256 steps, the caller's): the first tile's x byte offset and its
+        code offset's tile part (out of range past the end), for (row, kb) and their arithmetic."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
         # a step of two tiles in one row tile (k256, a16w4: nkb % 8 == 0 and steps start at kb % 8 == 0)
         one_row_tile = n == 2 and bool(shuffle) and (k256 or shuffle != "a4w4")
-        firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
-        if one_row_tile:  # the second tile 4 blocks on
+        if placed:
+            firsts = [None] * n
+            tile_ins = [placed[0]] * n  # the second tile 4 blocks on: an immediate offset
+        else:
+            firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
+            tile_ins = [None] * n
+        if one_row_tile and not placed:  # the second tile 4 blocks on
             row, kb = firsts[0]
             firsts.append((row, add(kb, 4)))
         nb = sizes[0]
-        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes) for j, f in enumerate(firsts)]
+        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0)
+                  for j, (f, ti) in enumerate(zip(firsts, tile_ins))]
         words = [w for w, _ in loaded]
         mx.wait_loads()
         amax = lined_amax(words, False)
@@ -381,24 +394,28 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             v_outs, tile_units = [v_out, v_out], WAVE * j  # per pair of the tile, and tile j's constant offset
             if shuffle:  # the tile's part (wave-uniform; tiles lie wholly inside or past the end: M % 16 == 0) plus the
                 # lane's (lane[5]: the owned block's offset from the tile's first)
-                row, kb = firsts[j]
                 if phantom:  # tiles are not runs of 64 units here: the tile's first unit, and whether pair 1 is a phantom
+                    row, kb = firsts[j]
                     t = add(mul(row, nkb), shl(kb, 4))
                     t_out = mul(t, OUT_BLOCK_BYTES)
                     v_outs = [add(lane_out, t_out), add(lane_out, unless_phantom(kb, nkb, t_out))]
                     tile_units = 0
                 if j and one_row_tile:  # 4 blocks on: the same 8-block column tile of "mfma" and a16w4's layouts
-                    tile_s = add(tile_s, 4 if shuffle == "a4w4" and not scale_layout else 2)
+                    s_off = add(s_off, 4 if shuffle == "a4w4" and not scale_layout else 2)
                 else:
-                    if shuffle != "a4w4":
-                        tile_s = _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
+                    if placed:
+                        tile_s = placed[1]
                     else:
-                        tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
-                    tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
-                lane_s = tile_s
-                if phantom:  # the owned block in a phantom pair: dropped
-                    lane_s = mx.select(mx.cmp_uge(own, 32), unless_phantom(kb, nkb, tile_s), tile_s)
-                s_off = add(lane_s, lane[5])
+                        row, kb = firsts[j]
+                        if shuffle != "a4w4":
+                            tile_s = _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
+                        else:
+                            tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
+                        tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
+                    lane_s = tile_s
+                    if phantom:  # the owned block in a phantom pair: dropped
+                        lane_s = mx.select(mx.cmp_uge(own, 32), unless_phantom(kb, nkb, tile_s), tile_s)
+                    s_off = add(lane_s, lane[5])
             else:
                 g = add(t, own)
                 s_off = g
@@ -492,6 +509,22 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE * per))]
 
             mx.for_range_carry(lshr(val(tiles_per_wave), per - 1), tile_first(mul(first, WAVE), shape, None), step)
+        elif k256:  # a4w4 (plan_rows): the wave's tiles lie in one row tile, placed once: x's byte offset and the
+            # code offset of the first (out of range for a wave past the end); then a step of 128 units (8
+            # blocks: 8 * 64 bytes of x, 256 code bytes in "mfma"'s layout, 8 plain) is linear in its first unit
+            t_first = mul(first, WAVE)
+            row, kb = _row_tile_first(t_first, lshr(add(shape[0], 3), 2), shape[3], shape[4])
+            s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
+            s0 = mx.select(mx.cmp_ult(t_first, nb), s0, mx.OOB)
+            x0 = add(mul(row, shape[1]), mul(kb, in_block))
+
+            def step(t):
+                t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
+                d = sub(t0, t_first)  # a multiple of 128
+                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args, placed=(
+                    add(x0, mul(d, in_block // 16)), add(s0, shl(d, 1) if scale_layout else lshr(d, 4))))
+
+            mx.for_range(add(t_first, mul(val(tiles_per_wave), WAVE)), step, t_first, 2 * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
@@ -593,7 +626,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
     n1 = rows_per_expert // (A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
-    cfg = plan_rows((m, k), arch, shuffle)
+    cfg = plan_rows((m, k), arch, shuffle, TORCH_DTYPES[x.dtype])
     with toolchain.target(arch):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)

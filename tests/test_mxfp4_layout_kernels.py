@@ -150,10 +150,12 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
-# The a4w4 tile orders (kernels/mxfp4_quantize.a4w4_k_align): (80, 512), K % 256 == 0 (gfx950 16-bit:
-# a step's two tiles placed by one division), 20 tiles over 3 waves, the last wave's second half
-# past the end; (32, 384), nkb 12: K % 128 == 0 (gfx950 16-bit steps at K % 256 != 0); (32, 2880),
-# GPT-OSS's K, and (48, 320): K % 128 == 64, each row tile's last tile half a phantom
+# The a4w4 tile orders (kernels/mxfp4_quantize.a4w4_k_align): K % 256 == 0 (gfx950 16-bit: a wave's
+# 8, 4 or 2 tiles in one row tile, placed once; elsewhere two-tile steps placed by one division):
+# (80, 512) 4 per wave, 20 tiles over 5 waves, the last workgroup's other 3 waves past the end,
+# (48, 256) 2 per wave and an odd row tile count, (32, 1024) 8 per wave; (32, 384), nkb 12: K % 128
+# == 0 (gfx950 16-bit steps at K % 256 != 0); (32, 2880), GPT-OSS's K, and (48, 320): K % 128 ==
+# 64, each row tile's last tile half a phantom
 A4W4_ORDERS = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
 
 
@@ -166,7 +168,7 @@ def test_a4w4_tile_orders(arch, dtype, mode):
     step."""
     emu.enable(arch)
     specials = special_blocks(dtype)
-    for m, k in ((80, 512), (32, 384), (32, 2880), (48, 320)):
+    for m, k in ((80, 512), (48, 256), (32, 1024), (32, 384), (32, 2880), (48, 320)):
         x = random_rows(m, k, dtype, seed=m + k)
         blocks = x.view(-1, 32)
         picks = torch.arange(specials.shape[0]) * 37 % blocks.shape[0]
@@ -183,6 +185,8 @@ def test_a4w4_tile_orders(arch, dtype, mode):
                 assert launch.stats.traffic_within(t.data_ptr(), t.data_ptr() + t.numel()).bytes == n
             plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             assert launch.kernel.startswith(plan.kernel + "_w")
+            if align == 256:  # the wave's tiles divide the row tile's nkb / 4
+                assert plan.config["tiles_per_wave"] == {512: 4, 256: 2, 1024: 8}[k]
 
 
 def _zero_padded(t, shape):
