@@ -112,9 +112,16 @@ def plan_rows(shape, arch: str, shuffle=None, dtype: str = "bf16") -> RowPlan:
     nkb = -(-k // MX_BLOCK)
     tiles = m // 16 * -(-nkb // 4) if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
     per_wave = TILES_PER_WAVE
-    if shuffle == "a4w4" and a4w4_k_align(arch, dtype, k) == 256:
+    if placed_steps(arch, dtype, shuffle, k):
         per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if nkb // 4 % t == 0)
     return RowPlan(*mx.wave_split(tiles, MAX_WAVES, per_wave))
+
+
+def placed_steps(arch: str, dtype: str, shuffle, k: int) -> bool:
+    """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x, K % 256 ==
+    0: a4w4_k_align 256, and the a16w4 layouts): plan_rows keeps a wave's tiles in one row tile,
+    which build_rows places once."""
+    return bool(shuffle) and arch == "gfx950" and dtype != "fp32" and k % 256 == 0
 
 
 def _tail_masks(spec: Spec, valid):
@@ -500,21 +507,26 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         lanes = (add(mul(lane_unit, OUT_BLOCK_BYTES), mul(piece, spec.elems_per_piece // 2)), own, lane_in, col, piece,
                  lane_scale)
         tile = lambda i: mx.opaque_sgpr(mul(add(first, i), WAVE))  # noqa: E731
-        if shuffle and shuffle != "a4w4":  # a16w4: the step's (row, kb) carried, wrapping to the next row tile
-            per = 2 if pair_tiles else 1  # tiles per step (pairs: tiles_per_wave is even, N nkb % 256 == 0)
+        if shuffle and not pair_tiles and shuffle != "a4w4":  # a16w4 (gfx942, FP32): a step of one tile, its (row, kb)
+            # carried, wrapping to the next row tile
 
             def step(i, row, kb):
-                lined_tiles(tile(mul(i, per)), per, bufs, lanes, shape, sizes, n1_args, (row, kb))
-                wrap = mx.cmp_eq(add(kb, A16W4_KLANE * per), shape[0])
-                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE * per))]
+                lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args, (row, kb))
+                wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
+                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
 
-            mx.for_range_carry(lshr(val(tiles_per_wave), per - 1), tile_first(mul(first, WAVE), shape, None), step)
-        elif k256:  # a4w4 (plan_rows): the wave's tiles lie in one row tile, placed once: x's byte offset and the
-            # code offset of the first (out of range for a wave past the end); then a step of 128 units (8
-            # blocks: 8 * 64 bytes of x, 256 code bytes in "mfma"'s layout, 8 plain) is linear in its first unit
+            mx.for_range_carry(val(tiles_per_wave), tile_first(mul(first, WAVE), shape, None), step)
+        elif shuffle and (k256 or shuffle != "a4w4"):  # placed_steps (plan_rows): the wave's tiles lie in one row
+            # tile, placed once: x's byte offset and the code offset of the first (out of range for a wave past
+            # the end); then a step of 128 units (8 blocks: 8 * 64 bytes of x, 256 code bytes in a16w4's and
+            # "mfma"'s layouts, 8 plain) is linear in its first unit
             t_first = mul(first, WAVE)
-            row, kb = _row_tile_first(t_first, lshr(add(shape[0], 3), 2), shape[3], shape[4])
-            s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
+            row, kb = tile_first(t_first, shape, None)
+            if shuffle != "a4w4":
+                s0 = _a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
+                row = _a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
+            else:
+                s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
             s0 = mx.select(mx.cmp_ult(t_first, nb), s0, mx.OOB)
             x0 = add(mul(row, shape[1]), mul(kb, in_block))
 
@@ -522,7 +534,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
                 d = sub(t0, t_first)  # a multiple of 128
                 lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args, placed=(
-                    add(x0, mul(d, in_block // 16)), add(s0, shl(d, 1) if scale_layout else lshr(d, 4))))
+                    add(x0, mul(d, in_block // 16)), add(s0, lshr(d, 4) if shuffle == "a4w4" and not scale_layout else shl(d, 1))))
 
             mx.for_range(add(t_first, mul(val(tiles_per_wave), WAVE)), step, t_first, 2 * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):

@@ -64,17 +64,20 @@ def test_3d_a16w4_lined(arch, dtype, mode):
     against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
-    saturation, -0), tiles past the end dropped (36 tiles over whole waves)."""
+    saturation, -0), tiles past the end dropped (36 tiles over whole waves); gfx950 16-bit places a
+    wave's tiles once in their row tile (kernels/mxfp4_quantize.placed_steps): 2 per wave there,
+    and 8 with E = 2, N = 64, K = 1024."""
     emu.enable(arch)
     w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
     special = special_blocks(dtype)
     w[1].view(-1, 32)[5:5 + special.shape[0]] = special
-    for gate_up in (False, True):
-        with emu.record() as launches:
-            got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
-        (launch,) = launches
-        assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
-        assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 gate_up={gate_up}")
+    for w in (w, random_rows(2 * 64, 1024, dtype, seed=32).reshape(2, 64, 1024)):
+        for gate_up in (False, True):
+            with emu.record() as launches:
+                got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
+            (launch,) = launches
+            assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+            assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 {tuple(w.shape)} gate_up={gate_up}")
 
 
 def _aiter_e8m0_shuffle(aiter, scales):
