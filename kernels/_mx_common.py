@@ -432,14 +432,16 @@ def bf16_scale_pair(spec: Spec, pair):
     w = bf16_scale_tops(...) is the tops; its low 7 bits (what is left of p's mantissa) are
     mantissa bits of the scale, which the conversion ignores.
     """
-    w = bf16_scale_tops(pair, spec.mode, E4M3_MAX_POW2, F32_MANT_175)
+    tops_of = bf16_scale_tops if spec.dtype == "bf16" else f16_scale_tops
+    w = tops_of(pair, spec.mode, E4M3_MAX_POW2, F32_MANT_175)
     return pk(arith.shrui, w, splat16(BF16_MANT_BITS)), w
 
 
-def pair_scales(spec: Spec, pair):
+def pair_scales(spec: Spec, pair, normal: bool = False):
     """(codes, conversion scales) of two blocks whose 16-bit amax patterns share a dword:
-    (c_hi << 16 | c_lo, top_halves(s_hi, s_lo))."""
-    if spec.dtype == "bf16" and spec.scaled_cvt:
+    (c_hi << 16 | c_lo, top_halves(s_hi, s_lo)); FP16 with `normal` (gfx950, both patterns
+    normal FP16 numbers: the caller's rare path takes the others): f16_scale_tops."""
+    if spec.scaled_cvt and (spec.dtype == "bf16" or normal):
         return bf16_scale_pair(spec, pair)
     c0, s0 = block_scale(spec, band(pair, 0xFFFF))
     c1, s1 = block_scale(spec, lshr(pair, 16))

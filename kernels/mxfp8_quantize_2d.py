@@ -156,20 +156,24 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
             return mx.halves_pair(red[0], red[1])
         return mx.amax_halves(spec, red[0])
 
-    def scales(amax):
+    # FP16 on gfx950, two blocks per lane: the packed scale rule where every amax is a normal FP16
+    # number, the exact one (and the NaN pass) in a wave holding a 0, subnormal, Inf or NaN amax
+    packed_f16 = per_lane == 2 and spec.dtype == "fp16" and spec.scaled_cvt
+
+    def scales(amax, normal):
         """(codes, conversion scales) of the owned blocks: per_lane 1: (code, FP32 scale);
         per_lane 2: (codes packed in halves, top_halves of the scales)."""
         if per_lane == 1:
             code, conv = mx.block_scale(spec, amax)
             return code, mx.as_i32(conv)
-        return mx.pair_scales(spec, amax)
+        return mx.pair_scales(spec, amax, normal)
 
     def finish(words, amax, t0, bufs, lane, layout_args, nan_pass):
         """Scales, codes and data of a tile whose owned-block amaxes are known."""
         rx, rq, rs = bufs
         lane_out, own = lane
         nblocks, blk_base, nkb, magic, shift, dims = layout_args
-        codes, convs = scales(amax)
+        codes, convs = scales(amax, packed_f16 and not nan_pass)
         s_offs = []
         for j in range(per_lane):
             if scale_layout is None:
@@ -223,7 +227,7 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
         mx.wait_loads()
         amax = lane_amax(words, False)
         peak = mx.pair_max(amax) if per_lane == 2 else amax
-        rare = mx.wave_any(cmp_uge(peak, spec.suspicious))
+        rare = mx.wave_any(mx.f16_unusual(amax) if packed_f16 else cmp_uge(peak, spec.suspicious))
         exact = (lambda: lane_amax(words, True)) if spec.needs_exact_redo else (lambda: amax)
         mx.if_else(
             rare,

@@ -181,32 +181,38 @@ def test_encoder_all_patterns(dtype, code, mode):
     assert_same(k4.quantize_rows(x, arch="gfx942", scaling_mode=mode), want, f"code {code}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_fp16_every_amax_pattern(mode):
-    """gfx950 FP16: the packed scale rule (_mx_common.f16_scale_tops) against the reference for
-    every FP16 amax pattern (+0 .. NaN), blocks in pattern order: waves of normal amaxes take it,
-    waves holding a 0, subnormal, Inf or NaN amax the exact rule (their other blocks too)."""
+def fp16_amax_blocks():
+    """(2^15, 32) FP16 blocks, block p's amax the FP16 pattern p (+0 .. NaN; the other elements
+    random within it), and the normal ones alone with a lone 0, -0, subnormal, Inf and NaN block
+    among them: the packed FP16 scale rule (_mx_common.f16_scale_tops) on every amax, and a wave
+    with one unusual block taking the exact rule."""
     amax = torch.arange(0x8000, dtype=torch.int16).view(torch.float16)
     g = torch.Generator().manual_seed(7)
     bound = amax.float().nan_to_num(0.0, posinf=0.0)
     rest = ((torch.rand(0x8000, 31, generator=g) * 2 - 1) * bound[:, None]).to(torch.float16)
     blocks = torch.cat([amax[:, None], rest], 1)
+    lone = blocks[0x400:0x7C00].clone()
+    for i, b in zip((3, 700, 1500, 2500, 4000), (0, 0x8000, 0x3FF, 0x7C00, 0x7E00)):
+        lone[i] = torch.tensor(b, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    return blocks, lone
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_every_amax_pattern(mode):
+    """gfx950 FP16 rowwise: fp16_amax_blocks bit-exact against the reference, both scale rules run."""
+    blocks, lone = fp16_amax_blocks()
     x = blocks.reshape(-1, 32 * 8).contiguous()
     with emu.record() as launches:
         got = k4.quantize_rows(x, arch="gfx950", scaling_mode=mode)
     assert [r.kernel for r in launches] == [f"mxfp4_rows_{mode}_fp16_gfx950_w4"]
     assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"fp16 amax patterns, {mode}")
-    # a lone zero, -0, subnormal, Inf or NaN block among normal ones
-    lone = blocks[0x400:0x7C00].clone()
-    for i, b in zip((3, 700, 1500, 2500, 4000), (0, 0x8000, 0x3FF, 0x7C00, 0x7E00)):
-        lone[i] = torch.tensor(b, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    # the exact rule widens each pair's two amaxes (v_cvt_f32_f16) in the 16 steps (of 128 blocks)
+    # holding +0 and the 1024 subnormal and 1024 Inf/NaN patterns, only there
+    steps = 0x8000 // (2 * WAVE_BLOCKS)
+    assert 0 < launches[0].stats.by_opcode.get("v_cvt_f32_f16", 0) <= 2 * 17 < 2 * steps
     lone = lone.reshape(-1, 32 * 8).contiguous()
     assert_same(k4.quantize_rows(lone, arch="gfx950", scaling_mode=mode), reference.mxfp4_quantize(lone, -1, mode),
                 f"lone unusual blocks, {mode}")
-    # both rules ran: the exact one widens each pair's two amaxes (v_cvt_f32_f16) in the 16 steps
-    # (of 128 blocks) holding the 1024 subnormal and the 1024 Inf/NaN patterns and +0, only there
-    steps = 0x8000 // (2 * WAVE_BLOCKS)
-    assert 0 < launches[0].stats.by_opcode.get("v_cvt_f32_f16", 0) <= 2 * 17 < 2 * steps
 
 
 def cols_tensor(dtype, m=84, k=40):

@@ -25,6 +25,8 @@ from flyquant.kernels import _mx_col as col
 from flyquant.kernels import _mx_col_rows as col_rows
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
+from test_mxfp4_kernels import fp16_amax_blocks
+
 ARCHS = ("gfx950", "gfx942")
 MODES = ("floor", "rceil")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -152,6 +154,21 @@ def test_1x32(arch, mode, dtype):
     _pairs(got, reference.mxfp8_quantize(x, -1, mode), "1x32")
     one = _random_blocks(1, dtype, 1)  # a one-block tensor: one lane of one tile
     _pairs(q2.quantize_1x32(one, arch=arch, scaling_mode=mode), reference.mxfp8_quantize(one, -1, mode), "1x32 one block")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_1x32_fp16_every_amax_pattern(mode):
+    """gfx950 FP16 1x32: the packed scale rule (_mx_common.f16_scale_tops with E4M3's constants) on
+    every FP16 amax pattern, and lone unusual blocks among normal ones (the exact rule and the NaN
+    pass), bit-exact against the reference."""
+    emu.enable("gfx950")
+    for blocks in fp16_amax_blocks():
+        x = blocks.reshape(-1, BLOCK * 8).contiguous()
+        with emu.record() as launches:
+            got = q2.quantize_1x32(x, arch="gfx950", scaling_mode=mode)
+        _pairs(got, reference.mxfp8_quantize(x, -1, mode), f"1x32 fp16 amax patterns {tuple(x.shape)}")
+        # the exact rule (two v_cvt_f32_f16 per tile of 128 blocks) ran in few tiles, the packed in the rest
+        assert 0 < launches[0].stats.by_opcode.get("v_cvt_f32_f16", 0) <= 2 * 17 < blocks.shape[0] // 128
 
 
 @pytest.mark.parametrize("arch,mode,dtype", ALL, ids=IDS)
