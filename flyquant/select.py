@@ -239,6 +239,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
+    from .kernels import _mxfp4_shuffles as shuffles
     from .kernels import mxfp4_quantize as rows
     from .kernels import mxfp4_quantize_cols as cols
 
@@ -252,7 +253,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         config = dataclasses.asdict(rows.plan_rows(shape, target.arch, shuffle, _dtype_name(x.dtype)))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
         if shuffle == "a4w4":
-            k_align = rows.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])
+            k_align = shuffles.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])
             name += f"_a4w4_k{k_align}"
         elif shuffle:
             name += "_a16w4_gate_up" if gate_up else "_a16w4"

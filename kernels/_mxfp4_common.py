@@ -46,6 +46,8 @@ The sign is bit 31 of x (-0 -> 0x8, as the reference).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import flydsl.expr as fx
@@ -307,6 +309,48 @@ def quantize_words(spec: Spec, words, valid):
         lambda: data + [code],
         types=[mx.i32_t()] * 5,
     )
+
+
+def tail_masks(spec: Spec, valid):
+    """Per input dword, the bits of the elements below `valid` (the elements present from the
+    first dword's: a block's or a piece's)."""
+    per = 4 // spec.elem_bytes
+    masks = []
+    for i in range(MX_BLOCK // per):
+        if per == 1:
+            masks.append(mx.select(mx.cmp_ult(i, valid), -1, 0))
+        else:
+            masks.append(mx.select(mx.cmp_ult(2 * i + 1, valid), -1, mx.select(mx.cmp_ult(2 * i, valid), 0xFFFF, 0)))
+    return masks
+
+
+def last_elements(groups, gs, valids, rx, sizes):
+    """16-bit types, a last block with an odd element count: the tensor's last element is the low
+    half of a loaded dword whose high half lies past the buffer's end, and the range check, which
+    checks whole dwords, reads that dword as 0. The lane holding it takes the element from a
+    2-byte load instead (a wave-uniform branch, taken by one wave of the launch). groups: lists
+    of dwords (a block, or a piece), each of block gs[i] with valids[i] elements from its first."""
+    nblocks, x_bytes = sizes
+    hits = [arith.andi(mx.cmp_eq(band(v, 1), 1), mx.cmp_eq(g, sub(nblocks, 1))) for g, v in zip(gs, valids)]
+    flat = [w for words in groups for w in words]
+
+    def patched():
+        value = mx.load_short(rx, sub(x_bytes, 2))
+        out = []
+        for words, hit, v in zip(groups, hits, valids):
+            last = lshr(sub(v, 1), 1)  # the word holding it, in its low half
+            out += [mx.select(arith.andi(hit, mx.cmp_eq(last, i)), value, w) for i, w in enumerate(words)]
+        return out
+
+    any_hit = functools.reduce(arith.ori, hits)
+    flat = mx.if_else(mx.wave_any(any_hit), patched, lambda: flat, types=[mx.i32_t()] * len(flat))
+    n = len(groups[0])
+    return [flat[n * i:n * i + n] for i in range(len(groups))]
+
+
+def last_element(words, g, valid, bufs, sizes):
+    """last_elements for one block's dwords (a lane per block: the dual kernel)."""
+    return last_elements([words], [g], [valid], bufs[0], sizes)[0]
 
 
 def allocate(rows: int, blocks: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,23 +32,25 @@ K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elem
 instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
 read: offset out of range); a wave holding a partial piece masks its missing elements (a
 wave-uniform branch), and for 16-bit x with an odd K the tensor's last element comes from a
-2-byte load (_last_elements). Rows whose byte length is not a multiple of 16 are loaded at 2-
-or 4-byte alignment (the unaligned buffer access ROCm enables; not verified on hardware).
+2-byte load (_mxfp4_common.last_elements). Rows whose byte length is not a multiple of 16 are
+loaded at 2- or 4-byte alignment (the unaligned buffer access ROCm enables; not verified on
+hardware).
 
 Layouts written in the same pass (each block's 16 bytes and code byte stored at their places):
 scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuffle, the MXFP8
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
 K % 64 == 0): a tile is 16 rows x 4 blocks of one row tile, 64 consecutive units of the layout,
-so the data stores stay contiguous; one division places it (_row_tile_first), and its codes'
-offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align: where K % 128 == 64 a row
-tile's last tile holds a phantom pair, not read, its stores dropped; where K % 256 == 0 on gfx950
-with 16-bit x, a wave's tiles lie in one row tile (plan_rows), placed by one division, and its
-steps' x and code offsets are linear in their first unit). Shuffles load a register's rows 8 on through the scalar
-offset. shuffle "a16w4" (3D expert weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's
-(gate_up: with the row tiles permuted, _a16w4_source_row), so the lined path takes them in
-that order too, a wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part
-(wave-uniform) plus a lane part (_a16w4_scale_offset).
+so the data stores stay contiguous; one division places it (_mxfp4_shuffles.row_tile_first),
+and its codes' offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align: where
+K % 128 == 64 a row tile's last tile holds a phantom pair, not read, its stores dropped).
+Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4" (3D expert
+weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's (gate_up: with the row tiles
+permuted, _mxfp4_shuffles.a16w4_source_row), so the lined path takes them in that order too, a
+wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part (wave-uniform)
+plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). On gfx950 with 16-bit x and K % 256 == 0
+(_mxfp4_shuffles.placed_steps) a wave's tiles lie in one row tile (plan_rows), placed by one
+division, and its steps' x and code offsets are linear in their first unit.
 """
 
 from __future__ import annotations
@@ -68,16 +70,15 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
+from . import _mxfp4_shuffles as sh
 from ._mx_common import MX_BLOCK, PIECE_BYTES, WAVE, Spec, add, band, bor, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate
 from .mxfp8_quantize_2d import DISTS, LOAD_BYTES, _lane_split
 
-SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
+SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common, sh)
 
 MAX_WAVES = 4
 TILES_PER_WAVE = 8  # 512 blocks per wave, as mxfp8_quantize_2d (its setup then weighs as little)
-A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
-A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 
 
 def code_lines(arch: str, dtype: str, shuffle, scale_layout) -> bool:
@@ -85,14 +86,6 @@ def code_lines(arch: str, dtype: str, shuffle, scale_layout) -> bool:
     (build_rows' line_codes). Not gfx942 with 16-bit x: its encoder leaves no room for the
     second tile's values (97 VGPRs instead of 93: 4 workgroups per CU instead of 5)."""
     return not (shuffle or scale_layout) and (arch == "gfx950" or dtype == "fp32")
-
-
-def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
-    """The a4w4 kernel's K alignment (build_rows' k_align; K % 64 == 0): 256 where steps of two tiles
-    run (gfx950, 16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else 64 (a row tile's last
-    tile holds its last pair of blocks and a phantom pair)."""
-    two_tiles = arch == "gfx950" and dtype != "fp32"
-    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 64
 
 
 @dataclass(frozen=True)
@@ -112,95 +105,9 @@ def plan_rows(shape, arch: str, shuffle=None, dtype: str = "bf16") -> RowPlan:
     nkb = -(-k // MX_BLOCK)
     tiles = m // 16 * -(-nkb // 4) if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
     per_wave = TILES_PER_WAVE
-    if placed_steps(arch, dtype, shuffle, k):
+    if sh.placed_steps(arch, dtype, shuffle, k):
         per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if nkb // 4 % t == 0)
     return RowPlan(*mx.wave_split(tiles, MAX_WAVES, per_wave))
-
-
-def placed_steps(arch: str, dtype: str, shuffle, k: int) -> bool:
-    """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x, K % 256 ==
-    0: a4w4_k_align 256, and the a16w4 layouts): plan_rows keeps a wave's tiles in one row tile,
-    which build_rows places once."""
-    return bool(shuffle) and arch == "gfx950" and dtype != "fp32" and k % 256 == 0
-
-
-def _tail_masks(spec: Spec, valid):
-    """Per input dword, the bits of the elements below `valid` (the elements present from the
-    first dword's: a block's or a piece's)."""
-    per = 4 // spec.elem_bytes
-    masks = []
-    for i in range(MX_BLOCK // per):
-        if per == 1:
-            masks.append(mx.select(mx.cmp_ult(i, valid), -1, 0))
-        else:
-            masks.append(mx.select(mx.cmp_ult(2 * i + 1, valid), -1, mx.select(mx.cmp_ult(2 * i, valid), 0xFFFF, 0)))
-    return masks
-
-
-def _last_elements(groups, gs, valids, rx, sizes):
-    """16-bit types, a last block with an odd element count: the tensor's last element is the low
-    half of a loaded dword whose high half lies past the buffer's end, and the range check, which
-    checks whole dwords, reads that dword as 0. The lane holding it takes the element from a
-    2-byte load instead (a wave-uniform branch, taken by one wave of the launch). groups: lists
-    of dwords (a block, or a piece), each of block gs[i] with valids[i] elements from its first."""
-    nblocks, x_bytes = sizes
-    hits = [arith.andi(mx.cmp_eq(band(v, 1), 1), mx.cmp_eq(g, sub(nblocks, 1))) for g, v in zip(gs, valids)]
-    flat = [w for words in groups for w in words]
-
-    def patched():
-        value = mx.load_short(rx, sub(x_bytes, 2))
-        out = []
-        for words, hit, v in zip(groups, hits, valids):
-            last = lshr(sub(v, 1), 1)  # the word holding it, in its low half
-            out += [mx.select(arith.andi(hit, mx.cmp_eq(last, i)), value, w) for i, w in enumerate(words)]
-        return out
-
-    any_hit = functools.reduce(arith.ori, hits)
-    flat = mx.if_else(mx.wave_any(any_hit), patched, lambda: flat, types=[mx.i32_t()] * len(flat))
-    n = len(groups[0])
-    return [flat[n * i:n * i + n] for i in range(len(groups))]
-
-
-def _last_element(words, g, valid, bufs, sizes):
-    """_last_elements for one block's dwords (a lane per block: the dual kernel)."""
-    return _last_elements([words], [g], [valid], bufs[0], sizes)[0]
-
-
-def _a16w4_scale_offset(tile, kb, nl, nkb):
-    """The scale byte offset of block kb of row nl of the output's 16-row tile `tile` (plain: x's
-    tile q; gate_up: (e * N1 + n0) * 2 + h, N1 = N / 32) in the layout of aiter's
-    shuffle_scale_a16w4 (flyquant.layouts), (E, N1, K1, KL 4, LANE 16, KP 2, P 2) with n = n1 * 32
-    + p * 16 + lane (gate_up: n = p * N / 2 + n1 * 16 + lane), kb = k1 * 8 + kp * 4 + kl, K1 =
-    nkb / 8: the pair of tiles tile / 2 (the scale row n1, or e * N1 + n0), p = tile % 2. Linear
-    in kb % 4 (64 bytes each) and nl (4 bytes each)."""
-    kl, kp, k1 = band(kb, A16W4_KLANE - 1), band(lshr(kb, 2), 1), lshr(kb, 3)
-    return add(mul(add(mul(lshr(tile, 1), lshr(nkb, 3)), k1), 4 * 16 * 2 * 2),
-               add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), band(tile, 1))))
-
-
-def _a16w4_source_row(row, n1_args):
-    """gate_up: the row of x that row `row` of the plain a16w4 order holds. Without gate_up,
-    aiter's shuffle_weight_a16w4 (NLANE 16, KPACK units of 16 bytes: (E, N0, K0, KLANE 4, NLANE 16))
-    is shuffle_weight(layout=(16, 16)) when K % 128 == 0 (unit ((q K0 + kb / 4) 4 + kb % 4) 16 + nl
-    = (q nkb + kb) 16 + nl), so its data units are a4w4's (_row_tile_first); gate_up permutes the
-    row tiles: tile (e N1 + n0) 2 + h holds x's tile (2 e + h) N1 + n0 = r + (e + h) N1 with r = e
-    N1 + n0, e = r / N1."""
-    n1, magic, shift = n1_args
-    pair = lshr(row, 4)
-    r = lshr(pair, 1)
-    e = lshr(add(mx.umulhi(r, magic), r), shift)
-    return add(shl(add(r, mul(add(e, band(pair, 1)), n1)), 4), band(row, A16W4_NLANE - 1))
-
-
-def _row_tile_first(t0, tpr, magic, shift):
-    """(row, kb) of the first block of the shuffles' tile at unit t0 (t0 % 64 == 0): in aiter's
-    shuffle_weight(data, layout=(16, 16)) (flyquant.layouts.shuffle_weight_a4w4) block (row, kb)
-    is unit ((row / 16) nkb + kb) 16 + row % 16, so a tile of 16 rows x 4 blocks is 64 units in a
-    row; tpr = ceil(nkb / 4) tiles per row tile (magic, shift: its division), the tile t0 / 64
-    being tile t % tpr of row tile t / tpr."""
-    t = lshr(t0, 6)
-    q = lshr(add(mx.umulhi(t, magic), t), shift)
-    return shl(q, 4), shl(sub(t, mul(q, tpr)), 2)
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
@@ -257,7 +164,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         4 blocks of one row tile, its two pairs of 2 blocks (pair 1: phantom past the row's last
         block, K % 128 == 64); a16w4: `first`, carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        return first if first is not None else _row_tile_first(t0, lshr(add(nkb, 3), 2), magic, shift)
+        return first if first is not None else sh.row_tile_first(t0, lshr(add(nkb, 3), 2), magic, shift)
 
     def unless_phantom(kb, nkb, x):
         """x, or out of range where the tile at block kb holds a phantom second pair (its row
@@ -268,7 +175,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
-        x by _a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
+        x by sh.a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
             col, piece = lane[1:3]
@@ -284,12 +191,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                                                    for v in valids])
 
             def masked():  # a wave holding a row's last block (pieces wholly past the end read 0)
-                return [band(w, m) for i, v in enumerate(valids) for w, m in zip(raw[per * i:per * i + per], _tail_masks(spec, v))]
+                return [band(w, m) for i, v in enumerate(valids) for w, m in zip(raw[per * i:per * i + per], _mxfp4_common.tail_masks(spec, v))]
 
             raw = mx.if_else(mx.wave_any(partial), masked, lambda: raw, types=[mx.i32_t()] * len(raw))
             groups = [raw[per * i:per * i + per] for i in range(loads)]
             if not spec.wide:
-                groups = _last_elements(groups, gs, valids, rx, sizes)
+                groups = _mxfp4_common.last_elements(groups, gs, valids, rx, sizes)
             return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
@@ -297,7 +204,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if tile_in is None:
             row, kb = first
             if shuffle == "a16w4_gate_up":
-                row = _a16w4_source_row(row, n1_args)
+                row = sh.a16w4_source_row(row, n1_args)
             tile_in = add(mul(row, row_bytes), mul(kb, in_block))
         bases = [add(lane[0], tile_in)]
         if phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
@@ -395,7 +302,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             out = finish(amax, True)
         codes, data = out[0], out[1:]
         v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
-        tile_s = None  # shuffles: the code offset's tile part (a two-tile step's second tile: the first's plus a constant)
+        s_off = None  # shuffles: the code's offset (a two-tile step's second tile: the first's plus a constant)
         for j, t in enumerate(t0s):
             tile_data = data[loads * j:loads * j + loads]
             v_outs, tile_units = [v_out, v_out], WAVE * j  # per pair of the tile, and tile j's constant offset
@@ -415,7 +322,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                     else:
                         row, kb = firsts[j]
                         if shuffle != "a4w4":
-                            tile_s = _a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
+                            tile_s = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
                         else:
                             tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
                         tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
@@ -499,7 +406,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         else:
             lane_in = add(mul(col, in_block), shl(piece, 4))
         # the owned block's kb % 4 = own / 16 and row % 16 = own % 16 as an offset from its tile's first
-        # block's code: a16w4 (_a16w4_scale_offset's linear part) and a4w4's "mfma" (scale_offset's) alike
+        # block's code: a16w4 (sh.a16w4_scale_offset's linear part) and a4w4's "mfma" (scale_offset's) alike
         if shuffle == "a4w4" and not scale_layout:
             lane_scale = add(mul(band(own, 15), val(nkb)), lshr(own, 4))
         else:
@@ -512,8 +419,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 
             def step(i, row, kb):
                 lined_tiles(tile(i), 1, bufs, lanes, shape, sizes, n1_args, (row, kb))
-                wrap = mx.cmp_eq(add(kb, A16W4_KLANE), shape[0])
-                return [mx.select(wrap, add(row, A16W4_NLANE), row), mx.select(wrap, 0, add(kb, A16W4_KLANE))]
+                wrap = mx.cmp_eq(add(kb, sh.A16W4_KLANE), shape[0])
+                return [mx.select(wrap, add(row, sh.A16W4_NLANE), row), mx.select(wrap, 0, add(kb, sh.A16W4_KLANE))]
 
             mx.for_range_carry(val(tiles_per_wave), tile_first(mul(first, WAVE), shape, None), step)
         elif shuffle and (k256 or shuffle != "a4w4"):  # placed_steps (plan_rows): the wave's tiles lie in one row
@@ -523,8 +430,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
             if shuffle != "a4w4":
-                s0 = _a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
-                row = _a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
+                s0 = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
+                row = sh.a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
             else:
                 s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
             s0 = mx.select(mx.cmp_ult(t_first, nb), s0, mx.OOB)
@@ -533,8 +440,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             def step(t):
                 t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
                 d = sub(t0, t_first)  # a multiple of 128
-                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args, placed=(
-                    add(x0, mul(d, in_block // 16)), add(s0, lshr(d, 4) if shuffle == "a4w4" and not scale_layout else shl(d, 1))))
+                codes = lshr(d, 4) if shuffle == "a4w4" and not scale_layout else shl(d, 1)
+                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args, placed=(add(x0, mul(d, in_block // 16)), add(s0, codes)))
 
             mx.for_range(add(t_first, mul(val(tiles_per_wave), WAVE)), step, t_first, 2 * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):
@@ -636,12 +543,12 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     tail = k % MX_BLOCK != 0
     magic, shift = mx.divide_magic(-(-nkb // 4) if shuffle else nkb)  # shuffles: tiles per row tile
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
-    n1 = rows_per_expert // (A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
+    n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
     cfg = plan_rows((m, k), arch, shuffle, TORCH_DTYPES[x.dtype])
     with toolchain.target(arch):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
-                              a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)
+                              sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,

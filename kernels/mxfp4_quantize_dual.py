@@ -55,11 +55,10 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
-from . import mxfp4_quantize as rows_kernel
 from ._mx_common import MX_BLOCK, PIECE_BYTES, PIECE_DWORDS, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
 
-SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common, rows_kernel)
+SOURCE_TAG = mx.source_tag(sys.modules[__name__], _mxfp4_common)
 
 WAVES = 4  # a workgroup's column tiles: 4 x 2 blocks of 16 bytes = a rowwise output line
 ROW_BLOCKS = 8  # a workgroup's row blocks: 8 x 16 bytes = a columnwise output line
@@ -148,9 +147,9 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
             off = add(mul(row, row_bytes), mul(kb, in_block))
             regs = [mx.load(rx, off if i == 0 else add(off, i * PIECE_BYTES)) for i in range(loads)]
             words = [w for reg in regs for w in mx.dwords_of(reg)]
-            words = [band(w, msk) for w, msk in zip(words, rows_kernel._tail_masks(spec, valid))]
+            words = [band(w, msk) for w, msk in zip(words, _mxfp4_common.tail_masks(spec, valid))]
             if not spec.wide:
-                words = rows_kernel._last_element(words, g, valid, (rx,), (mul(m, nkb), x_bytes))
+                words = _mxfp4_common.last_element(words, g, valid, (rx,), (mul(m, nkb), x_bytes))
         else:  # whole lines into LDS (row-major), then the lane's block back
             regs = line_loads(rx, rb, t, nkb, row_bytes, lane)
             mx.wait_loads()  # one wait for the tile's loads, one for its LDS reads (not one per use)

@@ -65,7 +65,7 @@ def test_3d_a16w4_lined(arch, dtype, mode):
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
     saturation, -0), tiles past the end dropped (36 tiles over whole waves); gfx950 16-bit places a
-    wave's tiles once in their row tile (kernels/mxfp4_quantize.placed_steps): 2 per wave there,
+    wave's tiles once in their row tile (kernels/_mxfp4_shuffles.placed_steps): 2 per wave there,
     and 8 with E = 2, N = 64, K = 1024."""
     emu.enable(arch)
     w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
@@ -153,7 +153,7 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
-# The a4w4 tile orders (kernels/mxfp4_quantize.a4w4_k_align): K % 256 == 0 (gfx950 16-bit: a wave's
+# The a4w4 tile orders (kernels/_mxfp4_shuffles.a4w4_k_align): K % 256 == 0 (gfx950 16-bit: a wave's
 # 8, 4 or 2 tiles in one row tile, placed once; elsewhere two-tile steps placed by one division):
 # (80, 512) 4 per wave, 20 tiles over 5 waves, the last workgroup's other 3 waves past the end,
 # (48, 256) 2 per wave and an odd row tile count, (32, 1024) 8 per wave; (32, 384), nkb 12: K % 128

@@ -1,0 +1,64 @@
+"""Where the rowwise MXFP4 kernel's units go in aiter's weight layouts (kernels/mxfp4_quantize.py,
+shuffle "a4w4" and "a16w4"): the K alignments and step placements its variants take, the first
+block of a 16-row x 4-block tile, the a16w4 scale offsets and gate_up's source rows, emitted into
+FlyDSL kernels (flyquant.layouts holds the reference permutations)."""
+
+from __future__ import annotations
+
+from . import _mx_common as mx
+from ._mx_common import WAVE, add, band, lshr, mul, shl, sub
+
+A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
+A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+
+
+def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
+    """The a4w4 kernel's K alignment (mxfp4_quantize.build_rows' k_align; K % 64 == 0): 256 where
+    steps of two tiles run (gfx950, 16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else
+    64 (a row tile's last tile holds its last pair of blocks and a phantom pair)."""
+    two_tiles = arch == "gfx950" and dtype != "fp32"
+    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 64
+
+
+def placed_steps(arch: str, dtype: str, shuffle, k: int) -> bool:
+    """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x, K % 256 ==
+    0: a4w4_k_align 256, and the a16w4 layouts): mxfp4_quantize.plan_rows keeps a wave's tiles in
+    one row tile, which its build_rows places once."""
+    return bool(shuffle) and arch == "gfx950" and dtype != "fp32" and k % 256 == 0
+
+
+def a16w4_scale_offset(tile, kb, nl, nkb):
+    """The scale byte offset of block kb of row nl of the output's 16-row tile `tile` (plain: x's
+    tile q; gate_up: (e * N1 + n0) * 2 + h, N1 = N / 32) in the layout of aiter's
+    shuffle_scale_a16w4 (flyquant.layouts), (E, N1, K1, KL 4, LANE 16, KP 2, P 2) with n = n1 * 32
+    + p * 16 + lane (gate_up: n = p * N / 2 + n1 * 16 + lane), kb = k1 * 8 + kp * 4 + kl, K1 =
+    nkb / 8: the pair of tiles tile / 2 (the scale row n1, or e * N1 + n0), p = tile % 2. Linear
+    in kb % 4 (64 bytes each) and nl (4 bytes each)."""
+    kl, kp, k1 = band(kb, A16W4_KLANE - 1), band(lshr(kb, 2), 1), lshr(kb, 3)
+    return add(mul(add(mul(lshr(tile, 1), lshr(nkb, 3)), k1), 4 * 16 * 2 * 2),
+               add(add(shl(kl, 6), shl(nl, 2)), add(shl(kp, 1), band(tile, 1))))
+
+
+def a16w4_source_row(row, n1_args):
+    """gate_up: the row of x that row `row` of the plain a16w4 order holds. Without gate_up,
+    aiter's shuffle_weight_a16w4 (NLANE 16, KPACK units of 16 bytes: (E, N0, K0, KLANE 4, NLANE 16))
+    is shuffle_weight(layout=(16, 16)) when K % 128 == 0 (unit ((q K0 + kb / 4) 4 + kb % 4) 16 + nl
+    = (q nkb + kb) 16 + nl), so its data units are a4w4's (row_tile_first); gate_up permutes the
+    row tiles: tile (e N1 + n0) 2 + h holds x's tile (2 e + h) N1 + n0 = r + (e + h) N1 with r = e
+    N1 + n0, e = r / N1."""
+    n1, magic, shift = n1_args
+    pair = lshr(row, 4)
+    r = lshr(pair, 1)
+    e = lshr(add(mx.umulhi(r, magic), r), shift)
+    return add(shl(add(r, mul(add(e, band(pair, 1)), n1)), 4), band(row, A16W4_NLANE - 1))
+
+
+def row_tile_first(t0, tpr, magic, shift):
+    """(row, kb) of the first block of the shuffles' tile at unit t0 (t0 % 64 == 0): in aiter's
+    shuffle_weight(data, layout=(16, 16)) (flyquant.layouts.shuffle_weight_a4w4) block (row, kb)
+    is unit ((row / 16) nkb + kb) 16 + row % 16, so a tile of 16 rows x 4 blocks is 64 units in a
+    row; tpr = ceil(nkb / 4) tiles per row tile (magic, shift: its division), the tile t0 / 64
+    being tile t % tpr of row tile t / tpr."""
+    t = lshr(t0, 6)
+    q = lshr(add(mx.umulhi(t, magic), t), shift)
+    return shl(q, 4), shl(sub(t, mul(q, tpr)), 2)
