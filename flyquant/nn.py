@@ -201,6 +201,16 @@ class MoEExperts(torch.nn.Module):
         if hidden_states.shape[-1] != self.model_dim:
             raise ValueError(f"hidden_states.shape[-1] = {hidden_states.shape[-1]} must equal model_dim = {self.model_dim}")
         x = hidden_states.reshape(-1, self.model_dim).to(torch.bfloat16)
+        tokens = x.shape[0]
+        # topk_ids / topk_weights: topk per token in any shape ((T, topk) as routers give them); with no
+        # tokens, reshape(0, -1) is ambiguous, so their last dim is topk
+        topk = topk_ids.numel() // tokens if tokens else (topk_ids.shape[-1] if topk_ids.dim() else 0)
+        if topk_ids.numel() != tokens * topk:
+            raise ValueError(f"topk_ids must have shape (T, topk) with T = {tokens} (the tokens of hidden_states), "
+                             f"got {tuple(topk_ids.shape)}")
+        if topk_weights.numel() != tokens * topk:
+            raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)} (T = {tokens}, "
+                             f"topk = {topk}), got {tuple(topk_weights.shape)}")
         # The kernels take model_dim and inter_dim in chunks of 32: run on
         # those (the weights and biases past the true sizes are zero, so the extra a2 columns and
         # outputs are 0) and keep the true columns. Only a model_dim off 32 costs a copy of x.
@@ -208,8 +218,8 @@ class MoEExperts(torch.nn.Module):
         x = torch.nn.functional.pad(x, (0, model - self.model_dim)) if model != self.model_dim else x.contiguous()
         wide = hidden_states.dtype in (torch.float32, torch.float64)
         out = api_moe.fused_moe(x, self.w1, self.w1_scale, self.w2, self.w2_scale,
-                                topk_weights.reshape(x.shape[0], -1).to(torch.float32),
-                                topk_ids.reshape(x.shape[0], -1), b1=self.b1, b2=self.b2, activation=self.activation,
+                                topk_weights.reshape(tokens, topk).to(torch.float32),
+                                topk_ids.reshape(tokens, topk), b1=self.b1, b2=self.b2, activation=self.activation,
                                 alpha=self.alpha, limit=self.limit,
                                 out_dtype=torch.float32 if wide else torch.bfloat16, model_dim=model, inter_dim=inter)
         if model != self.model_dim:

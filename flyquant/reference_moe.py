@@ -255,12 +255,21 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
     return model_dim, inter_dim
 
 
+def check_swiglu_limit(activation: str, limit) -> None:
+    """swiglu_oai's limit is >= 0 (+inf: no clamp). A negative or NaN limit has no meaning, and the
+    kernels' clamps (v_med3_f32) and torch.clamp would disagree on it: refused on both backends."""
+    if activation == "swiglu_oai" and not float(limit) >= 0:
+        raise ValueError(f"limit must be >= 0 for swiglu_oai (u is clamped to [-limit, limit], g to at most limit; "
+                         f"GPT-OSS: 7.0), got {limit!r}")
+
+
 def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
                          block_m, bias=None, activation="silu", out=None, model_dim=None,
-                         inter_dim=None) -> tuple[int, int, int]:
+                         inter_dim=None, limit=7.0) -> tuple[int, int, int]:
     """Everything both backends check before running stage 1 (no tensor values or addresses read):
     types, shapes, devices, the true sizes, bias (E, w1.shape[1]) in w1's row order, out
-    (T * topk, >= inter_dim) bf16, the activation name. Returns (model_dim, inter_dim, tokens)."""
+    (T * topk, >= inter_dim) bf16, the activation name and swiglu_oai's limit. Returns (model_dim,
+    inter_dim, tokens)."""
     validate.high_precision(x, "x", ndim=2)
     validate.tensor(w1, "w1", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     validate.tensor(w1_scale, "w1_scale", (SCALE_DTYPE, torch.uint8), ndim=(2, 3))
@@ -273,6 +282,7 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
     _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    check_swiglu_limit(activation, limit)
     experts, n2, k_half = w1.shape
     if n2 % 2:
         raise ValueError(f"w1.shape[1] = {n2} must be even (gate rows then up rows)")
@@ -316,7 +326,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     """
     model_dim, inter_dim, tokens = check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
     experts, n2, _ = w1.shape
     check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
     if out is None:

@@ -42,6 +42,9 @@ def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
     validate.shape(offs, "offs", (e,))
     validate.block_dim(A, 1, "A", "K")
     validate.block_dim(B_t, 2, "B_t", "N")
+    if not (B_t.is_contiguous() or B_t.transpose(1, 2).is_contiguous()):  # the 3D quantize's two layouts
+        raise ValueError(f"B_t must be contiguous (E, K, N) or the transpose of a contiguous (E, N, K) tensor (strides "
+                         f"{(k * n, n, 1)} or {(k * n, 1, k)}), got strides {B_t.stride()} for shape {tuple(B_t.shape)}")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
     validate.scaling_mode(scaling_mode)
@@ -73,7 +76,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT)
             w, w_scale = _along_k(B_t.transpose(1, 2), mode)  # B_t along N, as (E, K, N)
             grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT).to(A.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and A.shape[0] == 0:  # no tokens: no 32x1 block to quantize, zero gradient
+            grad_b_t = torch.zeros(B_t.shape, dtype=B_t.dtype, device=B_t.device)
+        elif ctx.needs_input_grad[1]:
             x, x_scale = api.mxfp8_quantize(grad_out, 0, mode)
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype).to(B_t.dtype)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from flyquant import toolchain, validate
+from flyquant import reference_moe, toolchain, validate
 from flyquant.arch import arch_info
 
 from ._a16w4_common import (
@@ -74,6 +74,7 @@ def moe_gemm1_a16w4(
     info = arch_info(arch)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    reference_moe.check_swiglu_limit(activation, limit)
     experts, w_n, w_k = check_inputs("x", x, "w1", w1, "w1_scale", w1_scale, sorted_ids, sorted_weights,
                                      sorted_expert_ids, num_valid_ids, topk, 4 * MFMA_MN,
                                      "2P: gate and up halves of 32-row scale groups")

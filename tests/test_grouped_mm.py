@@ -559,3 +559,34 @@ def test_mfma_scale_layout(arch, monkeypatch):
     assert_within(got, exact, fp32_bound(exact, s, k, torch.float32))
     with pytest.raises(ValueError, match="a_scale"):  # plain scales announced as shuffled
         fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends, torch.float32, "mfma")
+
+
+@pytest.mark.parametrize("where", ["reference", "gfx942", "gfx950"])
+def test_training_op_with_no_tokens(where, monkeypatch):
+    """M = 0 (an expert-parallel rank that received no tokens): a (0, N) output, an empty grad_A and
+    a zero grad_B_t on every backend. The reference GEMM used to refuse the "mfma" scales of zero
+    rows (mfma_unshuffle_scales wanted a positive row count) and the backward quantized no 32x1
+    block (M = 0 is not a positive multiple of 32)."""
+    if where == "reference":
+        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    else:
+        monkeypatch.setenv("FLYQUANT_ARCH", where)
+    A = torch.randn(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    B_t = torch.randn(2, 32, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # (E, K, N) torchao's view
+    out = training.mxfp8_grouped_mm(A, B_t, offs(0, 0))
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    out.backward(torch.zeros_like(out))
+    assert A.grad.shape == (0, 64) and B_t.grad.shape == (2, 64, 32) and B_t.grad.dtype == torch.bfloat16
+    assert (B_t.grad == 0).all()
+    assert layouts.mfma_unshuffle_scales(layouts.mfma_shuffle_scales(torch.zeros(0, 3, dtype=E8M0))).shape == (0, 8)
+
+
+def test_training_op_names_b_t_layout(reference_backend):
+    """A B_t in neither accepted layout is refused up front naming B_t and both layouts (the 3D
+    quantize's error named its own argument w and an (E, N, K) shape)."""
+    A = torch.randn(64, 64, dtype=torch.bfloat16)
+    base = torch.randn(2, 64, 64, dtype=torch.bfloat16)
+    for bad in (base[:, :, ::2], base[:1, :, :32].expand(2, 64, 32), torch.randn(32, 2, 64).permute(1, 2, 0)):
+        with pytest.raises(ValueError, match=r"B_t must be contiguous \(E, K, N\) or the transpose .* \(2048, 32, 1\) "
+                                             r"or \(2048, 1, 64\)"):
+            training.mxfp8_grouped_mm(A, bad.to(torch.bfloat16), offs(32, 64))

@@ -133,3 +133,27 @@ def test_warmup_runs_stage1_before_stage2():
     kernels = [rec.stats.kernel for rec in launches if rec.stats.kernel.startswith("moe_gemm")]
     assert [k[:9] for k in kernels] == ["moe_gemm1", "moe_gemm2"] * 2
     assert all("swiglu_oai" in k and "_bias" in k for k in kernels[0::2])
+
+
+@pytest.mark.parametrize("backend", ["reference", "gfx950"])
+def test_negative_or_nan_swiglu_limit_is_refused(backend, monkeypatch):
+    """swiglu_oai's limit must be >= 0 (inf: no clamp). A negative one made the kernels' v_med3_f32
+    clamps and the reference's torch.clamp (min > max gives max) disagree silently: up to 0.31 apart
+    where the reference gives 0. Refused alike on both backends; limit 0 and inf still run."""
+    if backend == "reference":
+        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    else:
+        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+        monkeypatch.setenv("FLYQUANT_ARCH", backend)
+    p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=25, skip_expert=None)
+    args = (p["x"], p["w1"], p["w1_scale"], *p["sorting"])
+    for limit in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+            fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
+        with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+            fq.explain(fq.moe_gemm1_a16w4, *args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
+    fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="silu", limit=-1.0)  # limit unused: not checked
+    for limit in (0.0, float("inf")):  # the ends of the range run (values: the fuzzed limits' bound checks)
+        got = fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
+        ref = reference.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
+        assert torch.equal(got.isfinite(), ref.isfinite()) and got.isfinite().all()

@@ -341,3 +341,23 @@ def test_bad_checkpoint_tensors_are_named():
         from_gpt_oss_experts(bad, model.config)
     with pytest.raises(ValueError, match="no GPT-OSS MoE block"):
         patch_gpt_oss(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("backend,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
+def test_no_tokens_and_routing_rows_named(backend, arch, monkeypatch):
+    """An empty batch gives an empty output (forward reshaped the routing with reshape(0, -1), which
+    torch refuses as ambiguous); routing whose rows do not match the tokens is a ValueError naming
+    topk_ids / topk_weights (it was a bare reshape RuntimeError)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    p = dense_layer(4, 64, 32, 5, 2, seed=4)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation="swiglu_oai")
+    for dtype in (torch.float32, torch.bfloat16):
+        got = m(p["x"][:0].to(dtype), p["ids"][:0], p["weights"][:0])
+        assert got.shape == (0, 64) and got.dtype == dtype
+    got = m(p["x"][None, :0], p["ids"][:0], p["weights"][:0])  # (B, S = 0, H) hidden states
+    assert got.shape == (1, 0, 64)
+    with pytest.raises(ValueError, match=r"topk_ids must have shape \(T, topk\) with T = 5 .* got \(4, 2\)"):
+        m(p["x"], p["ids"][:4], p["weights"][:4])
+    with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \(5, 2\) .* got \(5, 3\)"):
+        m(p["x"], p["ids"], torch.cat([p["weights"], p["weights"][:, :1]], 1))
