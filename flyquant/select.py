@@ -321,13 +321,22 @@ def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
     return max(fitting) if fitting else tile_m
 
 
-def _a16w4_target(op: str, act: torch.Tensor, act_name: str) -> Target | Plan:
-    """The target of an A16W4 GEMM, or the reference plan (no kernel here, or activations not bf16)."""
+def _a16w4_target(op: str, act: torch.Tensor, act_name: str, n: tuple[str, int], k: tuple[str, int]) -> Target | Plan:
+    """The target of an A16W4 GEMM, or the reference plan: no kernel here, activations not bf16, or
+    true sizes off the kernel's steps (n: the output columns' (name, size), in 16-column MFMA
+    blocks; k: the reduction's, in 32-element chunks)."""
+    from .kernels._a16w4_common import K_CHUNK, MFMA_MN
+
     target = _kernel_target(op, act.device)
     if isinstance(target, Plan):
         return target
+    reason = None
     if act.dtype != torch.bfloat16:
         reason = f"the kernel takes bf16 activations, {act_name} is {_dtype_name(act.dtype)}"
+    elif n[1] % MFMA_MN or k[1] % K_CHUNK:
+        reason = (f"the kernel takes {n[0]} in multiples of {MFMA_MN} and {k[0]} in multiples of {K_CHUNK}, "
+                  f"got {n[0]} = {n[1]}, {k[0]} = {k[1]}")
+    if reason:
         _forced_reference(reason)
         return reference_plan(op, target, reason)
     return target
@@ -367,7 +376,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
 def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias) -> Plan:
     """The A16W4 stage-2 GEMM: tiles and split-K for this shape; block_m is the caller's sort."""
     op = "moe_gemm2_a16w4"
-    target = _a16w4_target(op, a2, "a2")
+    target = _a16w4_target(op, a2, "a2", ("model_dim", model_dim), ("inter_dim", inter_dim))
     if isinstance(target, Plan):
         return target
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
@@ -383,7 +392,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     table, then FLYQUANT_CONFIG's tile_m / tile_n / waves (k_batch does not apply); block_m is the
     caller's sort."""
     op = "moe_gemm1_a16w4"
-    target = _a16w4_target(op, x, "x")
+    target = _a16w4_target(op, x, "x", ("inter_dim", inter_dim), ("model_dim", model_dim))
     if isinstance(target, Plan):
         return target
     from .kernels import moe_gemm1_a16w4 as k

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import flyquant as fq
-from flyquant import layouts, reference
+from flyquant import layouts, reference, select
 from flyquant.moe import moe_sorting
 
 from test_moe_gemm1_kernel import exact_and_tolerance, make_problem, SENTINEL
+from test_moe_gemm2_kernel import make_problem as stage2_problem
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
@@ -71,6 +72,32 @@ def test_reference_backend_and_errors(monkeypatch):
         _call(p, "tanh")
     with pytest.raises(ValueError, match="out must have shape"):
         _call(p, "silu", out=torch.zeros(3, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("model_dim,inter_dim", [(240, 48), (224, 40), (232, 64)])
+def test_sizes_off_the_kernel_steps_go_to_the_reference(model_dim, inter_dim, flydsl_arch, monkeypatch):
+    """model_dim off 32 or inter_dim off 16 (true sizes of padded weights): the kernel does not take
+    them, so the default backend plans the reference, says why and gives its answer; forcing the
+    kernel is an error naming the size."""
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = make_problem(5, 2, 3, model_dim, inter_dim, 64, 256, 16, seed=23)
+    plan = fq.explain(fq.moe_gemm1_a16w4, p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
+                      activation="silu", model_dim=model_dim, inter_dim=inter_dim)
+    assert plan.backend == "reference" and any("multiples of" in r for r in plan.reasons), plan.reasons
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=2, block_m=16,
+                                    activation="silu", model_dim=model_dim, inter_dim=inter_dim)
+    assert torch.equal(_call(p, "silu"), ref)
+    flydsl_arch("gfx950")
+    with pytest.raises(select.BackendError, match=f"inter_dim = {inter_dim}, model_dim = {model_dim}"):
+        _call(p, "silu")
+    # stage 2: N = model_dim in 16s, K = inter_dim in 32s (each case here is off one of them)
+    monkeypatch.delenv("FLYQUANT_BACKEND")
+    q = stage2_problem(5, 2, 3, model_dim, inter_dim, 16, w_n=256, w_k=256)
+    args = (q["a2"], q["w2"], q["w2_scale"], *q["sorting"])
+    plan = fq.explain(fq.moe_gemm2_a16w4, *args, topk=2, block_m=16, model_dim=model_dim, inter_dim=inter_dim)
+    assert plan.backend == "reference" and any("multiples of" in r for r in plan.reasons), plan.reasons
+    ref = reference.moe_gemm2_a16w4(*args, topk=2, block_m=16, model_dim=model_dim, inter_dim=inter_dim)
+    assert torch.equal(fq.moe_gemm2_a16w4(*args, topk=2, block_m=16, model_dim=model_dim, inter_dim=inter_dim), ref)
 
 
 def _dense_layer(p, w2_packed, w2_scales, model_dim, inter_dim):
