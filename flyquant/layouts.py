@@ -134,10 +134,8 @@ def mfma_unshuffle_scales(shuffled: torch.Tensor) -> torch.Tensor:
     == 0, cols % 8 == 0) -> the plain padded (rows, cols) matrix (slice it to the unpadded shape).
     Zero rows or columns (what mfma_shuffle_scales gives an empty matrix) give an empty matrix."""
     prows, pcols = shuffled.shape
-    for size, pad, what in ((prows, MFMA_ROW_PAD, "shuffled.shape[0] (rows"),
-                            (pcols, MFMA_COL_PAD, "shuffled.shape[1] (cols")):
-        if size % pad:
-            raise ValueError(f"{what}, padded for the MFMA scale layout) = {size} must be a multiple of {pad}")
+    validate.multiple_of(prows, MFMA_ROW_PAD, "shuffled.shape[0] (rows, padded for the MFMA scale layout)", zero=True)
+    validate.multiple_of(pcols, MFMA_COL_PAD, "shuffled.shape[1] (cols, padded for the MFMA scale layout)", zero=True)
     return _permuted(shuffled, _mfma_split(prows, pcols), _MFMA_PERM, inverse=True)
 
 

@@ -42,10 +42,11 @@ def high_precision(x, name: str, ndim=None) -> None:
     tensor(x, name, HIGH_PRECISION_DTYPES, ndim)
 
 
-def multiple_of(value: int, divisor: int, what: str) -> None:
-    """`value` (described by `what`, e.g. "x.shape[1] (K)") is a positive multiple of `divisor`."""
-    if value <= 0 or value % divisor:
-        raise ValueError(f"{what} = {value} must be a positive multiple of {divisor}")
+def multiple_of(value: int, divisor: int, what: str, zero: bool = False) -> None:
+    """`value` (described by `what`, e.g. "x.shape[1] (K)") is a positive multiple of `divisor`
+    (zero: or 0)."""
+    if value < 0 or (value == 0 and not zero) or value % divisor:
+        raise ValueError(f"{what} = {value} must be a {'' if zero else 'positive '}multiple of {divisor}")
 
 
 def block_dim(x: torch.Tensor, dim: int, name: str, label: str, block: int = MX_BLOCK) -> None:

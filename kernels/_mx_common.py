@@ -425,15 +425,13 @@ def scale_from_tops(spec: Spec, tops, j):
     return as_f32(tops if spec.scaled_cvt else band(tops, 0xFFFF0000))
 
 
-def bf16_scale_pair(spec: Spec, pair):
-    """block_scale for two BF16 amax patterns in one dword (gfx950), with v_pk_* ops:
-    (codes (c_hi << 16 | c_lo), top_halves of the two conversion scales).
-
-    w = bf16_scale_tops(...) is the tops; its low 7 bits (what is left of p's mantissa) are
-    mantissa bits of the scale, which the conversion ignores.
-    """
+def packed_scale_pair(spec: Spec, pair, max_pow2: int, rceil_mant: int, even_mant_bits=None):
+    """The scale rule of two blocks whose 16-bit amax patterns share a dword (gfx950), with v_pk_*
+    ops, for an element format as f32_scale_code's: (codes (c_hi << 16 | c_lo), top_halves of the
+    two conversion scales). BF16 amaxes: bf16_scale_tops; FP16 (both normal): f16_scale_tops. The
+    tops' low 7 bits are mantissa bits of the scale, which the conversion ignores."""
     tops_of = bf16_scale_tops if spec.dtype == "bf16" else f16_scale_tops
-    w = tops_of(pair, spec.mode, E4M3_MAX_POW2, F32_MANT_175)
+    w = tops_of(pair, spec.mode, max_pow2, rceil_mant, even_mant_bits)
     return pk(arith.shrui, w, splat16(BF16_MANT_BITS)), w
 
 
@@ -442,7 +440,7 @@ def pair_scales(spec: Spec, pair, normal: bool = False):
     (c_hi << 16 | c_lo, top_halves(s_hi, s_lo)); FP16 with `normal` (gfx950, both patterns
     normal FP16 numbers: the caller's rare path takes the others): f16_scale_tops."""
     if spec.scaled_cvt and (spec.dtype == "bf16" or normal):
-        return bf16_scale_pair(spec, pair)
+        return packed_scale_pair(spec, pair, E4M3_MAX_POW2, F32_MANT_175)
     c0, s0 = block_scale(spec, band(pair, 0xFFFF))
     c1, s1 = block_scale(spec, lshr(pair, 16))
     return pack_pair(c1, c0), top_halves(s1, s0)

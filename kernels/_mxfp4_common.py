@@ -95,12 +95,10 @@ def scale_code(spec: Spec, amax):
 
 def scale_pair(spec: Spec, pair, normal: bool = False):
     """gfx950, 16-bit x: (codes c1 << 16 | c0, top_halves of the two conversion scales) of two
-    blocks whose amax patterns share a dword (BF16: packed, _mx_common.bf16_scale_tops; FP16 with
-    `normal`, both patterns normal FP16 numbers: packed, _mx_common.f16_scale_tops)."""
+    blocks whose amax patterns share a dword (BF16, and FP16 with `normal`, both patterns normal
+    FP16 numbers: packed, _mx_common.packed_scale_pair)."""
     if spec.dtype == "bf16" or normal:
-        tops_of = mx.bf16_scale_tops if spec.dtype == "bf16" else mx.f16_scale_tops
-        tops = tops_of(pair, spec.mode, E2M1_MAX_POW2, E2M1_RCEIL_MANT, E2M1_MANT_BITS)
-        return mx.pk(arith.shrui, tops, mx.splat16(mx.BF16_MANT_BITS)), tops
+        return mx.packed_scale_pair(spec, pair, E2M1_MAX_POW2, E2M1_RCEIL_MANT, E2M1_MANT_BITS)
     lo, hi = (scale_code(spec, h) for h in (band(pair, 0xFFFF), lshr(pair, 16)))
     return mx.pack_pair(hi, lo), mx.top_halves(piece_operand(spec, hi), piece_operand(spec, lo))
 

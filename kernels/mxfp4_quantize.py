@@ -95,7 +95,7 @@ class RowPlan:
     workgroups: int
 
 
-def plan_rows(shape, arch: str, shuffle=None, dtype: str = "bf16") -> RowPlan:
+def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
     """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
     split on both arches; a4w4: 16-row x 4-block tiles, a row tile's last one partly a phantom
     when K % 128 == 64; where its steps take two tiles of one row tile (a4w4_k_align 256), a
