@@ -272,7 +272,7 @@ def gate_up_rows_from_interleaved(gate_up_proj: torch.Tensor, gate_up_bias: torc
         raise ValueError(f"gate_up_proj.shape[2] = {two_inter} must be even (interleaved gate and up columns)")
     inter = two_inter // 2
     pad = inter if inter_pad is None else inter_pad
-    if not isinstance(pad, int) or pad < inter:
+    if not validate.is_int(pad) or pad < inter:
         raise ValueError(f"inter_pad must be an int >= inter = {inter}, got {inter_pad!r}")
     w = gate_up_proj.new_zeros(experts, 2, pad, hidden)
     w[:, 0, :inter] = gate_up_proj[..., 0::2].transpose(1, 2)

@@ -28,9 +28,9 @@ def check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=
     validate.shape(topk_weights, "topk_weights", tuple(topk_ids.shape))
     validate.same_device("topk_ids", topk_ids, "topk_weights", topk_weights)
     tokens, topk = topk_ids.shape
-    if not isinstance(num_experts, int) or num_experts <= 0:
+    if not validate.is_int(num_experts) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if not isinstance(block_m, int) or block_m <= 0:
+    if not validate.is_int(block_m) or block_m <= 0:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
     if not 0 < topk <= min(num_experts, MAX_TOPK):
         raise ValueError(f"topk = topk_ids.shape[1] = {topk} must be in [1, min(num_experts, {MAX_TOPK})]")
@@ -120,7 +120,7 @@ def moe_routing(router_logits, topk, renormalize=True, softmax_after_topk=False)
     """
     validate.tensor(router_logits, "router_logits", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
     experts = router_logits.shape[1]
-    if not isinstance(topk, int) or not 0 < topk <= min(experts, MAX_TOPK):
+    if not validate.is_int(topk) or not 0 < topk <= min(experts, MAX_TOPK):
         raise ValueError(f"topk must be an int in [1, min(E = router_logits.shape[1] = {experts}, {MAX_TOPK})], got {topk!r}")
     logits = router_logits.float()
     if softmax_after_topk:

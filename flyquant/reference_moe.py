@@ -138,9 +138,9 @@ def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, b
 
 def _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids) -> None:
     """topk and block_m positive ints; the sorted arrays' lengths agree with block_m (both stages)."""
-    if not isinstance(topk, int) or topk <= 0:
+    if not validate.is_int(topk) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if not isinstance(block_m, int) or block_m <= 0:
+    if not validate.is_int(block_m) or block_m <= 0:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
     validate.shape(sorted_weights, "sorted_weights", tuple(sorted_ids.shape))
     blocks = (sorted_ids.shape[0] + block_m - 1) // block_m
@@ -248,9 +248,9 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
     _, n2, k_half = w1.shape
     model_dim = x.shape[1] if model_dim is None else model_dim
     inter_dim = n2 // 2 if inter_dim is None else inter_dim
-    if not isinstance(model_dim, int) or not 0 < model_dim <= min(2 * k_half, x.shape[1]):
+    if not validate.is_int(model_dim) or not 0 < model_dim <= min(2 * k_half, x.shape[1]):
         raise ValueError(f"model_dim = {model_dim} must be in [1, min(K = 2 * w1.shape[2] = {2 * k_half}, x.shape[1] = {x.shape[1]})]")
-    if not isinstance(inter_dim, int) or not 0 < inter_dim <= n2 // 2:
+    if not validate.is_int(inter_dim) or not 0 < inter_dim <= n2 // 2:
         raise ValueError(f"inter_dim = {inter_dim} must be in [1, w1.shape[1] / 2 = {n2 // 2}]")
     return model_dim, inter_dim
 

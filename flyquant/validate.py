@@ -42,6 +42,11 @@ def high_precision(x, name: str, ndim=None) -> None:
     tensor(x, name, HIGH_PRECISION_DTYPES, ndim)
 
 
+def is_int(value) -> bool:
+    """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def multiple_of(value: int, divisor: int, what: str, zero: bool = False) -> None:
     """`value` (described by `what`, e.g. "x.shape[1] (K)") is a positive multiple of `divisor`
     (zero: or 0)."""

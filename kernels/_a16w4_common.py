@@ -528,7 +528,7 @@ def check_inputs(a_name: str, a, w_name: str, w, s_name: str, w_scale, sorted_id
         validate.same_device(a_name, a, name, t)
     for name, t in ((w_name, w), (s_name, w_scale)):
         validate.same_device(a_name, a, name, t)
-    if not isinstance(topk, int) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
+    if not validate.is_int(topk) or not 0 < topk < 1 << (32 - TOKEN_BITS - 1):
         raise ValueError(f"topk must be an int in [1, {(1 << (32 - TOKEN_BITS - 1)) - 1}], got {topk!r}")
     experts, w_n, w_k_half = w.shape
     w_k = 2 * w_k_half

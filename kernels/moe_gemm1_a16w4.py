@@ -124,7 +124,7 @@ def moe_gemm1_a16w4(
     n_kt = k_iterations(model_dim)
     if waves is None:
         waves = default_waves(tile_m, tile_n, n_kt, 1, pair=True)
-    if waves not in WAVE_COUNTS:
+    if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
     wn, wk = default_layout(tile_m, tile_n, n_kt, 1, waves, pair=True)
     cfg = Gemm2Config(

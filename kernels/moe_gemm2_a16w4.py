@@ -120,11 +120,11 @@ def moe_gemm2_a16w4(
     tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
     n_kt = k_iterations(inter_dim)
     k_batch = min(auto_kb, n_kt) if k_batch is None else k_batch
-    if not isinstance(k_batch, int) or not 1 <= k_batch <= n_kt:
+    if not validate.is_int(k_batch) or not 1 <= k_batch <= n_kt:
         raise ValueError(f"k_batch must be an int in [1, ceil(inter_dim / {KT}) = {n_kt}], got {k_batch!r}")
     if waves is None:
         waves = default_waves(tile_m, tile_n, n_kt, k_batch)
-    if waves not in WAVE_COUNTS:
+    if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
     wn, wk = default_layout(tile_m, tile_n, n_kt, k_batch, waves)
 

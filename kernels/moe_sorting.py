@@ -520,9 +520,9 @@ def check_supported(topk_ids, topk_weights, num_experts, block_m, expert_mask=No
     validate.contiguous(topk_weights, "topk_weights")
     validate.same_device("topk_ids", topk_ids, "topk_weights", topk_weights)
     tokens, topk = topk_ids.shape
-    if not isinstance(num_experts, int) or not 0 < num_experts <= MAX_EXPERTS:
+    if not validate.is_int(num_experts) or not 0 < num_experts <= MAX_EXPERTS:
         raise ValueError(f"num_experts must be an int in [1, {MAX_EXPERTS}] for the sorting kernel, got {num_experts!r}")
-    if not isinstance(block_m, int) or not 0 < block_m <= MAX_BLOCK_M:
+    if not validate.is_int(block_m) or not 0 < block_m <= MAX_BLOCK_M:
         raise ValueError(f"block_m must be an int in [1, {MAX_BLOCK_M}] for the sorting kernel, got {block_m!r}")
     if not 0 < topk <= min(num_experts, MAX_TOPK):
         raise ValueError(f"topk = topk_ids.shape[1] = {topk} must be in [1, min(num_experts, {MAX_TOPK})]")
@@ -567,7 +567,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_m
             validate.contiguous(t, name)
             validate.same_device("topk_ids", topk_ids, name, t)
     waves = choose_waves(tokens * topk, num_experts, info.name) if waves is None else waves
-    if waves not in WAVE_COUNTS:
+    if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
     spec = SortSpec(
         arch=info.name, experts=num_experts, topk=topk, block_m=block_m, id_bytes=ID_DTYPES[topk_ids.dtype],

@@ -528,3 +528,25 @@ def test_torch_compile_traces_the_checks_with_out_and_bias(monkeypatch):
     torch.testing.assert_close(compiled(p["a2"], torch.zeros(3, 64)), step(p["a2"], torch.zeros(3, 64)))
     with pytest.raises(ValueError, match="out must not overlap the input bias"):
         compiled(p["a2"], bias[1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bool_sizes_are_refused(backend, monkeypatch):
+    """A bool is an int to Python: topk=True, block_m=True, k_batch=True or waves=True passed as 1
+    before; every entry point that takes them refuses it, on both backends."""
+    set_backend(monkeypatch, backend)
+    p = make_problem(3, 2, 4, 64, 256, 16, seed=14)
+    ids, weights = torch.zeros(3, 2, dtype=torch.int32) + torch.tensor([0, 1], dtype=torch.int32), torch.ones(3, 2)
+    gemm2 = lambda **kw: fq.moe_gemm2_a16w4(p["a2"], p["w2"], p["w2_scale"], *p["sorting"],  # noqa: E731
+                                           **({"topk": 2, "block_m": 16} | kw))
+    for call, name in ((lambda: gemm2(topk=True), "topk"), (lambda: gemm2(block_m=True), "block_m"),
+                       (lambda: fq.moe_sorting(ids, weights, True, 16), "num_experts"),
+                       (lambda: fq.moe_sorting(ids, weights, 4, True), "block_m"),
+                       (lambda: fq.moe_routing(torch.randn(3, 4), True), "topk")):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            call()
+    if backend == "flydsl":
+        for kw, name in ((dict(k_batch=True), "k_batch"), (dict(waves=True), "waves")):
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                K.moe_gemm2_a16w4(p["a2"], p["w2"], p["w2_scale"], *p["sorting"], arch="gfx950", topk=2,
+                                  block_m=16, **kw)
