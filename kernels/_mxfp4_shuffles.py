@@ -13,18 +13,28 @@ A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 
 
 def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
-    """The a4w4 kernel's K alignment (mxfp4_quantize.build_rows' k_align; K % 64 == 0): 256 where
-    steps of two tiles run (gfx950, 16-bit x) and K % 256 == 0, else 128 where K % 128 == 0, else
-    64 (a row tile's last tile holds its last pair of blocks and a phantom pair)."""
-    two_tiles = arch == "gfx950" and dtype != "fp32"
-    return 256 if two_tiles and k % 256 == 0 else 128 if k % 128 == 0 else 64
+    """The a4w4 kernel's K alignment (mxfp4_quantize.build_rows' k_align; K % 64 == 0). Where steps
+    of two tiles run (gfx950, 16-bit x: placed_steps), 256 where K % 256 == 0, else 64: a row
+    tile's last step holds pairs of blocks past the row's end (not read, stores dropped).
+    Elsewhere 128 where K % 128 == 0, else 64 (a row tile's last tile holds its last pair of blocks
+    and a phantom pair)."""
+    if placed_steps(arch, dtype, "a4w4"):
+        return 256 if k % 256 == 0 else 64
+    return 128 if k % 128 == 0 else 64
 
 
-def placed_steps(arch: str, dtype: str, shuffle, k: int) -> bool:
-    """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x, K % 256 ==
-    0: a4w4_k_align 256, and the a16w4 layouts): mxfp4_quantize.plan_rows keeps a wave's tiles in
-    one row tile, which its build_rows places once."""
-    return bool(shuffle) and arch == "gfx950" and dtype != "fp32" and k % 256 == 0
+def placed_steps(arch: str, dtype: str, shuffle) -> bool:
+    """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x: a4w4 at
+    any K % 64 == 0, its row tiles padded to whole steps, and the a16w4 layouts, K % 256 == 0):
+    mxfp4_quantize.plan_rows keeps a wave's tiles in one row tile, which its build_rows places
+    once."""
+    return bool(shuffle) and arch == "gfx950" and dtype != "fp32"
+
+
+def tiles_per_row_tile(arch: str, dtype: str, shuffle, nkb: int) -> int:
+    """The shuffles' 16-row x 4-block tiles per row tile of nkb blocks: ceil(nkb / 4), or with
+    placed steps (8 blocks each) 2 ceil(nkb / 8), the last step's blocks past nkb phantoms."""
+    return 2 * -(-nkb // 8) if placed_steps(arch, dtype, shuffle) else -(-nkb // 4)
 
 
 def a16w4_scale_offset(tile, kb, nl, nkb):

@@ -48,9 +48,11 @@ Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4" 
 weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's (gate_up: with the row tiles
 permuted, _mxfp4_shuffles.a16w4_source_row), so the lined path takes them in that order too, a
 wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part (wave-uniform)
-plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). On gfx950 with 16-bit x and K % 256 == 0
+plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). On gfx950 with 16-bit x
 (_mxfp4_shuffles.placed_steps) a wave's tiles lie in one row tile (plan_rows), placed by one
-division, and its steps' x and code offsets are linear in their first unit.
+division, and its steps' x, data and code offsets are linear in their first unit; a4w4 at K % 256
+!= 0 pads each row tile to whole steps of 8 blocks ("ragged"): a wave's last step drops the
+pairs past the row's end (loads and codes out of range, data stores past the wave's buffer).
 """
 
 from __future__ import annotations
@@ -98,15 +100,17 @@ class RowPlan:
 def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
     """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
     split on both arches; a4w4: 16-row x 4-block tiles, a row tile's last one partly a phantom
-    when K % 128 == 64; where its steps take two tiles of one row tile (a4w4_k_align 256), a
-    wave's tiles lie in one row tile: 8, 4 or 2 of them, whichever divides the row tile's)."""
+    when K % 128 == 64; where its steps take two tiles of one row tile (placed_steps), a wave's
+    tiles lie in one row tile: 8, 4 or 2 of them, whichever divides the row tile's, padded to
+    whole steps)."""
     arch_info(arch)
     m, k = shape
     nkb = -(-k // MX_BLOCK)
-    tiles = m // 16 * -(-nkb // 4) if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
+    tpr = sh.tiles_per_row_tile(arch, dtype, shuffle, nkb)
+    tiles = m // 16 * tpr if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
     per_wave = TILES_PER_WAVE
-    if sh.placed_steps(arch, dtype, shuffle, k):
-        per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if nkb // 4 % t == 0)
+    if sh.placed_steps(arch, dtype, shuffle):
+        per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if tpr % t == 0)
     return RowPlan(*mx.wave_split(tiles, MAX_WAVES, per_wave))
 
 
@@ -117,12 +121,17 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
     shuffle_weight(layout=(16, 16)) layout, M % 16 == 0, K % 64 == 0; scale_layout None or "mfma",
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
-    caller's zeros)); k_align (a4w4_k_align, a4w4 only): 256, a step's two tiles lie in one row tile
-    (the second's offsets are the first's plus constants); 64, a row tile's last tile has a phantom
-    second pair of blocks (its stores dropped)."""
+    caller's zeros)); k_align (a4w4_k_align, a4w4 only): with placed steps (gfx950 16-bit) 256, every
+    step's blocks are the row's, 64, a row tile's last step holds pairs of blocks past the row's end
+    (ragged: not read, stores dropped); else 64, a row tile's last tile has a phantom second pair of
+    blocks (its stores dropped)."""
     spec = Spec(arch, dtype, mode)
     assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
-    phantom, k256 = k_align == 64, k_align == 256
+    # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
+    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs); the shuffles: placed steps)
+    pair_tiles = spec.f16_view and not tail
+    placed = bool(shuffle) and pair_tiles  # sh.placed_steps
+    phantom, ragged = k_align == 64 and not placed, k_align == 64 and placed
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
@@ -164,18 +173,26 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         4 blocks of one row tile, its two pairs of 2 blocks (pair 1: phantom past the row's last
         block, K % 128 == 64); a16w4: `first`, carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        return first if first is not None else sh.row_tile_first(t0, lshr(add(nkb, 3), 2), magic, shift)
+        # sh.tiles_per_row_tile: placed 2 ceil(nkb / 8) (nkb / 4 unless ragged), else ceil(nkb / 4)
+        tpr = shl(lshr(add(nkb, 7), 3), 1) if ragged else lshr(nkb, 2) if placed else lshr(add(nkb, 3), 2)
+        return first if first is not None else sh.row_tile_first(t0, tpr, magic, shift)
 
     def unless_phantom(kb, nkb, x):
         """x, or out of range where the tile at block kb holds a phantom second pair (its row
         tile's last, K % 128 == 64): its loads and stores dropped."""
         return mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, x)
 
-    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0):
+    def kept(flag, x):
+        """x, or out of range (the access dropped) where the wave-uniform flag is false (None: always x)."""
+        return x if flag is None else mx.select(flag, x, mx.OOB)
+
+    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0, keep=None):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
-        x by sh.a16w4_source_row for gate_up); with the elements present in each (tail, else None)."""
+        x by sh.a16w4_source_row for gate_up; placed: tile_in, extra, and keep, a ragged step's
+        wave-uniform flags of the tile's two pairs (a pair past the row's end is not read)); with the
+        elements present in each (tail, else None)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
             col, piece = lane[1:3]
@@ -207,7 +224,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 row = sh.a16w4_source_row(row, n1_args)
             tile_in = add(mul(row, row_bytes), mul(kb, in_block))
         bases = [add(lane[0], tile_in)]
-        if phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
+        if keep:  # a ragged step's tile: each pair read only if it is the row's
+            bases = [add(lane[0], kept(kp, add(tile_in, extra + 2 * in_block * p))) for p, kp in enumerate(keep)]
+            extra = 0
+        elif phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
             bases.append(add(lane[0], unless_phantom(kb, nkb, add(tile_in, 2 * in_block))))
         else:  # the second pair 2 blocks on: an immediate offset
             bases.append(add(bases[0], 2 * in_block))
@@ -225,26 +245,23 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         block of each tile), the conversion operands gathered back. Two tiles share the reduction's
         end, the scale rule (on the two amaxes packed in a dword), the rare-path test and the
         gather. Returns the owned blocks' code bytes (two tiles: in bytes 0 and 2), stored here if
-        store_code. placed (a4w4 k256 steps, the caller's): the first tile's x byte offset and its
-        code offset's tile part (out of range past the end), for (row, kb) and their arithmetic."""
+        store_code. placed (the shuffles' two-tile steps, the caller's): the first tile's x byte offset,
+        its code offset's tile part (out of range past the end), its first output unit and, for a
+        ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
+        neither read nor its code stored, its data stores fall past the caller's buffer), for (row,
+        kb) and their arithmetic; the second tile 4 blocks on in the same row tile (constant offsets)."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
-        # a step of two tiles in one row tile (k256, a16w4: nkb % 8 == 0 and steps start at kb % 8 == 0)
-        one_row_tile = n == 2 and bool(shuffle) and (k256 or shuffle != "a4w4")
         if placed:
-            firsts = [None] * n
-            tile_ins = [placed[0]] * n  # the second tile 4 blocks on: an immediate offset
+            firsts, tile_ins, keeps = [None] * n, [placed[0]] * n, placed[3] or [None] * n
         else:
-            firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s[:1 if one_row_tile else n]]
-            tile_ins = [None] * n
-        if one_row_tile and not placed:  # the second tile 4 blocks on
-            row, kb = firsts[0]
-            firsts.append((row, add(kb, 4)))
+            firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s]
+            tile_ins = keeps = [None] * n
         nb = sizes[0]
-        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0)
-                  for j, (f, ti) in enumerate(zip(firsts, tile_ins))]
+        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0, kp)
+                  for j, (f, ti, kp) in enumerate(zip(firsts, tile_ins, keeps))]
         words = [w for w, _ in loaded]
         mx.wait_loads()
         amax = lined_amax(words, False)
@@ -301,7 +318,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         else:
             out = finish(amax, True)
         codes, data = out[0], out[1:]
-        v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
+        v_out = add(lane_out, mul(placed[2] if placed else t0, OUT_BLOCK_BYTES))
         s_off = None  # shuffles: the code's offset (a two-tile step's second tile: the first's plus a constant)
         for j, t in enumerate(t0s):
             tile_data = data[loads * j:loads * j + loads]
@@ -314,11 +331,13 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                     t_out = mul(t, OUT_BLOCK_BYTES)
                     v_outs = [add(lane_out, t_out), add(lane_out, unless_phantom(kb, nkb, t_out))]
                     tile_units = 0
-                if j and one_row_tile:  # 4 blocks on: the same 8-block column tile of "mfma" and a16w4's layouts
-                    s_off = add(s_off, 4 if shuffle == "a4w4" and not scale_layout else 2)
+                step_s = 4 if shuffle == "a4w4" and not scale_layout else 2  # 4 blocks on: the same 8-block
+                # column tile of "mfma" and a16w4's layouts
+                if j and placed and not keeps[j]:
+                    s_off = add(s_off, step_s)
                 else:
                     if placed:
-                        tile_s = placed[1]
+                        tile_s = add(placed[1], step_s) if j else placed[1]
                     else:
                         row, kb = firsts[j]
                         if shuffle != "a4w4":
@@ -329,6 +348,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                     lane_s = tile_s
                     if phantom:  # the owned block in a phantom pair: dropped
                         lane_s = mx.select(mx.cmp_uge(own, 32), unless_phantom(kb, nkb, tile_s), tile_s)
+                    elif keeps[j]:  # the owned block's pair past the row's end: dropped
+                        lane_s = mx.select(mx.cmp_uge(own, 32), kept(keeps[j][1], tile_s), kept(keeps[j][0], tile_s))
                     s_off = add(lane_s, lane[5])
             else:
                 g = add(t, own)
@@ -344,10 +365,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 (mx.store_short if spec.wide else mx.store)(d, rq, off)
         return codes
 
-    # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
-    # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs); a16w4: its steps carry their row and kb)
-    pair_tiles = spec.f16_view and not tail
-    assert pair_tiles or not k256
 
     # Plain scales (block g's code at byte g): the lane at distance code_dist (the lowest lane bit
     # outside dists, col's bit 0) owns the block after this lane's.
@@ -423,27 +440,45 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 return [mx.select(wrap, add(row, sh.A16W4_NLANE), row), mx.select(wrap, 0, add(kb, sh.A16W4_KLANE))]
 
             mx.for_range_carry(val(tiles_per_wave), tile_first(mul(first, WAVE), shape, None), step)
-        elif shuffle and (k256 or shuffle != "a4w4"):  # placed_steps (plan_rows): the wave's tiles lie in one row
-            # tile, placed once: x's byte offset and the code offset of the first (out of range for a wave past
-            # the end); then a step of 128 units (8 blocks: 8 * 64 bytes of x, 256 code bytes in a16w4's and
-            # "mfma"'s layouts, 8 plain) is linear in its first unit
+        elif placed:  # placed_steps (plan_rows): the wave's tiles lie in one row tile, placed once: x's byte
+            # offset, the code offset of the first (out of range for a wave past the end) and its output unit; then
+            # a step of 128 units (8 blocks: 8 * 64 bytes of x, 256 code bytes in a16w4's and "mfma"'s layouts, 8
+            # plain, 128 output units) is linear in its first unit. Ragged (K % 256 != 0): the row tile's tiles
+            # padded to whole steps (sh.tiles_per_row_tile), so the output unit is not the grid's, and its last
+            # step's pairs past the row's end are dropped
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
+            inside = mx.cmp_ult(mul(row, shape[0]), nb) if ragged else mx.cmp_ult(t_first, nb)
+            out0 = add(mul(row, shape[0]), shl(kb, 4)) if ragged else t_first
             if shuffle != "a4w4":
                 s0 = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
                 row = sh.a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
             else:
                 s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
-            s0 = mx.select(mx.cmp_ult(t_first, nb), s0, mx.OOB)
+            s0 = mx.select(inside, s0, mx.OOB)
             x0 = add(mul(row, shape[1]), mul(kb, in_block))
+            if ragged:  # a pair past the row's end stores past the row tile's data (block kb >= nkb of row tile
+                # r is unit (r + 16) nkb or more): the wave's data buffer ends there
+                ends = mx.umin(nb, mul(add(row, 16), shape[0]))
+                bufs = (bufs[0], mx.buffer(q, zero, mul(mx.to_i64(ends), OUT_BLOCK_BYTES)), bufs[2])
 
-            def step(t):
+            def step(t, last=False):
                 t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
                 d = sub(t0, t_first)  # a multiple of 128
                 codes = lshr(d, 4) if shuffle == "a4w4" and not scale_layout else shl(d, 1)
-                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args, placed=(add(x0, mul(d, in_block // 16)), add(s0, codes)))
+                keeps = None
+                if last:  # the blocks from the step's first to the row's end: pair q (blocks 2q, 2q + 1) kept below
+                    rest = sub(shape[0], add(kb, lshr(d, 4)))
+                    keeps = [[None, mx.cmp_ult(2, rest)], [mx.cmp_ult(4, rest), mx.cmp_ult(6, rest)]]
+                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args,
+                            placed=(add(x0, mul(d, in_block // 16)), add(s0, codes), add(out0, d), keeps))
 
-            mx.for_range(add(t_first, mul(val(tiles_per_wave), WAVE)), step, t_first, 2 * WAVE)
+            end = add(t_first, mul(val(tiles_per_wave), WAVE))
+            if ragged:  # only a wave's last step can hold the row tile's end
+                mx.for_range(sub(end, 2 * WAVE), step, t_first, 2 * WAVE)
+                step(sub(end, 2 * WAVE), last=True)
+            else:
+                mx.for_range(end, step, t_first, 2 * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
@@ -463,7 +498,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb: fx.Int32,
         row_bytes: fx.Int32,  # K * element bytes
         k: fx.Int32,  # K
-        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles ceil(nkb / 4)
+        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles sh.tiles_per_row_tile
         shift: fx.Int32,
         x_bytes: fx.Int32,  # M * K * element bytes
         n1: fx.Int32,  # a16w4_gate_up: N / 32 (rows per expert / 32); 1 otherwise
@@ -541,7 +576,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
-    magic, shift = mx.divide_magic(-(-nkb // 4) if shuffle else nkb)  # shuffles: tiles per row tile
+    magic, shift = mx.divide_magic(sh.tiles_per_row_tile(arch, TORCH_DTYPES[x.dtype], shuffle, nkb) if shuffle else nkb)
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
     n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)

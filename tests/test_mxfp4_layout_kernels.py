@@ -153,12 +153,13 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
-# The a4w4 tile orders (kernels/_mxfp4_shuffles.a4w4_k_align): K % 256 == 0 (gfx950 16-bit: a wave's
-# 8, 4 or 2 tiles in one row tile, placed once; elsewhere two-tile steps placed by one division):
-# (80, 512) 4 per wave, 20 tiles over 5 waves, the last workgroup's other 3 waves past the end,
-# (48, 256) 2 per wave and an odd row tile count, (32, 1024) 8 per wave; (32, 384), nkb 12: K % 128
-# == 0 (gfx950 16-bit steps at K % 256 != 0); (32, 2880), GPT-OSS's K, and (48, 320): K % 128 ==
-# 64, each row tile's last tile half a phantom
+# The a4w4 tile orders (kernels/_mxfp4_shuffles.a4w4_k_align): gfx950 16-bit: a wave's 8, 4 or 2
+# tiles in one row tile, placed once, K % 256 != 0 with the row tile padded to whole steps of 8
+# blocks and the pairs past the row's end dropped ("k64"); elsewhere one tile per step placed by
+# a division, a phantom pair at a row tile's end where K % 128 == 64. (80, 512) 4 per wave, 20
+# tiles over 5 waves, the last workgroup's other 3 waves past the end, (48, 256) 2 per wave and an
+# odd row tile count, (32, 1024) 8 per wave; (32, 384) nkb 12, (32, 2880) GPT-OSS's K, nkb 90,
+# (48, 320) nkb 10 and (16, 448) nkb 14: the last step keeps 2 (nkb % 8 == 4), 1 or 3 of its 4 pairs
 A4W4_ORDERS = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
 
 
@@ -171,12 +172,13 @@ def test_a4w4_tile_orders(arch, dtype, mode):
     step."""
     emu.enable(arch)
     specials = special_blocks(dtype)
-    for m, k in ((80, 512), (48, 256), (32, 1024), (32, 384), (32, 2880), (48, 320)):
+    for m, k in ((80, 512), (48, 256), (32, 1024), (32, 384), (32, 2880), (48, 320), (16, 448)):
         x = random_rows(m, k, dtype, seed=m + k)
         blocks = x.view(-1, 32)
         picks = torch.arange(specials.shape[0]) * 37 % blocks.shape[0]
         blocks[picks] = specials
-        align = 256 if arch == "gfx950" and dtype != torch.float32 and k % 256 == 0 else 128 if k % 128 == 0 else 64
+        placed = arch == "gfx950" and dtype != torch.float32
+        align = (256 if k % 256 == 0 else 64) if placed else 128 if k % 128 == 0 else 64
         for layout in (None, "mfma"):
             with emu.record() as launches:
                 got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
