@@ -261,9 +261,9 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         split = "one lane per block of 32, 16-byte loads and stores"
         if shuffle == "a4w4":
             split += "; data stored in aiter's shuffle_weight (16, 16) layout"
-            split += {256: " (K % 256 == 0: a wave's tiles in one row tile, placed once; steps of two tiles)",
-                      128: " (K % 128 == 0: a tile placed by one division)",
-                      64: " (K % 128 == 64: a row tile's last tile half a phantom, its stores dropped)"}[k_align]
+            two = shuffles.two_tile_steps(target.arch, _dtype_name(x.dtype), shuffle)
+            split += (f"; a wave's tiles in one row tile, placed once; steps of {'two tiles' if two else 'one tile'}"
+                      + ("; the row's last step drops its blocks past K" if k_align == 64 else ""))
         elif shuffle:
             split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
         if scale_layout:

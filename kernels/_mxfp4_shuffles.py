@@ -10,31 +10,37 @@ from ._mx_common import WAVE, add, band, lshr, mul, shl, sub
 
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
+A4W4_TILES_PER_WAVE = 8  # one-tile steps: a row tile's real tiles in runs of 8 per wave
 
 
 def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
-    """The a4w4 kernel's K alignment (mxfp4_quantize.build_rows' k_align; K % 64 == 0). Where steps
-    of two tiles run (gfx950, 16-bit x: placed_steps), 256 where K % 256 == 0, else 64: a row
-    tile's last step holds pairs of blocks past the row's end (not read, stores dropped).
-    Elsewhere 128 where K % 128 == 0, else 64 (a row tile's last tile holds its last pair of blocks
-    and a phantom pair)."""
-    if placed_steps(arch, dtype, "a4w4"):
-        return 256 if k % 256 == 0 else 64
-    return 128 if k % 128 == 0 else 64
+    """The a4w4 kernel's K alignment (mxfp4_quantize.build_rows' k_align; K % 64 == 0): 64 where
+    a row tile's last step holds pairs of blocks past the row's end (ragged: not read, their stores
+    dropped), else the alignment that rules that out: 256 where steps take two tiles (gfx950, 16-bit
+    x: two_tile_steps), 128 where they take one."""
+    full = 256 if two_tile_steps(arch, dtype, "a4w4") else 128
+    return full if k % full == 0 else 64
 
 
-def placed_steps(arch: str, dtype: str, shuffle) -> bool:
+def two_tile_steps(arch: str, dtype: str, shuffle) -> bool:
     """The shuffle variants whose steps take two tiles of one row tile (gfx950, 16-bit x: a4w4 at
-    any K % 64 == 0, its row tiles padded to whole steps, and the a16w4 layouts, K % 256 == 0):
-    mxfp4_quantize.plan_rows keeps a wave's tiles in one row tile, which its build_rows places
-    once."""
+    any K % 64 == 0, its row tiles padded to whole steps, and the a16w4 layouts, K % 256 == 0)."""
     return bool(shuffle) and arch == "gfx950" and dtype != "fp32"
 
 
-def tiles_per_row_tile(arch: str, dtype: str, shuffle, nkb: int) -> int:
-    """The shuffles' 16-row x 4-block tiles per row tile of nkb blocks: ceil(nkb / 4), or with
-    placed steps (8 blocks each) 2 ceil(nkb / 8), the last step's blocks past nkb phantoms."""
-    return 2 * -(-nkb // 8) if placed_steps(arch, dtype, shuffle) else -(-nkb // 4)
+def row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> tuple[int, int]:
+    """(16-row x 4-block tiles per row tile of nkb blocks, tiles per wave) of the shuffles, where
+    mxfp4_quantize.build_rows places a wave's tiles once in one row tile: two-tile steps, the row
+    tile padded to 2 ceil(nkb / 8), 8, 4 or 2 per wave, whichever divides it; a4w4's one-tile
+    steps, ceil(nkb / 4) real tiles padded to a multiple of 8 per wave (a wave runs only the real
+    ones). a16w4's one-tile steps (not placed, their (row, kb) carried): ceil(nkb / 4) and 8."""
+    real = -(-nkb // 4)
+    if two_tile_steps(arch, dtype, shuffle):
+        tiles = 2 * -(-nkb // 8)
+        return tiles, next(p for p in (8, 4, 2) if tiles % p == 0)
+    if shuffle == "a4w4":
+        return -(-real // A4W4_TILES_PER_WAVE) * A4W4_TILES_PER_WAVE, A4W4_TILES_PER_WAVE
+    return real, 8
 
 
 def a16w4_scale_offset(tile, kb, nl, nkb):

@@ -41,18 +41,19 @@ scale_layout "mfma" puts the code at _mx_common.scale_offset (aiter's e8m0_shuff
 kernels' helper; the launcher zero-fills the padded scale tensor, the kernel writes the M x nkb
 real codes). shuffle "a4w4" (aiter's shuffle_weight(data, layout=(16, 16)), M % 16 == 0,
 K % 64 == 0): a tile is 16 rows x 4 blocks of one row tile, 64 consecutive units of the layout,
-so the data stores stay contiguous; one division places it (_mxfp4_shuffles.row_tile_first),
-and its codes' offsets are a wave-uniform part plus a per-lane constant (a4w4_k_align: where
-K % 128 == 64 a row tile's last tile holds a phantom pair, not read, its stores dropped).
-Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4" (3D expert
+so the data stores stay contiguous, and its codes' offsets are a wave-uniform part plus a
+per-lane constant. Shuffles load a register's rows 8 on through the scalar offset. shuffle "a16w4" (3D expert
 weights; N % 32 == 0, K % 256 == 0): its data units are a4w4's (gate_up: with the row tiles
 permuted, _mxfp4_shuffles.a16w4_source_row), so the lined path takes them in that order too, a
 wave tile being one 16-row x 4-block tile; the codes' offsets are a tile part (wave-uniform)
-plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). On gfx950 with 16-bit x
-(_mxfp4_shuffles.placed_steps) a wave's tiles lie in one row tile (plan_rows), placed by one
-division, and its steps' x, data and code offsets are linear in their first unit; a4w4 at K % 256
-!= 0 pads each row tile to whole steps of 8 blocks ("ragged"): a wave's last step drops the
-pairs past the row's end (loads and codes out of range, data stores past the wave's buffer).
+plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). A wave's tiles lie in one row tile
+(_mxfp4_shuffles.row_tiles), placed by one division (row_tile_first), and its steps' x, data and
+code offsets are linear in their first unit ("mfma" codes of one-tile steps: placed per step);
+steps take two tiles on gfx950 with 16-bit x (a16w4 and a4w4), one elsewhere (a4w4; a16w4 carries
+its (row, kb) per tile). A row tile is padded to whole waves of steps; one-tile steps run only
+its real tiles, and where K % 128 == 64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's
+last step drops the pairs past the row's end (loads and codes out of range, data stores past
+the wave's data buffer, which ends with the row tile's).
 """
 
 from __future__ import annotations
@@ -99,19 +100,15 @@ class RowPlan:
 
 def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
     """Waves per workgroup and tiles per wave for a rowwise quantize of an (M, K) tensor (the same
-    split on both arches; a4w4: 16-row x 4-block tiles, a row tile's last one partly a phantom
-    when K % 128 == 64; where its steps take two tiles of one row tile (placed_steps), a wave's
-    tiles lie in one row tile: 8, 4 or 2 of them, whichever divides the row tile's, padded to
-    whole steps)."""
+    split on both arches; the shuffles: 16-row x 4-block tiles, a wave's in one row tile, padded
+    as _mxfp4_shuffles.row_tiles says)."""
     arch_info(arch)
     m, k = shape
     nkb = -(-k // MX_BLOCK)
-    tpr = sh.tiles_per_row_tile(arch, dtype, shuffle, nkb)
-    tiles = m // 16 * tpr if shuffle == "a4w4" else -(-(m * nkb) // WAVE)
-    per_wave = TILES_PER_WAVE
-    if sh.placed_steps(arch, dtype, shuffle):
-        per_wave = next(t for t in (TILES_PER_WAVE, 4, 2) if tpr % t == 0)
-    return RowPlan(*mx.wave_split(tiles, MAX_WAVES, per_wave))
+    if not shuffle:
+        return RowPlan(*mx.wave_split(-(-(m * nkb) // WAVE), MAX_WAVES, TILES_PER_WAVE))
+    per_row, per_wave = sh.row_tiles(arch, dtype, shuffle, nkb)
+    return RowPlan(*mx.wave_split(m // 16 * per_row, MAX_WAVES, per_wave))
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
@@ -121,17 +118,18 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
     shuffle_weight(layout=(16, 16)) layout, M % 16 == 0, K % 64 == 0; scale_layout None or "mfma",
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
-    caller's zeros)); k_align (a4w4_k_align, a4w4 only): with placed steps (gfx950 16-bit) 256, every
-    step's blocks are the row's, 64, a row tile's last step holds pairs of blocks past the row's end
-    (ragged: not read, stores dropped); else 64, a row tile's last tile has a phantom second pair of
-    blocks (its stores dropped)."""
+    caller's zeros)); k_align (a4w4_k_align, a4w4 only): 64, a row tile's last step holds pairs of
+    blocks past the row's end (ragged: not read, stores dropped); 256 (two-tile steps) or 128
+    (one-tile steps), none does."""
     spec = Spec(arch, dtype, mode)
     assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
     # (gfx950 16-bit, K % 32 == 0 (tail: 70 VGPRs); the shuffles: placed steps)
     pair_tiles = spec.f16_view and not tail
-    placed = bool(shuffle) and pair_tiles  # sh.placed_steps
-    phantom, ragged = k_align == 64 and not placed, k_align == 64 and placed
+    # a wave's tiles placed once in one row tile (sh.row_tiles), in steps of two tiles
+    # (sh.two_tile_steps) or one (a4w4); a16w4's one-tile steps carry their (row, kb)
+    placed = bool(shuffle) and (pair_tiles or shuffle == "a4w4")
+    ragged = k_align == 64
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
@@ -170,17 +168,16 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 
     def tile_first(t0, shape, first):
         """Shuffles: (output row, kb) of the tile's first block (wave-uniform): a tile is 16 rows x
-        4 blocks of one row tile, its two pairs of 2 blocks (pair 1: phantom past the row's last
-        block, K % 128 == 64); a16w4: `first`, carried from step to step."""
+        4 blocks of one row tile, its two pairs of 2 blocks; a16w4's one-tile steps: `first`,
+        carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        # sh.tiles_per_row_tile: placed 2 ceil(nkb / 8) (nkb / 4 unless ragged), else ceil(nkb / 4)
-        tpr = shl(lshr(add(nkb, 7), 3), 1) if ragged else lshr(nkb, 2) if placed else lshr(add(nkb, 3), 2)
+        if pair_tiles:  # sh.row_tiles: two-tile steps 2 ceil(nkb / 8) (nkb / 4 unless ragged)
+            tpr = shl(lshr(add(nkb, 7), 3), 1) if ragged else lshr(nkb, 2)
+        elif shuffle == "a4w4":  # ceil(nkb / 4) rounded up to whole waves
+            tpr = band(add(lshr(add(nkb, 3), 2), sh.A4W4_TILES_PER_WAVE - 1), -sh.A4W4_TILES_PER_WAVE)
+        else:
+            tpr = lshr(nkb, 2)
         return first if first is not None else sh.row_tile_first(t0, tpr, magic, shift)
-
-    def unless_phantom(kb, nkb, x):
-        """x, or out of range where the tile at block kb holds a phantom second pair (its row
-        tile's last, K % 128 == 64): its loads and stores dropped."""
-        return mx.select(mx.cmp_eq(add(kb, 2), nkb), mx.OOB, x)
 
     def kept(flag, x):
         """x, or out of range (the access dropped) where the wave-uniform flag is false (None: always x)."""
@@ -227,8 +224,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         if keep:  # a ragged step's tile: each pair read only if it is the row's
             bases = [add(lane[0], kept(kp, add(tile_in, extra + 2 * in_block * p))) for p, kp in enumerate(keep)]
             extra = 0
-        elif phantom:  # a row tile's last tile: its second pair, past the row's end, is not read
-            bases.append(add(lane[0], unless_phantom(kb, nkb, add(tile_in, 2 * in_block))))
         else:  # the second pair 2 blocks on: an immediate offset
             bases.append(add(bases[0], 2 * in_block))
         # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
@@ -245,7 +240,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         block of each tile), the conversion operands gathered back. Two tiles share the reduction's
         end, the scale rule (on the two amaxes packed in a dword), the rare-path test and the
         gather. Returns the owned blocks' code bytes (two tiles: in bytes 0 and 2), stored here if
-        store_code. placed (the shuffles' two-tile steps, the caller's): the first tile's x byte offset,
+        store_code. placed (the shuffles' placed steps, the caller's): the first tile's x byte offset,
         its code offset's tile part (out of range past the end), its first output unit and, for a
         ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
         neither read nor its code stored, its data stores fall past the caller's buffer), for (row,
@@ -325,12 +320,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             v_outs, tile_units = [v_out, v_out], WAVE * j  # per pair of the tile, and tile j's constant offset
             if shuffle:  # the tile's part (wave-uniform; tiles lie wholly inside or past the end: M % 16 == 0) plus the
                 # lane's (lane[5]: the owned block's offset from the tile's first)
-                if phantom:  # tiles are not runs of 64 units here: the tile's first unit, and whether pair 1 is a phantom
-                    row, kb = firsts[j]
-                    t = add(mul(row, nkb), shl(kb, 4))
-                    t_out = mul(t, OUT_BLOCK_BYTES)
-                    v_outs = [add(lane_out, t_out), add(lane_out, unless_phantom(kb, nkb, t_out))]
-                    tile_units = 0
                 step_s = 4 if shuffle == "a4w4" and not scale_layout else 2  # 4 blocks on: the same 8-block
                 # column tile of "mfma" and a16w4's layouts
                 if j and placed and not keeps[j]:
@@ -346,9 +335,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                             tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
                         tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
                     lane_s = tile_s
-                    if phantom:  # the owned block in a phantom pair: dropped
-                        lane_s = mx.select(mx.cmp_uge(own, 32), unless_phantom(kb, nkb, tile_s), tile_s)
-                    elif keeps[j]:  # the owned block's pair past the row's end: dropped
+                    if keeps[j]:  # the owned block's pair past the row's end: dropped
                         lane_s = mx.select(mx.cmp_uge(own, 32), kept(keeps[j][1], tile_s), kept(keeps[j][0], tile_s))
                     s_off = add(lane_s, lane[5])
             else:
@@ -440,16 +427,18 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 return [mx.select(wrap, add(row, sh.A16W4_NLANE), row), mx.select(wrap, 0, add(kb, sh.A16W4_KLANE))]
 
             mx.for_range_carry(val(tiles_per_wave), tile_first(mul(first, WAVE), shape, None), step)
-        elif placed:  # placed_steps (plan_rows): the wave's tiles lie in one row tile, placed once: x's byte
-            # offset, the code offset of the first (out of range for a wave past the end) and its output unit; then
-            # a step of 128 units (8 blocks: 8 * 64 bytes of x, 256 code bytes in a16w4's and "mfma"'s layouts, 8
-            # plain, 128 output units) is linear in its first unit. Ragged (K % 256 != 0): the row tile's tiles
-            # padded to whole steps (sh.tiles_per_row_tile), so the output unit is not the grid's, and its last
-            # step's pairs past the row's end are dropped
+        elif placed:  # sh.row_tiles: the wave's tiles lie in one row tile, placed once: x's byte offset, the code
+            # offset of the first (out of range for a wave past the end) and its output unit; then a step (two tiles:
+            # 8 blocks, 8 * 64 bytes of 16-bit x, 256 code bytes in a16w4's and "mfma"'s layouts, 8 plain, 128 output
+            # units; one tile: half) is linear in its first unit, but for one tile's "mfma" codes. Where row tiles are
+            # padded (ragged two-tile steps, one-tile steps) the output unit is not the grid's; one-tile steps run only
+            # the row's tiles, and a ragged wave's last step drops its pairs past the row's end
+            nt = 2 if pair_tiles else 1  # tiles per step
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
-            inside = mx.cmp_ult(mul(row, shape[0]), nb) if ragged else mx.cmp_ult(t_first, nb)
-            out0 = add(mul(row, shape[0]), shl(kb, 4)) if ragged else t_first
+            regrid = ragged or nt == 1
+            inside = mx.cmp_ult(mul(row, shape[0]), nb) if regrid else mx.cmp_ult(t_first, nb)
+            out0 = add(mul(row, shape[0]), shl(kb, 4)) if regrid else t_first
             if shuffle != "a4w4":
                 s0 = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
                 row = sh.a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
@@ -464,21 +453,30 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 
             def step(t, last=False):
                 t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
-                d = sub(t0, t_first)  # a multiple of 128
-                codes = lshr(d, 4) if shuffle == "a4w4" and not scale_layout else shl(d, 1)
+                d = sub(t0, t_first)  # a multiple of 64 nt
+                kb_d = lshr(d, 4)  # the step's first block, from the wave's
+                if shuffle == "a4w4" and not scale_layout:
+                    codes = add(s0, kb_d)
+                elif nt == 2:
+                    codes = add(s0, shl(d, 1))
+                else:  # "mfma", one tile: the 8-block column tile changes every other step
+                    codes = mx.select(inside, mx.scale_offset(scale_layout, row, add(kb, kb_d), shape[5]), mx.OOB)
                 keeps = None
                 if last:  # the blocks from the step's first to the row's end: pair q (blocks 2q, 2q + 1) kept below
-                    rest = sub(shape[0], add(kb, lshr(d, 4)))
-                    keeps = [[None, mx.cmp_ult(2, rest)], [mx.cmp_ult(4, rest), mx.cmp_ult(6, rest)]]
-                lined_tiles(t0, 2, bufs, lanes, shape, sizes, n1_args,
-                            placed=(add(x0, mul(d, in_block // 16)), add(s0, codes), add(out0, d), keeps))
+                    rest = sub(shape[0], add(kb, kb_d))
+                    keeps = [[None, mx.cmp_ult(2, rest)], [mx.cmp_ult(4, rest), mx.cmp_ult(6, rest)]][:nt]
+                lined_tiles(t0, nt, bufs, lanes, shape, sizes, n1_args,
+                            placed=(add(x0, mul(d, in_block // 16)), codes, add(out0, d), keeps))
 
-            end = add(t_first, mul(val(tiles_per_wave), WAVE))
+            tiles = val(tiles_per_wave)
+            if nt == 1:  # the row tile's real tiles from the wave's first
+                tiles = mx.umin(tiles, sub(lshr(add(shape[0], 3), 2), lshr(kb, 2)))
+            end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
-                mx.for_range(sub(end, 2 * WAVE), step, t_first, 2 * WAVE)
-                step(sub(end, 2 * WAVE), last=True)
+                mx.for_range(sub(end, nt * WAVE), step, t_first, nt * WAVE)
+                step(sub(end, nt * WAVE), last=True)
             else:
-                mx.for_range(end, step, t_first, 2 * WAVE)
+                mx.for_range(end, step, t_first, nt * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):
             line_codes(tile, val(tiles_per_wave), first, (bufs, lanes, shape, sizes, n1_args), own, nb, rs)
         elif pair_tiles:  # codes stored per block (range-checked each): pairs of tiles, then an odd last one
@@ -498,7 +496,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb: fx.Int32,
         row_bytes: fx.Int32,  # K * element bytes
         k: fx.Int32,  # K
-        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles sh.tiles_per_row_tile
+        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles sh.row_tiles' first
         shift: fx.Int32,
         x_bytes: fx.Int32,  # M * K * element bytes
         n1: fx.Int32,  # a16w4_gate_up: N / 32 (rows per expert / 32); 1 otherwise
@@ -576,7 +574,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
-    magic, shift = mx.divide_magic(sh.tiles_per_row_tile(arch, TORCH_DTYPES[x.dtype], shuffle, nkb) if shuffle else nkb)
+    magic, shift = mx.divide_magic(sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb)[0] if shuffle else nkb)
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
     n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)

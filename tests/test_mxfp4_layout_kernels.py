@@ -65,7 +65,7 @@ def test_3d_a16w4_lined(arch, dtype, mode):
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
     saturation, -0), tiles past the end dropped (36 tiles over whole waves); gfx950 16-bit places a
-    wave's tiles once in their row tile (kernels/_mxfp4_shuffles.placed_steps): 2 per wave there,
+    wave's tiles once in their row tile (kernels/_mxfp4_shuffles.row_tiles): 2 per wave there,
     and 8 with E = 2, N = 64, K = 1024."""
     emu.enable(arch)
     w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
@@ -153,13 +153,14 @@ def test_a4w4_shuffle_is_aiters(arch):
         fq.mxfp4_quantize(x, scale_layout="tcgen05")
 
 
-# The a4w4 tile orders (kernels/_mxfp4_shuffles.a4w4_k_align): gfx950 16-bit: a wave's 8, 4 or 2
-# tiles in one row tile, placed once, K % 256 != 0 with the row tile padded to whole steps of 8
-# blocks and the pairs past the row's end dropped ("k64"); elsewhere one tile per step placed by
-# a division, a phantom pair at a row tile's end where K % 128 == 64. (80, 512) 4 per wave, 20
-# tiles over 5 waves, the last workgroup's other 3 waves past the end, (48, 256) 2 per wave and an
-# odd row tile count, (32, 1024) 8 per wave; (32, 384) nkb 12, (32, 2880) GPT-OSS's K, nkb 90,
+# The a4w4 tile orders (kernels/_mxfp4_shuffles.row_tiles): a wave's tiles in one row tile, placed
+# once; gfx950 16-bit two tiles a step (8, 4 or 2 per wave, the row tile padded to whole steps),
+# elsewhere one (8 per wave, only the row tile's real ones run); "k64": the last step drops pairs
+# past the row's end. (80, 512) 4 per wave on gfx950, 20 tiles over 5 waves, the last workgroup's
+# other 3 waves past the end, (48, 256) 2 per wave and an odd row tile count, (32, 1024) 8 per
+# wave; (32, 384) nkb 12, (32, 2880) GPT-OSS's K, nkb 90 (23 tiles, 3 waves per row tile on gfx942),
 # (48, 320) nkb 10 and (16, 448) nkb 14: the last step keeps 2 (nkb % 8 == 4), 1 or 3 of its 4 pairs
+# (one-tile steps: 1 of 2 where nkb % 4 == 2)
 A4W4_ORDERS = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
 
 
