@@ -10,7 +10,7 @@ from ._mx_common import WAVE, add, band, lshr, mul, shl, sub
 
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
-A4W4_TILES_PER_WAVE = 8  # one-tile steps: a row tile's real tiles in runs of 8 per wave
+PLACED_TILES_PER_WAVE = 8  # a row tile's tiles in runs of 8 per wave (the last run: those left)
 
 
 def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
@@ -30,17 +30,40 @@ def two_tile_steps(arch: str, dtype: str, shuffle) -> bool:
 
 def row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> tuple[int, int]:
     """(16-row x 4-block tiles per row tile of nkb blocks, tiles per wave) of the shuffles, where
-    mxfp4_quantize.build_rows places a wave's tiles once in one row tile: two-tile steps, the row
-    tile padded to 2 ceil(nkb / 8), 8, 4 or 2 per wave, whichever divides it; a4w4's one-tile
-    steps, ceil(nkb / 4) real tiles padded to a multiple of 8 per wave (a wave runs only the real
-    ones). a16w4's one-tile steps (not placed, their (row, kb) carried): ceil(nkb / 4) and 8."""
-    real = -(-nkb // 4)
+    mxfp4_quantize.build_rows places a wave's tiles once in one row tile: the row tile's tiles
+    (two-tile steps: 2 ceil(nkb / 8), the last step's blocks past nkb phantoms; a4w4's one-tile
+    steps: ceil(nkb / 4)) padded to whole waves of 8; a wave runs only the row tile's. a16w4's
+    one-tile steps (not placed, their (row, kb) carried): ceil(nkb / 4) and 8."""
+    real = real_row_tiles(arch, dtype, shuffle, nkb)
+    if real is None:
+        return -(-nkb // 4), 8
+    per = PLACED_TILES_PER_WAVE
+    return -(-real // per) * per, per
+
+
+def real_row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> int | None:
+    """The tiles of a row tile that row_tiles places (None: a16w4's carried one-tile steps)."""
     if two_tile_steps(arch, dtype, shuffle):
-        tiles = 2 * -(-nkb // 8)
-        return tiles, next(p for p in (8, 4, 2) if tiles % p == 0)
-    if shuffle == "a4w4":
-        return -(-real // A4W4_TILES_PER_WAVE) * A4W4_TILES_PER_WAVE, A4W4_TILES_PER_WAVE
-    return real, 8
+        return 2 * -(-nkb // 8)
+    return -(-nkb // 4) if shuffle == "a4w4" else None
+
+
+def padded_rows(arch: str, dtype: str, shuffle, nkb: int) -> bool:
+    """Whether row_tiles pads a row tile (its placed tiles not a whole number of waves)."""
+    real = real_row_tiles(arch, dtype, shuffle, nkb)
+    return real is not None and real % PLACED_TILES_PER_WAVE != 0
+
+
+def emit_row_tiles(nkb, two_tile: bool, ragged: bool, padded: bool):
+    """row_tiles' (real, padded) tiles per row tile, emitted: two-tile steps 2 ceil(nkb / 8)
+    (nkb / 4 unless ragged), one-tile steps ceil(nkb / 4) (nkb / 4 unless ragged); padded: rounded
+    up to whole waves."""
+    if ragged:
+        real = shl(lshr(add(nkb, 7), 3), 1) if two_tile else lshr(add(nkb, 3), 2)
+    else:
+        real = lshr(nkb, 2)
+    per = PLACED_TILES_PER_WAVE
+    return real, band(add(real, per - 1), -per) if padded else real
 
 
 def a16w4_scale_offset(tile, kb, nl, nkb):

@@ -112,7 +112,7 @@ def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
-               waves: int = MAX_WAVES, k_align: int = 0):
+               waves: int = MAX_WAVES, k_align: int = 0, padded: bool = False):
     """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
     != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
@@ -120,7 +120,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
     caller's zeros)); k_align (a4w4_k_align, a4w4 only): 64, a row tile's last step holds pairs of
     blocks past the row's end (ragged: not read, stores dropped); 256 (two-tile steps) or 128
-    (one-tile steps), none does."""
+    (one-tile steps), none does; padded (sh.padded_rows): the row tiles' placed tiles are not whole
+    waves (a wave runs only its row tile's)."""
     spec = Spec(arch, dtype, mode)
     assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
@@ -133,7 +134,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
-            + (f"_k{k_align}" if k_align else "") + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}")
+            + (f"_k{k_align}" if k_align else "") + ("_padded" if padded else "") + (f"_{scale_layout}" if scale_layout else "")
+            + f"_w{waves}")
     source = SOURCE_TAG
 
     dists = DISTS[(arch, spec.elem_bytes)]
@@ -171,12 +173,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         4 blocks of one row tile, its two pairs of 2 blocks; a16w4's one-tile steps: `first`,
         carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        if pair_tiles:  # sh.row_tiles: two-tile steps 2 ceil(nkb / 8) (nkb / 4 unless ragged)
-            tpr = shl(lshr(add(nkb, 7), 3), 1) if ragged else lshr(nkb, 2)
-        elif shuffle == "a4w4":  # ceil(nkb / 4) rounded up to whole waves
-            tpr = band(add(lshr(add(nkb, 3), 2), sh.A4W4_TILES_PER_WAVE - 1), -sh.A4W4_TILES_PER_WAVE)
-        else:
-            tpr = lshr(nkb, 2)
+        tpr = sh.emit_row_tiles(nkb, pair_tiles, ragged, padded)[1] if placed else lshr(nkb, 2)
         return first if first is not None else sh.row_tile_first(t0, tpr, magic, shift)
 
     def kept(flag, x):
@@ -240,9 +237,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         block of each tile), the conversion operands gathered back. Two tiles share the reduction's
         end, the scale rule (on the two amaxes packed in a dword), the rare-path test and the
         gather. Returns the owned blocks' code bytes (two tiles: in bytes 0 and 2), stored here if
-        store_code. placed (the shuffles' placed steps, the caller's): the first tile's x byte offset,
-        its code offset's tile part (out of range past the end), its first output unit and, for a
-        ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
+        store_code. placed (the shuffles' placed steps, the caller's; lane[0] holds the wave's output
+        offset from the grid's): the first tile's x byte offset, its code offset's tile part (out of
+        range past the end) and, for a ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
         neither read nor its code stored, its data stores fall past the caller's buffer), for (row,
         kb) and their arithmetic; the second tile 4 blocks on in the same row tile (constant offsets)."""
         rx, rq, rs = bufs
@@ -250,7 +247,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb, row_bytes, k, magic, shift, dims = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
         if placed:
-            firsts, tile_ins, keeps = [None] * n, [placed[0]] * n, placed[3] or [None] * n
+            firsts, tile_ins, keeps = [None] * n, [placed[0]] * n, placed[2] or [None] * n
         else:
             firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s]
             tile_ins = keeps = [None] * n
@@ -313,7 +310,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         else:
             out = finish(amax, True)
         codes, data = out[0], out[1:]
-        v_out = add(lane_out, mul(placed[2] if placed else t0, OUT_BLOCK_BYTES))
+        v_out = add(lane_out, mul(t0, OUT_BLOCK_BYTES))
         s_off = None  # shuffles: the code's offset (a two-tile step's second tile: the first's plus a constant)
         for j, t in enumerate(t0s):
             tile_data = data[loads * j:loads * j + loads]
@@ -430,15 +427,15 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         elif placed:  # sh.row_tiles: the wave's tiles lie in one row tile, placed once: x's byte offset, the code
             # offset of the first (out of range for a wave past the end) and its output unit; then a step (two tiles:
             # 8 blocks, 8 * 64 bytes of 16-bit x, 256 code bytes in a16w4's and "mfma"'s layouts, 8 plain, 128 output
-            # units; one tile: half) is linear in its first unit, but for one tile's "mfma" codes. Where row tiles are
-            # padded (ragged two-tile steps, one-tile steps) the output unit is not the grid's; one-tile steps run only
-            # the row's tiles, and a ragged wave's last step drops its pairs past the row's end
+            # units; one tile: half) is linear in its first unit, but for one tile's "mfma" codes. Row tiles are padded
+            # to whole waves (so the output unit is not the grid's) and a wave runs only the row tile's tiles; a ragged
+            # wave's last step drops its pairs past the row's end
             nt = 2 if pair_tiles else 1  # tiles per step
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
-            regrid = ragged or nt == 1
+            regrid = ragged or padded  # the output unit is not the grid's
             inside = mx.cmp_ult(mul(row, shape[0]), nb) if regrid else mx.cmp_ult(t_first, nb)
-            out0 = add(mul(row, shape[0]), shl(kb, 4)) if regrid else t_first
+            out0 = add(mul(row, shape[0]), shl(kb, 4))  # the output unit of the wave's first tile
             if shuffle != "a4w4":
                 s0 = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, shape[0])
                 row = sh.a16w4_source_row(row, n1_args) if shuffle == "a16w4_gate_up" else row
@@ -446,6 +443,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 s0 = mx.scale_offset(scale_layout, row, kb, shape[5]) if scale_layout else add(mul(row, shape[0]), kb)
             s0 = mx.select(inside, s0, mx.OOB)
             x0 = add(mul(row, shape[1]), mul(kb, in_block))
+            if regrid:  # the output unit is the grid's plus the wave's constant (once, in the lane's offset)
+                lanes = (add(lanes[0], mul(sub(out0, t_first), OUT_BLOCK_BYTES)),) + lanes[1:]
             if ragged:  # a pair past the row's end stores past the row tile's data (block kb >= nkb of row tile
                 # r is unit (r + 16) nkb or more): the wave's data buffer ends there
                 ends = mx.umin(nb, mul(add(row, 16), shape[0]))
@@ -466,11 +465,11 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                     rest = sub(shape[0], add(kb, kb_d))
                     keeps = [[None, mx.cmp_ult(2, rest)], [mx.cmp_ult(4, rest), mx.cmp_ult(6, rest)]][:nt]
                 lined_tiles(t0, nt, bufs, lanes, shape, sizes, n1_args,
-                            placed=(add(x0, mul(d, in_block // 16)), codes, add(out0, d), keeps))
+                            placed=(add(x0, mul(d, in_block // 16)), codes, keeps))
 
             tiles = val(tiles_per_wave)
-            if nt == 1:  # the row tile's real tiles from the wave's first
-                tiles = mx.umin(tiles, sub(lshr(add(shape[0], 3), 2), lshr(kb, 2)))
+            if padded:  # the row tile's from the wave's first
+                tiles = mx.umin(tiles, sub(sh.emit_row_tiles(shape[0], pair_tiles, ragged, padded)[0], lshr(kb, 2)))
             end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
                 mx.for_range(sub(end, nt * WAVE), step, t_first, nt * WAVE)
@@ -581,7 +580,8 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     cfg = plan_rows((m, k), arch, shuffle, TORCH_DTYPES[x.dtype])
     with toolchain.target(arch):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
-                              sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0)
+                              sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0,
+                              sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb))
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,

@@ -34,7 +34,9 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
     with emu.record() as launches:
         got = fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=gate_up)
     (launch,) = launches
-    assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+    # gfx950: two-tile steps, K 512's 4 tiles a row tile padded to a wave's 8
+    padded = "_padded" if arch == "gfx950" else ""
+    assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}{padded}_w")
     assert_same(got, want, "a16w4")
     assert_same(reference.mxfp4_quantize_3d(w, "even", "a16w4", gate_up), want, "reference a16w4")
     if not gate_up:
@@ -64,9 +66,10 @@ def test_3d_a16w4_lined(arch, dtype, mode):
     against the reference shuffles (checked against aiter's above): odd E = 3 and N = 96 (odd N1 =
     3 scale row tiles, gate/up halves of 48 rows: a 16-row tile pair straddles them), K = 768 (K0
     = 6 tiles per row tile, odd K1 = 3), the special blocks in expert 1 (NaN/Inf, subnormals,
-    saturation, -0), tiles past the end dropped (36 tiles over whole waves); gfx950 16-bit places a
-    wave's tiles once in their row tile (kernels/_mxfp4_shuffles.row_tiles): 2 per wave there,
-    and 8 with E = 2, N = 64, K = 1024."""
+    saturation, -0), waves past the end dropped (18 row tiles, one wave each, over whole
+    workgroups); gfx950 16-bit places a wave's tiles once in their row tile
+    (kernels/_mxfp4_shuffles.row_tiles): 6 of a run of 8 there (3 steps), and 8 with E = 2, N =
+    64, K = 1024."""
     emu.enable(arch)
     w = random_rows(3 * 96, 768, dtype, seed=31).reshape(3, 96, 768)
     special = special_blocks(dtype)
@@ -76,7 +79,10 @@ def test_3d_a16w4_lined(arch, dtype, mode):
             with emu.record() as launches:
                 got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
             (launch,) = launches
-            assert launch.kernel.startswith(f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}_w")
+            # gfx950 16-bit: K 768's 6 tiles a row tile padded to a wave's 8
+            padded = "_padded" if arch == "gfx950" and dtype != torch.float32 and w.shape[2] == 768 else ""
+            assert launch.kernel.startswith(
+                f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}{padded}_w")
             assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 {tuple(w.shape)} gate_up={gate_up}")
 
 
@@ -137,11 +143,12 @@ def test_a4w4_shuffle_is_aiters(arch):
         with emu.record() as launches:
             got = fq.mxfp4_quantize(x, scaling_mode="rceil", scale_layout=layout, shuffle="a4w4")
         (launch,) = launches
-        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4_k64{'_mfma' if layout else ''}_w")
+        # one-tile steps (gfx950 FP32, gfx942): nkb 10's 3 tiles a row tile padded to a wave's 8
+        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4_k64_padded{'_mfma' if layout else ''}_w")
         assert_same(got, want, f"a4w4 {layout}")
         assert_same(reference.mxfp4_quantize(x, -1, "rceil", layout, "a4w4"), want, f"reference a4w4 {layout}")
     plan = fq.explain(fq.mxfp4_quantize, x, scale_layout="mfma", shuffle="a4w4")
-    assert plan.kernel.endswith(f"_{arch}_a4w4_k64_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
+    assert plan.kernel.endswith(f"_{arch}_a4w4_k64_padded_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
     for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
                        ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
                        ((x, 0), "rowwise only")):
@@ -154,13 +161,13 @@ def test_a4w4_shuffle_is_aiters(arch):
 
 
 # The a4w4 tile orders (kernels/_mxfp4_shuffles.row_tiles): a wave's tiles in one row tile, placed
-# once; gfx950 16-bit two tiles a step (8, 4 or 2 per wave, the row tile padded to whole steps),
-# elsewhere one (8 per wave, only the row tile's real ones run); "k64": the last step drops pairs
-# past the row's end. (80, 512) 4 per wave on gfx950, 20 tiles over 5 waves, the last workgroup's
-# other 3 waves past the end, (48, 256) 2 per wave and an odd row tile count, (32, 1024) 8 per
-# wave; (32, 384) nkb 12, (32, 2880) GPT-OSS's K, nkb 90 (23 tiles, 3 waves per row tile on gfx942),
-# (48, 320) nkb 10 and (16, 448) nkb 14: the last step keeps 2 (nkb % 8 == 4), 1 or 3 of its 4 pairs
-# (one-tile steps: 1 of 2 where nkb % 4 == 2)
+# once, in runs of 8 (a wave runs only its row tile's); gfx950 16-bit two tiles a step (the row
+# tile's tiles rounded up to whole steps), elsewhere one; "k64": the last step drops pairs past the
+# row's end. (80, 512) 4 tiles a row tile, 5 waves, the last workgroup's other 3 past the end,
+# (48, 256) 2 and an odd row tile count, (32, 1024) 8; (32, 384) nkb 12, (32, 2880) GPT-OSS's K,
+# nkb 90 (24 tiles on gfx950, 23 on gfx942: 3 waves a row tile), (48, 320) nkb 10 and (16, 448)
+# nkb 14: the last step keeps 2 (nkb % 8 == 4), 1 or 3 of its 4 pairs (one-tile steps: 1 of 2
+# where nkb % 4 == 2)
 A4W4_ORDERS = [(a, d, MODES[i % 3]) for i, (a, d) in enumerate((a, d) for a in ARCHS for d in DTYPES)]
 
 
@@ -178,21 +185,22 @@ def test_a4w4_tile_orders(arch, dtype, mode):
         blocks = x.view(-1, 32)
         picks = torch.arange(specials.shape[0]) * 37 % blocks.shape[0]
         blocks[picks] = specials
-        placed = arch == "gfx950" and dtype != torch.float32
-        align = (256 if k % 256 == 0 else 64) if placed else 128 if k % 128 == 0 else 64
+        two = arch == "gfx950" and dtype != torch.float32  # two-tile steps
+        align = (256 if k % 256 == 0 else 64) if two else 128 if k % 128 == 0 else 64
+        nkb = k // 32  # a row tile's tiles: whole steps; padded unless whole waves of 8
+        padded = "_padded" if (2 * -(-nkb // 8) if two else -(-nkb // 4)) % 8 else ""
         for layout in (None, "mfma"):
             with emu.record() as launches:
                 got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             (launch,) = launches
-            assert f"_a4w4_k{align}{'_mfma' if layout else ''}_w" in launch.kernel
+            assert f"_a4w4_k{align}{padded}{'_mfma' if layout else ''}_w" in launch.kernel
             assert_same(got, reference.mxfp4_quantize(x, -1, mode, layout, "a4w4"), f"a4w4 {m}x{k} {layout}")
             # every data byte and real code stored once (a phantom pair's stores dropped, not overwritten later)
             for t, n in ((got[0], got[0].numel()), (got[1], m * k // 32)):
                 assert launch.stats.traffic_within(t.data_ptr(), t.data_ptr() + t.numel()).bytes == n
             plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             assert launch.kernel.startswith(plan.kernel + "_w")
-            if align == 256:  # the wave's tiles divide the row tile's nkb / 4
-                assert plan.config["tiles_per_wave"] == {512: 4, 256: 2, 1024: 8}[k]
+            assert plan.config["tiles_per_wave"] == 8
 
 
 def _zero_padded(t, shape):
