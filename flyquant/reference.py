@@ -148,7 +148,7 @@ def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
-    if scale_block_k not in SCALE_BLOCK_K_CHOICES:
+    if not validate.is_int(scale_block_k) or scale_block_k not in SCALE_BLOCK_K_CHOICES:  # not True or 32.0
         raise ValueError(f"scale_block_k must be one of {SCALE_BLOCK_K_CHOICES}, got {scale_block_k!r}")
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
