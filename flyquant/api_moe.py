@@ -301,6 +301,10 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     if out is None:
         _check_out_dtype(out_dtype)
         out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
+    else:
+        _check_fused_moe_out(out, x, tokens, model_dim, dict(
+            x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
+            b1=b1, b2=b2, expert_mask=expert_mask))
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
@@ -308,6 +312,18 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
                     model_dim=model_dim, inter_dim=inter_dim)
     return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
                            apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
+    """A given fused_moe out, checked before moe_sorting zeroes it (stage 2 checks it again, too
+    late for a wrong out to be left as it was): stage 2's dtypes, (T, model_dim), x's device, and
+    no memory shared with an input (out=x would zero x before stage 1 reads it: a wrong result,
+    no error). The overlap is checked on real tensors only (not while torch.compile traces)."""
+    validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
+    validate.same_device("x", x, "out", out)
+    validate.shape(out, "out", (tokens, model_dim))
+    if not torch.compiler.is_compiling():
+        validate.no_overlap(out, "out", {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)})
 
 
 def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):

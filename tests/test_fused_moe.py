@@ -156,6 +156,29 @@ def test_bad_input(monkeypatch):
         run(p, "tanh")
 
 
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
+    # moe_sorting zeroes out before stage 1 reads x: out=x (same shape and dtype when the weights
+    # are not padded) gave a wrong layer with no error, and an out of the wrong shape or dtype
+    # was zeroed before stage 2 refused it. Both are refused up front, out and x left as given.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=10)
+    args = (p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"])
+    x = p["x"].clone()
+    with pytest.raises(ValueError, match="out must not overlap the input x"):
+        fq.fused_moe(x, *args, b1=p["b1"], b2=p["b2"], out=x)
+    assert torch.equal(x, p["x"])
+    for bad, match in ((torch.full((3, 100), 7.0, dtype=torch.bfloat16), r"out must have shape \(3, 256\)"),
+                       (torch.full((3, 256), 7.0, dtype=torch.float16), "out must have dtype in")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=bad)
+        assert bool((bad == 7).all())
+    out = torch.full((3, 256), 7.0, dtype=torch.float32)  # a separate out: the layer, as without one
+    fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=out)
+    assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
+
+
 def test_torch_compile_traces_the_layer(monkeypatch):
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
