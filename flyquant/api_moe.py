@@ -64,8 +64,10 @@ def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_
 
 
 def _check_out_dtype(out_dtype) -> None:
-    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32."""
-    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32 (anything else, a
+    string included, is a TypeError naming out_dtype)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
 
 
 def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
@@ -335,6 +337,8 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
     validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
     validate.tensor(w1, "w1", ndim=3)
     validate.tensor(w2, "w2", ndim=3)
+    if expert_mask is not None:  # its length is num_experts, read below
+        validate.tensor(expert_mask, "expert_mask", ndim=1)
     tokens, topk = topk_ids.shape
     if x.shape[0] != tokens:
         raise ValueError(f"x.shape[0] = {x.shape[0]} must equal topk_ids.shape[0] = {tokens} (one routing row per token)")

@@ -154,6 +154,12 @@ def test_bad_input(monkeypatch):
         fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"][:3], p["w2_scale"], p["weights"], p["ids"])
     with pytest.raises(ValueError, match="activation must be one of"):
         run(p, "tanh")
+    # a list expert_mask was an AttributeError ('list' object has no attribute 'shape'), a string
+    # out_dtype torch.empty's TypeError naming no argument
+    with pytest.raises(TypeError, match="expert_mask must be a torch.Tensor, got list"):
+        run(dict(p, mask=[1, 1, 1, 1]), "silu")
+    with pytest.raises(TypeError, match=r"out_dtype must be one of \(bfloat16, float32\), got 'bfloat16'"):
+        run(p, "silu", out_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
