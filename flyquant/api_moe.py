@@ -208,6 +208,7 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
     check_moe_sizes(topk=topk, experts=experts)
+    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
     model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
     _check_out_dtype(out_dtype)
@@ -300,6 +301,8 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    # named as given (stage 1 would name its sorted_weights), before moe_sorting zeroes out
+    validate.no_autograd("fused_moe", dict(x=x, topk_weights=topk_weights, b1=b1, b2=b2, out=out))
     if out is None:
         _check_out_dtype(out_dtype)
         out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)

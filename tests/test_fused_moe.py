@@ -180,7 +180,15 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
         with pytest.raises((ValueError, TypeError), match=match):
             fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=bad)
         assert bool((bad == 7).all())
-    out = torch.full((3, 256), 7.0, dtype=torch.float32)  # a separate out: the layer, as without one
+    # an input requiring grad: named as given (stage 1 named its sorted_weights), out left as given
+    out = torch.full((3, 256), 7.0, dtype=torch.float32)
+    for name, grad in (("x", dict(x=p["x"].clone().requires_grad_())),
+                       ("topk_weights", dict(weights=p["weights"].clone().requires_grad_()))):
+        q = dict(p, **grad)
+        with pytest.raises(ValueError, match=f"fused_moe does not support autograd: {name} requires grad"):
+            fq.fused_moe(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], out=out)
+        assert bool((out == 7).all())
+    # a separate out: the layer, as without one
     fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=out)
     assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
 
