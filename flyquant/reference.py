@@ -344,6 +344,8 @@ def mxfp8_dequantize(data, scales, axis=-1):
     """
     validate.tensor(data, "data", (MXFP8_DTYPE, torch.uint8), ndim=(2, 3))
     _check_scales(scales)
+    if not validate.is_int(axis):  # True or 1.0 would equal 1 in the tuples below
+        raise ValueError(f"axis must be an int (-1 or 0 for 2D data, 1 for 3D), got {axis!r}")
     values = data.view(MXFP8_DTYPE).to(torch.float32)
     s = formats.e8m0_decode(scales)
     if data.dim() == 2:

@@ -147,6 +147,10 @@ def test_dequantize_checks_the_orientation_of_square_data():
     data3, scales3 = reference.mxfp8_quantize_3d(w, "floor")
     with pytest.raises(ValueError, match="strides"):
         fq.mxfp8_dequantize(data3.contiguous(), scales3, axis=1)
+    # axis=True read 3D data (or 2D 1x32 data) as axis 1, 0.0 2D data as axis 0
+    for data, scales, axis in ((data3, scales3, True), (*rows, True), (*cols, 0.0)):
+        with pytest.raises(ValueError, match="axis must be an int"):
+            fq.mxfp8_dequantize(data, scales, axis=axis)
 
 
 def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
