@@ -216,6 +216,8 @@ def unshuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = Fal
 
 def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
     validate.tensor(s, "s", (torch.float8_e8m0fnu, torch.uint8), ndim=(2, 3))
+    if not validate.is_int(experts):  # 2.0 or True failed in view() naming no argument
+        raise ValueError(f"experts must be an int, got {experts!r}")
     if s.dim() == 3:
         if experts != s.shape[0]:
             raise ValueError(f"experts = {experts} must equal s.shape[0] = {s.shape[0]} for (E, N, K/32) scales")
