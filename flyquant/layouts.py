@@ -180,8 +180,8 @@ def unshuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
 
 def _a16w4_weight_dims(w: torch.Tensor, nlane: int, gate_up: bool, name: str):
     validate.tensor(w, name, (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
-    if nlane <= 0 or WAVE % nlane:
-        raise ValueError(f"nlane must divide the wave size {WAVE}, got {nlane}")
+    if not validate.is_int(nlane) or nlane <= 0 or WAVE % nlane:  # not 16.0 (view() fails) or True (1)
+        raise ValueError(f"nlane must divide the wave size {WAVE} (an int), got {nlane!r}")
     experts, n, k_packed = w.shape
     halves = 2 if gate_up else 1
     validate.multiple_of(n, halves * nlane, f"{name}.shape[1] (N{' = gate + up' if gate_up else ''}, rows per expert)")
