@@ -270,6 +270,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     if moe_buf is not None:
         validate.tensor(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
+        validate.no_self_overlap(moe_buf, "moe_buf")
     return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
 
@@ -323,11 +324,14 @@ def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
     """A given fused_moe out, checked before moe_sorting zeroes it (stage 2 checks it again, too
     late for a wrong out to be left as it was): stage 2's dtypes, (T, model_dim), x's device, and
     no memory shared with an input (out=x would zero x before stage 1 reads it: a wrong result,
-    no error). The overlap is checked on real tensors only (not while torch.compile traces)."""
+    no error), nor with itself; 4-byte aligned. The addresses are checked on real tensors only (not
+    while torch.compile traces)."""
     validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
     validate.same_device("x", x, "out", out)
     validate.shape(out, "out", (tokens, model_dim))
+    validate.no_self_overlap(out, "out")
     if not torch.compiler.is_compiling():
+        reference_moe.check_out_aligned(out)
         validate.no_overlap(out, "out", {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)})
 
 

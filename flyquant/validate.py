@@ -212,6 +212,19 @@ def no_overlap(out: torch.Tensor, out_name: str, inputs: dict) -> None:
                              f"written); pass a separate {out_name} tensor")
 
 
+def no_self_overlap(out: torch.Tensor, name: str) -> None:
+    """The output `out` has no two elements at one address (an expand()ed or stride-0 view, or
+    strides that interleave): each would be written by several results, one of them kept. From
+    the strides alone (no addresses: torch.compile traces it), conservatively: sorted by stride,
+    each dim's stride is past the span of the smaller ones."""
+    span = 0  # elements covered by the dims of smaller stride, minus one
+    for stride, size in sorted((abs(st), n) for n, st in zip(out.shape, out.stride()) if n > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must not have elements sharing memory (an expand()ed or overlapping view), got "
+                             f"strides {out.stride()} for shape {tuple(out.shape)}; pass a tensor of its own")
+        span += stride * (size - 1)
+
+
 def no_autograd(op: str, inputs: dict) -> None:
     """None of the inputs (name -> tensor or None) requires grad while grad mode is on: `op` has no
     backward, and returning an output detached from the graph would lose the gradient silently."""

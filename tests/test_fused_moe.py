@@ -193,6 +193,32 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
     assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_outputs_with_elements_sharing_memory_are_refused(backend, monkeypatch):
+    # An expand()ed out: stage 1 wrote every routed row into one (a wrong a2, no error), stage 2 and
+    # moe_sorting's moe_buf failed in torch ('more than one element of the written-to tensor refers
+    # to a single memory location', a RuntimeError). And fused_moe zeroed a bf16 out at an odd
+    # element offset before stage 2 refused it. All are ValueErrors before anything is written.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, False, seed=11)
+    sorted_ = fq.moe_sorting(p["ids"], p["weights"], 4, 16)
+    shared = r"out must not have elements sharing memory .* strides \(0, 1\)"
+    with pytest.raises(ValueError, match=shared):
+        fq.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *sorted_, topk=2, block_m=16,
+                           out=torch.zeros(1, HALF, dtype=torch.bfloat16).expand(6, HALF))
+    with pytest.raises(ValueError, match=shared):
+        fq.moe_gemm2_a16w4(torch.zeros(6, HALF, dtype=torch.bfloat16), p["w2"], p["w2_scale"], *sorted_, topk=2,
+                           block_m=16, out=torch.zeros(1, X_WIDTH).expand(3, X_WIDTH))
+    with pytest.raises(ValueError, match=r"moe_buf must not have elements sharing memory"):
+        fq.moe_sorting(p["ids"], p["weights"], 4, 16, moe_buf=torch.zeros(1, 8).expand(4, 8))
+    store = torch.full((3, X_WIDTH + 2), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must start at a 4-byte aligned address"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"],
+                     out=store[:, 1:1 + X_WIDTH])
+    assert bool((store == 7).all())
+
+
 def test_torch_compile_traces_the_layer(monkeypatch):
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
