@@ -10,6 +10,7 @@ grouped GEMMs in flyquant/grouped_mm.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -231,8 +232,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
     dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
-    for t in tokens:
-        api_moe.check_moe_sizes(tokens=t)
+    tokens, quantize_shapes = _warmup_lists(tokens, quantize_shapes)
     device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
@@ -267,6 +267,25 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         plans.append(select.plan_mxfp8_quantize_dual(x, scaling_mode))
         mxfp8_quantize_dual(x, scaling_mode)
     return plans
+
+
+def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:
+    """warmup's token counts and (M, K) quantize shapes as tuples, checked (tokens=4 or one pair
+    quantize_shapes=(M, K) were TypeErrors from the loops, naming neither argument)."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise TypeError(f"tokens must be a sequence of token counts, e.g. (1, 4, 16), got {tokens!r}")
+    tokens = tuple(tokens)
+    for t in tokens:
+        api_moe.check_moe_sizes(tokens=t)
+    if isinstance(quantize_shapes, (str, bytes)) or not isinstance(quantize_shapes, Iterable):
+        raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs, e.g. ((8192, 5120),), "
+                        f"got {quantize_shapes!r}")
+    quantize_shapes = tuple(quantize_shapes)
+    for shape in quantize_shapes:
+        if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(map(validate.is_int, shape))):
+            raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs of ints, e.g. ((8192, 5120),), "
+                            f"got {quantize_shapes!r}")
+    return tokens, quantize_shapes
 
 
 # ---------------------------------------------------------------------------------------------

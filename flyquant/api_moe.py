@@ -64,8 +64,10 @@ def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_
 
 
 def _check_out_dtype(out_dtype) -> None:
-    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32."""
-    validate.tensor(torch.empty(0, dtype=out_dtype), "out_dtype", (torch.bfloat16, torch.float32))
+    """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32 (anything else, a
+    string included, is a TypeError naming out_dtype)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
 
 
 def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
@@ -206,6 +208,7 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
     check_moe_sizes(topk=topk, experts=experts)
+    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
     model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
     _check_out_dtype(out_dtype)
@@ -267,6 +270,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     if moe_buf is not None:
         validate.tensor(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
+        validate.no_self_overlap(moe_buf, "moe_buf")
     return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
 
@@ -298,9 +302,15 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    # named as given (stage 1 would name its sorted_weights), before moe_sorting zeroes out
+    validate.no_autograd("fused_moe", dict(x=x, topk_weights=topk_weights, b1=b1, b2=b2, out=out))
     if out is None:
         _check_out_dtype(out_dtype)
         out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
+    else:
+        _check_fused_moe_out(out, x, tokens, model_dim, dict(
+            x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
+            b1=b1, b2=b2, expert_mask=expert_mask))
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
@@ -308,6 +318,21 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
                     model_dim=model_dim, inter_dim=inter_dim)
     return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
                            apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
+    """A given fused_moe out, checked before moe_sorting zeroes it (stage 2 checks it again, too
+    late for a wrong out to be left as it was): stage 2's dtypes, (T, model_dim), x's device, and
+    no memory shared with an input (out=x would zero x before stage 1 reads it: a wrong result,
+    no error), nor with itself; 4-byte aligned. The addresses are checked on real tensors only (not
+    while torch.compile traces)."""
+    validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
+    validate.same_device("x", x, "out", out)
+    validate.shape(out, "out", (tokens, model_dim))
+    validate.no_self_overlap(out, "out")
+    if not torch.compiler.is_compiling():
+        reference_moe.check_out_aligned(out)
+        validate.no_overlap(out, "out", {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)})
 
 
 def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):
@@ -319,6 +344,8 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
     validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
     validate.tensor(w1, "w1", ndim=3)
     validate.tensor(w2, "w2", ndim=3)
+    if expert_mask is not None:  # its length is num_experts, read below
+        validate.tensor(expert_mask, "expert_mask", ndim=1)
     tokens, topk = topk_ids.shape
     if x.shape[0] != tokens:
         raise ValueError(f"x.shape[0] = {x.shape[0]} must equal topk_ids.shape[0] = {tokens} (one routing row per token)")

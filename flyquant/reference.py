@@ -148,7 +148,7 @@ def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
-    if scale_block_k not in SCALE_BLOCK_K_CHOICES:
+    if not validate.is_int(scale_block_k) or scale_block_k not in SCALE_BLOCK_K_CHOICES:  # not True or 32.0
         raise ValueError(f"scale_block_k must be one of {SCALE_BLOCK_K_CHOICES}, got {scale_block_k!r}")
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
@@ -344,6 +344,8 @@ def mxfp8_dequantize(data, scales, axis=-1):
     """
     validate.tensor(data, "data", (MXFP8_DTYPE, torch.uint8), ndim=(2, 3))
     _check_scales(scales)
+    if not validate.is_int(axis):  # True or 1.0 would equal 1 in the tuples below
+        raise ValueError(f"axis must be an int (-1 or 0 for 2D data, 1 for 3D), got {axis!r}")
     values = data.view(MXFP8_DTYPE).to(torch.float32)
     s = formats.e8m0_decode(scales)
     if data.dim() == 2:

@@ -92,8 +92,16 @@ def check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_ex
         validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
         validate.same_device("a2", a2, "out", out)
         validate.shape(out, "out", (tokens, model_dim))
+        validate.no_self_overlap(out, "out")
     validate.no_autograd("moe_gemm2_a16w4", dict(a2=a2, sorted_weights=sorted_weights, bias=bias, out=out))
     return model_dim, inter_dim, tokens
+
+
+def check_out_aligned(out) -> None:
+    """The stage-2 out starts at a 4-byte aligned address (on a real tensor)."""
+    if out.data_ptr() % OUT_ALIGN_BYTES:
+        raise ValueError(f"out must start at a {OUT_ALIGN_BYTES}-byte aligned address (a bf16 out at an even "
+                         f"element offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
 
 
 def check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
@@ -101,9 +109,7 @@ def check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, so
     """The checks on addresses, made on real tensors (inside the op, not while tracing): out is
     4-byte aligned (the kernel adds bf16 column pairs with 4-byte atomics; both backends refuse
     alike) and shares no memory with any input."""
-    if out.data_ptr() % OUT_ALIGN_BYTES:
-        raise ValueError(f"out must start at a {OUT_ALIGN_BYTES}-byte aligned address (a bf16 out at an even "
-                         f"element offset): results are added as bf16 pairs; got address {out.data_ptr():#x}")
+    check_out_aligned(out)
     validate.no_overlap(out, "out", dict(a2=a2, w2=w2, w2_scale=w2_scale, sorted_ids=sorted_ids,
                                          sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
                                          num_valid_ids=num_valid_ids, bias=bias))
@@ -301,6 +307,7 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
         validate.same_device("x", x, "out", out)
         if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
             raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+        validate.no_self_overlap(out, "out")
     validate.no_autograd("moe_gemm1_a16w4", dict(x=x, sorted_weights=sorted_weights, bias=bias, out=out))
     return model_dim, inter_dim, tokens
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import api, grouped_mm, validate
+from .formats import MX_BLOCK
 from .reference_grouped_mm import OUT_DTYPES
 
 # The forward and dgrad GEMMs' scales come from the quantize kernels in aiter's e8m0_shuffle
@@ -78,7 +79,9 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT).to(A.dtype)
         if ctx.needs_input_grad[1] and A.shape[0] == 0:  # no tokens: no 32x1 block to quantize, zero gradient
             grad_b_t = torch.zeros(B_t.shape, dtype=B_t.dtype, device=B_t.device)
-        elif ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
+            validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
+                                 "quantizes them in 32x1 blocks for B_t's gradient)")
             x, x_scale = api.mxfp8_quantize(grad_out, 0, mode)
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype).to(B_t.dtype)

@@ -77,7 +77,7 @@ def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: st
     high_precision(x, name)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension")
-    if axis not in (-1, 0) and not (axis == x.dim() - 1 and axis > 0):
+    if not is_int(axis) or (axis not in (-1, 0) and not (axis == x.dim() - 1 and axis > 0)):
         raise ValueError(f"axis must be -1 (rowwise, blocks along the last dim) or 0 (columnwise), got {axis!r}")
     scaling_mode(scaling_mode_, MXFP4_SCALING_MODES)
     if scale_layout_ not in MXFP4_SCALE_LAYOUTS:
@@ -138,10 +138,11 @@ def mxfp8_2d_axis(x, axis) -> int:
     """Check a 2D MXFP8 quantize input and normalize `axis`: 1 ("1x32", blocks along K, axis -1
     or 1) or 0 ("32x1", blocks along M, axis 0 or -2)."""
     high_precision(x, "x", ndim=2)
-    if axis in (-1, 1):
-        return 1
-    if axis in (0, -2):
-        return 0
+    if is_int(axis):  # not a bool or a float: True or 1.0 would equal 1 in the tuples below
+        if axis in (-1, 1):
+            return 1
+        if axis in (0, -2):
+            return 0
     raise ValueError(f"axis must be -1 or 1 (1x32, blocks along K) or 0 or -2 (32x1, blocks along M), got {axis!r}")
 
 
@@ -209,6 +210,19 @@ def no_overlap(out: torch.Tensor, out_name: str, inputs: dict) -> None:
         if other is not None and other[0] < span[1] and span[0] < other[1]:
             raise ValueError(f"{out_name} must not overlap the input {name} (the same memory would be read and "
                              f"written); pass a separate {out_name} tensor")
+
+
+def no_self_overlap(out: torch.Tensor, name: str) -> None:
+    """The output `out` has no two elements at one address (an expand()ed or stride-0 view, or
+    strides that interleave): each would be written by several results, one of them kept. From
+    the strides alone (no addresses: torch.compile traces it), conservatively: sorted by stride,
+    each dim's stride is past the span of the smaller ones."""
+    span = 0  # elements covered by the dims of smaller stride, minus one
+    for stride, size in sorted((abs(st), n) for n, st in zip(out.shape, out.stride()) if n > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must not have elements sharing memory (an expand()ed or overlapping view), got "
+                             f"strides {out.stride()} for shape {tuple(out.shape)}; pass a tensor of its own")
+        span += stride * (size - 1)
 
 
 def no_autograd(op: str, inputs: dict) -> None:

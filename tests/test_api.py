@@ -149,6 +149,19 @@ def test_warmup_runs_the_kernels_a_model_uses():
     assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
 
 
+def test_warmup_lists_are_checked():
+    # tokens=4 ("'int' object is not iterable") and one (M, K) pair as quantize_shapes ("cannot
+    # unpack non-iterable int object") were TypeErrors from warmup's loops, naming neither argument.
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    with pytest.raises(TypeError, match="tokens must be a sequence of token counts"):
+        fq.warmup(**sizes, tokens=4)
+    for shapes in ((32, 64), [(32, 64, 1)], [(32.0, 64)], "32x64"):
+        with pytest.raises(TypeError, match=r"quantize_shapes must be a sequence of \(M, K\) pairs"):
+            fq.warmup(**sizes, tokens=(), quantize_shapes=shapes)
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        fq.warmup(**sizes, tokens=(1, -1))
+
+
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
 def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding

@@ -154,6 +154,69 @@ def test_bad_input(monkeypatch):
         fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"][:3], p["w2_scale"], p["weights"], p["ids"])
     with pytest.raises(ValueError, match="activation must be one of"):
         run(p, "tanh")
+    # a list expert_mask was an AttributeError ('list' object has no attribute 'shape'), a string
+    # out_dtype torch.empty's TypeError naming no argument
+    with pytest.raises(TypeError, match="expert_mask must be a torch.Tensor, got list"):
+        run(dict(p, mask=[1, 1, 1, 1]), "silu")
+    with pytest.raises(TypeError, match=r"out_dtype must be one of \(bfloat16, float32\), got 'bfloat16'"):
+        run(p, "silu", out_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
+    # moe_sorting zeroes out before stage 1 reads x: out=x (same shape and dtype when the weights
+    # are not padded) gave a wrong layer with no error, and an out of the wrong shape or dtype
+    # was zeroed before stage 2 refused it. Both are refused up front, out and x left as given.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=10)
+    args = (p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"])
+    x = p["x"].clone()
+    with pytest.raises(ValueError, match="out must not overlap the input x"):
+        fq.fused_moe(x, *args, b1=p["b1"], b2=p["b2"], out=x)
+    assert torch.equal(x, p["x"])
+    for bad, match in ((torch.full((3, 100), 7.0, dtype=torch.bfloat16), r"out must have shape \(3, 256\)"),
+                       (torch.full((3, 256), 7.0, dtype=torch.float16), "out must have dtype in")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=bad)
+        assert bool((bad == 7).all())
+    # an input requiring grad: named as given (stage 1 named its sorted_weights), out left as given
+    out = torch.full((3, 256), 7.0, dtype=torch.float32)
+    for name, grad in (("x", dict(x=p["x"].clone().requires_grad_())),
+                       ("topk_weights", dict(weights=p["weights"].clone().requires_grad_()))):
+        q = dict(p, **grad)
+        with pytest.raises(ValueError, match=f"fused_moe does not support autograd: {name} requires grad"):
+            fq.fused_moe(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], out=out)
+        assert bool((out == 7).all())
+    # a separate out: the layer, as without one
+    fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=out)
+    assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_outputs_with_elements_sharing_memory_are_refused(backend, monkeypatch):
+    # An expand()ed out: stage 1 wrote every routed row into one (a wrong a2, no error), stage 2 and
+    # moe_sorting's moe_buf failed in torch ('more than one element of the written-to tensor refers
+    # to a single memory location', a RuntimeError). And fused_moe zeroed a bf16 out at an odd
+    # element offset before stage 2 refused it. All are ValueErrors before anything is written.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, False, seed=11)
+    sorted_ = fq.moe_sorting(p["ids"], p["weights"], 4, 16)
+    shared = r"out must not have elements sharing memory .* strides \(0, 1\)"
+    with pytest.raises(ValueError, match=shared):
+        fq.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *sorted_, topk=2, block_m=16,
+                           out=torch.zeros(1, HALF, dtype=torch.bfloat16).expand(6, HALF))
+    with pytest.raises(ValueError, match=shared):
+        fq.moe_gemm2_a16w4(torch.zeros(6, HALF, dtype=torch.bfloat16), p["w2"], p["w2_scale"], *sorted_, topk=2,
+                           block_m=16, out=torch.zeros(1, X_WIDTH).expand(3, X_WIDTH))
+    with pytest.raises(ValueError, match=r"moe_buf must not have elements sharing memory"):
+        fq.moe_sorting(p["ids"], p["weights"], 4, 16, moe_buf=torch.zeros(1, 8).expand(4, 8))
+    store = torch.full((3, X_WIDTH + 2), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must start at a 4-byte aligned address"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"],
+                     out=store[:, 1:1 + X_WIDTH])
+    assert bool((store == 7).all())
 
 
 def test_torch_compile_traces_the_layer(monkeypatch):

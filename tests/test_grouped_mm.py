@@ -239,6 +239,11 @@ def test_training_op_bad_inputs(reference_backend):
     out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
     with pytest.raises(ValueError, match="multiple of 32"):
         out.sum().backward()
+    # M off 32: the wgrad's quantize of the token rows named its own x ("x.shape[0] (M, ...)")
+    A, B_t = A[:48].detach().requires_grad_(), B_t.detach().requires_grad_()
+    out = training.mxfp8_grouped_mm(A, B_t, offs(16, 48))
+    with pytest.raises(ValueError, match=r"A.shape\[0\] \(M, the token rows.* = 48 must be a positive multiple of 32"):
+        out.sum().backward()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -139,6 +139,17 @@ def test_shuffle_errors_name_the_constraint():
         L.shuffle_scale_a16w4(torch.zeros(2, 32, 8, dtype=E8M0), 3)
     with pytest.raises(TypeError, match="s must have dtype"):
         L.shuffle_scale_a16w4(torch.zeros(64, 8), 2)
+    # experts 2.0 or True (here 2D and 3D scales of one expert) failed in view() naming no argument
+    for scales, experts in ((torch.zeros(64, 8, dtype=E8M0), 2.0), (torch.zeros(32, 8, dtype=E8M0), True),
+                            (torch.zeros(1, 32, 8, dtype=E8M0), True)):
+        for fn in (L.shuffle_scale_a16w4, L.unshuffle_scale_a16w4):
+            with pytest.raises(ValueError, match="experts must be an int, got"):
+                fn(scales, experts)
+    # nlane=16.0 failed in view(), nlane=True ran as 1 lane (then refused K for 64 lanes along K)
+    for nlane in (16.0, True, 3):
+        for fn in (L.shuffle_weight_a16w4, L.unshuffle_weight_a16w4):
+            with pytest.raises(ValueError, match=r"nlane must divide the wave size 64 \(an int\)"):
+                fn(torch.zeros(1, 32, 128, dtype=U8), nlane)
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N, rows per expert\) = 40"):
         L.shuffle_weight_a16w4(torch.zeros(1, 40, 64, dtype=U8))
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N = gate \+ up, rows per expert\) = 48 must be a positive multiple of 32"):

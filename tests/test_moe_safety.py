@@ -438,8 +438,8 @@ def test_inputs_requiring_grad_are_refused(backend, monkeypatch):
     with pytest.raises(ValueError, match="sorted_weights requires grad"):
         fq.moe_gemm2_a16w4(p["a2"], p["w2"], p["w2_scale"], ids, sw.clone().requires_grad_(), eids, nvalid, topk=2,
                            block_m=16)
-    topk_weights = torch.rand(3, 2, requires_grad=True)
-    with pytest.raises(ValueError, match="does not support autograd"):
+    topk_weights = torch.rand(3, 2, requires_grad=True)  # named as given (it was 'sorted_weights', moe_sorting's)
+    with pytest.raises(ValueError, match="moe_stage2 does not support autograd: topk_weights requires grad"):
         fq.moe_stage2(p["a2"], torch.zeros(3, 2, dtype=torch.int32) + torch.tensor([0, 1], dtype=torch.int32),
                       topk_weights, p["w2"], p["w2_scale"])
     out = torch.zeros(3, 64, dtype=torch.bfloat16)

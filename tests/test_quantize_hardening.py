@@ -111,6 +111,25 @@ def test_non_contiguous_input_is_refused_on_every_backend(backend, monkeypatch):
             call()
 
 
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_axis_and_scale_block_k_must_be_ints(backend, monkeypatch):
+    # axis=True / False and 1.0 / 0.0 equal 1 / 0 in a tuple: mxfp8_quantize took True as 1x32
+    # and mxfp4_quantize False as columnwise; scale_block_k=True ran as 1 and 32.0 passed the
+    # check, then failed in torch's custom-op schema with a RuntimeError. All are ValueErrors.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    w = torch.randn(2, 32, 32).to(torch.bfloat16)
+    for axis in (True, False, 1.0, 0.0, -1.0):
+        with pytest.raises(ValueError, match="axis must be -1"):
+            fq.mxfp8_quantize(x, axis=axis)
+        with pytest.raises(ValueError, match="axis must be -1"):
+            fq.mxfp4_quantize(x, axis=axis)
+    for block_k in (True, 1.0, 32.0):
+        with pytest.raises(ValueError, match="scale_block_k must be one of"):
+            fq.mxfp8_quantize_3d(w, scale_block_k=block_k)
+
+
 def test_dequantize_checks_the_orientation_of_square_data():
     # Finding 9: on a square matrix only the strides tell 1x32 data from 32x1 data; the wrong
     # axis used to dequantize silently wrong.
@@ -128,6 +147,10 @@ def test_dequantize_checks_the_orientation_of_square_data():
     data3, scales3 = reference.mxfp8_quantize_3d(w, "floor")
     with pytest.raises(ValueError, match="strides"):
         fq.mxfp8_dequantize(data3.contiguous(), scales3, axis=1)
+    # axis=True read 3D data (or 2D 1x32 data) as axis 1, 0.0 2D data as axis 0
+    for data, scales, axis in ((data3, scales3, True), (*rows, True), (*cols, 0.0)):
+        with pytest.raises(ValueError, match="axis must be an int"):
+            fq.mxfp8_dequantize(data, scales, axis=axis)
 
 
 def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
