@@ -314,7 +314,6 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         s_off = None  # shuffles: the code's offset (a two-tile step's second tile: the first's plus a constant)
         for j, t in enumerate(t0s):
             tile_data = data[loads * j:loads * j + loads]
-            v_outs, tile_units = [v_out, v_out], WAVE * j  # per pair of the tile, and tile j's constant offset
             if shuffle:  # the tile's part (wave-uniform; tiles lie wholly inside or past the end: M % 16 == 0) plus the
                 # lane's (lane[5]: the owned block's offset from the tile's first)
                 step_s = 4 if shuffle == "a4w4" and not scale_layout else 2  # 4 blocks on: the same 8-block
@@ -324,13 +323,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 else:
                     if placed:
                         tile_s = add(placed[1], step_s) if j else placed[1]
-                    else:
+                    else:  # a16w4's carried one-tile steps
                         row, kb = firsts[j]
-                        if shuffle != "a4w4":
-                            tile_s = sh.a16w4_scale_offset(lshr(row, 4), kb, 0, nkb)
-                        else:
-                            tile_s = mx.scale_offset(scale_layout, row, kb, dims) if scale_layout else add(mul(row, nkb), kb)
-                        tile_s = mx.select(mx.cmp_ult(t, nb), tile_s, mx.OOB)
+                        tile_s = mx.select(mx.cmp_ult(t, nb), sh.a16w4_scale_offset(lshr(row, 4), kb, 0, nkb), mx.OOB)
                     lane_s = tile_s
                     if keeps[j]:  # the owned block's pair past the row's end: dropped
                         lane_s = mx.select(mx.cmp_uge(own, 32), kept(keeps[j][1], tile_s), kept(keeps[j][0], tile_s))
@@ -345,7 +340,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             if store_code:
                 mx.store_byte(lshr(codes, 16 * j) if j else codes, rs, s_off)
             for i, d in enumerate(tile_data):  # FP32: a piece of 4 elements is 2 bytes
-                off = add(v_outs[tile_place(lined_units(i))[0]], (tile_units + lined_units(i)) * OUT_BLOCK_BYTES)
+                off = add(v_out, (WAVE * j + lined_units(i)) * OUT_BLOCK_BYTES)
                 (mx.store_short if spec.wide else mx.store)(d, rq, off)
         return codes
 
@@ -463,7 +458,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 keeps = None
                 if last:  # the blocks from the step's first to the row's end: pair q (blocks 2q, 2q + 1) kept below
                     rest = sub(shape[0], add(kb, kb_d))
-                    keeps = [[None, mx.cmp_ult(2, rest)], [mx.cmp_ult(4, rest), mx.cmp_ult(6, rest)]][:nt]
+                    keeps = [[mx.cmp_ult(2 * q, rest) if q else None for q in (2 * j, 2 * j + 1)] for j in range(nt)]
                 lined_tiles(t0, nt, bufs, lanes, shape, sizes, n1_args,
                             placed=(add(x0, mul(d, in_block // 16)), codes, keeps))
 
