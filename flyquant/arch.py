@@ -24,6 +24,7 @@ class ArchInfo:
     lds_bytes_per_cu: int
     fp8_flavour: str  # bytes the hardware FP8 conversions produce
     hw_fp4_to_bf16: bool  # v_cvt_scalef32_pk_bf16_fp4 exists
+    hw_f32_to_bf16: bool  # v_cvt_pk_bf16_f32 exists (else LLVM rounds in integer ops)
     buffer_pk_add_bf16: bool  # buffer_atomic_pk_add_bf16 exists (else only the global one)
     bf16_mfma: str  # the bf16 MFMA the GEMM feeds
     hbm_tb_per_s: float
@@ -37,6 +38,7 @@ ARCHS = {
         lds_bytes_per_cu=64 * 1024,
         fp8_flavour="fnuz",
         hw_fp4_to_bf16=False,
+        hw_f32_to_bf16=False,
         buffer_pk_add_bf16=False,
         bf16_mfma="v_mfma_f32_16x16x16_bf16",
         hbm_tb_per_s=5.3,
@@ -48,6 +50,7 @@ ARCHS = {
         lds_bytes_per_cu=160 * 1024,
         fp8_flavour="ocp",
         hw_fp4_to_bf16=True,
+        hw_f32_to_bf16=True,
         buffer_pk_add_bf16=True,
         bf16_mfma="v_mfma_f32_16x16x32_bf16",
         hbm_tb_per_s=8.0,

@@ -510,7 +510,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         if wk_i == 0:
                             store_activation(with_bias(accs), toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out,
                                              out_bytes, MB, NB, TOPK, MODEL_DIM, N_TAIL, OUT_ROW_BYTES, APPLY_W1, ACT,
-                                             ALPHA, LIMIT)
+                                             ALPHA, LIMIT, info.hw_f32_to_bf16)
                     else:
                         if wk_i == 0:
                             accs = with_bias(accs)

@@ -19,8 +19,11 @@ a missing bias or routing weight moves elements by O(|e|), far outside T (assert
 
 from __future__ import annotations
 
+import functools
 import re
 
+import flydsl.compiler as flyc
+import flydsl.expr as fx
 import pytest
 import torch
 
@@ -28,6 +31,7 @@ from flyquant import layouts, reference, toolchain
 from flyquant.moe import moe_sorting
 from flyquant.reference import quantize_mxfp4
 from flyquant.kernels import moe_gemm1_a16w4 as K1
+from flyquant.kernels._a16w4_common import _bf16_words_not_nan
 from flyquant.kernels import moe_gemm2_a16w4 as K
 
 from test_moe_gemm2_kernel import GFX950_ONLY, _routing
@@ -174,6 +178,60 @@ def test_nan_inf_propagate(arch):
         exact, tol = exact_and_tolerance(p, activation, False)
         ok = fin & exact.isfinite()
         assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_pairs_kernel(arch):
+    """Y[i] = _a16w4_common._bf16_words_not_nan of (X[2i], X[2i + 1]): the finite path's rounding alone."""
+    @flyc.kernel
+    def stage1_bf16_pairs(X: fx.Tensor, Y: fx.Tensor):
+        i = fx.block_idx.x * 64 + fx.thread_idx.x
+        (word,) = _bf16_words_not_nan([fx.memref_load(X, 2 * i), fx.memref_load(X, 2 * i + 1)])
+        fx.memref_store(word, Y, i)
+
+    @flyc.jit
+    def launch(X: fx.Tensor, Y: fx.Tensor, blocks: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
+        stage1_bf16_pairs(X, Y).launch(grid=(blocks, 1, 1), block=(64, 1, 1), stream=stream)
+
+    return launch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_finite_path_rounds_to_bf16_as_torch(arch):
+    """gfx942's stage 1 rounds its finite swiglu_oai values to bf16 in integer ops: equal to torch's
+    conversion on every non-NaN pattern class: ties to even and odd at several exponents, one ulp
+    either side of them, the largest finite values (rounding up to Inf), +-Inf, +-0, subnormals
+    (ties included), and random patterns."""
+    ties = [0x3F808000, 0x3F818000, 0x00008000, 0x00018000, 0x80018000, 0x7F7F8000, 0xC1208000, 0x0080_8000]
+    special = [0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF]
+    near = [t + d for t in ties for d in (-1, 1)]
+    rand = torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    bits = torch.tensor(ties + special + near, dtype=torch.int64)
+    bits = torch.cat([bits, rand]).to(torch.uint32).view(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[~x.isnan()]
+    x = torch.cat([x, torch.zeros((-x.numel()) % 128)])  # whole 64-lane blocks of pairs
+    y = torch.zeros(x.numel() // 2, dtype=torch.int32)
+    with toolchain.target(arch):
+        _bf16_pairs_kernel(arch)(x, y, x.numel() // 128, stream=0)
+    assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_finite_and_nan_paths_give_the_same_bits(arch):
+    """swiglu_oai's epilogue has a finite form and, for a wave meeting a NaN or Inf, the exact one
+    (LLVM's bf16 conversion; the clamps' NaN put back). A NaN in one token's x sends the waves of
+    its experts' tiles to the exact form: every other token's rows there must come out bit for bit
+    as they do on the finite path (rows of an MFMA tile do not interact)."""
+    p = make_problem(6, 2, 3, 256, 32, 32, 256, 16, seed=11, bias_dtype=torch.bfloat16, skip_expert=None)
+    finite = run(arch, p, "swiglu_oai")
+    p["x"][0, 7] = float("nan")
+    mixed = run(arch, p, "swiglu_oai")
+    others = torch.arange(6 * 2) // 2 != 0
+    shared = torch.isin(p["ids"].flatten(), p["ids"][0]) & others  # rows in token 0's tiles
+    assert int(shared.sum()) >= 4
+    assert torch.equal(finite[others].view(torch.int16), mixed[others].view(torch.int16))
+    assert mixed[~others].isnan().all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
