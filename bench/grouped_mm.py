@@ -11,7 +11,9 @@ N, K in 2048, 5120, 8192), and expert GEMMs of DeepSeek-V3/R1 (hidden 7168, expe
 and GPT-OSS-120b (hidden = inter = 2880) with the grid's M = 16640 and E = 8 local experts: per
 model the forward of gate/up (N = 2 inter, K = hidden) and down (N = hidden, K = inter) and
 their dgrads (N and K swapped). Operands: randn quantized 1x32 (flyquant.reference, rceil);
-scales row-major ("plain") or aiter's e8m0_shuffle ("mfma"), both of which the kernel reads.
+scales row-major ("plain") or aiter's e8m0_shuffle ("mfma"), both of which the kernel reads;
+"mfma+0" is "mfma" with operands quantized with signed_zeros=False (+0 zeros) and the kernel told
+so, as flyquant.training feeds it on gfx942 (not in the default --layouts).
 
 Modelled mode (no AMD GPU): labelled "modelled, not timed". Per shape, arch and scale layout:
 - compile-only figures of the model-sized kernel (the tile the selector plans for the shape
@@ -71,7 +73,10 @@ GRID_M = 16640  # torchao's benchmark rows
 GRID_NK = (2048, 5120, 8192)
 GRID_E = (1, 2, 4, 8)
 LOCAL_EXPERTS = 8
-LAYOUTS = {"plain": None, "mfma": "mfma"}
+LAYOUTS = {"plain": None, "mfma": "mfma", "mfma+0": "mfma"}  # the scale layout of each --layouts name
+# "mfma+0": operands quantized with signed_zeros=False and the GEMM told so, as flyquant.training
+# runs it on gfx942 (the FNUZ path reads them without rewriting -0 and probing for NaN codes)
+SIGNED_ZEROS = {"mfma+0": False}
 PER_MFMA_TARGET = 3.0  # issue 22: wave-instructions per MFMA executed, over the grid
 COALESCING_TARGET = 1.0
 OUT_DTYPE = torch.bfloat16
@@ -137,8 +142,11 @@ def shape_arg(text: str) -> list[Shape]:
 def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: str, seed: int, device="cpu"):
     """(a, a_scale, b, b_scale, offs): randn quantized 1x32 (rceil), on 256-byte boundaries."""
     gen = torch.Generator(device).manual_seed(seed)
-    a, a_scale = reference.mxfp8_quantize(torch.randn(m, k, generator=gen, device=device) * 4, -1, "rceil")
-    b, b_scale = reference.mxfp8_quantize(torch.randn(experts * n, k, generator=gen, device=device), -1, "rceil")
+    signed = SIGNED_ZEROS.get(layout, True)
+    a, a_scale = reference.mxfp8_quantize(torch.randn(m, k, generator=gen, device=device) * 4, -1, "rceil",
+                                          signed_zeros=signed)
+    b, b_scale = reference.mxfp8_quantize(torch.randn(experts * n, k, generator=gen, device=device), -1, "rceil",
+                                          signed_zeros=signed)
     b, b_scale = b.view(experts, n, k), b_scale.view(experts, n, -1)
     if LAYOUTS[layout] == "mfma":  # a's (M, K/32) and each expert's (N, K/32), stacked
         a_scale = layouts.mfma_shuffle_scales(a_scale)
@@ -157,7 +165,8 @@ def launch(inputs, arch: str, layout: str, tile_m: int, tile_n: int, out=None):
     a, a_scale, b, b_scale, offs = inputs
     with toolchain.target(arch):
         return G.grouped_mm(a, a_scale, b, b_scale, offs, arch=arch, out=out, out_dtype=OUT_DTYPE,
-                            scale_layout=LAYOUTS[layout], tile_m=tile_m, tile_n=tile_n)
+                            scale_layout=LAYOUTS[layout], tile_m=tile_m, tile_n=tile_n,
+                            signed_zeros=SIGNED_ZEROS.get(layout, True))
 
 
 # ---- modelled mode ------------------------------------------------------------------------------
@@ -200,7 +209,8 @@ def isa_mnemonics(isa: str) -> collections.Counter:
 
 def compile_report(arch: str, shape: Shape, n: int, layout: str, tile_m: int, tile_n: int):
     cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=shape.k, experts=shape.experts, tile_m=tile_m,
-                            tile_n=tile_n, scale_layout=LAYOUTS[layout])
+                            tile_n=tile_n, scale_layout=LAYOUTS[layout],
+                            signed_zeros=SIGNED_ZEROS.get(layout, True) or arch != "gfx942")
     (report,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), shape.m, 1, 1, stream=0)
     return report
 
@@ -528,7 +538,8 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", type=shape_arg, default=None,
                     help=f"names, sets (grid, deepseek, gptoss) or MxNxKxE (default: {','.join(SUBSET)})")
     ap.add_argument("--full", action="store_true", help="every shape: torchao's grid, DeepSeek-V3, GPT-OSS")
-    ap.add_argument("--layouts", type=common.csv_list, default=list(LAYOUTS), help="scale layouts: plain,mfma")
+    ap.add_argument("--layouts", type=common.csv_list, default=["plain", "mfma"],
+                    help="scale layouts: plain,mfma, or mfma+0 (+0 zeros: the training op's gfx942 operands)")
     ap.add_argument("--tile-m", type=int, default=None, help="default: the selector's per shape, arch and scales")
     ap.add_argument("--tile-n", type=int, default=None, help="default: the selector's per shape, arch and scales")
     ap.add_argument("--op", choices=("fwd", "wgrad"), default="fwd",

@@ -25,32 +25,36 @@ from .select import Plan
 
 @torch.library.custom_op("flyquant::mxfp8_quantize", mutates_args=())
 def _mxfp8_quantize_op(
-    x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor]
+    x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor],
+    signed_zeros: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
     if plan.backend == "reference":
-        return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+        return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
     from .kernels import mxfp8_quantize_2d as k
 
     launch = k.quantize_1x32 if axis == 1 else k.quantize_32x1
-    return launch(x, arch=plan.arch, scaling_mode=scaling_mode, scale_layout=scale_layout, offs=offs)
+    return launch(x, arch=plan.arch, scaling_mode=scaling_mode, scale_layout=scale_layout, offs=offs,
+                  signed_zeros=signed_zeros)
 
 
 @_mxfp8_quantize_op.register_fake
-def _(x, axis, scaling_mode, scale_layout, offs):
+def _(x, axis, scaling_mode, scale_layout, offs, signed_zeros=True):
     return reference.mxfp8_quantize_empty(x, axis, scale_layout, offs)
 
 
-def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None, signed_zeros=True):
     """MXFP8-quantize a 2D (M, K) BF16/FP16/FP32 tensor in blocks of 32 along `axis`.
 
     axis=-1 (1x32): data (M, K) row-major, scales (M, K/32). axis=0 (32x1): data (M, K)
     column-major (stride (1, M)), scales (K, M/32). scaling_mode "floor" | "rceil";
     scale_layout None | "tcgen05" | "mfma"; offs: int32 token-group end offsets along M
     (torchao's grouped-GEMM contract). Returns (float8_e4m3fn data, float8_e8m0fnu scales).
+    signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC), for fq.mxfp8_grouped_mm(...,
+    signed_zeros=False) on gfx942.
     """
     axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
-    return _mxfp8_quantize_op(x, axis, scaling_mode, scale_layout, offs)
+    return _mxfp8_quantize_op(x, axis, scaling_mode, scale_layout, offs, validate.flag(signed_zeros, "signed_zeros"))
 
 
 @torch.library.custom_op("flyquant::mxfp8_quantize_dual", mutates_args=())
@@ -79,28 +83,29 @@ def mxfp8_quantize_dual(x, scaling_mode="rceil"):
 
 @torch.library.custom_op("flyquant::mxfp8_quantize_3d", mutates_args=())
 def _mxfp8_quantize_3d_op(
-    w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str]
+    w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str], signed_zeros: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
     if plan.backend == "reference":
-        return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+        return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
     from .kernels import mxfp8_quantize_3d as k
 
     return k.quantize_3d(w, arch=plan.arch, scaling_mode=scaling_mode, scale_block_k=scale_block_k,
-                         scale_layout=scale_layout)
+                         scale_layout=scale_layout, signed_zeros=signed_zeros)
 
 
 @_mxfp8_quantize_3d_op.register_fake
-def _(w, scaling_mode, scale_block_k, scale_layout):
+def _(w, scaling_mode, scale_block_k, scale_layout, signed_zeros=True):
     return reference.mxfp8_quantize_3d_empty(w, scale_block_k, scale_layout)
 
 
-def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None, signed_zeros=True):
     """Per-expert MXFP8 quantize of (E, N, K) along N: data (E, N, K) with stride (N*K, 1, N),
     scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks). w is
-    contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights)."""
+    contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights).
+    signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC)."""
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
-    return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout)
+    return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout, validate.flag(signed_zeros, "signed_zeros"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ from typing import Optional
 import torch
 
 from . import reference_grouped_mm as ref
-from . import select
+from . import select, validate
 
 
-def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, **options) -> torch.Tensor:
-    """The plan's backend: the reference, or the kernel launcher writing every row of out."""
+def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zeros, **options) -> torch.Tensor:
+    """The plan's backend: the reference, or the kernel launcher writing every row of out
+    (signed_zeros: the kernel's operand promise; the reference reads any operands)."""
     if plan.backend == "reference":
         return reference_fn(*args, out_dtype, **options)
     rows, offs = args[0].shape[0], args[4]
@@ -28,24 +29,25 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, **options) 
         check_offs(offs, rows)
     out = torch.empty(out_shape, dtype=out_dtype, device=args[0].device)
     config = {k: v for k, v in plan.config.items() if k != "launcher"}
-    select.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, **options, **config)
+    select.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, signed_zeros=signed_zeros, **options, **config)
     return out
 
 
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                   offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None) -> torch.Tensor:
+                   offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None,
+                   signed_zeros: bool = True) -> torch.Tensor:
     plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
-                (a, a_scale, b, b_scale, offs), out_dtype, scale_layout=scale_layout)
+                (a, a_scale, b, b_scale, offs), out_dtype, signed_zeros, scale_layout=scale_layout)
 
 
 @_grouped_mm_op.register_fake
-def _(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None):
+def _(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None, signed_zeros=True):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
+def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None, signed_zeros=True):
     """MXFP8 grouped GEMM (MoE forward and dgrad): out (M, N), out[offs[g-1]:offs[g]] =
     deq(a)[rows] @ deq(b[g])^T, rows from offs[-1] on 0.
 
@@ -56,38 +58,40 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
     2^(scale - 127), scale 0xFF NaN. scale_layout "mfma": both scales in aiter's e8m0_shuffle
     layout, as fq.mxfp8_quantize(x, -1, scale_layout="mfma") and fq.mxfp8_quantize_3d(w,
     scale_layout="mfma") write them (b_scale (E, N padded to 256, K/32 padded to 8)): the
-    layout the gfx950 kernel reads with the fewest instructions. See the module docstring for
-    when offs' values are checked.
+    layout the gfx950 kernel reads with the fewest instructions. signed_zeros=False: a and b
+    are as flyquant's quantize ops write them with signed_zeros=False (validate.SIGNED_ZEROS_DOC). See the
+    module docstring for when offs' values are checked.
     """
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
-    return _grouped_mm_op(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
+    return _grouped_mm_op(a, a_scale, b, b_scale, offs, out_dtype, scale_layout, validate.flag(signed_zeros, "signed_zeros"))
 
 
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
-                         offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                         offs: torch.Tensor, out_dtype: torch.dtype, signed_zeros: bool = True) -> torch.Tensor:
     plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
     return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
-                (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype)
+                (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype, signed_zeros)
 
 
 @_grouped_mm_wgrad_op.register_fake
-def _(x, x_scale, y, y_scale, offs, out_dtype):
+def _(x, x_scale, y, y_scale, offs, out_dtype, signed_zeros=True):
     return x.new_empty((offs.shape[0], y.shape[1], x.shape[1]), dtype=out_dtype)
 
 
-def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
+def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16, signed_zeros=True):
     """MXFP8 grouped weight-gradient GEMM: out (E, N, K), out[g] = deq(y[g rows])^T @
     deq(x[g rows]), empty groups zero.
 
     x (M, K) and y (M, N) float8_e4m3fn quantized along M in blocks of 32 as
     fq.mxfp8_quantize(t, axis=0) returns them (data stride (1, M), scales (K, M/32) and (N,
     M/32)); offs (E,) int32 on x's device, every group size a multiple of 32 (no block straddles
-    two groups), last <= M; out_dtype bfloat16 or float32. See the module docstring for when
-    offs' values are checked.
+    two groups), last <= M; out_dtype bfloat16 or float32. signed_zeros=False: x and y as
+    fq.mxfp8_quantize writes them with signed_zeros=False (validate.SIGNED_ZEROS_DOC). See the
+    module docstring for when offs' values are checked.
     """
     ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
-    return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype)
+    return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
 def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):

@@ -91,7 +91,13 @@ def check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs) -> int:
     return axis
 
 
-def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+def _unsign_zeros(data: torch.Tensor, signed_zeros: bool) -> torch.Tensor:
+    """signed_zeros=False: the E4M3 codes (uint8) with -0 (0x80) written +0, in place
+    (validate.SIGNED_ZEROS_DOC)."""
+    return data if signed_zeros else data.masked_fill_(data == formats.E4M3_SIGN, 0)  # -0 is the sign bit alone
+
+
+def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None, signed_zeros=True):
     """MXFP8-quantize a 2D (M, K) BF16/FP16/FP32 tensor in blocks of 32 along `axis`.
 
     axis=-1 (1x32): data (M, K) row-major, scales (M, K/32). axis=0 (32x1): data (M, K) with
@@ -100,15 +106,16 @@ def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
     last == M, group sizes multiples of 128). Blocks never straddle such groups, so offs changes
     only the tcgen05 layout of 32x1 scales, which is then laid out per group (torchao's
     torch_to_blocked_2d_K_groups on the (K, M/32) scales); for 1x32 the per-group layout
-    (torch_to_blocked_2d_M_groups) equals the global one.
+    (torch_to_blocked_2d_M_groups) equals the global one. signed_zeros=False: zeros +0
+    (validate.SIGNED_ZEROS_DOC).
     """
     axis = check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
     if axis == 1:
         data, scales = _quantize_rows(x, scaling_mode)
-        data = data.view(MXFP8_DTYPE)
+        data = _unsign_zeros(data, signed_zeros).view(MXFP8_DTYPE)
         return data, _layout_scales_2d(scales.view(SCALE_DTYPE), scale_layout, flat=False)
     data_t, scales = _quantize_rows(x.t(), scaling_mode)  # (K, M), (K, M/32)
-    data = data_t.view(MXFP8_DTYPE).t()  # (M, K), stride (1, M)
+    data = _unsign_zeros(data_t, signed_zeros).view(MXFP8_DTYPE).t()  # (M, K), stride (1, M)
     scales = scales.view(SCALE_DTYPE)
     if scale_layout == "tcgen05" and offs is not None:
         return data, layouts.tcgen05_blocked_col_groups(scales, offs.to("cpu", torch.int64) // MX_BLOCK)
@@ -171,7 +178,7 @@ def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Op
     return torch.stack([layouts.mfma_shuffle_scales(s) for s in per_k_row])
 
 
-def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None, signed_zeros=True):
     """MXFP8-quantize expert weights (E, N, K) along N.
 
     scale_block_k=1: one scale per 32 (N) x 1 (K), scales (E, N/32, K). scale_block_k=32: one per
@@ -182,7 +189,7 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     torchao's MXFP8 grouped GEMM passes its expert weights: quantized along the contiguous dim
     (scale_block_k=1: no copy of w). The outputs are those of w.contiguous(), strides included
     (torchao main's test_cuda_mx_3d_cutedsl_numerics, variants 32x1_t and 32x32_t: the same data
-    strides).
+    strides). signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC).
     """
     check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     e, n, k = w.shape
@@ -197,7 +204,7 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
         elems = elems.view(e, nb, kb, MX_BLOCK, MX_BLOCK).permute(0, 1, 3, 2, 4).reshape(e, n, k)
         data = elems.transpose(1, 2).contiguous().transpose(1, 2)
     scales = scales.view(SCALE_DTYPE)
-    return data.view(MXFP8_DTYPE), _layout_scales_3d(scales, scale_block_k, scale_layout)
+    return _unsign_zeros(data, signed_zeros).view(MXFP8_DTYPE), _layout_scales_3d(scales, scale_block_k, scale_layout)
 
 
 def mxfp8_quantize_3d_empty(w, scale_block_k=1, scale_layout=None):

@@ -13,6 +13,10 @@ quantized by flyquant's MXFP8 quantize ops:
   path when B_t is contiguous), used as (E, K, N); grad_A = grouped GEMM on the same offs.
 - wgrad: grad_out and A quantized 32x1 along M; grad_B_t[g] = A[g]^T @ grad_out[g].
 
+Where FP8 is FNUZ (gfx942) every operand is quantized with signed_zeros=False (zeros +0) and the
+GEMMs told so: they read the codes as they are, without the per-dword rewrite of -0 and the NaN
+probe that arbitrary OCP operands need there (validate.SIGNED_ZEROS_DOC).
+
 The forward takes any token group sizes. The backward's 32x1 blocks must not straddle groups:
 every group size must be a multiple of 32 and M a multiple of 32 (torchao's unpadded recipe
 requires the same), checked where the host holds offs (see flyquant.grouped_mm). Gradients come
@@ -23,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import api, grouped_mm, validate
+from . import api, grouped_mm, select, validate
+from .arch import arch_info
 from .formats import MX_BLOCK
 from .reference_grouped_mm import OUT_DTYPES
 
@@ -51,40 +56,52 @@ def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
     validate.scaling_mode(scaling_mode)
 
 
-def _along_k(B_t: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _signed_zeros(t: torch.Tensor) -> bool:
+    """Whether the operands keep -0: where FP8 is FNUZ (gfx942) they are quantized with +0 zeros,
+    which that GEMM then reads without rewriting (validate.SIGNED_ZEROS_DOC); elsewhere the
+    rewrite would only cost the quantize kernels instructions."""
+    arch = select.resolve_target(t.device).arch
+    return arch is None or arch_info(arch).fp8_flavour != "fnuz"
+
+
+def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and its scales in the
     "mfma" layout (each expert's (N, K/32) scales shuffled: what the 3D quantize writes)."""
-    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=SCALE_LAYOUT)  # data stride (K*N, 1, K)
+    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=SCALE_LAYOUT,
+                                         signed_zeros=signed_zeros)  # data stride (K*N, 1, K)
     return data.transpose(1, 2), scales
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, out_dtype, scaling_mode):
-        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT)
-        b, b_scale = _along_k(B_t, scaling_mode)
+        sz = _signed_zeros(A)
+        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT, signed_zeros=sz)
+        b, b_scale = _along_k(B_t, scaling_mode, sz)
         ctx.save_for_backward(A, B_t, offs)
-        ctx.out_dtype, ctx.scaling_mode = out_dtype, scaling_mode
-        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT)
+        ctx.out_dtype, ctx.scaling_mode, ctx.signed_zeros = out_dtype, scaling_mode, sz
+        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT, signed_zeros=sz)
 
     @staticmethod
     def backward(ctx, grad_out):
         A, B_t, offs = ctx.saved_tensors
-        mode, out_dtype = ctx.scaling_mode, ctx.out_dtype
+        mode, out_dtype, sz = ctx.scaling_mode, ctx.out_dtype, ctx.signed_zeros
         grad_out = grad_out.contiguous()
         grad_a = grad_b_t = None
         if ctx.needs_input_grad[0]:
-            g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT)
-            w, w_scale = _along_k(B_t.transpose(1, 2), mode)  # B_t along N, as (E, K, N)
-            grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT).to(A.dtype)
+            g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT, signed_zeros=sz)
+            w, w_scale = _along_k(B_t.transpose(1, 2), mode, sz)  # B_t along N, as (E, K, N)
+            grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT,
+                                                 signed_zeros=sz).to(A.dtype)
         if ctx.needs_input_grad[1] and A.shape[0] == 0:  # no tokens: no 32x1 block to quantize, zero gradient
             grad_b_t = torch.zeros(B_t.shape, dtype=B_t.dtype, device=B_t.device)
         elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
             validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
                                  "quantizes them in 32x1 blocks for B_t's gradient)")
-            x, x_scale = api.mxfp8_quantize(grad_out, 0, mode)
-            y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode)
-            grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype).to(B_t.dtype)
+            x, x_scale = api.mxfp8_quantize(grad_out, 0, mode, signed_zeros=sz)
+            y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode, signed_zeros=sz)
+            grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype,
+                                                         signed_zeros=sz).to(B_t.dtype)
         return grad_a, grad_b_t, None, None, None
 
 

@@ -47,6 +47,21 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def flag(value, name: str) -> bool:
+    """`value` if it is a bool (an int or a string such as "false" would pass a truth test)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+SIGNED_ZEROS_DOC = """signed_zeros=False: every zero element is written +0 (E4M3 0x00), never -0 (0x80):
+the same values, bytes that differ from torchao's where an element rounds to -0. Only the
+MXFP8 grouped GEMM on gfx942 gains: given signed_zeros=False it reads such operands as FNUZ
+codes without rewriting them (FP8 is FNUZ there, where 0x80 is NaN), which its operands must
+then be: no 0x80 byte, and NaN codes only in blocks whose scale is NaN (0xFF), as these
+quantize ops write them."""
+
+
 def multiple_of(value: int, divisor: int, what: str, zero: bool = False) -> None:
     """`value` (described by `what`, e.g. "x.shape[1] (K)") is a positive multiple of `divisor`
     (zero: or 0)."""

@@ -71,7 +71,7 @@ def _lane_rc(lane, groups_n, arch, block_lanes=0):
 
 
 def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, block_k: int = 1,
-              grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128):
+              grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128, signed_zeros: bool = True):
     """An uncached @flyc.jit launcher of the column kernel for one specialization: kind "32x1"
     (scales (K, N/32)) or "3d" (scales (E, N/32, K / block_k)); scale_layout None, "tcgen05" or
     "mfma" (of the (K, N/32) matrix per expert); grouped: tcgen05 per token group (32x1, offs).
@@ -80,7 +80,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     per expert: the 3D quantize of the transposed view w = x.transpose(1, 2) (_rows_32x32)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    spec = Spec(arch, dtype, mode)
+    spec = Spec(arch, dtype, mode, signed_zeros)
     wide = spec.wide
     groups_n = tile_rows // ROWS_PER_LANE
     rows_out = kind == "3d_t"

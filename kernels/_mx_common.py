@@ -43,7 +43,9 @@ gfx942's converter v_cvt_pk_fp8_f32 is FNUZ E4M3 (bias 8): the OCP code of v is 
 of v / 2 for every finite v (both grids scale by exactly 2, subnormals included), so the
 multiplier 2^(126 - c) carries an extra 0.5, floor clamps to +-224, and the FNUZ +0 of a negative input
 (FNUZ has no -0) gets the sign bit OR-ed back from the input's sign (OCP -0 = 0x80; nonzero
-FNUZ results already carry it).
+FNUZ results already carry it). Spec.signed_zeros False (the ops' signed_zeros=False) writes +0
+for every zero instead: gfx942 leaves the OR out, gfx950 clears bit 7 of the 0x80 bytes
+(unsign_zeros); the gfx942 grouped GEMM then reads the bytes as FNUZ without rewriting them.
 
 Lanes. A wave is 64 lanes; the kernels split a block over lanes at power-of-two distances and
 combine with `exchange` (gfx950: v_permlane16/32_swap for distances 16/32; otherwise DPP: two
@@ -106,10 +108,11 @@ class Spec:
     arch: str  # "gfx942" | "gfx950"
     dtype: str  # "bf16" | "fp16" | "fp32"
     mode: str  # "floor" | "rceil"
+    signed_zeros: bool = True  # MXFP8: False writes +0 (0x00) for -0 (module docstring)
 
     @property
     def tag(self) -> str:
-        return f"{self.mode}_{self.dtype}_{self.arch}"
+        return f"{self.mode}_{self.dtype}_{self.arch}" + ("" if self.signed_zeros else "_pz")
 
     @property
     def elem_bytes(self) -> int:
@@ -488,11 +491,18 @@ def _fnuz4(values, mult, clamp):
     return rocdl.cvt_pk_fp8_f32(i32_t(), ys[2], ys[3], out, True)
 
 
+def unsign_zeros(d):
+    """E4M3 bytes with -0 (0x80) made +0: a byte keeps bit 7 only where its low 7 bits are not 0."""
+    low = band(d, 0x7F7F7F7F)
+    return bor(band(d, add(low, 0x7F7F7F7F)), low)
+
+
 def convert4_16(spec: Spec, p0, p1, conv):
     """Four 16-bit elements of one block, as two dwords of pairs (p0.lo, p0.hi, p1.lo, p1.hi),
     -> one dword of E4M3 bytes in that order."""
     if spec.scaled_cvt:
-        return _cvt16(spec, _cvt16(spec, poison(i32_t()), p0, conv, False), p1, conv, True)
+        out = _cvt16(spec, _cvt16(spec, poison(i32_t()), p0, conv, False), p1, conv, True)
+        return out if spec.signed_zeros else unsign_zeros(out)
     vals = []
     for d in (p0, p1):
         if spec.dtype == "bf16":
@@ -501,6 +511,8 @@ def convert4_16(spec: Spec, p0, p1, conv):
             halves = bitcast(v2f16_t(), d)
             vals += [as_i32(arith.extf(f32_t(), extract(halves, j))) for j in range(2)]
     out = _fnuz4(vals, conv, spec.mode == "floor")
+    if not spec.signed_zeros:
+        return out
     signs = perm(p1, p0, 0x07050301)  # the four sign bytes
     return bor(out, band(signs, 0x80808080))
 
@@ -508,8 +520,11 @@ def convert4_16(spec: Spec, p0, p1, conv):
 def convert4_32(spec: Spec, xs, conv):
     """Four FP32 elements (bits) of one block -> one dword of E4M3 bytes."""
     if spec.scaled_cvt:
-        return _cvt32(_cvt32(poison(i32_t()), xs[0], xs[1], conv, False), xs[2], xs[3], conv, True)
+        out = _cvt32(_cvt32(poison(i32_t()), xs[0], xs[1], conv, False), xs[2], xs[3], conv, True)
+        return out if spec.signed_zeros else unsign_zeros(out)
     out = _fnuz4(xs, conv, spec.mode == "floor")
+    if not spec.signed_zeros:
+        return out
     low, high = perm(xs[1], xs[0], 0x0C0C0703), perm(xs[3], xs[2], 0x0C0C0703)
     signs = perm(high, low, 0x05040100)  # byte 3 (the sign byte) of each value
     return bor(out, band(signs, 0x80808080))

@@ -4,8 +4,10 @@ E8M0 scales as f32, OCP E4M3 dwords made FNUZ-safe for the FP8 MFMA, packed-math
 from __future__ import annotations
 
 import flydsl.expr as fx
+from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
+from . import _mx_common as mx
 from ._mx_common import i32_bits
 
 
@@ -29,6 +31,26 @@ def _fnuz_nans(w):
     nan = ((w & 0x7F7F7F7F) + 0x01010101) & i32_bits(0x80808080)  # 0x80 in the NaN bytes
     mask = nan | (nan - nan.shrui(fx.Int32(7)))  # 0xFF in the NaN bytes
     return (w & ~mask) | nan
+
+
+def _fnuz_operands(words, signed_zeros: bool):
+    """The step's loaded OCP E4M3 dwords as FNUZ operands: -0 rewritten (_fnuz_words) and, when a
+    probe finds a NaN code in the wave, NaN codes too (_fnuz_nans, a rare branch). signed_zeros
+    False: the caller promises no -0 byte and NaN codes only in blocks whose scale is NaN (what
+    flyquant's quantize ops write with signed_zeros=False), whose products the NaN scale makes NaN
+    anyway: the words are used as they are."""
+    words = [fx.Int32(w) for w in words]
+    if not signed_zeros:
+        return words
+    probe = fx.Int32(0)
+    flat = []
+    for w in words:
+        fixed, p = _fnuz_words(w)
+        probe = probe | p
+        flat.append(fixed)
+    has_nan = mx.wave_any(((probe & i32_bits(0x80808080)) != 0).ir_value())
+    return [fx.Int32(x) for x in mx.if_else(has_nan, lambda: [_fnuz_nans(w) for w in flat], lambda: flat,
+                                            types=[T.i32] * len(flat))]
 
 
 def _pair(v, h):

@@ -92,7 +92,7 @@ from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
 from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _scalar_load, _zext
-from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_nans, _fnuz_words, _pair
+from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_operands, _pair
 
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
 
@@ -110,6 +110,7 @@ class GroupedMMConfig:
     waves_n: int = 2
     scale_layout: str | None = None  # None (row-major) | "mfma" (aiter's e8m0_shuffle)
     wgrad: bool = False  # the weight-gradient GEMM (module doc): n = N (y's columns), k = K (x's)
+    signed_zeros: bool = True  # False: no -0 bytes, NaN codes only in NaN-scale blocks (gfx942 reads them as they are)
 
     @property
     def name(self) -> str:
@@ -117,7 +118,7 @@ class GroupedMMConfig:
         kind = "mxfp8_grouped_mm_wgrad" if self.wgrad else "mxfp8_grouped_mm"
         return (f"{kind}_{self.arch}_{out}_n{self.n}_k{self.k}_e{self.experts}"
                 f"_{self.tile_m}x{self.tile_n}_w{self.waves_m}x{self.waves_n}"
-                f"{'_smfma' if self.scale_layout == 'mfma' else ''}")
+                f"{'_smfma' if self.scale_layout == 'mfma' else ''}{'' if self.signed_zeros else '_pz'}")
 
 
 def _byte(rsrc, voffset, soffset):
@@ -143,6 +144,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
     PCOLS = -(-KB // 8) * 8  # "mfma" layout: scale columns padded to 8
     OUT_F32 = cfg.out_dtype == torch.float32
     WGRAD = cfg.wgrad
+    SIGNED_ZEROS = cfg.signed_zeros  # a local: FlyDSL's cache keys the kernel on the values it closes over
     COLS = K if WGRAD else N  # output columns: the B operand's rows
     N_TAIL = COLS % TILE_N != 0  # the last n-tile has columns past COLS (masked)
     # the tile's A rows can be masked: the forward's (other groups, past M) or the wgrad's past N
@@ -375,16 +377,8 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             av = [[_load(a_rsrc, at(ao[mb], j), sdj[j], 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
             bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, valid)
-            probe = fx.Int32(0)
-            flat = []
-            for v in [x for row in av + bv for x in row]:
-                for h in range_constexpr(2):
-                    fixed, p = _fnuz_words(v[h])
-                    probe = probe | p
-                    flat.append(fixed)
-            has_nan = mx.wave_any(((probe & mx.i32_bits(0x80808080)) != 0).ir_value())
-            flat = [fx.Int32(x) for x in mx.if_else(has_nan, lambda: [_fnuz_nans(w) for w in flat], lambda: flat,
-                                                     types=[T.i32] * len(flat))]
+            flat = _fnuz_operands([v[h] for v in [x for row in av + bv for x in row] for h in range_constexpr(2)],
+                                  SIGNED_ZEROS)
             ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
             a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
             b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
@@ -544,13 +538,18 @@ def _cat(x, y, ty=fx.Int32):
     return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
 
 
+def _fnuz(info) -> bool:
+    """FP8 is FNUZ on this arch (gfx942): only there does the operands' signed_zeros promise matter."""
+    return info.fp8_flavour == "fnuz"
+
+
 @functools.lru_cache(maxsize=None)
 def _cached_launcher(cfg: GroupedMMConfig):
     return build_grouped_mm(cfg)
 
 
 def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
-               scale_layout=None, tile_m: int = 128, tile_n: int = 128):
+               scale_layout=None, tile_m: int = 128, tile_n: int = 128, signed_zeros: bool = True):
     """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
     torch's current stream, without a host synchronisation. Returns out (M, N).
     scale_layout None: a_scale (M, K/32), b_scale (E, N, K/32); "mfma": a_scale aiter's
@@ -566,7 +565,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
         return out
     bs_expert_bytes = b_scale.stride(0) if b_scale.dim() == 3 else n * b_scale.shape[1]
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
-                          scale_layout=scale_layout)
+                          scale_layout=scale_layout, signed_zeros=signed_zeros or not _fnuz(info))
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
@@ -575,7 +574,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
 
 
 def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_dtype=torch.bfloat16,
-                     tile_m: int = 128, tile_n: int = 128):
+                     tile_m: int = 128, tile_n: int = 128, signed_zeros: bool = True):
     """Launch the MXFP8 weight-gradient grouped GEMM (module doc) for `arch`: out (E, N, K),
     out[g] = y[g rows]^T x[g rows], x (M, K) and y (M, N) quantized along M as
     fq.mxfp8_quantize(t, axis=0) returns them (data stride (1, M): the (K, M) and (N, M)
@@ -592,7 +591,7 @@ def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_d
     x_t, y_t = x.t().contiguous(), y.t().contiguous()  # no copy for mxfp8_quantize(t, axis=0)'s outputs
     x_scale, y_scale, offs = x_scale.contiguous(), y_scale.contiguous(), offs.contiguous()
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
-                          wgrad=True)
+                          wgrad=True, signed_zeros=signed_zeros or not _fnuz(info))
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(y_t.data_ptr(), y_scale.data_ptr(), x_t.data_ptr(), x_scale.data_ptr(), offs.data_ptr(),

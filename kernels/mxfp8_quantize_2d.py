@@ -125,9 +125,9 @@ def _lane_split(lane, dists):
     return col, piece
 
 
-def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int = MAX_WAVES):
+def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int = MAX_WAVES, signed_zeros: bool = True):
     """An uncached @flyc.jit launcher of the 1x32 kernel for one specialization."""
-    spec = Spec(arch, dtype, mode)
+    spec = Spec(arch, dtype, mode, signed_zeros)
     dists = DISTS[(arch, spec.elem_bytes)]
     pieces = spec.pieces_per_block  # lanes per block
     per_lane = BLOCKS_PER_LANE[dtype]
@@ -321,13 +321,15 @@ def _check_input(x: torch.Tensor, name: str, ndim: int, scaling_mode, scale_layo
     validate.contiguous(x, name)
 
 
-def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None):
+def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None,
+                  signed_zeros: bool = True):
     """MXFP8 1x32 quantize of a contiguous (M, K) BF16/FP16/FP32 tensor on `arch`.
 
     Returns (data (M, K) float8_e4m3fn row-major, scales float8_e8m0fnu: (M, K/32), or the
     padded "tcgen05"/"mfma" layout with zero padding), as flyquant.reference.mxfp8_quantize(x,
     -1, ...). `offs` (token-group ends along M, torchao's contract) is validated; with groups of
-    multiples of 128 rows it changes nothing in this orientation."""
+    multiples of 128 rows it changes nothing in this orientation. signed_zeros=False: zeros +0
+    (validate.SIGNED_ZEROS_DOC)."""
     _check_input(x, "x", 2, scaling_mode, scale_layout)
     validate.block_dim(x, 1, "x", "K")
     m, k = x.shape
@@ -351,7 +353,7 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
         for r0 in range(0, m, rows_per_launch):
             rows = min(rows_per_launch, m - r0)
             cfg = plan_1x32((rows, k), x.dtype, arch)
-            launch = _cached_1x32(arch, dtype, scaling_mode, scale_layout, cfg.waves)
+            launch = _cached_1x32(arch, dtype, scaling_mode, scale_layout, cfg.waves, signed_zeros)
             # plain scales: this chunk's rows; layouts: the whole tensor, rows counted from r0
             s_arg, blk_base = (s[r0 : r0 + rows], 0) if scale_layout is None else (s, r0 * nkb)
             launch(
@@ -368,12 +370,14 @@ def _rows_per_launch(m: int, row_bytes: int, align: int) -> int:
     return min(m, rows)
 
 
-def quantize_32x1(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None):
+def quantize_32x1(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None,
+                  signed_zeros: bool = True):
     """MXFP8 32x1 quantize of a contiguous (M, K) tensor (blocks of 32 along M) on `arch`, as
     flyquant.reference.mxfp8_quantize(x, 0, ...): data (M, K) float8_e4m3fn with stride (1, M);
     scales float8_e8m0fnu (K, M/32), or the "tcgen05" (flat) / "mfma" layout of that matrix,
     zero padded. `offs` (token-group ends along M): validated; with "tcgen05" the scales are
-    blocked per group as torchao's grouped GEMM expects (torch_to_blocked_2d_K_groups)."""
+    blocked per group as torchao's grouped GEMM expects (torch_to_blocked_2d_K_groups).
+    signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC)."""
     _check_input(x, "x", 2, scaling_mode, scale_layout)
     validate.block_dim(x, 0, "x", "M")
     m, k = x.shape
@@ -391,7 +395,7 @@ def quantize_32x1(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
         scales = mx.scale_tensor(shape, (prows, pcols) != (k, nb), x.device)
         dims, stride = mx.layout_dims(scale_layout, pcols), (prows if grouped is not None else 0)
     launch_col(x, data, scales, arch=arch, scaling_mode=scaling_mode, kind="32x1", scale_layout=scale_layout,
-               offs=grouped, dims=dims, expert_bytes=stride)
+               offs=grouped, dims=dims, expert_bytes=stride, signed_zeros=signed_zeros)
     return data, scales.view(torch.float8_e8m0fnu)
 
 

@@ -78,7 +78,7 @@ def matrix_too_large(shape, dtype: torch.dtype) -> str | None:
 
 
 def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block_k=1, offs=None, dims=0,
-               expert_bytes=0, rows_out=None):
+               expert_bytes=0, rows_out=None, signed_zeros=True):
     """Launch the column kernel on contiguous x (E, N, K) (2D: (N, K), E = 1) into `data`
     (column-major per expert; 3d_t: row-major) and `scales` (uint8, laid out as the kind/layout
     says)."""
@@ -89,7 +89,8 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
         raise ValueError(too_large or f"{tuple(x.shape)}: the scales must stay below 2 GiB (32-bit buffer offsets)")
     cfg = plan_col((e, n, k), x.dtype, arch, block_k, kind)
     grouped = offs is not None
-    launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows)
+    launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows,
+                         signed_zeros)
     width = cfg.tile_cols
     groups = offs.numel() if grouped else 0
     offs_arg = offs if grouped else torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -102,7 +103,8 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
         )
 
 
-def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_block_k: int = 1, scale_layout=None):
+def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_block_k: int = 1, scale_layout=None,
+                signed_zeros: bool = True):
     """MXFP8 quantize of expert weights (E, N, K) along N on `arch`, as
     flyquant.reference.mxfp8_quantize_3d: data (E, N, K) float8_e4m3fn with stride (N*K, 1, N);
     scales float8_e8m0fnu (E, N/32, K) (scale_block_k=32: (E, N/32, K/32)), or per expert the
@@ -113,7 +115,7 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
     N). scale_block_k=1: the 1x32 kernel on x's (E*K, N) rows, whose (E*K, N/32) scales are the
     per-expert (K, N/32) matrices the layouts start from (_transposed_3d). scale_block_k=32: the
     column kernel's 3d_t variant on x (a 32 x 32 block of w is one of x; data stored row-major,
-    codes at their places in w's scales)."""
+    codes at their places in w's scales). signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC)."""
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
@@ -124,7 +126,7 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
     transposed = validate.mxfp8_3d_transposed(w)
     if transposed and scale_block_k == 1:
-        return _transposed_3d(w, arch, scaling_mode, scale_layout)
+        return _transposed_3d(w, arch, scaling_mode, scale_layout, signed_zeros)
     e, n, k = w.shape
     data = torch.empty_strided((e, n, k), (n * k, 1, n), dtype=torch.float8_e4m3fn, device=w.device)
     nb = n // MX_BLOCK
@@ -138,11 +140,11 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
         dims, expert_bytes = mx.layout_dims(scale_layout, pcols), prows * pcols
     x, kind = (w.transpose(1, 2), "3d_t") if transposed else (w, "3d")
     launch_col(x, data, scales, arch=arch, scaling_mode=scaling_mode, kind=kind, scale_layout=scale_layout,
-               block_k=scale_block_k, dims=dims, expert_bytes=expert_bytes)
+               block_k=scale_block_k, dims=dims, expert_bytes=expert_bytes, signed_zeros=signed_zeros)
     return data, scales.view(torch.float8_e8m0fnu)
 
 
-def _transposed_3d(w, arch, scaling_mode, scale_layout):
+def _transposed_3d(w, arch, scaling_mode, scale_layout, signed_zeros):
     """quantize_3d of w (E, N, K) with strides (N*K, 1, N), through the 1x32 kernel on the
     contiguous (E*K, N) matrix w.transpose(1, 2) is. Plain scales (E, N/32, K) are the transpose
     of its (E, K, N/32) scales, made contiguous like those of a contiguous w (one pass over the
@@ -159,7 +161,7 @@ def _transposed_3d(w, arch, scaling_mode, scale_layout):
     row_tile = {None: 1, "tcgen05": mx.TCGEN05_TILE_ROWS, "mfma": mx.MFMA_ROW_PAD}[scale_layout]
     direct = k % row_tile == 0 and e * k > 0
     data, scales = quantize_1x32(rows, arch=arch, scaling_mode=scaling_mode,
-                                 scale_layout=scale_layout if direct else None)
+                                 scale_layout=scale_layout if direct else None, signed_zeros=signed_zeros)
     data = data.view(e, k, n).transpose(1, 2)
     if scale_layout is None:
         return data, scales.view(e, k, n // MX_BLOCK).transpose(1, 2).contiguous()

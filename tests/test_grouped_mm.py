@@ -506,8 +506,8 @@ def test_training_op_compiles_fullgraph(reference_backend, backend):
 
 def test_kernel_hook(monkeypatch):
     """A launcher registered in select.GROUPED_MM_KERNELS takes the op's inputs, an out of the
-    result's shape and dtype to write every element of, the arch, the op's options and the plan's
-    config; CPU offs are checked first. A stand-in launcher (the reference's values) takes the
+    result's shape and dtype to write every element of, the arch, the operands' signed_zeros, the
+    op's options and the plan's config; CPU offs are checked first. A stand-in launcher (the reference's values) takes the
     kernels' place, so this also covers the weight-gradient hook before its kernel exists."""
     seen = []
 
@@ -530,8 +530,8 @@ def test_kernel_hook(monkeypatch):
     x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
     assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
-    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "tile_m", "tile_n"]),
-                    ("gfx942", (2, 48, 32), torch.float32, ["tile_m", "tile_n"])]
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "signed_zeros", "tile_m", "tile_n"]),
+                    ("gfx942", (2, 48, 32), torch.float32, ["signed_zeros", "tile_m", "tile_n"])]
     with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
         fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))
     assert len(seen) == 2

@@ -127,6 +127,43 @@ def test_special_codes(arch, scale_layout):
     check(out, ref, mag, k, torch.float32)
 
 
+def _unsigned_zero_operands(m, n, k, sizes, seed):
+    """A forward problem quantized with signed_zeros=False (the reference's: no -0 byte), with
+    many elements that round to zero from below and a NaN block in each operand."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen) * 4, torch.randn(len(sizes) * n, k, generator=gen)
+    x[:, 5::9] = -1e-30
+    w[:, 7::13] = -0.0
+    x[3, 40], w[n + 6, 70] = float("nan"), float("nan")  # row 3 NaN; column 6 of group 1's rows NaN
+    a, a_scale = R.mxfp8_quantize(x, -1, "rceil", signed_zeros=False)
+    b, b_scale = R.mxfp8_quantize(w, -1, "rceil", signed_zeros=False)
+    assert not (a.view(torch.uint8) == 0x80).any() and not (b.view(torch.uint8) == 0x80).any()
+    assert (R.mxfp8_quantize(x, -1, "rceil")[0].view(torch.uint8) == 0x80).any()  # the signed ones have -0
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return a, a_scale, b.view(len(sizes), n, k), b_scale.view(len(sizes), n, -1), offs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+def test_unsigned_zero_operands(arch, scale_layout):
+    """signed_zeros=False (operands without -0, NaN codes only in NaN-scale blocks): the same
+    results, and on gfx942 (FNUZ) the operands used as loaded: at most 70% of the instructions."""
+    m, n, k, sizes = 70, 32, 192, [20, 40, 10]
+    a, a_scale, b, b_scale, offs = _unsigned_zero_operands(m, n, k, sizes, seed=12)
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    assert torch.isnan(ref[3]).all() and torch.isnan(ref[20:60, 6]).all()
+    counts = []
+    for signed in (True, False):
+        with emu.record() as launches:
+            out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32, signed_zeros=signed)
+        check(out, ref, mag, k, torch.float32)
+        counts.append(launches[-1].stats.wave_instructions)
+    if arch == "gfx942":
+        assert counts[1] <= 0.7 * counts[0], counts
+    else:  # OCP FP8 in hardware: one kernel for both
+        assert counts[1] == counts[0]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_untrusted_offsets_stay_inside_the_tensors(arch):
     """offs that are not non-decreasing, negative or past M: no access outside the tensors (the
@@ -151,12 +188,14 @@ def test_no_rows_is_an_empty_launch():
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 def test_compiles_without_spills(arch, scale_layout):
     """A model-sized forward (M 16640, N 2048, K 5120, 8 groups) on the selector's tile (gfx950:
-    128x256, either scale layout) and on the launcher's default 64x128: no spills."""
+    128x256, either scale layout) and on the launcher's default 64x128: no spills; gfx942 also
+    with signed_zeros=False operands, and at GPT-OSS's K 2880 (a partial last K step)."""
     tiles = {(64, 128), select.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
     assert len(tiles) == 2
-    for tile_m, tile_n in tiles:
-        cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=5120, experts=8, tile_m=tile_m,
-                                tile_n=tile_n, scale_layout=scale_layout)
+    variants = [(5120, True)] + ([(5120, False), (2880, False)] if arch == "gfx942" else [])
+    for (tile_m, tile_n), (k, signed) in ((t, v) for t in tiles for v in variants):
+        cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=k, experts=8, tile_m=tile_m,
+                                tile_n=tile_n, scale_layout=scale_layout, signed_zeros=signed)
         (rep,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), 16640, 1, 1, stream=0)
         assert rep.spills == 0 and rep.vgprs <= 512
         mfma = "v_mfma_scale_f32_16x16x128_f8f6f4" if arch == "gfx950" else "v_mfma_f32_16x16x32_fp8_fp8"
@@ -283,6 +322,31 @@ def test_wgrad_special_codes(arch):
     ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
     assert torch.isnan(ref[0, 4]).all() and torch.isnan(ref[1, :, 9]).all() and torch.isfinite(ref[0, 7, 20])
     check(out, ref, mag, 64, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_unsigned_zero_operands(arch):
+    """The weight gradient with signed_zeros=False operands: the same results; fewer instructions
+    on gfx942."""
+    m, n, k, sizes = 128, 32, 48, [64, 0, 64]
+    gen = torch.Generator().manual_seed(13)
+    xs, ys = torch.randn(m, k, generator=gen) * 4, torch.randn(m, n, generator=gen)
+    xs[::3, :] = -0.0
+    ys[5::7, :] = -1e-30
+    ys[10, 4] = float("nan")  # group 0, y column 4: out[0, 4, :] NaN
+    x, x_scale = R.mxfp8_quantize(xs, 0, "rceil", signed_zeros=False)
+    y, y_scale = R.mxfp8_quantize(ys, 0, "rceil", signed_zeros=False)
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+    assert torch.isnan(ref[0, 4]).all()
+    counts = []
+    for signed in (True, False):
+        with emu.record() as launches, toolchain.target(arch):
+            out = G.grouped_mm_wgrad(x, x_scale, y, y_scale, offs, arch=arch, out_dtype=torch.float32,
+                                     signed_zeros=signed)
+        check(out, ref, mag, 64, torch.float32)
+        counts.append(launches[-1].stats.wave_instructions)
+    assert counts[1] <= 0.75 * counts[0] if arch == "gfx942" else counts[1] == counts[0], counts
 
 
 @pytest.mark.parametrize("arch", ARCHS)

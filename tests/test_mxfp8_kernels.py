@@ -245,6 +245,44 @@ def test_3d_32x32_blocks(arch):
                    reference.mxfp8_quantize_3d(w, mode, 32), f"3d k32 {dtype} {mode}")
 
 
+UNSIGNED_CASES = [(a, m, d) for a in ARCHS for m, d in (("floor", torch.bfloat16), ("rceil", torch.bfloat16),
+                                                         ("rceil", torch.float16), ("floor", torch.float32))]
+
+
+@pytest.mark.parametrize("arch,mode,dtype", UNSIGNED_CASES,
+                         ids=[f"{a}-{m}-{str(d).replace('torch.', '')}" for a, m, d in UNSIGNED_CASES])
+def test_unsigned_zeros(arch, mode, dtype):
+    """signed_zeros=False, every MXFP8 kernel path the training op takes: the reference's bytes
+    (which are the signed bytes with 0x80 made 0x00: checked here) on the special blocks, which
+    hold -0 and elements that round to -0."""
+    def unsigned(pair):
+        data = pair[0].view(torch.uint8).clone()
+        assert (data == 0x80).any()  # the signed output has -0 codes to rewrite
+        return data.masked_fill_(data == 0x80, 0).as_strided(pair[0].shape, pair[0].stride()), pair[1]
+
+    def check(got, args, kw, ref_fn, what):
+        want = ref_fn(*args, **kw, signed_zeros=False)
+        _pairs(got, want, what)
+        expected = unsigned(ref_fn(*args, **kw))
+        assert torch.equal(want[0].view(torch.uint8), expected[0]), what
+        assert torch.equal(want[1].view(torch.uint8), expected[1].view(torch.uint8)), what
+
+    x = rows_tensor(dtype, 81, 96)
+    check(q2.quantize_1x32(x, arch=arch, scaling_mode=mode, signed_zeros=False), (x, -1, mode), {},
+          reference.mxfp8_quantize, "1x32")
+    xc = cols_tensor(dtype, 96, 40)
+    check(q2.quantize_32x1(xc, arch=arch, scaling_mode=mode, scale_layout="mfma", signed_zeros=False),
+          (xc, 0, mode, "mfma"), {}, reference.mxfp8_quantize, "32x1 mfma")
+    w = experts_tensor(dtype, 2, 64, 96)
+    w[0, 33:40, 5], w[1, 1, 60:64] = -0.0, -1e-30  # -0 and a value that rounds to it, in random blocks
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # torchao's expert weights: the 1x32 / 3d_t paths
+    for ww, name in ((w, "3d"), (wt, "3d transposed view")):
+        for block_k, layout in ((1, "mfma"), (32, None)):
+            check(q3.quantize_3d(ww, arch=arch, scaling_mode=mode, scale_block_k=block_k, scale_layout=layout,
+                                 signed_zeros=False),
+                  (ww, mode, block_k, layout), {}, reference.mxfp8_quantize_3d, f"{name} k{block_k}")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_token_groups(arch):
     # Group ends (multiples of 128, one empty group): 32x1 "tcgen05" blocks scales per group
