@@ -126,11 +126,12 @@ from ._a16w4_common import (
 def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     """A fresh @flyc.jit launcher for `cfg` (uncached: compile_only needs a fresh one)."""
     info = arch_info(cfg.arch)
-    hw_unpack = info.hw_fp4_to_bf16
+    hw_unpack, hw_bf16 = info.hw_fp4_to_bf16, info.hw_f32_to_bf16
     WN, WK = cfg.wn, cfg.wk
     STAGE1 = cfg.stage == 1  # A rows x[token], activation epilogue (STAGE1_DOC)
-    # stage 1's specialisation as scalar closure values: FlyDSL's disk cache keys on those (not on cfg)
-    ACT, ALPHA, LIMIT, APPLY_W1, W_N = cfg.activation, cfg.alpha, cfg.limit, cfg.apply_weights, cfg.w_n
+    # the config as scalar closure values: FlyDSL's compile cache keys on those, not on cfg (a field read
+    # through cfg in the kernel would share one binary between configs: tests/test_kernel_cache_keys.py)
+    ACT, ALPHA, LIMIT, APPLY_W, W_N = cfg.activation, cfg.alpha, cfg.limit, cfg.apply_weights, cfg.w_n
     TILE_M, TILE_N = cfg.tile_m, cfg.tile_n
     WAVE_N = TILE_N // WN
     MB = TILE_M // MFMA_MN  # 16-row blocks per tile
@@ -138,7 +139,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     NP = max(1, NB // 2)  # 32-column scale groups per wave
     N_KT = cfg.n_kt
     K_SPLIT = cfg.k_batch * WK  # K workers per output tile
-    TOPK = cfg.topk
+    TOPK, BLOCK_M = cfg.topk, cfg.block_m
+    N_TILES, K_BATCH, THREADS = cfg.n_tiles, cfg.k_batch, cfg.waves * WAVE
     MODEL_DIM, INTER_DIM = cfg.model_dim, cfg.inter_dim
     A_ROW_BYTES = cfg.a_stride * 2
     NBLK_BYTES = cfg.w_k // K_STEP * W_TILE_BYTES  # one 16-row block of N, all of K
@@ -179,7 +181,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         b16 = _vec_i32(b_words).bitcast(fx.Int16)
         return rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [b16, a16, acc])
 
-    @flyc.kernel(name=cfg.name, known_block_size=[cfg.waves * WAVE, 1, 1])
+    @flyc.kernel(name=cfg.name, known_block_size=[THREADS, 1, 1])
     def gemm2_kernel(
         a2: fx.Int64,  # (T * topk, a_stride) bf16, row t * topk + slot
         a2_bytes: fx.Int64,  # the bytes a2's elements span (< 2^32)
@@ -243,7 +245,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
             row0 = tile << LOG_TILE_M
             tok0 = _scalar_load(sorted_ids + _zext(row0 << 2)) & TOKEN_MASK
             if tok0 < t_all:  # a tile of padding rows (CK-style empty-expert block) has no work
-                expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, cfg.block_m) << 2))
+                expert = _scalar_load(sorted_expert_ids + _zext(_udiv(row0, BLOCK_M) << 2))
                 # nor one of an expert id outside [0, E): dropped, nothing of w2 or its scales is read
                 work = fx.Uint32(expert) < fx.Uint32(n_experts)
                 if const_expr(WINDOWED):  # nor, in this launch, a tile without a token in the window
@@ -509,26 +511,26 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                     if const_expr(STAGE1):
                         if wk_i == 0:
                             store_activation(with_bias(accs), toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out,
-                                             out_bytes, MB, NB, TOPK, MODEL_DIM, N_TAIL, OUT_ROW_BYTES, APPLY_W1, ACT,
-                                             ALPHA, LIMIT, info.hw_f32_to_bf16)
+                                             out_bytes, MB, NB, TOPK, MODEL_DIM, N_TAIL, OUT_ROW_BYTES, APPLY_W, ACT,
+                                             ALPHA, LIMIT, hw_bf16)
                     else:
                         if wk_i == 0:
                             accs = with_bias(accs)
                             lane_col = col_wave + kl * 4
-                            if const_expr(cfg.apply_weights):
+                            if const_expr(APPLY_W):
                                 w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
                             p1 = ir.Type.parse("!llvm.ptr<1>")
                             if const_expr(BUFFER_OUT):
                                 out_rsrc = _rsrc(out, out_bytes)
                             for mb in range_constexpr(MB):
                                 tok = toks[mb]
-                                if const_expr(cfg.apply_weights):
+                                if const_expr(APPLY_W):
                                     wt = _load(w_rsrc_rows, (row0 + mb * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32)
                                 vals = []  # vals[nb][i]: column 4 kl + i of block nb
                                 for nb in range_constexpr(NB):
                                     acc = Vec(accs[mb * NB + nb])
                                     v = [fx.Float32(acc[i]) for i in range_constexpr(4)]
-                                    if const_expr(cfg.apply_weights):
+                                    if const_expr(APPLY_W):
                                         v = [x * wt for x in v]
                                     vals.append(v)
                                 if live[mb]:
@@ -586,7 +588,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
         gemm2_kernel(
             a2, a2_bytes, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
             out, out_bytes, bias, bias_stride, tokens, n_rows, n_experts, compact, tok_base, tokens_all,
-        ).launch(grid=(grid_m, cfg.n_tiles, cfg.k_batch), block=(cfg.waves * WAVE, 1, 1), stream=stream)
+        ).launch(grid=(grid_m, N_TILES, K_BATCH), block=(THREADS, 1, 1), stream=stream)
 
     return launch
 

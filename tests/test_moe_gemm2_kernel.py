@@ -188,6 +188,19 @@ def test_matches_reference(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_block_m_is_part_of_the_compiled_kernel(arch):
+    """The same routing sorted in blocks of 16 and of 32 rows, run one after the other on the same
+    16-row tiles: the expert of a tile is sorted_expert_ids[row / block_m], so the two need
+    different binaries. FlyDSL's compile cache once handed the second the first's (block_m was
+    read through the config object, which its cache key does not see): wrong experts, no error."""
+    for block_m in (16, 32):
+        p = make_problem(24, 2, 4, 128, 512, block_m, seed=5)
+        out0 = torch.zeros(24, 128)
+        check(p, run_case(arch, p, torch.float32, k_batch=1, tile_n=128, tile_m=16, waves=2), out0, torch.float32,
+              1, True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_adds_into_out_and_leaves_unrouted_rows_untouched(arch):
     """out given: results are added into it. Tokens whose experts are all served elsewhere
     (expert_mask) and the guard rows after out keep their exact bits. Without routing weights
