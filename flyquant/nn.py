@@ -202,13 +202,15 @@ class MoEExperts(torch.nn.Module):
             raise ValueError(f"hidden_states.shape[-1] = {hidden_states.shape[-1]} must equal model_dim = {self.model_dim}")
         x = hidden_states.reshape(-1, self.model_dim).to(torch.bfloat16)
         tokens = x.shape[0]
-        # topk_ids / topk_weights: topk per token in any shape ((T, topk) as routers give them); with no
-        # tokens, reshape(0, -1) is ambiguous, so their last dim is topk
-        topk = topk_ids.numel() // tokens if tokens else (topk_ids.shape[-1] if topk_ids.dim() else 0)
+        # topk_ids / topk_weights: (..., topk), leading dims flattening to the tokens ((T, topk) as routers
+        # give them). Element counts alone would take a transposed (topk, T) and pair ids and weights wrongly.
+        validate.tensor(topk_ids, "topk_ids")
+        validate.tensor(topk_weights, "topk_weights")
+        topk = topk_ids.shape[-1] if topk_ids.dim() else 0
         if topk_ids.numel() != tokens * topk:
             raise ValueError(f"topk_ids must have shape (T, topk) with T = {tokens} (the tokens of hidden_states), "
                              f"got {tuple(topk_ids.shape)}")
-        if topk_weights.numel() != tokens * topk:
+        if topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)} (T = {tokens}, "
                              f"topk = {topk}), got {tuple(topk_weights.shape)}")
         # The kernels take model_dim and inter_dim in chunks of 32: run on

@@ -361,3 +361,20 @@ def test_no_tokens_and_routing_rows_named(backend, arch, monkeypatch):
         m(p["x"], p["ids"][:4], p["weights"][:4])
     with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \(5, 2\) .* got \(5, 3\)"):
         m(p["x"], p["ids"], torch.cat([p["weights"], p["weights"][:, :1]], 1))
+
+
+def test_routing_shapes_are_checked_not_just_counted(monkeypatch):
+    """forward compared only element counts: topk_weights transposed to (topk, T) paired each id with
+    another pair's weight, and (T, topk) routing of half the tokens ran as top-1 routing of all of
+    them (both a wrong output, no error). The weights must have the ids' shape, the ids (..., topk)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=6)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \(5, 2\) .* got \(2, 5\)"):
+        m(p["x"], p["ids"], p["weights"].t())
+    with pytest.raises(ValueError, match=r"topk_ids must have shape \(T, topk\) with T = 10 .* got \(5, 2\)"):
+        m(torch.cat([p["x"], p["x"]]), p["ids"], p["weights"])
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got list"):
+        m(p["x"], p["ids"].tolist(), p["weights"])
+    got = m(p["x"][None], p["ids"][None], p["weights"][None])  # (B, S, topk) routing of (B, S, H) states
+    assert torch.equal(got[0], m(p["x"], p["ids"], p["weights"]))
