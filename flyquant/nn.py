@@ -198,6 +198,11 @@ class MoEExperts(torch.nn.Module):
     # ---- forward and state ----------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        # a float tensor: the output is converted back to its dtype (an int or bool one got the result
+        # truncated, a complex one lost its imaginary part, silently)
+        validate.tensor(hidden_states, "hidden_states", FLOAT_WEIGHTS)
+        if hidden_states.dim() == 0:
+            raise ValueError(f"hidden_states must have shape (..., model_dim = {self.model_dim}), got a 0-d tensor")
         if hidden_states.shape[-1] != self.model_dim:
             raise ValueError(f"hidden_states.shape[-1] = {hidden_states.shape[-1]} must equal model_dim = {self.model_dim}")
         x = hidden_states.reshape(-1, self.model_dim).to(torch.bfloat16)
@@ -213,6 +218,10 @@ class MoEExperts(torch.nn.Module):
         if topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)} (T = {tokens}, "
                              f"topk = {topk}), got {tuple(topk_weights.shape)}")
+        # named here as given (fused_moe would name its moe_buf, x, w1)
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w1 (the module's buffers)", self.w1)):
+            validate.same_device("hidden_states", hidden_states, name, t)
+        validate.no_autograd("MoEExperts", dict(hidden_states=hidden_states, topk_weights=topk_weights))
         # The kernels take model_dim and inter_dim in chunks of 32: run on
         # those (the weights and biases past the true sizes are zero, so the extra a2 columns and
         # outputs are 0) and keep the true columns. Only a model_dim off 32 costs a copy of x.

@@ -378,3 +378,23 @@ def test_routing_shapes_are_checked_not_just_counted(monkeypatch):
         m(p["x"], p["ids"].tolist(), p["weights"])
     got = m(p["x"][None], p["ids"][None], p["weights"][None])  # (B, S, topk) routing of (B, S, H) states
     assert torch.equal(got[0], m(p["x"], p["ids"], p["weights"]))
+
+
+def test_hidden_states_are_checked(monkeypatch):
+    """forward took any tensor: int, bool or complex hidden states ran (the output converted back to
+    their dtype: truncated, no error), a 0-d one was an IndexError, and hidden states on another device
+    than the routing or a grad-requiring one were errors naming fused_moe's moe_buf and x."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=7)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"hidden_states must have dtype in .*, got {dtype}"):
+            m(p["x"].to(dtype), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match="hidden_states must have shape \\(..., model_dim = 64\\), got a 0-d tensor"):
+        m(torch.tensor(1.0), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match=r"topk_ids must be on the device of hidden_states \(meta\), got cpu"):
+        m(p["x"].to("meta"), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match=r"w1 \(the module's buffers\) must be on the device of hidden_states \(meta\)"):
+        m(p["x"].to("meta"), p["ids"].to("meta"), p["weights"].to("meta"))
+    with pytest.raises(ValueError, match="MoEExperts does not support autograd: hidden_states requires grad"):
+        m(p["x"].requires_grad_(), p["ids"], p["weights"])
