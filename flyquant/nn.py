@@ -81,6 +81,7 @@ class MoEExperts(torch.nn.Module):
         validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
         validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
         experts, two_p, k_half = w1.shape
+        api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim)  # int() below took 63.7 as 63, True as 1
         if w2.shape[0] != experts or 2 * w2.shape[2] != two_p // 2:
             raise ValueError(f"w2 must have shape (E = {experts}, N, P / 2 = {two_p // 4}), got {tuple(w2.shape)}")
         if not 0 < model_dim <= min(2 * k_half, w2.shape[1]) or not 0 < inter_dim <= two_p // 2:
@@ -165,6 +166,7 @@ class MoEExperts(torch.nn.Module):
             validate.same_device("w1", w1, name, t)
         model = m_cols if model_dim is None else model_dim
         inter = i_rows if inter_dim is None else inter_dim
+        api_moe.check_moe_sizes(model_dim=model, inter_dim=inter)
         if not 0 < model <= min(m_cols, w2.shape[1]):
             raise ValueError(f"model_dim = {model} must be in [1, min(2 * w1.shape[2], w2.shape[1]) = "
                              f"{min(m_cols, w2.shape[1])}]")

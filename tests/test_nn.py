@@ -398,3 +398,22 @@ def test_hidden_states_are_checked(monkeypatch):
         m(p["x"].to("meta"), p["ids"].to("meta"), p["weights"].to("meta"))
     with pytest.raises(ValueError, match="MoEExperts does not support autograd: hidden_states requires grad"):
         m(p["x"].requires_grad_(), p["ids"], p["weights"])
+
+
+def test_sizes_must_be_ints():
+    """MoEExperts(model_dim=63.7) kept int(63.7) = 63 and model_dim=True became 1 (the layer then ran
+    on the wrong columns, no error); from_mxfp4(model_dim=40.5) too, or failed in a slice with biases."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=8)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for bad in (63.7, True, "64"):
+        with pytest.raises(ValueError, match=f"model_dim must be an int >= 1, got {bad!r}"):
+            MoEExperts(m.w1, m.w1_scale, m.w2, m.w2_scale, model_dim=bad, inter_dim=32)
+    with pytest.raises(ValueError, match="inter_dim must be an int >= 1, got 32.0"):
+        MoEExperts(m.w1, m.w1_scale, m.w2, m.w2_scale, model_dim=64, inter_dim=32.0)
+    p1, s1 = reference.quantize_mxfp4(p["w1"])
+    p2, s2 = reference.quantize_mxfp4(p["w2"])
+    with pytest.raises(ValueError, match="model_dim must be an int >= 1, got 40.5"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, model_dim=40.5)
+    with pytest.raises(ValueError, match="inter_dim must be an int >= 1, got True"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, inter_dim=True)
+    assert MoEExperts.from_mxfp4(p1, s1, p2, s2, model_dim=40).model_dim == 40
