@@ -123,6 +123,9 @@ class MoEExperts(torch.nn.Module):
         inter = two_inter // 2
         if tuple(w2.shape) != (experts, model, inter):
             raise ValueError(f"w2 must have shape (E, model, inter) = {(experts, model, inter)}, got {tuple(w2.shape)}")
+        # up front: an empty one failed in a reshape or in the shuffles, naming neither weight
+        api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts, "w1.shape[2] (model)": model,
+                                   "w1.shape[1] / 2 (inter)": inter})
         validate.same_device("w1", w1, "w2", w2)
         k, p, n = _pad(model, K_ALIGN), _pad(inter, P_ALIGN), _pad(model, N_ALIGN)
         qdtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
@@ -158,6 +161,7 @@ class MoEExperts(torch.nn.Module):
         if two_i % 2:
             raise ValueError(f"w1.shape[1] = {two_i} must be even (gate rows then up rows)")
         i_rows, m_cols = two_i // 2, 2 * m_half
+        api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts})  # none: an ambiguous reshape below
         validate.shape(w1_scale, "w1_scale", (experts, two_i, m_cols // MX_BLOCK))
         if w2.shape[0] != experts or 2 * w2.shape[2] != i_rows:
             raise ValueError(f"w2 must have shape (E = {experts}, rows, I / 2 = {i_rows // 2}), got {tuple(w2.shape)}")

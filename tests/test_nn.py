@@ -417,3 +417,19 @@ def test_sizes_must_be_ints():
     with pytest.raises(ValueError, match="inter_dim must be an int >= 1, got True"):
         MoEExperts.from_mxfp4(p1, s1, p2, s2, inter_dim=True)
     assert MoEExperts.from_mxfp4(p1, s1, p2, s2, model_dim=40).model_dim == 40
+
+
+def test_empty_weights_are_refused_up_front():
+    """from_dense / from_mxfp4 with no experts (or from_dense with inter or model 0) failed with
+    torch's "cannot reshape tensor of 0 elements" RuntimeError, or an error about the shuffle's "w"."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"w1.shape\[0\] \(E\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:0], w2[:0])
+    with pytest.raises(ValueError, match=r"w1.shape\[1\] / 2 \(inter\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:, :0], w2[:, :, :0])
+    with pytest.raises(ValueError, match=r"w1.shape\[2\] \(model\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:, :, :0], w2[:, :0])
+    p1, s1 = reference.quantize_mxfp4(w1[:0])
+    p2, s2 = reference.quantize_mxfp4(w2[:0])
+    with pytest.raises(ValueError, match=r"w1.shape\[0\] \(E\) must be an int >= 1, got 0"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2)
