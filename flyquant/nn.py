@@ -49,12 +49,13 @@ def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded_bias(b, name, experts, rows, fill, dtype=None):
-    """A (E, rows) bias from b (E, n) with n <= rows filled by `fill(out, b)`; None stays None.
-    In `dtype`, else kept in bf16 or fp32 (fp16/fp64 become fp32)."""
+def _padded_bias(b, name, w1, experts, rows, fill, dtype=None):
+    """A (E, rows) bias from b (E, n) with n <= rows filled by `fill(out, b)`, on w1's device; None
+    stays None. In `dtype`, else kept in bf16 or fp32 (fp16/fp64 become fp32)."""
     if b is None:
         return None
     validate.tensor(b, name, FLOAT_WEIGHTS, ndim=2)
+    validate.same_device("w1", w1, name, b)  # else a module whose forward fails naming fused_moe's x or a2
     dtype = dtype or (b.dtype if b.dtype in (torch.bfloat16, torch.float32) else torch.float32)
     out = torch.zeros(experts, rows, dtype=dtype, device=b.device)
     fill(out, b.detach().to(dtype))
@@ -140,7 +141,7 @@ class MoEExperts(torch.nn.Module):
             d2 = torch.zeros(n, p, dtype=qdtype, device=w2.device)
             d2[:model, :inter] = w2[e].detach()
             p2[e], s2[e] = api.quantize_mxfp4(d2, scaling_mode=scaling_mode)
-        return cls._from_padded(p1, s1, p2, s2, _gate_up_bias(b1, experts, inter, p), _down_bias(b2, experts, model, n),
+        return cls._from_padded(p1, s1, p2, s2, _gate_up_bias(b1, w1, experts, inter, p), _down_bias(b2, w1, experts, model, n),
                                 model, inter, activation, alpha, limit)
 
     @classmethod
@@ -188,7 +189,7 @@ class MoEExperts(torch.nn.Module):
         s2[:, :w2.shape[1], :i_rows // MX_BLOCK] = _bytes(w2_scale)
         e8m0 = torch.float8_e8m0fnu
         return cls._from_padded(p1.view(experts, 2 * p, k // 2), s1.view(experts, 2 * p, -1).view(e8m0), p2,
-                                s2.view(e8m0), _gate_up_bias(b1, experts, i_rows, p), _down_bias(b2, experts, model, n),
+                                s2.view(e8m0), _gate_up_bias(b1, w1, experts, i_rows, p), _down_bias(b2, w1, experts, model, n),
                                 model, inter, activation, alpha, limit)
 
     @classmethod
@@ -265,22 +266,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _gate_up_bias(b1, experts, inter, p):
+def _gate_up_bias(b1, w1, experts, inter, p):
     def fill(out, b):
         if tuple(b.shape) != (experts, 2 * inter):
             raise ValueError(f"b1 must have shape (E, 2 * inter) = {(experts, 2 * inter)}, got {tuple(b.shape)}")
         out.view(experts, 2, p)[:, :, :inter] = b.view(experts, 2, inter)
     # fp32 (exact for bf16): stage 1 adds it in fp32 and then loads it with no conversion (GPT-OSS-like,
     # gfx950, 16 tokens: 6.41 -> 6.37 wave-instructions per MFMA; bench/moe_stages_instr.py --bias-dtype bf16 / fp32)
-    return _padded_bias(b1, "b1", experts, 2 * p, fill, torch.float32)
+    return _padded_bias(b1, "b1", w1, experts, 2 * p, fill, torch.float32)
 
 
-def _down_bias(b2, experts, model, n):
+def _down_bias(b2, w1, experts, model, n):
     def fill(out, b):
         if b.shape[0] != experts or b.shape[1] < model:
             raise ValueError(f"b2 must have shape (E = {experts}, >= model_dim = {model}), got {tuple(b.shape)}")
         out[:, :model] = b[:, :model]
-    return _padded_bias(b2, "b2", experts, n, fill)
+    return _padded_bias(b2, "b2", w1, experts, n, fill)
 
 
 # ---- GPT-OSS ------------------------------------------------------------------------------------

@@ -433,3 +433,15 @@ def test_empty_weights_are_refused_up_front():
     p2, s2 = reference.quantize_mxfp4(w2[:0])
     with pytest.raises(ValueError, match=r"w1.shape\[0\] \(E\) must be an int >= 1, got 0"):
         MoEExperts.from_mxfp4(p1, s1, p2, s2)
+
+
+def test_biases_on_another_device_are_refused():
+    """A bias on another device than the weights built a module (its bias buffer there) whose forward
+    then failed with "bias must be on the device of x" / "... of a2", fused_moe's internal names."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"b1 must be on the device of w1 \(cpu\), got meta"):
+        MoEExperts.from_dense(w1, w2, b1=torch.zeros(2, 64, device="meta"))
+    p1, s1 = reference.quantize_mxfp4(w1)
+    p2, s2 = reference.quantize_mxfp4(w2)
+    with pytest.raises(ValueError, match=r"b2 must be on the device of w1 \(cpu\), got meta"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, b2=torch.zeros(2, 64, device="meta"))
