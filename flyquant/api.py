@@ -298,9 +298,16 @@ shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
 shuffle_scale_a16w4 = layouts.shuffle_scale_a16w4
 
 
+# flyquant's modules of pure-PyTorch functions (the reference, the layouts, routing): explain() plans
+# them as running no kernel (fq.mxfp8_dequantize, fq.shuffle_weight_a16w4, fq.moe_routing, ...)
+PURE_MODULES = ("flyquant.reference", "flyquant.reference_moe", "flyquant.reference_grouped_mm", "flyquant.layouts",
+                "flyquant.moe", "flyquant.formats")
+
+
 def explain(fn, *args, **kwargs) -> Plan:
     """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it
-    (fused_moe: its three plans, sorting, stage 1, stage 2)."""
+    (fused_moe: its three plans, sorting, stage 1, stage 2; moe_stage2: sorting, stage 2). fn is one
+    of flyquant's kernel-backed ops or a pure-PyTorch function (PURE_MODULES); else a TypeError."""
     planners = {
         mxfp8_quantize: _explain_mxfp8,
         mxfp8_quantize_dual: _explain_dual,
@@ -317,6 +324,13 @@ def explain(fn, *args, **kwargs) -> Plan:
     planner = planners.get(fn)
     if planner is None:
         name = getattr(fn, "__name__", repr(fn))
+        # only what is pure PyTorch: anything else (moe_stage2 before it had a planner, the training
+        # op, the torchao compat functions, None) was said to be "a pure-PyTorch op with no kernel"
+        if getattr(fn, "__module__", None) not in PURE_MODULES:
+            ops = ", ".join(sorted(getattr(op, "__name__", repr(op)) for op in planners))
+            raise TypeError(f"explain takes one of flyquant's kernel-backed ops ({ops}) or a pure-PyTorch function "
+                            f"of flyquant's {', '.join(PURE_MODULES)} modules; got {name} (for a function that calls "
+                            "these ops, explain each op it calls)")
         plan = Plan(name, "reference", "tensor's device", reasons=(f"{name} is a pure-PyTorch op with no kernel",))
     else:
         plan = planner(*args, **kwargs)

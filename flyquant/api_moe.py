@@ -203,19 +203,26 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     output: moe_sorting with the selector's block size (which also zeroes the output), then
     moe_gemm2_a16w4 adding into it. Two launches on the kernel path and no host synchronisation:
     routing ids outside [0, E) are dropped there (FLYQUANT_DEBUG=1 and the reference refuse them)."""
+    tokens, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
+                                                                             inter_dim)
+    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
+    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
+                           model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim, inter_dim):
+    """moe_stage2's own checks and sizes: (tokens, topk, experts, model_dim, inter_dim, block_m)."""
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
     check_moe_sizes(topk=topk, experts=experts)
-    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
     model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
     _check_out_dtype(out_dtype)
-    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
-    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
-    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
-                           model_dim=model_dim, inter_dim=inter_dim)
+    return tokens, topk, experts, model_dim, inter_dim, block_m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,5 +408,15 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None))
 
 
+def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
+                    inter_dim=None) -> tuple[Plan, Plan]:
+    """The two plans moe_stage2 runs: sorting, stage 2 (on the same block_m)."""
+    _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
+                                                                        inter_dim)
+    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=False)
+    return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),
+            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
+
+
 EXPLAINERS = {moe_gemm2_a16w4: _explain_moe, moe_gemm1_a16w4: _explain_moe1, moe_sorting: _explain_sorting,
-              fused_moe: _explain_fused_moe}
+              fused_moe: _explain_fused_moe, moe_stage2: _explain_stage2}

@@ -193,3 +193,30 @@ def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
         for k in range(topk):
             bound[t] += weights[t, k] * (a2[t * topk + k].float().abs() @ deq[ids[t, k]].t())
     assert bool(((out - want).abs() <= 2 * (inter_dim + 2) * 2.0**-24 * bound).all())
+
+
+def test_explain_plans_moe_stage2_and_refuses_what_it_cannot_plan(capsys, monkeypatch):
+    """explain() called everything without a planner "a pure-PyTorch op with no kernel": moe_stage2 (two
+    kernel launches), the training op, the torchao compat functions, even None. moe_stage2 now gets
+    its two plans; anything else that is not pure PyTorch is a TypeError listing the ops it plans."""
+    from flyquant import training
+    from flyquant.compat import torchao as compat
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    g = torch.Generator().manual_seed(4)
+    tokens, topk, experts, model_dim, inter_dim = 3, 2, 4, 64, 256
+    packed, scales = fq.quantize_mxfp4(torch.randn(experts, model_dim, inter_dim, generator=g))
+    w2, s2 = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, experts)
+    ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, topk, generator=g)
+    a2 = torch.randn(tokens * topk, inter_dim, generator=g).to(torch.bfloat16)
+    sorting, gemm = fq.explain(fq.moe_stage2, a2, ids, weights, w2, s2)
+    with fq.emu.record() as launches:
+        fq.moe_stage2(a2, ids, weights, w2, s2)
+    assert (sorting.op, gemm.op) == ("moe_sorting", "moe_gemm2_a16w4") and sorting.kernel == launches[0].kernel
+    assert gemm.backend == "flydsl" and f"_{gemm.config['tile_m']}x{gemm.config['tile_n']}_" in launches[1].kernel
+    for fn in (training.mxfp8_grouped_mm, compat.mxfp8_quantize_2d_1x32_flydsl, fq.warmup, None, "mxfp8_quantize"):
+        with pytest.raises(TypeError, match="explain takes one of flyquant's kernel-backed ops .*moe_stage2"):
+            fq.explain(fn, X)
+    assert fq.explain(fq.moe_routing, torch.randn(2, 4), 2).backend == "reference"  # pure PyTorch: still planned
