@@ -128,6 +128,9 @@ class MoEExperts(torch.nn.Module):
         api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts, "w1.shape[2] (model)": model,
                                    "w1.shape[1] / 2 (inter)": inter})
         validate.same_device("w1", w1, "w2", w2)
+        if b2 is not None:  # (E, model) exactly: _down_bias takes from_mxfp4's padded (E, >= model) too
+            validate.tensor(b2, "b2", FLOAT_WEIGHTS, ndim=2)
+            validate.shape(b2, "b2", (experts, model))
         k, p, n = _pad(model, K_ALIGN), _pad(inter, P_ALIGN), _pad(model, N_ALIGN)
         qdtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         p1 = torch.empty(experts, 2 * p, k // 2, dtype=torch.uint8, device=w1.device)
@@ -346,6 +349,9 @@ def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> M
     e, hidden, two_inter = gate_up.shape
     if tuple(down.shape) != (e, two_inter // 2, hidden):
         raise ValueError(f"down_proj must have shape (E, inter, hidden) = {(e, two_inter // 2, hidden)}, got {tuple(down.shape)}")
+    if b2 is not None:  # named as given (from_dense would name it b2), as the checkpoint path does
+        validate.tensor(b2, "down_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b2, "down_proj_bias", (e, hidden))
     w1, b1 = layouts.gate_up_rows_from_interleaved(gate_up, None if b1 is None else b1.detach())
     return MoEExperts.from_dense(w1, down.transpose(1, 2), b1, None if b2 is None else b2.detach(),
                                  activation="swiglu_oai", alpha=alpha, limit=limit, scaling_mode=scaling_mode)

@@ -445,3 +445,15 @@ def test_biases_on_another_device_are_refused():
     p2, s2 = reference.quantize_mxfp4(w2)
     with pytest.raises(ValueError, match=r"b2 must be on the device of w1 \(cpu\), got meta"):
         MoEExperts.from_mxfp4(p1, s1, p2, s2, b2=torch.zeros(2, 64, device="meta"))
+
+
+def test_from_dense_takes_b2_of_the_model_width_only():
+    """from_dense's b2 is (E, model) (its docstring), but a wider one was taken, its first model columns
+    used and the rest dropped silently (from_gpt_oss_experts' float path too, while its checkpoint path
+    refused the same down_proj_bias)."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"b2 must have shape \(2, 64\), got \(2, 100\)"):
+        MoEExperts.from_dense(w1, w2, b2=torch.zeros(2, 100))
+    gate_up = torch.randn(2, 64, 64)
+    with pytest.raises(ValueError, match=r"down_proj_bias must have shape \(2, 64\), got \(2, 65\)"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": w2.transpose(1, 2), "down_proj_bias": torch.zeros(2, 65)})
