@@ -100,6 +100,9 @@ def test_bad_dtype_is_also_our_type_error():
 @pytest.mark.parametrize("kwargs, words", [
     ({"scale_block_dim1": 16}, "scale_block_dim1 must be 32 (got 16)"),
     ({"scale_block_dim2": 16}, "scale_block_dim2 must be 1 or 32 (got 16)"),
+    # not ints: were refused by the native API naming its scale_block_k
+    ({"scale_block_dim2": 32.0}, "scale_block_dim2 must be 1 or 32 (got 32.0)"),
+    ({"scale_block_dim2": True}, "scale_block_dim2 must be 1 or 32 (got True)"),
 ])
 def test_3d_scale_blocks_are_torchaos_not_implemented_and_our_value_error(kwargs, words):
     with pytest.raises(NotImplementedError, match=words.replace("(", r"\(").replace(")", r"\)")) as caught:

@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from .. import api
+from .. import api, validate
 from ..formats import MX_BLOCK
 
 
@@ -124,7 +124,8 @@ def mxfp8_quantize_3d_flydsl(
     if scale_block_dim1 != MX_BLOCK:
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim1 must be {MX_BLOCK} (got {scale_block_dim1}).")
-    if scale_block_dim2 not in (1, MX_BLOCK):
+    # an int: 32.0 or True got past `in` and the native API refused them, naming its scale_block_k
+    if not validate.is_int(scale_block_dim2) or scale_block_dim2 not in (1, MX_BLOCK):
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim2 must be 1 or {MX_BLOCK} (got {scale_block_dim2}).")
     _check_input(x, 3, block_size, allow_transposed_3d=True)
