@@ -71,9 +71,11 @@ def _check_input(x: torch.Tensor, ndim: int, block_size: int, allow_transposed_3
         _fail(f"Only block_size={MX_BLOCK} is supported", f"got {block_size}")
 
 
-def _mode(scaling_mode) -> str:
-    # torchao passes strings; accept its ScaleCalculationMode enum too.
-    return str(getattr(scaling_mode, "value", scaling_mode)).lower()
+def _mode(scaling_mode):
+    # torchao passes strings; accept its ScaleCalculationMode enum too. Anything else as given, for the
+    # error to show it (str() made None "'none'")
+    mode = getattr(scaling_mode, "value", scaling_mode)
+    return mode.lower() if isinstance(mode, str) else mode
 
 
 def mxfp8_quantize_2d_1x32_flydsl(
