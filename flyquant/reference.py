@@ -317,9 +317,9 @@ def dequantize_mxfp4(packed, scales):
     (code 0 is 2^-127, 0xFF is NaN)."""
     validate.tensor(packed, "packed", (torch.uint8, torch.float4_e2m1fn_x2))
     _check_scales(scales)
-    k = packed.shape[-1] * 2
-    if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):
+    if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):  # checked before shape[-1] is read (0-d)
         raise ValueError(f"packed.shape[-1] (K/2) must be a multiple of {MX_BLOCK // 2} (whole blocks), got shape {tuple(packed.shape)}")
+    k = packed.shape[-1] * 2
     validate.shape(scales, "scales", tuple(packed.shape[:-1]) + (k // MX_BLOCK,))
     values = formats.e2m1_decode(formats.unpack_fp4(packed))
     s = formats.e8m0_decode(scales)

@@ -153,6 +153,12 @@ def test_dequantize_checks_the_orientation_of_square_data():
             fq.mxfp8_dequantize(data, scales, axis=axis)
 
 
+def test_dequantize_mxfp4_refuses_0d_packed():
+    # packed.shape[-1] was read before the rank was checked: an IndexError, naming nothing
+    with pytest.raises(ValueError, match=r"packed.shape\[-1\] \(K/2\) must be a multiple of 16 .* got shape \(\)"):
+        fq.dequantize_mxfp4(torch.tensor(3, dtype=torch.uint8), torch.tensor(127, dtype=torch.uint8))
+
+
 def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
     # The conftest fixture's own check: a 1x32 launch told its input holds twice the blocks it
     # has reads past the tensor's extent, which strict memory turns into a launch error.
