@@ -168,7 +168,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     """
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w1.shape[0])
@@ -386,7 +386,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
                   inter_dim=None):
     model_dim, inter_dim, _ = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
 
 

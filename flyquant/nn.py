@@ -89,6 +89,8 @@ class MoEExperts(torch.nn.Module):
             raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
                              f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
         self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
+        validate.real_number(alpha, "alpha")
+        validate.real_number(limit, "limit")
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
         self.register_buffer("w1", w1)
         self.register_buffer("w1_scale", w1_scale)

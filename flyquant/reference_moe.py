@@ -271,10 +271,11 @@ def check_swiglu_limit(activation: str, limit) -> None:
 
 def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
                          block_m, bias=None, activation="silu", out=None, model_dim=None,
-                         inter_dim=None, limit=7.0) -> tuple[int, int, int]:
+                         inter_dim=None, limit=7.0, alpha=1.702) -> tuple[int, int, int]:
     """Everything both backends check before running stage 1 (no tensor values or addresses read):
     types, shapes, devices, the true sizes, bias (E, w1.shape[1]) in w1's row order, out
-    (T * topk, >= inter_dim) bf16, the activation name and swiglu_oai's limit. Returns (model_dim,
+    (T * topk, >= inter_dim) bf16, the activation name, alpha and limit real numbers (whatever the
+    activation), swiglu_oai's limit >= 0. Returns (model_dim,
     inter_dim, tokens)."""
     validate.high_precision(x, "x", ndim=2)
     validate.tensor(w1, "w1", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
@@ -288,6 +289,8 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
     _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    validate.real_number(alpha, "alpha")
+    validate.real_number(limit, "limit")
     check_swiglu_limit(activation, limit)
     experts, n2, k_half = w1.shape
     if n2 % 2:
@@ -333,7 +336,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     """
     model_dim, inter_dim, tokens = check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     experts, n2, _ = w1.shape
     check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
     if out is None:

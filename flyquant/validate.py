@@ -7,6 +7,7 @@ device or layout) with a message that names the argument and the rule it broke.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, Optional
 
 import torch
@@ -45,6 +46,13 @@ def high_precision(x, name: str, ndim=None) -> None:
 def is_int(value) -> bool:
     """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def real_number(value, name: str) -> None:
+    """A real number (int or float, numpy's too), not a bool or a string: float() would take True as
+    1.0 and "7" as 7.0, and fail on None naming nothing."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
 
 
 def multiple_of(value: int, divisor: int, what: str, zero: bool = False) -> None:

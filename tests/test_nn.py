@@ -457,3 +457,12 @@ def test_from_dense_takes_b2_of_the_model_width_only():
     gate_up = torch.randn(2, 64, 64)
     with pytest.raises(ValueError, match=r"down_proj_bias must have shape \(2, 64\), got \(2, 65\)"):
         from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": w2.transpose(1, 2), "down_proj_bias": torch.zeros(2, 65)})
+
+
+def test_alpha_and_limit_must_be_real_numbers():
+    """MoEExperts took alpha / limit through float(): "1.5" became 1.5, True 1.0, and None was float()'s
+    TypeError naming neither."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=9)
+    for name, bad in (("alpha", None), ("limit", "7"), ("alpha", True)):
+        with pytest.raises(TypeError, match=f"{name} must be a real number, got {bad!r}"):
+            MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", **{name: bad})
