@@ -318,8 +318,15 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
         _check_fused_moe_out(out, x, tokens, model_dim, dict(
             x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
             b1=b1, b2=b2, expert_mask=expert_mask))
-    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
+    # The stages' own checks before moe_sorting zeroes out (a bad b1, activation or w2_scale left a
+    # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
+    unsorted = [torch.empty(0, dtype=d, device=x.device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
+    reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
+                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
+                                       inter_dim=inter_dim)
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                     alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
                     model_dim=model_dim, inter_dim=inter_dim)
