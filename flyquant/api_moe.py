@@ -323,9 +323,10 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
     unsorted = [torch.empty(0, dtype=d, device=x.device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
     reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
-                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
+                                       bias_name="b1")
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
-                                       inter_dim=inter_dim)
+                                       inter_dim=inter_dim, bias_name="b2")
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                     alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
