@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import api, api_moe, layouts, validate
+from . import api, api_moe, layouts, reference_moe, validate
 from .formats import MX_BLOCK
 
 __all__ = ["MoEExperts", "from_gpt_oss_experts", "patch_gpt_oss"]
@@ -91,6 +91,7 @@ class MoEExperts(torch.nn.Module):
         self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
         validate.real_number(alpha, "alpha")
         validate.real_number(limit, "limit")
+        reference_moe.check_swiglu_limit(activation, limit)  # else refused by every forward, not here
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
         self.register_buffer("w1", w1)
         self.register_buffer("w1_scale", w1_scale)

@@ -466,3 +466,12 @@ def test_alpha_and_limit_must_be_real_numbers():
     for name, bad in (("alpha", None), ("limit", "7"), ("alpha", True)):
         with pytest.raises(TypeError, match=f"{name} must be a real number, got {bad!r}"):
             MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", **{name: bad})
+
+
+def test_a_negative_swiglu_limit_is_refused_when_the_module_is_built():
+    """A negative (or NaN) limit built a swiglu_oai module whose every forward then refused it."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=10)
+    for limit in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+            MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", limit=limit)
+    assert MoEExperts.from_dense(p["w1"], p["w2"], activation="silu", limit=-1.0).limit == -1.0  # unused by silu
