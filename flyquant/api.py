@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from . import api_moe, layouts, reference, select, validate
+from . import api_moe, layouts, reference, reference_moe, select, validate
+from .formats import MX_BLOCK
 from .select import Plan
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +234,10 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     tokens, quantize_shapes = _warmup_lists(tokens, quantize_shapes)
+    # before anything compiles: these were refused only when their op ran, naming its x
+    validate.scaling_mode(scaling_mode)
+    if activation is not None and activation not in reference_moe.MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {reference_moe.MOE_ACTIVATIONS}, got {activation!r}")
     device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
@@ -285,6 +290,9 @@ def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:
         if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(map(validate.is_int, shape))):
             raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs of ints, e.g. ((8192, 5120),), "
                             f"got {quantize_shapes!r}")
+    for i, (m, k) in enumerate(quantize_shapes):  # the dual quantize blocks both dims
+        validate.multiple_of(m, MX_BLOCK, f"quantize_shapes[{i}][0] (M)")
+        validate.multiple_of(k, MX_BLOCK, f"quantize_shapes[{i}][1] (K)")
     return tokens, quantize_shapes
 
 

@@ -162,6 +162,25 @@ def test_warmup_lists_are_checked():
         fq.warmup(**sizes, tokens=(1, -1))
 
 
+def test_warmup_checks_sizes_and_modes_before_running_anything():
+    # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op
+    # ran, after the MoE kernels were compiled and run, naming the quantize's x (a negative M: torch.zeros'
+    # RuntimeError); an activation without tokens was not checked at all.
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    import flyquant.emu as emu
+
+    for shapes, match in (([(64, 64), (33, 64)], r"quantize_shapes\[1\]\[0\] \(M\) = 33 must be a positive multiple of 32"),
+                          ([(32, 40)], r"quantize_shapes\[0\]\[1\] \(K\) = 40 must be"),
+                          ([(-32, 64)], r"quantize_shapes\[0\]\[0\] \(M\) = -32 must be")):
+        with emu.record() as launches, pytest.raises(ValueError, match=match):
+            fq.warmup(**sizes, tokens=(1,), quantize_shapes=shapes)
+        assert launches == []
+    with pytest.raises(ValueError, match="scaling_mode must be one of"):
+        fq.warmup(**sizes, tokens=(1,), scaling_mode="even", quantize_shapes=[(32, 32)])
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        fq.warmup(**sizes, tokens=(), activation="relu")
+
+
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
 def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding
