@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from . import api_moe, layouts, reference, select, validate
+from . import api_moe, layouts, reference, reference_moe, select, validate
+from .formats import MX_BLOCK
 from .select import Plan
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +239,10 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     tokens, quantize_shapes = _warmup_lists(tokens, quantize_shapes)
+    # before anything compiles: these were refused only when their op ran, naming its x
+    validate.scaling_mode(scaling_mode)
+    if activation is not None and activation not in reference_moe.MOE_ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {reference_moe.MOE_ACTIVATIONS}, got {activation!r}")
     device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
@@ -290,6 +295,9 @@ def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:
         if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(map(validate.is_int, shape))):
             raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs of ints, e.g. ((8192, 5120),), "
                             f"got {quantize_shapes!r}")
+    for i, (m, k) in enumerate(quantize_shapes):  # the dual quantize blocks both dims
+        validate.multiple_of(m, MX_BLOCK, f"quantize_shapes[{i}][0] (M)")
+        validate.multiple_of(k, MX_BLOCK, f"quantize_shapes[{i}][1] (K)")
     return tokens, quantize_shapes
 
 
@@ -303,9 +311,16 @@ shuffle_weight_a16w4 = layouts.shuffle_weight_a16w4
 shuffle_scale_a16w4 = layouts.shuffle_scale_a16w4
 
 
+# flyquant's modules of pure-PyTorch functions (the reference, the layouts, routing): explain() plans
+# them as running no kernel (fq.mxfp8_dequantize, fq.shuffle_weight_a16w4, fq.moe_routing, ...)
+PURE_MODULES = ("flyquant.reference", "flyquant.reference_moe", "flyquant.reference_grouped_mm", "flyquant.layouts",
+                "flyquant.moe", "flyquant.formats")
+
+
 def explain(fn, *args, **kwargs) -> Plan:
     """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it
-    (fused_moe: its three plans, sorting, stage 1, stage 2)."""
+    (fused_moe: its three plans, sorting, stage 1, stage 2; moe_stage2: sorting, stage 2). fn is one
+    of flyquant's kernel-backed ops or a pure-PyTorch function (PURE_MODULES); else a TypeError."""
     planners = {
         mxfp8_quantize: _explain_mxfp8,
         mxfp8_quantize_dual: _explain_dual,
@@ -322,6 +337,13 @@ def explain(fn, *args, **kwargs) -> Plan:
     planner = planners.get(fn)
     if planner is None:
         name = getattr(fn, "__name__", repr(fn))
+        # only what is pure PyTorch: anything else (moe_stage2 before it had a planner, the training
+        # op, the torchao compat functions, None) was said to be "a pure-PyTorch op with no kernel"
+        if getattr(fn, "__module__", None) not in PURE_MODULES:
+            ops = ", ".join(sorted(getattr(op, "__name__", repr(op)) for op in planners))
+            raise TypeError(f"explain takes one of flyquant's kernel-backed ops ({ops}) or a pure-PyTorch function "
+                            f"of flyquant's {', '.join(PURE_MODULES)} modules; got {name} (for a function that calls "
+                            "these ops, explain each op it calls)")
         plan = Plan(name, "reference", "tensor's device", reasons=(f"{name} is a pure-PyTorch op with no kernel",))
     else:
         plan = planner(*args, **kwargs)

@@ -168,7 +168,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     """
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w1.shape[0])
@@ -203,19 +203,26 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
     output: moe_sorting with the selector's block size (which also zeroes the output), then
     moe_gemm2_a16w4 adding into it. Two launches on the kernel path and no host synchronisation:
     routing ids outside [0, E) are dropped there (FLYQUANT_DEBUG=1 and the reference refuse them)."""
+    tokens, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
+                                                                             inter_dim)
+    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
+    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
+                           model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim, inter_dim):
+    """moe_stage2's own checks and sizes: (tokens, topk, experts, model_dim, inter_dim, block_m)."""
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
     check_moe_sizes(topk=topk, experts=experts)
-    validate.no_autograd("moe_stage2", dict(a2=a2, topk_weights=topk_weights, bias=bias))  # named as given
     model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, a2.device)
     _check_out_dtype(out_dtype)
-    out = torch.empty(tokens, model_dim, dtype=out_dtype, device=a2.device)
-    sorted_ = moe_sorting(topk_ids, topk_weights, experts, block_m, moe_buf=out)
-    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=bias,
-                           model_dim=model_dim, inter_dim=inter_dim)
+    return tokens, topk, experts, model_dim, inter_dim, block_m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +318,16 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
         _check_fused_moe_out(out, x, tokens, model_dim, dict(
             x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
             b1=b1, b2=b2, expert_mask=expert_mask))
-    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
+    # The stages' own checks before moe_sorting zeroes out (a bad b1, activation or w2_scale left a
+    # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
+    unsorted = [torch.empty(0, dtype=d, device=x.device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
+    reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
+                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
+                                       bias_name="b1")
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
+                                       inter_dim=inter_dim, bias_name="b2")
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                     alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
                     model_dim=model_dim, inter_dim=inter_dim)
@@ -379,7 +394,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
                   inter_dim=None):
     model_dim, inter_dim, _ = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
 
 
@@ -401,5 +416,15 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None))
 
 
+def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
+                    inter_dim=None) -> tuple[Plan, Plan]:
+    """The two plans moe_stage2 runs: sorting, stage 2 (on the same block_m)."""
+    _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
+                                                                        inter_dim)
+    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=False)
+    return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),
+            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
+
+
 EXPLAINERS = {moe_gemm2_a16w4: _explain_moe, moe_gemm1_a16w4: _explain_moe1, moe_sorting: _explain_sorting,
-              fused_moe: _explain_fused_moe}
+              fused_moe: _explain_fused_moe, moe_stage2: _explain_stage2}

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import api, api_moe, layouts, validate
+from . import api, api_moe, layouts, reference_moe, validate
 from .formats import MX_BLOCK
 
 __all__ = ["MoEExperts", "from_gpt_oss_experts", "patch_gpt_oss"]
@@ -49,12 +49,13 @@ def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded_bias(b, name, experts, rows, fill, dtype=None):
-    """A (E, rows) bias from b (E, n) with n <= rows filled by `fill(out, b)`; None stays None.
-    In `dtype`, else kept in bf16 or fp32 (fp16/fp64 become fp32)."""
+def _padded_bias(b, name, w1, experts, rows, fill, dtype=None):
+    """A (E, rows) bias from b (E, n) with n <= rows filled by `fill(out, b)`, on w1's device; None
+    stays None. In `dtype`, else kept in bf16 or fp32 (fp16/fp64 become fp32)."""
     if b is None:
         return None
     validate.tensor(b, name, FLOAT_WEIGHTS, ndim=2)
+    validate.same_device("w1", w1, name, b)  # else a module whose forward fails naming fused_moe's x or a2
     dtype = dtype or (b.dtype if b.dtype in (torch.bfloat16, torch.float32) else torch.float32)
     out = torch.zeros(experts, rows, dtype=dtype, device=b.device)
     fill(out, b.detach().to(dtype))
@@ -81,12 +82,16 @@ class MoEExperts(torch.nn.Module):
         validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
         validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
         experts, two_p, k_half = w1.shape
+        api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim)  # int() below took 63.7 as 63, True as 1
         if w2.shape[0] != experts or 2 * w2.shape[2] != two_p // 2:
             raise ValueError(f"w2 must have shape (E = {experts}, N, P / 2 = {two_p // 4}), got {tuple(w2.shape)}")
         if not 0 < model_dim <= min(2 * k_half, w2.shape[1]) or not 0 < inter_dim <= two_p // 2:
             raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
                              f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
         self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
+        validate.real_number(alpha, "alpha")
+        validate.real_number(limit, "limit")
+        reference_moe.check_swiglu_limit(activation, limit)  # else refused by every forward, not here
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
         self.register_buffer("w1", w1)
         self.register_buffer("w1_scale", w1_scale)
@@ -122,7 +127,13 @@ class MoEExperts(torch.nn.Module):
         inter = two_inter // 2
         if tuple(w2.shape) != (experts, model, inter):
             raise ValueError(f"w2 must have shape (E, model, inter) = {(experts, model, inter)}, got {tuple(w2.shape)}")
+        # up front: an empty one failed in a reshape or in the shuffles, naming neither weight
+        api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts, "w1.shape[2] (model)": model,
+                                   "w1.shape[1] / 2 (inter)": inter})
         validate.same_device("w1", w1, "w2", w2)
+        if b2 is not None:  # (E, model) exactly: _down_bias takes from_mxfp4's padded (E, >= model) too
+            validate.tensor(b2, "b2", FLOAT_WEIGHTS, ndim=2)
+            validate.shape(b2, "b2", (experts, model))
         k, p, n = _pad(model, K_ALIGN), _pad(inter, P_ALIGN), _pad(model, N_ALIGN)
         qdtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         p1 = torch.empty(experts, 2 * p, k // 2, dtype=torch.uint8, device=w1.device)
@@ -136,7 +147,7 @@ class MoEExperts(torch.nn.Module):
             d2 = torch.zeros(n, p, dtype=qdtype, device=w2.device)
             d2[:model, :inter] = w2[e].detach()
             p2[e], s2[e] = api.quantize_mxfp4(d2, scaling_mode=scaling_mode)
-        return cls._from_padded(p1, s1, p2, s2, _gate_up_bias(b1, experts, inter, p), _down_bias(b2, experts, model, n),
+        return cls._from_padded(p1, s1, p2, s2, _gate_up_bias(b1, w1, experts, inter, p), _down_bias(b2, w1, experts, model, n),
                                 model, inter, activation, alpha, limit)
 
     @classmethod
@@ -157,6 +168,7 @@ class MoEExperts(torch.nn.Module):
         if two_i % 2:
             raise ValueError(f"w1.shape[1] = {two_i} must be even (gate rows then up rows)")
         i_rows, m_cols = two_i // 2, 2 * m_half
+        api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts})  # none: an ambiguous reshape below
         validate.shape(w1_scale, "w1_scale", (experts, two_i, m_cols // MX_BLOCK))
         if w2.shape[0] != experts or 2 * w2.shape[2] != i_rows:
             raise ValueError(f"w2 must have shape (E = {experts}, rows, I / 2 = {i_rows // 2}), got {tuple(w2.shape)}")
@@ -165,6 +177,7 @@ class MoEExperts(torch.nn.Module):
             validate.same_device("w1", w1, name, t)
         model = m_cols if model_dim is None else model_dim
         inter = i_rows if inter_dim is None else inter_dim
+        api_moe.check_moe_sizes(model_dim=model, inter_dim=inter)
         if not 0 < model <= min(m_cols, w2.shape[1]):
             raise ValueError(f"model_dim = {model} must be in [1, min(2 * w1.shape[2], w2.shape[1]) = "
                              f"{min(m_cols, w2.shape[1])}]")
@@ -182,7 +195,7 @@ class MoEExperts(torch.nn.Module):
         s2[:, :w2.shape[1], :i_rows // MX_BLOCK] = _bytes(w2_scale)
         e8m0 = torch.float8_e8m0fnu
         return cls._from_padded(p1.view(experts, 2 * p, k // 2), s1.view(experts, 2 * p, -1).view(e8m0), p2,
-                                s2.view(e8m0), _gate_up_bias(b1, experts, i_rows, p), _down_bias(b2, experts, model, n),
+                                s2.view(e8m0), _gate_up_bias(b1, w1, experts, i_rows, p), _down_bias(b2, w1, experts, model, n),
                                 model, inter, activation, alpha, limit)
 
     @classmethod
@@ -198,19 +211,30 @@ class MoEExperts(torch.nn.Module):
     # ---- forward and state ----------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        # a float tensor: the output is converted back to its dtype (an int or bool one got the result
+        # truncated, a complex one lost its imaginary part, silently)
+        validate.tensor(hidden_states, "hidden_states", FLOAT_WEIGHTS)
+        if hidden_states.dim() == 0:
+            raise ValueError(f"hidden_states must have shape (..., model_dim = {self.model_dim}), got a 0-d tensor")
         if hidden_states.shape[-1] != self.model_dim:
             raise ValueError(f"hidden_states.shape[-1] = {hidden_states.shape[-1]} must equal model_dim = {self.model_dim}")
         x = hidden_states.reshape(-1, self.model_dim).to(torch.bfloat16)
         tokens = x.shape[0]
-        # topk_ids / topk_weights: topk per token in any shape ((T, topk) as routers give them); with no
-        # tokens, reshape(0, -1) is ambiguous, so their last dim is topk
-        topk = topk_ids.numel() // tokens if tokens else (topk_ids.shape[-1] if topk_ids.dim() else 0)
+        # topk_ids / topk_weights: (..., topk), leading dims flattening to the tokens ((T, topk) as routers
+        # give them). Element counts alone would take a transposed (topk, T) and pair ids and weights wrongly.
+        validate.tensor(topk_ids, "topk_ids")
+        validate.tensor(topk_weights, "topk_weights")
+        topk = topk_ids.shape[-1] if topk_ids.dim() else 0
         if topk_ids.numel() != tokens * topk:
             raise ValueError(f"topk_ids must have shape (T, topk) with T = {tokens} (the tokens of hidden_states), "
                              f"got {tuple(topk_ids.shape)}")
-        if topk_weights.numel() != tokens * topk:
+        if topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)} (T = {tokens}, "
                              f"topk = {topk}), got {tuple(topk_weights.shape)}")
+        # named here as given (fused_moe would name its moe_buf, x, w1)
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w1 (the module's buffers)", self.w1)):
+            validate.same_device("hidden_states", hidden_states, name, t)
+        validate.no_autograd("MoEExperts", dict(hidden_states=hidden_states, topk_weights=topk_weights))
         # The kernels take model_dim and inter_dim in chunks of 32: run on
         # those (the weights and biases past the true sizes are zero, so the extra a2 columns and
         # outputs are 0) and keep the true columns. Only a model_dim off 32 costs a copy of x.
@@ -248,22 +272,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _gate_up_bias(b1, experts, inter, p):
+def _gate_up_bias(b1, w1, experts, inter, p):
     def fill(out, b):
         if tuple(b.shape) != (experts, 2 * inter):
             raise ValueError(f"b1 must have shape (E, 2 * inter) = {(experts, 2 * inter)}, got {tuple(b.shape)}")
         out.view(experts, 2, p)[:, :, :inter] = b.view(experts, 2, inter)
     # fp32 (exact for bf16): stage 1 adds it in fp32 and then loads it with no conversion (GPT-OSS-like,
     # gfx950, 16 tokens: 6.41 -> 6.37 wave-instructions per MFMA; bench/moe_stages_instr.py --bias-dtype bf16 / fp32)
-    return _padded_bias(b1, "b1", experts, 2 * p, fill, torch.float32)
+    return _padded_bias(b1, "b1", w1, experts, 2 * p, fill, torch.float32)
 
 
-def _down_bias(b2, experts, model, n):
+def _down_bias(b2, w1, experts, model, n):
     def fill(out, b):
         if b.shape[0] != experts or b.shape[1] < model:
             raise ValueError(f"b2 must have shape (E = {experts}, >= model_dim = {model}), got {tuple(b.shape)}")
         out[:, :model] = b[:, :model]
-    return _padded_bias(b2, "b2", experts, n, fill)
+    return _padded_bias(b2, "b2", w1, experts, n, fill)
 
 
 # ---- GPT-OSS ------------------------------------------------------------------------------------
@@ -328,6 +352,9 @@ def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> M
     e, hidden, two_inter = gate_up.shape
     if tuple(down.shape) != (e, two_inter // 2, hidden):
         raise ValueError(f"down_proj must have shape (E, inter, hidden) = {(e, two_inter // 2, hidden)}, got {tuple(down.shape)}")
+    if b2 is not None:  # named as given (from_dense would name it b2), as the checkpoint path does
+        validate.tensor(b2, "down_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b2, "down_proj_bias", (e, hidden))
     w1, b1 = layouts.gate_up_rows_from_interleaved(gate_up, None if b1 is None else b1.detach())
     return MoEExperts.from_dense(w1, down.transpose(1, 2), b1, None if b2 is None else b2.detach(),
                                  activation="swiglu_oai", alpha=alpha, limit=limit, scaling_mode=scaling_mode)

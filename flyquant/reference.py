@@ -315,18 +315,19 @@ def weight_shaped(w, packed, scales):
     return packed.view(*lead, packed.shape[-1]), scales.view(*lead, scales.shape[-1])
 
 
-def _check_scales(scales, name="scales"):
-    validate.tensor(scales, name, (SCALE_DTYPE, torch.uint8))
+def _check_scales(scales, data_name, data):
+    validate.tensor(scales, "scales", (SCALE_DTYPE, torch.uint8))
+    validate.same_device(data_name, data, "scales", scales)  # else torch's error, naming neither
 
 
 def dequantize_mxfp4(packed, scales):
     """(..., K/2) packed E2M1 + (..., K/32) E8M0 -> FP32 (..., K) = value * 2^(code - 127)
     (code 0 is 2^-127, 0xFF is NaN)."""
     validate.tensor(packed, "packed", (torch.uint8, torch.float4_e2m1fn_x2))
-    _check_scales(scales)
-    k = packed.shape[-1] * 2
-    if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):
+    _check_scales(scales, "packed", packed)
+    if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):  # checked before shape[-1] is read (0-d)
         raise ValueError(f"packed.shape[-1] (K/2) must be a multiple of {MX_BLOCK // 2} (whole blocks), got shape {tuple(packed.shape)}")
+    k = packed.shape[-1] * 2
     validate.shape(scales, "scales", tuple(packed.shape[:-1]) + (k // MX_BLOCK,))
     values = formats.e2m1_decode(formats.unpack_fp4(packed))
     s = formats.e8m0_decode(scales)
@@ -350,7 +351,7 @@ def mxfp8_dequantize(data, scales, axis=-1):
     N/32, K/32) for 32x32 blocks. The data's strides must be the quantize output's for that axis.
     """
     validate.tensor(data, "data", (MXFP8_DTYPE, torch.uint8), ndim=(2, 3))
-    _check_scales(scales)
+    _check_scales(scales, "data", data)
     if not validate.is_int(axis):  # True or 1.0 would equal 1 in the tuples below
         raise ValueError(f"axis must be an int (-1 or 0 for 2D data, 1 for 3D), got {axis!r}")
     values = data.view(MXFP8_DTYPE).to(torch.float32)

@@ -73,21 +73,22 @@ OUT_ALIGN_BYTES = 4  # the kernel adds bf16 column pairs with packed 4-byte atom
 
 
 def check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
-                         block_m, out=None, bias=None, model_dim=None, inter_dim=None) -> tuple[int, int, int]:
+                         block_m, out=None, bias=None, model_dim=None, inter_dim=None,
+                         bias_name="bias") -> tuple[int, int, int]:
     """Everything both backends check before running the stage-2 GEMM (so they accept and refuse
     the same calls): types, shapes, devices, the true sizes, bias (E, >= model_dim), out (T,
-    model_dim), no input requiring grad. Reads no tensor's values nor addresses (no host
-    synchronisation; torch.compile traces it); check_moe_gemm2_memory is the part on addresses.
-    Returns (model_dim, inter_dim, tokens)."""
+    model_dim), no input requiring grad; errors name bias bias_name (fused_moe: b2). Reads no tensor's
+    values nor addresses (no host synchronisation; torch.compile traces it); check_moe_gemm2_memory
+    is the part on addresses. Returns (model_dim, inter_dim, tokens)."""
     check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m)
     model_dim, inter_dim = moe_true_dims(a2, w2, model_dim, inter_dim)
     experts = w2.shape[0]
     tokens = a2.shape[0] // topk
     if bias is not None:
-        validate.high_precision(bias, "bias", ndim=2)
-        validate.same_device("a2", a2, "bias", bias)
+        validate.high_precision(bias, bias_name, ndim=2)
+        validate.same_device("a2", a2, bias_name, bias)
         if bias.shape[0] != experts or bias.shape[1] < model_dim:
-            raise ValueError(f"bias must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
+            raise ValueError(f"{bias_name} must have shape (E = {experts}, >= model_dim = {model_dim}), got {tuple(bias.shape)}")
     if out is not None:
         validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
         validate.same_device("a2", a2, "out", out)
@@ -271,10 +272,11 @@ def check_swiglu_limit(activation: str, limit) -> None:
 
 def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
                          block_m, bias=None, activation="silu", out=None, model_dim=None,
-                         inter_dim=None, limit=7.0) -> tuple[int, int, int]:
+                         inter_dim=None, limit=7.0, alpha=1.702, bias_name="bias") -> tuple[int, int, int]:
     """Everything both backends check before running stage 1 (no tensor values or addresses read):
     types, shapes, devices, the true sizes, bias (E, w1.shape[1]) in w1's row order, out
-    (T * topk, >= inter_dim) bf16, the activation name and swiglu_oai's limit. Returns (model_dim,
+    (T * topk, >= inter_dim) bf16, the activation name, alpha and limit real numbers (whatever the
+    activation), swiglu_oai's limit >= 0; errors name bias bias_name (fused_moe: b1). Returns (model_dim,
     inter_dim, tokens)."""
     validate.high_precision(x, "x", ndim=2)
     validate.tensor(w1, "w1", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
@@ -288,6 +290,8 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
     _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+    validate.real_number(alpha, "alpha")
+    validate.real_number(limit, "limit")
     check_swiglu_limit(activation, limit)
     experts, n2, k_half = w1.shape
     if n2 % 2:
@@ -299,9 +303,9 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
     model_dim, inter_dim = moe_stage1_true_dims(x, w1, model_dim, inter_dim)
     tokens = x.shape[0]
     if bias is not None:
-        validate.high_precision(bias, "bias", ndim=2)
-        validate.same_device("x", x, "bias", bias)
-        validate.shape(bias, "bias", (experts, n2))
+        validate.high_precision(bias, bias_name, ndim=2)
+        validate.same_device("x", x, bias_name, bias)
+        validate.shape(bias, bias_name, (experts, n2))
     if out is not None:
         validate.tensor(out, "out", (torch.bfloat16,), ndim=2)
         validate.same_device("x", x, "out", out)
@@ -333,7 +337,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     """
     model_dim, inter_dim, tokens = check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
-        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit)
+        activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     experts, n2, _ = w1.shape
     check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts)
     if out is None:

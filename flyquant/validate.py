@@ -7,6 +7,7 @@ device or layout) with a message that names the argument and the rule it broke.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, Optional
 
 import torch
@@ -60,6 +61,13 @@ MXFP8 grouped GEMM on gfx942 gains: given signed_zeros=False it reads such opera
 codes without rewriting them (FP8 is FNUZ there, where 0x80 is NaN), which its operands must
 then be: no 0x80 byte, and NaN codes only in blocks whose scale is NaN (0xFF), as these
 quantize ops write them."""
+
+
+def real_number(value, name: str) -> None:
+    """A real number (int or float, numpy's too), not a bool or a string: float() would take True as
+    1.0 and "7" as 7.0, and fail on None naming nothing."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
 
 
 def multiple_of(value: int, divisor: int, what: str, zero: bool = False) -> None:

@@ -162,6 +162,25 @@ def test_warmup_lists_are_checked():
         fq.warmup(**sizes, tokens=(1, -1))
 
 
+def test_warmup_checks_sizes_and_modes_before_running_anything():
+    # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op
+    # ran, after the MoE kernels were compiled and run, naming the quantize's x (a negative M: torch.zeros'
+    # RuntimeError); an activation without tokens was not checked at all.
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    import flyquant.emu as emu
+
+    for shapes, match in (([(64, 64), (33, 64)], r"quantize_shapes\[1\]\[0\] \(M\) = 33 must be a positive multiple of 32"),
+                          ([(32, 40)], r"quantize_shapes\[0\]\[1\] \(K\) = 40 must be"),
+                          ([(-32, 64)], r"quantize_shapes\[0\]\[0\] \(M\) = -32 must be")):
+        with emu.record() as launches, pytest.raises(ValueError, match=match):
+            fq.warmup(**sizes, tokens=(1,), quantize_shapes=shapes)
+        assert launches == []
+    with pytest.raises(ValueError, match="scaling_mode must be one of"):
+        fq.warmup(**sizes, tokens=(1,), scaling_mode="even", quantize_shapes=[(32, 32)])
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        fq.warmup(**sizes, tokens=(), activation="relu")
+
+
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
 def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding
@@ -193,3 +212,30 @@ def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
         for k in range(topk):
             bound[t] += weights[t, k] * (a2[t * topk + k].float().abs() @ deq[ids[t, k]].t())
     assert bool(((out - want).abs() <= 2 * (inter_dim + 2) * 2.0**-24 * bound).all())
+
+
+def test_explain_plans_moe_stage2_and_refuses_what_it_cannot_plan(capsys, monkeypatch):
+    """explain() called everything without a planner "a pure-PyTorch op with no kernel": moe_stage2 (two
+    kernel launches), the training op, the torchao compat functions, even None. moe_stage2 now gets
+    its two plans; anything else that is not pure PyTorch is a TypeError listing the ops it plans."""
+    from flyquant import training
+    from flyquant.compat import torchao as compat
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    g = torch.Generator().manual_seed(4)
+    tokens, topk, experts, model_dim, inter_dim = 3, 2, 4, 64, 256
+    packed, scales = fq.quantize_mxfp4(torch.randn(experts, model_dim, inter_dim, generator=g))
+    w2, s2 = fq.shuffle_weight_a16w4(packed), fq.shuffle_scale_a16w4(scales, experts)
+    ids = torch.randint(0, experts, (tokens, topk), generator=g, dtype=torch.int32)
+    weights = torch.rand(tokens, topk, generator=g)
+    a2 = torch.randn(tokens * topk, inter_dim, generator=g).to(torch.bfloat16)
+    sorting, gemm = fq.explain(fq.moe_stage2, a2, ids, weights, w2, s2)
+    with fq.emu.record() as launches:
+        fq.moe_stage2(a2, ids, weights, w2, s2)
+    assert (sorting.op, gemm.op) == ("moe_sorting", "moe_gemm2_a16w4") and sorting.kernel == launches[0].kernel
+    assert gemm.backend == "flydsl" and f"_{gemm.config['tile_m']}x{gemm.config['tile_n']}_" in launches[1].kernel
+    for fn in (training.mxfp8_grouped_mm, compat.mxfp8_quantize_2d_1x32_flydsl, fq.warmup, None, "mxfp8_quantize"):
+        with pytest.raises(TypeError, match="explain takes one of flyquant's kernel-backed ops .*moe_stage2"):
+            fq.explain(fn, X)
+    assert fq.explain(fq.moe_routing, torch.randn(2, 4), 2).backend == "reference"  # pure PyTorch: still planned

@@ -100,6 +100,9 @@ def test_bad_dtype_is_also_our_type_error():
 @pytest.mark.parametrize("kwargs, words", [
     ({"scale_block_dim1": 16}, "scale_block_dim1 must be 32 (got 16)"),
     ({"scale_block_dim2": 16}, "scale_block_dim2 must be 1 or 32 (got 16)"),
+    # not ints: were refused by the native API naming its scale_block_k
+    ({"scale_block_dim2": 32.0}, "scale_block_dim2 must be 1 or 32 (got 32.0)"),
+    ({"scale_block_dim2": True}, "scale_block_dim2 must be 1 or 32 (got True)"),
 ])
 def test_3d_scale_blocks_are_torchaos_not_implemented_and_our_value_error(kwargs, words):
     with pytest.raises(NotImplementedError, match=words.replace("(", r"\(").replace(")", r"\)")) as caught:
@@ -122,3 +125,12 @@ def test_3d_takes_torchaos_transposed_weights(block_k, blocked):
     rd, rs = reference.mxfp8_quantize_3d(w.contiguous(), "rceil", block_k, "tcgen05" if blocked else None)
     assert d.stride() == rd.stride() == (64 * 96, 1, 64)
     assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+
+
+def test_a_scaling_mode_that_is_no_string_is_shown_as_given():
+    """scaling_mode went through str().lower(): None was refused as "got 'none'", 1 as "got '1'"."""
+    for mode in (None, 1):
+        with pytest.raises(ValueError, match=re.escape(f"scaling_mode must be one of ('floor', 'rceil'), got {mode!r}")):
+            ONE_X32(torch.zeros(32, 32, dtype=BF16), scaling_mode=mode)
+    assert torch.equal(ONE_X32(torch.ones(32, 32, dtype=BF16), scaling_mode="FLOOR")[1].view(torch.uint8),
+                       reference.mxfp8_quantize(torch.ones(32, 32, dtype=BF16), -1, "floor")[1].view(torch.uint8))

@@ -194,6 +194,29 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_stage_arguments_are_checked_before_out_is_zeroed(backend, monkeypatch):
+    # The stages checked their own arguments when they ran, after moe_sorting had zeroed out: a bad
+    # activation, limit, b1, b2 or w2_scale raised, and a given out was left zeroed. Both biases
+    # were named "bias" (stage 1's and stage 2's parameter), which did not say which one was wrong.
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=11)
+    out = torch.full((3, 256), 7.0, dtype=torch.float32)
+    for bad, match in ((dict(activation="relu"), "activation must be one of"),
+                       (dict(limit=-1.0, activation="swiglu_oai"), "limit must be >= 0"),
+                       (dict(b1=p["b1"][:, :10]), r"b1 must have shape \(4, 128\)"),
+                       (dict(b2=p["b2"][:1]), r"b2 must have shape \(E = 4"),
+                       (dict(b2=p["b2"].to(torch.float64)), "b2 must have dtype in"),
+                       (dict(w2_scale=p["w2_scale"][:, :1]), "w2_scale must have shape")):
+        q = dict(p, **{k: v for k, v in bad.items() if k in p})
+        kw = {k: v for k, v in bad.items() if k not in p}
+        with pytest.raises((ValueError, TypeError), match=match):
+            fq.fused_moe(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], b1=q["b1"],
+                         b2=q["b2"], out=out, **kw)
+        assert bool((out == 7).all()), bad
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
 def test_outputs_with_elements_sharing_memory_are_refused(backend, monkeypatch):
     # An expand()ed out: stage 1 wrote every routed row into one (a wrong a2, no error), stage 2 and
     # moe_sorting's moe_buf failed in torch ('more than one element of the written-to tensor refers

@@ -12,6 +12,8 @@ terms) bounds |layer - exact| on every element.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -184,3 +186,22 @@ def test_negative_or_nan_swiglu_limit_is_refused(backend, monkeypatch):
         got = fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
         ref = reference.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
         assert torch.equal(got.isfinite(), ref.isfinite()) and got.isfinite().all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "gfx950"])
+def test_alpha_and_limit_must_be_real_numbers(backend, monkeypatch):
+    """alpha and limit went through float(): "7" ran as 7.0 and True as 1.0 (no error), None or a list
+    was float()'s TypeError naming neither argument, "x" its ValueError. Both backends and explain."""
+    if backend == "reference":
+        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    else:
+        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+        monkeypatch.setenv("FLYQUANT_ARCH", backend)
+    p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=26, skip_expert=None)
+    args = (p["x"], p["w1"], p["w1_scale"], *p["sorting"])
+    for name in ("alpha", "limit"):
+        for bad in ("7", True, None, [1.0]):
+            for fn in (fq.moe_gemm1_a16w4, lambda *a, **k: fq.explain(fq.moe_gemm1_a16w4, *a, **k)):
+                with pytest.raises(TypeError, match=re.escape(f"{name} must be a real number, got {bad!r}")):
+                    fn(*args, topk=2, block_m=16, activation="swiglu_oai", **{name: bad})
+    fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", alpha=2, limit=7)  # ints are numbers

@@ -361,3 +361,117 @@ def test_no_tokens_and_routing_rows_named(backend, arch, monkeypatch):
         m(p["x"], p["ids"][:4], p["weights"][:4])
     with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \(5, 2\) .* got \(5, 3\)"):
         m(p["x"], p["ids"], torch.cat([p["weights"], p["weights"][:, :1]], 1))
+
+
+def test_routing_shapes_are_checked_not_just_counted(monkeypatch):
+    """forward compared only element counts: topk_weights transposed to (topk, T) paired each id with
+    another pair's weight, and (T, topk) routing of half the tokens ran as top-1 routing of all of
+    them (both a wrong output, no error). The weights must have the ids' shape, the ids (..., topk)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=6)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \(5, 2\) .* got \(2, 5\)"):
+        m(p["x"], p["ids"], p["weights"].t())
+    with pytest.raises(ValueError, match=r"topk_ids must have shape \(T, topk\) with T = 10 .* got \(5, 2\)"):
+        m(torch.cat([p["x"], p["x"]]), p["ids"], p["weights"])
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got list"):
+        m(p["x"], p["ids"].tolist(), p["weights"])
+    got = m(p["x"][None], p["ids"][None], p["weights"][None])  # (B, S, topk) routing of (B, S, H) states
+    assert torch.equal(got[0], m(p["x"], p["ids"], p["weights"]))
+
+
+def test_hidden_states_are_checked(monkeypatch):
+    """forward took any tensor: int, bool or complex hidden states ran (the output converted back to
+    their dtype: truncated, no error), a 0-d one was an IndexError, and hidden states on another device
+    than the routing or a grad-requiring one were errors naming fused_moe's moe_buf and x."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=7)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"hidden_states must have dtype in .*, got {dtype}"):
+            m(p["x"].to(dtype), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match="hidden_states must have shape \\(..., model_dim = 64\\), got a 0-d tensor"):
+        m(torch.tensor(1.0), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match=r"topk_ids must be on the device of hidden_states \(meta\), got cpu"):
+        m(p["x"].to("meta"), p["ids"], p["weights"])
+    with pytest.raises(ValueError, match=r"w1 \(the module's buffers\) must be on the device of hidden_states \(meta\)"):
+        m(p["x"].to("meta"), p["ids"].to("meta"), p["weights"].to("meta"))
+    with pytest.raises(ValueError, match="MoEExperts does not support autograd: hidden_states requires grad"):
+        m(p["x"].requires_grad_(), p["ids"], p["weights"])
+
+
+def test_sizes_must_be_ints():
+    """MoEExperts(model_dim=63.7) kept int(63.7) = 63 and model_dim=True became 1 (the layer then ran
+    on the wrong columns, no error); from_mxfp4(model_dim=40.5) too, or failed in a slice with biases."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=8)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for bad in (63.7, True, "64"):
+        with pytest.raises(ValueError, match=f"model_dim must be an int >= 1, got {bad!r}"):
+            MoEExperts(m.w1, m.w1_scale, m.w2, m.w2_scale, model_dim=bad, inter_dim=32)
+    with pytest.raises(ValueError, match="inter_dim must be an int >= 1, got 32.0"):
+        MoEExperts(m.w1, m.w1_scale, m.w2, m.w2_scale, model_dim=64, inter_dim=32.0)
+    p1, s1 = reference.quantize_mxfp4(p["w1"])
+    p2, s2 = reference.quantize_mxfp4(p["w2"])
+    with pytest.raises(ValueError, match="model_dim must be an int >= 1, got 40.5"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, model_dim=40.5)
+    with pytest.raises(ValueError, match="inter_dim must be an int >= 1, got True"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, inter_dim=True)
+    assert MoEExperts.from_mxfp4(p1, s1, p2, s2, model_dim=40).model_dim == 40
+
+
+def test_empty_weights_are_refused_up_front():
+    """from_dense / from_mxfp4 with no experts (or from_dense with inter or model 0) failed with
+    torch's "cannot reshape tensor of 0 elements" RuntimeError, or an error about the shuffle's "w"."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"w1.shape\[0\] \(E\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:0], w2[:0])
+    with pytest.raises(ValueError, match=r"w1.shape\[1\] / 2 \(inter\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:, :0], w2[:, :, :0])
+    with pytest.raises(ValueError, match=r"w1.shape\[2\] \(model\) must be an int >= 1, got 0"):
+        MoEExperts.from_dense(w1[:, :, :0], w2[:, :0])
+    p1, s1 = reference.quantize_mxfp4(w1[:0])
+    p2, s2 = reference.quantize_mxfp4(w2[:0])
+    with pytest.raises(ValueError, match=r"w1.shape\[0\] \(E\) must be an int >= 1, got 0"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2)
+
+
+def test_biases_on_another_device_are_refused():
+    """A bias on another device than the weights built a module (its bias buffer there) whose forward
+    then failed with "bias must be on the device of x" / "... of a2", fused_moe's internal names."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"b1 must be on the device of w1 \(cpu\), got meta"):
+        MoEExperts.from_dense(w1, w2, b1=torch.zeros(2, 64, device="meta"))
+    p1, s1 = reference.quantize_mxfp4(w1)
+    p2, s2 = reference.quantize_mxfp4(w2)
+    with pytest.raises(ValueError, match=r"b2 must be on the device of w1 \(cpu\), got meta"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2, b2=torch.zeros(2, 64, device="meta"))
+
+
+def test_from_dense_takes_b2_of_the_model_width_only():
+    """from_dense's b2 is (E, model) (its docstring), but a wider one was taken, its first model columns
+    used and the rest dropped silently (from_gpt_oss_experts' float path too, while its checkpoint path
+    refused the same down_proj_bias)."""
+    w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    with pytest.raises(ValueError, match=r"b2 must have shape \(2, 64\), got \(2, 100\)"):
+        MoEExperts.from_dense(w1, w2, b2=torch.zeros(2, 100))
+    gate_up = torch.randn(2, 64, 64)
+    with pytest.raises(ValueError, match=r"down_proj_bias must have shape \(2, 64\), got \(2, 65\)"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": w2.transpose(1, 2), "down_proj_bias": torch.zeros(2, 65)})
+
+
+def test_alpha_and_limit_must_be_real_numbers():
+    """MoEExperts took alpha / limit through float(): "1.5" became 1.5, True 1.0, and None was float()'s
+    TypeError naming neither."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=9)
+    for name, bad in (("alpha", None), ("limit", "7"), ("alpha", True)):
+        with pytest.raises(TypeError, match=f"{name} must be a real number, got {bad!r}"):
+            MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", **{name: bad})
+
+
+def test_a_negative_swiglu_limit_is_refused_when_the_module_is_built():
+    """A negative (or NaN) limit built a swiglu_oai module whose every forward then refused it."""
+    p = dense_layer(2, 64, 32, 2, 1, seed=10)
+    for limit in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+            MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", limit=limit)
+    assert MoEExperts.from_dense(p["w1"], p["w2"], activation="silu", limit=-1.0).limit == -1.0  # unused by silu

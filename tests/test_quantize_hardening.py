@@ -153,6 +153,22 @@ def test_dequantize_checks_the_orientation_of_square_data():
             fq.mxfp8_dequantize(data, scales, axis=axis)
 
 
+def test_dequantize_mxfp4_refuses_0d_packed():
+    # packed.shape[-1] was read before the rank was checked: an IndexError, naming nothing
+    with pytest.raises(ValueError, match=r"packed.shape\[-1\] \(K/2\) must be a multiple of 16 .* got shape \(\)"):
+        fq.dequantize_mxfp4(torch.tensor(3, dtype=torch.uint8), torch.tensor(127, dtype=torch.uint8))
+
+
+def test_dequantize_refuses_scales_on_another_device():
+    # both failed in torch's multiply: "Tensor on device meta is not on the expected device cpu!"
+    packed, scales = reference.mxfp4_quantize(torch.randn(4, 64))
+    with pytest.raises(ValueError, match=r"scales must be on the device of packed \(cpu\), got meta"):
+        fq.dequantize_mxfp4(packed, scales.to("meta"))
+    data, scales8 = reference.mxfp8_quantize(torch.randn(32, 64))
+    with pytest.raises(ValueError, match=r"scales must be on the device of data \(cpu\), got meta"):
+        fq.mxfp8_dequantize(data, scales8.to("meta"))
+
+
 def test_strict_memory_is_on_and_catches_a_launch_past_its_tensors():
     # The conftest fixture's own check: a 1x32 launch told its input holds twice the blocks it
     # has reads past the tensor's extent, which strict memory turns into a launch error.

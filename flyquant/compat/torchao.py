@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from .. import api
+from .. import api, validate
 from ..formats import MX_BLOCK
 
 
@@ -71,9 +71,11 @@ def _check_input(x: torch.Tensor, ndim: int, block_size: int, allow_transposed_3
         _fail(f"Only block_size={MX_BLOCK} is supported", f"got {block_size}")
 
 
-def _mode(scaling_mode) -> str:
-    # torchao passes strings; accept its ScaleCalculationMode enum too.
-    return str(getattr(scaling_mode, "value", scaling_mode)).lower()
+def _mode(scaling_mode):
+    # torchao passes strings; accept its ScaleCalculationMode enum too. Anything else as given, for the
+    # error to show it (str() made None "'none'")
+    mode = getattr(scaling_mode, "value", scaling_mode)
+    return mode.lower() if isinstance(mode, str) else mode
 
 
 def mxfp8_quantize_2d_1x32_flydsl(
@@ -124,7 +126,8 @@ def mxfp8_quantize_3d_flydsl(
     if scale_block_dim1 != MX_BLOCK:
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim1 must be {MX_BLOCK} (got {scale_block_dim1}).")
-    if scale_block_dim2 not in (1, MX_BLOCK):
+    # an int: 32.0 or True got past `in` and the native API refused them, naming its scale_block_k
+    if not validate.is_int(scale_block_dim2) or scale_block_dim2 not in (1, MX_BLOCK):
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim2 must be 1 or {MX_BLOCK} (got {scale_block_dim2}).")
     _check_input(x, 3, block_size, allow_transposed_3d=True)
