@@ -29,7 +29,7 @@ def _mxfp8_quantize_op(
     x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor],
     signed_zeros: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+    plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
     from .kernels import mxfp8_quantize_2d as k
@@ -86,7 +86,7 @@ def mxfp8_quantize_dual(x, scaling_mode="rceil"):
 def _mxfp8_quantize_3d_op(
     w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str], signed_zeros: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+    plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
     from .kernels import mxfp8_quantize_3d as k
@@ -352,9 +352,9 @@ def explain(fn, *args, **kwargs) -> Plan:
     return plan
 
 
-def _explain_mxfp8(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None):
+def _explain_mxfp8(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=None, signed_zeros=True):
     axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
-    return select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs)
+    return select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, validate.flag(signed_zeros, "signed_zeros"))
 
 
 def _explain_dual(x, scaling_mode="rceil"):
@@ -382,6 +382,7 @@ def _explain_mxfp4_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
     return select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
 
 
-def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None):
+def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None, signed_zeros=True):
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
-    return select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout)
+    return select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout,
+                                         validate.flag(signed_zeros, "signed_zeros"))

@@ -37,7 +37,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None,
                    signed_zeros: bool = True) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
+    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
                 (a, a_scale, b, b_scale, offs), out_dtype, signed_zeros, scale_layout=scale_layout)
 
@@ -69,7 +69,7 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype, signed_zeros: bool = True) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
+    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros)
     return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
                 (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype, signed_zeros)
 
@@ -94,14 +94,14 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
     return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
-def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None):
+def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None, signed_zeros=True):
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
-    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype)
+    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
-def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16):
+def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16, signed_zeros=True):
     ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
-    return select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype)
+    return select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
 EXPLAINERS = {mxfp8_grouped_mm: explain_grouped_mm, mxfp8_grouped_mm_wgrad: explain_grouped_mm_wgrad}

@@ -183,7 +183,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _SHORT_DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
 
 
-def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, *why: str, **extra) -> Plan:
+def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_layout, *why: str, signed_zeros=True,
+                **extra) -> Plan:
     target = _kernel_target(op, x.device)
     if isinstance(target, Plan):
         return target
@@ -196,33 +197,39 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
         return reference_plan(op, target, too_large)
     plan = k.plan(kind, tuple(x.shape), x.dtype, target.arch, extra.get("scale_block_k", 1))
     config = {**dataclasses.asdict(plan), **extra}
-    name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}"
+    name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("" if signed_zeros else "_pz")
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
+    if not signed_zeros:
+        conversion += ", every zero written +0 (signed_zeros=False)"
     layout = f"scales written in the {scale_layout} layout by the kernel" if scale_layout else "plain scales"
     return _kernel_plan(op, target, name, config, *why, conversion, layout)
 
 
-def plan_mxfp8_quantize(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout, offs) -> Plan:
+def plan_mxfp8_quantize(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout, offs, signed_zeros=True) -> Plan:
     """1x32 (axis 1) or 32x1 (axis 0) MXFP8 quantize of a 2D tensor (inputs already validated)."""
     kind = "1x32" if axis == 1 else "32x1"
-    return _mxfp8_plan("mxfp8_quantize", x, kind, scaling_mode, scale_layout, token_groups=offs is not None)
+    return _mxfp8_plan("mxfp8_quantize", x, kind, scaling_mode, scale_layout, signed_zeros=signed_zeros,
+                       token_groups=offs is not None)
 
 
 def plan_mxfp8_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
     return _mxfp8_plan("mxfp8_quantize_dual", x, "dual", scaling_mode, None)
 
 
-def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout) -> Plan:
+def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout, signed_zeros=True) -> Plan:
     if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
         e, n, k = w.shape
         if scale_block_k == 1:
             rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
             return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
-                               "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows")
+                               "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows",
+                               signed_zeros=signed_zeros)
         return _mxfp8_plan("mxfp8_quantize_3d", w.transpose(1, 2), "3d_t", scaling_mode, scale_layout,
                            "w is the transpose of a contiguous (E, K, N): the column kernel's 32x32 variant on "
-                           "that tensor, data stored row-major (w's layout)", scale_block_k=scale_block_k)
-    return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, scale_block_k=scale_block_k)
+                           "that tensor, data stored row-major (w's layout)", signed_zeros=signed_zeros,
+                           scale_block_k=scale_block_k)
+    return _mxfp8_plan("mxfp8_quantize_3d", w, "3d", scaling_mode, scale_layout, signed_zeros=signed_zeros,
+                       scale_block_k=scale_block_k)
 
 
 def _mxfp4_conversion(arch: str) -> str:
@@ -514,7 +521,7 @@ def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int) -> int:
 
 
 def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
-                     experts: int) -> Plan:
+                     experts: int, signed_zeros: bool) -> Plan:
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
@@ -528,19 +535,24 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts)
     else:
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
-    return _kernel_plan(op, target, f"{op}_{_dtype_name(out_dtype)}_{target.arch}", config, *reasons)
+    fnuz = arch_info(target.arch).fp8_flavour == "fnuz"
+    if fnuz:
+        reasons += ("operands read as loaded (signed_zeros=False: no -0, NaN codes only in NaN-scale blocks)"
+                    if not signed_zeros else "OCP -0 and NaN codes rewritten as FNUZ in registers",)
+    name = f"{op}_{_dtype_name(out_dtype)}_{target.arch}" + ("_pz" if fnuz and not signed_zeros else "")
+    return _kernel_plan(op, target, name, config, *reasons)
 
 
-def plan_mxfp8_grouped_mm(a, b, offs, out_dtype) -> Plan:
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e)
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros)
 
 
-def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype) -> Plan:
+def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros=True) -> Plan:
     """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
     return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype, x.shape[0], y.shape[1], x.shape[1],
-                            offs.shape[0])
+                            offs.shape[0], signed_zeros)
 
 
 def grouped_mm_launcher(plan: Plan):

@@ -504,6 +504,28 @@ def test_training_op_compiles_fullgraph(reference_backend, backend):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_explain_names_the_operands_promise(arch, monkeypatch):
+    """signed_zeros=False shows in the plans: the quantize kernel's +0 variant, and on gfx942 (FNUZ)
+    the GEMM reading its operands as loaded; gfx950 runs one GEMM either way. A non-bool is refused."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    assert fq.explain(fq.mxfp8_quantize, x, signed_zeros=False).kernel.endswith("_pz")
+    assert not fq.explain(fq.mxfp8_quantize, x).kernel.endswith("_pz")
+    assert fq.explain(fq.mxfp8_quantize_3d, torch.randn(2, 32, 64), signed_zeros=False).kernel.endswith("_pz")
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64), signed_zeros=False)
+    assert plan.kernel.endswith("_pz") == (arch == "gfx942")
+    assert any("as loaded" in r for r in plan.reasons) == (arch == "gfx942")
+    x_, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
+    assert fq.explain(fq.mxfp8_grouped_mm_wgrad, x_, x_scale, y, y_scale, offs(32, 64),
+                      signed_zeros=False).kernel.endswith("_pz") == (arch == "gfx942")
+    for call in (lambda: fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64), signed_zeros="no"),
+                 lambda: fq.mxfp8_quantize(x, signed_zeros=0), lambda: fq.explain(fq.mxfp8_quantize, x, signed_zeros=1)):
+        with pytest.raises(ValueError, match="signed_zeros must be a bool"):
+            call()
+
+
 def test_kernel_hook(monkeypatch):
     """A launcher registered in select.GROUPED_MM_KERNELS takes the op's inputs, an out of the
     result's shape and dtype to write every element of, the arch, the operands' signed_zeros, the
