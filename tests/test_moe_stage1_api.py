@@ -19,10 +19,10 @@ import torch
 
 import flyquant as fq
 from flyquant import layouts, reference, select
-from flyquant.moe import moe_sorting
 
 from test_moe_gemm1_kernel import exact_and_tolerance, make_problem, SENTINEL
 from test_moe_gemm2_kernel import make_problem as stage2_problem
+from test_moe_safety import set_backend
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
@@ -169,11 +169,7 @@ def test_negative_or_nan_swiglu_limit_is_refused(backend, monkeypatch):
     """swiglu_oai's limit must be >= 0 (inf: no clamp). A negative one made the kernels' v_med3_f32
     clamps and the reference's torch.clamp (min > max gives max) disagree silently: up to 0.31 apart
     where the reference gives 0. Refused alike on both backends; limit 0 and inf still run."""
-    if backend == "reference":
-        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
-    else:
-        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
-        monkeypatch.setenv("FLYQUANT_ARCH", backend)
+    set_backend(monkeypatch, "reference" if backend == "reference" else "flydsl", "gfx950")
     p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=25, skip_expert=None)
     args = (p["x"], p["w1"], p["w1_scale"], *p["sorting"])
     for limit in (-1.0, float("nan")):
@@ -192,11 +188,7 @@ def test_negative_or_nan_swiglu_limit_is_refused(backend, monkeypatch):
 def test_alpha_and_limit_must_be_real_numbers(backend, monkeypatch):
     """alpha and limit went through float(): "7" ran as 7.0 and True as 1.0 (no error), None or a list
     was float()'s TypeError naming neither argument, "x" its ValueError. Both backends and explain."""
-    if backend == "reference":
-        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
-    else:
-        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
-        monkeypatch.setenv("FLYQUANT_ARCH", backend)
+    set_backend(monkeypatch, "reference" if backend == "reference" else "flydsl", "gfx950")
     p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=26, skip_expert=None)
     args = (p["x"], p["w1"], p["w1_scale"], *p["sorting"])
     for name in ("alpha", "limit"):
