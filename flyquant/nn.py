@@ -77,22 +77,12 @@ class MoEExperts(torch.nn.Module):
     def __init__(self, w1, w1_scale, w2, w2_scale, b1=None, b2=None, *, model_dim: int, inter_dim: int,
                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
         validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
-        experts, two_p, k_half = w1.shape
-        api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim)  # int() below took 63.7 as 63, True as 1
+        experts, two_p, _ = w1.shape
         if w2.shape[0] != experts or 2 * w2.shape[2] != two_p // 2:
             raise ValueError(f"w2 must have shape (E = {experts}, N, P / 2 = {two_p // 4}), got {tuple(w2.shape)}")
-        if not 0 < model_dim <= min(2 * k_half, w2.shape[1]) or not 0 < inter_dim <= two_p // 2:
-            raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
-                             f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
-        self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
-        validate.real_number(alpha, "alpha")
-        validate.real_number(limit, "limit")
-        reference_moe.check_swiglu_limit(activation, limit)  # else refused by every forward, not here
-        self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
+        self._set_config(w1, w2, model_dim, inter_dim, activation, alpha, limit)
         self.register_buffer("w1", w1)
         self.register_buffer("w1_scale", w1_scale)
         self.register_buffer("w2", w2)
@@ -255,10 +245,22 @@ class MoEExperts(torch.nn.Module):
                     alpha=self.alpha, limit=self.limit)
 
     def set_extra_state(self, state: dict) -> None:
-        if state["activation"] not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {state['activation']!r}")
-        self.model_dim, self.inter_dim = int(state["model_dim"]), int(state["inter_dim"])
-        self.activation, self.alpha, self.limit = state["activation"], float(state["alpha"]), float(state["limit"])
+        self._set_config(self.w1, self.w2, state["model_dim"], state["inter_dim"], state["activation"], state["alpha"],
+                         state["limit"])
+
+    def _set_config(self, w1, w2, model_dim, inter_dim, activation, alpha, limit) -> None:
+        """The sizes and activation, checked as the constructor and a loaded state dict alike take them."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim)  # int() below took 63.7 as 63, True as 1
+        if not 0 < model_dim <= min(2 * w1.shape[2], w2.shape[1]) or not 0 < inter_dim <= w1.shape[1] // 2:
+            raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
+                             f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+        validate.real_number(alpha, "alpha")
+        validate.real_number(limit, "limit")
+        reference_moe.check_swiglu_limit(activation, limit)  # else refused by every forward, not here
+        self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
+        self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
 
     def extra_repr(self) -> str:
         d = self.padded_dims

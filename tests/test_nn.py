@@ -152,6 +152,26 @@ def test_state_dict_round_trips(monkeypatch, tmp_path):
     assert torch.equal(other(p["x"], p["ids"], p["weights"]), m(p["x"], p["ids"], p["weights"]))
 
 
+def test_a_state_dict_is_checked_like_the_constructor(monkeypatch):
+    """load_state_dict took the extra state's sizes and activation through int() / float(): a
+    float, bool or oversized model_dim, or a negative swiglu limit, loaded silently."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(EXPERTS, MODEL, INTER, TOKENS, TOPK, seed=3)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation="swiglu_oai")
+    good = m.state_dict()
+    key = next(k for k in good if k.endswith("_extra_state"))
+    for change, error, match in [(dict(model_dim=63.7), ValueError, "model_dim must be an int"),
+                                 (dict(inter_dim=True), ValueError, "inter_dim must be an int"),
+                                 (dict(model_dim=10 * MODEL), ValueError, "do not fit the padded weights"),
+                                 (dict(limit=-1.0), ValueError, "limit must be >= 0"),
+                                 (dict(alpha="1.7"), TypeError, "alpha must be a real number"),
+                                 (dict(activation="relu"), ValueError, "activation must be one of")]:
+        with pytest.raises(error, match=match):
+            m.load_state_dict({**good, key: {**good[key], **change}})
+    m.load_state_dict(good)  # and the module kept what it had
+    assert (m.model_dim, m.activation, m.limit) == (MODEL, "swiglu_oai", 7.0)
+
+
 def test_bad_input():
     p = dense_layer(2, 64, 32, 2, 1, seed=5)
     with pytest.raises(ValueError, match=r"w2 must have shape \(E, model, inter\) = \(2, 64, 32\)"):
