@@ -325,6 +325,9 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
                                        model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
                                        bias_name="b1")
+    for name, t in (("w2", w2), ("w2_scale", w2_scale), ("b2", b2)):  # stage 2's checks would name a2, internal
+        if t is not None:
+            validate.same_device("x", x, name, t)
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
                                        inter_dim=inter_dim, bias_name="b2")
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)

@@ -197,7 +197,8 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
 def test_stage_arguments_are_checked_before_out_is_zeroed(backend, monkeypatch):
     # The stages checked their own arguments when they ran, after moe_sorting had zeroed out: a bad
     # activation, limit, b1, b2 or w2_scale raised, and a given out was left zeroed. Both biases
-    # were named "bias" (stage 1's and stage 2's parameter), which did not say which one was wrong.
+    # were named "bias" (stage 1's and stage 2's parameter), which did not say which one was wrong,
+    # and stage 2's inputs on another device were said to be off a2's (internal to the layer).
     monkeypatch.setenv("FLYQUANT_BACKEND", backend)
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
     p = layer(3, 2, 4, None, True, seed=11)
@@ -207,7 +208,10 @@ def test_stage_arguments_are_checked_before_out_is_zeroed(backend, monkeypatch):
                        (dict(b1=p["b1"][:, :10]), r"b1 must have shape \(4, 128\)"),
                        (dict(b2=p["b2"][:1]), r"b2 must have shape \(E = 4"),
                        (dict(b2=p["b2"].to(torch.float64)), "b2 must have dtype in"),
-                       (dict(w2_scale=p["w2_scale"][:, :1]), "w2_scale must have shape")):
+                       (dict(w2_scale=p["w2_scale"][:, :1]), "w2_scale must have shape"),
+                       # stage 2's device checks named its a2, internal to the layer
+                       (dict(b2=p["b2"].to("meta")), r"b2 must be on the device of x"),
+                       (dict(w2=p["w2"].to("meta")), r"w2 must be on the device of x")):
         q = dict(p, **{k: v for k, v in bad.items() if k in p})
         kw = {k: v for k, v in bad.items() if k not in p}
         with pytest.raises((ValueError, TypeError), match=match):
