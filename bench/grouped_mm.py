@@ -210,7 +210,7 @@ def isa_mnemonics(isa: str) -> collections.Counter:
 def compile_report(arch: str, shape: Shape, n: int, layout: str, tile_m: int, tile_n: int):
     cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=shape.k, experts=shape.experts, tile_m=tile_m,
                             tile_n=tile_n, scale_layout=LAYOUTS[layout],
-                            signed_zeros=SIGNED_ZEROS.get(layout, True) or arch != "gfx942")
+                            signed_zeros=SIGNED_ZEROS.get(layout, True))
     (report,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), shape.m, 1, 1, stream=0)
     return report
 

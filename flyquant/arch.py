@@ -29,6 +29,11 @@ class ArchInfo:
     bf16_mfma: str  # the bf16 MFMA the GEMM feeds
     hbm_tb_per_s: float
 
+    @property
+    def fnuz_fp8(self) -> bool:
+        """FP8 is FNUZ here (gfx942): 0x80 is NaN, not -0."""
+        return self.fp8_flavour == "fnuz"
+
 
 ARCHS = {
     "gfx942": ArchInfo(

@@ -535,7 +535,7 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts)
     else:
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
-    fnuz = arch_info(target.arch).fp8_flavour == "fnuz"
+    fnuz = arch_info(target.arch).fnuz_fp8
     if fnuz:
         reasons += ("operands read as loaded (signed_zeros=False: no -0, NaN codes only in NaN-scale blocks)"
                     if not signed_zeros else "OCP -0 and NaN codes rewritten as FNUZ in registers",)

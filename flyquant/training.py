@@ -61,7 +61,7 @@ def _signed_zeros(t: torch.Tensor) -> bool:
     which that GEMM then reads without rewriting (validate.SIGNED_ZEROS_DOC); elsewhere the
     rewrite would only cost the quantize kernels instructions."""
     arch = select.resolve_target(t.device).arch
-    return arch is None or arch_info(arch).fp8_flavour != "fnuz"
+    return arch is None or not arch_info(arch).fnuz_fp8
 
 
 def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,7 @@ def _e8m0_f32(e):
 def _fnuz_words(w):
     """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
     bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
-    low = w & 0x7F7F7F7F
-    fixed = (w & (low + 0x7F7F7F7F)) | low  # a byte keeps its sign bit only when its low 7 bits are not 0
-    return fixed, low + 0x01010101
+    return fx.Int32(mx.unsign_zeros(w)), (w & 0x7F7F7F7F) + 0x01010101
 
 
 def _fnuz_nans(w):

@@ -112,6 +112,10 @@ class GroupedMMConfig:
     wgrad: bool = False  # the weight-gradient GEMM (module doc): n = N (y's columns), k = K (x's)
     signed_zeros: bool = True  # False: no -0 bytes, NaN codes only in NaN-scale blocks (gfx942 reads them as they are)
 
+    def __post_init__(self):  # the promise matters only where FP8 is FNUZ: elsewhere one kernel for both
+        if not arch_info(self.arch).fnuz_fp8:
+            object.__setattr__(self, "signed_zeros", True)
+
     @property
     def name(self) -> str:
         out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
@@ -538,11 +542,6 @@ def _cat(x, y, ty=fx.Int32):
     return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
 
 
-def _fnuz(info) -> bool:
-    """FP8 is FNUZ on this arch (gfx942): only there does the operands' signed_zeros promise matter."""
-    return info.fp8_flavour == "fnuz"
-
-
 @functools.lru_cache(maxsize=None)
 def _cached_launcher(cfg: GroupedMMConfig):
     return build_grouped_mm(cfg)
@@ -565,7 +564,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
         return out
     bs_expert_bytes = b_scale.stride(0) if b_scale.dim() == 3 else n * b_scale.shape[1]
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
-                          scale_layout=scale_layout, signed_zeros=signed_zeros or not _fnuz(info))
+                          scale_layout=scale_layout, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
@@ -591,7 +590,7 @@ def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_d
     x_t, y_t = x.t().contiguous(), y.t().contiguous()  # no copy for mxfp8_quantize(t, axis=0)'s outputs
     x_scale, y_scale, offs = x_scale.contiguous(), y_scale.contiguous(), offs.contiguous()
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
-                          wgrad=True, signed_zeros=signed_zeros or not _fnuz(info))
+                          wgrad=True, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
     with toolchain.target(info.name):
         _cached_launcher(cfg)(y_t.data_ptr(), y_scale.data_ptr(), x_t.data_ptr(), x_scale.data_ptr(), offs.data_ptr(),
