@@ -5,12 +5,19 @@ FlyDSL kernels (flyquant.layouts holds the reference permutations)."""
 
 from __future__ import annotations
 
+from flyquant.arch import arch_info
+
 from . import _mx_common as mx
 from ._mx_common import WAVE, add, band, lshr, mul, shl, sub
 
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
 PLACED_TILES_PER_WAVE = 8  # a row tile's tiles in runs of 8 per wave (the last run: those left)
+# Large launches: up to 32 tiles a wave (a divisor of the row tile's, so no padding), spreading the
+# wave's setup over up to 4 times the steps, while at least 4 waves per CU remain (a step loads 8
+# KiB: 32 KiB in flight per CU, issue 4's target for large shapes).
+LONG_TILES_PER_WAVE = 32
+LONG_WAVES_PER_CU = 4
 
 
 def a4w4_k_align(arch: str, dtype: str, k: int) -> int:
@@ -28,15 +35,22 @@ def two_tile_steps(arch: str, dtype: str, shuffle) -> bool:
     return bool(shuffle) and arch == "gfx950" and dtype != "fp32"
 
 
-def row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> tuple[int, int]:
+def row_tiles(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> tuple[int, int]:
     """(16-row x 4-block tiles per row tile of nkb blocks, tiles per wave) of the shuffles, where
     mxfp4_quantize.build_rows places a wave's tiles once in one row tile: the row tile's tiles
     (two-tile steps: 2 ceil(nkb / 8), the last step's blocks past nkb phantoms; a4w4's one-tile
-    steps: ceil(nkb / 4)) padded to whole waves of 8; a wave runs only the row tile's. a16w4's
-    one-tile steps (not placed, their (row, kb) carried): ceil(nkb / 4) and 8."""
+    steps: ceil(nkb / 4)) in waves of their largest divisor from 32 down to 9 (whole steps) that
+    leaves a launch of row_tile_count row tiles LONG_WAVES_PER_CU, else padded to whole waves of 8;
+    a wave runs only the row tile's. a16w4's one-tile steps (not placed, their (row, kb) carried):
+    ceil(nkb / 4) and 8."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
     if real is None:
         return -(-nkb // 4), 8
+    step = 2 if two_tile_steps(arch, dtype, shuffle) else 1
+    waves_wanted = arch_info(arch).compute_units * LONG_WAVES_PER_CU
+    for per in range(LONG_TILES_PER_WAVE, PLACED_TILES_PER_WAVE, -step):
+        if real % per == 0 and row_tile_count * real // per >= waves_wanted:
+            return real, per
     per = PLACED_TILES_PER_WAVE
     return -(-real // per) * per, per
 
@@ -48,10 +62,10 @@ def real_row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> int | None:
     return -(-nkb // 4) if shuffle == "a4w4" else None
 
 
-def padded_rows(arch: str, dtype: str, shuffle, nkb: int) -> bool:
+def padded_rows(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> bool:
     """Whether row_tiles pads a row tile (its placed tiles not a whole number of waves)."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
-    return real is not None and real % PLACED_TILES_PER_WAVE != 0
+    return real is not None and row_tiles(arch, dtype, shuffle, nkb, row_tile_count)[0] != real
 
 
 def emit_row_tiles(nkb, two_tile: bool, ragged: bool, padded: bool):

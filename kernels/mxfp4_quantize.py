@@ -107,7 +107,7 @@ def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
     nkb = -(-k // MX_BLOCK)
     if not shuffle:
         return RowPlan(*mx.wave_split(-(-(m * nkb) // WAVE), MAX_WAVES, TILES_PER_WAVE))
-    per_row, per_wave = sh.row_tiles(arch, dtype, shuffle, nkb)
+    per_row, per_wave = sh.row_tiles(arch, dtype, shuffle, nkb, m // 16)
     return RowPlan(*mx.wave_split(m // 16 * per_row, MAX_WAVES, per_wave))
 
 
@@ -568,7 +568,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
     tail = k % MX_BLOCK != 0
-    magic, shift = mx.divide_magic(sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb)[0] if shuffle else nkb)
+    magic, shift = mx.divide_magic(sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16)[0] if shuffle else nkb)
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
     n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
@@ -576,7 +576,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     with toolchain.target(arch):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0,
-                              sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb))
+                              sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,

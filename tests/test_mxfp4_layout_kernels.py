@@ -12,6 +12,7 @@ import flyquant as fq
 import flyquant.emu as emu
 from flyquant import layouts, reference
 from flyquant.kernels import _mxfp4_common as c4
+from flyquant.kernels import _mxfp4_shuffles as sh
 
 import oracles
 from test_mxfp4_kernels import ARCHS, DTYPES, MODES, U8, assert_same, random_rows, special_blocks
@@ -201,6 +202,55 @@ def test_a4w4_tile_orders(arch, dtype, mode):
             plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
             assert launch.kernel.startswith(plan.kernel + "_w")
             assert plan.config["tiles_per_wave"] == 8
+
+
+def test_long_waves_only_where_the_launch_stays_wide():
+    """_mxfp4_shuffles.row_tiles lengthens a wave to the row tile's largest divisor from 32 down to
+    9 only while the launch keeps 4 waves per CU (gfx950: 256 CUs, 1024 waves); otherwise waves of
+    8, a row tile that is no whole number of them padded."""
+    one = ("gfx942", "bf16", "a4w4")  # one-tile steps: ceil(nkb / 4) tiles a row tile
+    two = ("gfx950", "bf16", "a4w4")  # two-tile steps: 2 ceil(nkb / 8)
+    assert sh.row_tiles(*two, 224, 512) == (56, 28)  # 8192 x 7168: 1024 waves of 28
+    assert sh.row_tiles(*two, 224, 256) == (56, 14)  # 4096 x 7168: 28 would leave 512 waves
+    assert sh.row_tiles(*two, 224, 16) == (56, 8)  # 256 rows: too few waves for any longer run
+    assert sh.row_tiles(*two, 90, 16) == (24, 8)  # K 2880, short: 3 waves a row tile
+    assert sh.row_tiles(*two, 90, 512) == (24, 12)  # 8192 x 2880: 1024 waves of 12
+    assert sh.row_tiles(*two, 90, 1024) == (24, 24)
+    assert sh.row_tiles(*two, 44, 4096) == (12, 12)  # no even divisor of 12 from 32 to 10 but 12
+    assert sh.row_tiles(*two, 36, 4096) == (10, 10)
+    assert sh.row_tiles(*two, 28, 4096) == (8, 8)  # 8 tiles: one wave a row tile, no padding
+    assert sh.row_tiles(*two, 20, 4096) == (8, 8) and sh.padded_rows(*two, 20, 4096)  # 6 tiles
+    assert sh.row_tiles(*one, 90, 4096) == (23, 23)  # prime: one-tile steps take any run
+    assert sh.row_tiles(*one, 90, 16) == (24, 8) and sh.padded_rows(*one, 90, 16)
+    assert not sh.padded_rows(*one, 90, 4096)
+    assert sh.row_tiles("gfx950", "bf16", "a16w4", 160, 2560) == (40, 20)  # 8 x 5120 x 5120 weights
+
+
+LONG_WAVE_CASES = [(a, d) for a in ARCHS for d in (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("arch,dtype", LONG_WAVE_CASES, ids=[f"{a}-{str(d)[6:]}" for a, d in LONG_WAVE_CASES])
+def test_long_waves_are_exact(arch, dtype, monkeypatch):
+    """Waves longer than 8 tiles (row_tiles' large-launch runs, made to apply to small shapes here):
+    a4w4 K 1536 (12 tiles a row tile, before padded to 16), K 7168 (28 tiles; one-tile steps 56 and
+    32 from 32 down), K 2880 (the ragged last step: 24 tiles, one-tile 23) with plain and "mfma"
+    scales, and a16w4 with gate_up (E 2, N 64, K 1536), byte for byte against the reference."""
+    monkeypatch.setattr(sh, "LONG_WAVES_PER_CU", 0)
+    emu.enable(arch)
+    for m, k in ((32, 1536), (16, 7168), (48, 2880)):
+        x = random_rows(m, k, dtype, seed=m + k)
+        specials = special_blocks(dtype)
+        x.view(-1, 32)[torch.arange(specials.shape[0]) * 37 % (x.numel() // 32)] = specials
+        for layout in (None, "mfma"):
+            plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode="floor", scale_layout=layout, shuffle="a4w4")
+            assert plan.config["tiles_per_wave"] > 8 and "_padded" not in plan.kernel
+            with emu.record() as launches:
+                got = fq.mxfp4_quantize(x, scaling_mode="floor", scale_layout=layout, shuffle="a4w4")
+            assert launches[0].grid[0] == plan.config["workgroups"]
+            assert_same(got, reference.mxfp4_quantize(x, -1, "floor", layout, "a4w4"), f"a4w4 {m}x{k} {layout}")
+    w = random_rows(2 * 64, 1536, dtype, seed=5).reshape(2, 64, 1536)
+    assert_same(fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=True),
+                reference.mxfp4_quantize_3d(w, "even", "a16w4", True), "a16w4 gate_up")
 
 
 def _zero_padded(t, shape):
