@@ -197,7 +197,15 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
         return reference_plan(op, target, too_large)
     plan = k.plan(kind, tuple(x.shape), x.dtype, target.arch, extra.get("scale_block_k", 1))
     config = {**dataclasses.asdict(plan), **extra}
-    name = f"mxfp8_{kind}_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("" if signed_zeros else "_pz")
+    # the launched kernel's name up to its tile suffixes (mxfp8_quantize_2d.build and _mx_col.build_col)
+    tag = f"{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("" if signed_zeros else "_pz")
+    layout_tag = f"_{scale_layout}" if scale_layout else ""
+    if kind == "1x32":
+        name = f"mxfp8_1x32_{tag}{layout_tag}"
+    else:
+        block_k = extra.get("scale_block_k", 1)
+        name = (f"mxfp8_{kind}" + (f"_k{block_k}" if block_k > 1 else "") + layout_tag
+                + ("_offs" if extra.get("token_groups") else "") + f"_{tag}")
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     if not signed_zeros:
         conversion += ", every zero written +0 (signed_zeros=False)"
@@ -208,8 +216,9 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
 def plan_mxfp8_quantize(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout, offs, signed_zeros=True) -> Plan:
     """1x32 (axis 1) or 32x1 (axis 0) MXFP8 quantize of a 2D tensor (inputs already validated)."""
     kind = "1x32" if axis == 1 else "32x1"
+    # token groups change the kernel only where the scales are blocked per group ("tcgen05")
     return _mxfp8_plan("mxfp8_quantize", x, kind, scaling_mode, scale_layout, signed_zeros=signed_zeros,
-                       token_groups=offs is not None)
+                       token_groups=offs is not None and scale_layout == "tcgen05")
 
 
 def plan_mxfp8_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:

@@ -195,7 +195,7 @@ def test_api_runs_the_3d_t_kernel_on_the_view_without_a_copy(monkeypatch):
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
     x, w = transposed_view(2, 64, 128, torch.bfloat16, seed=5)
     plan = fq.explain(fq.mxfp8_quantize_3d, w, "rceil", 32)
-    assert plan.backend == "flydsl" and plan.kernel == "mxfp8_3d_t_rceil_bf16_gfx942"
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp8_3d_t_k32_rceil_bf16_gfx942"
     assert any("32x32 variant" in r for r in plan.reasons)
     with emu.record() as launches:
         got = fq.mxfp8_quantize_3d(w, "rceil", 32)

@@ -119,7 +119,7 @@ def test_mxfp8_3d_plans_the_tiles_the_launcher_uses(monkeypatch):
     for dtype, rows in ((torch.bfloat16, 64), (torch.float32, 32)):
         view = torch.empty(2, 256, 96, dtype=dtype).transpose(1, 2)  # (E, N = 96, K = 256)
         plan = select.plan_mxfp8_quantize_3d(view, "floor", 32, "tcgen05")
-        assert plan.kernel.startswith("mxfp8_3d_t_floor") and plan.config["scale_block_k"] == 32
+        assert plan.kernel.startswith("mxfp8_3d_t_k32_tcgen05_floor") and plan.config["scale_block_k"] == 32
         assert (plan.config["tile_rows"], plan.config["tile_cols"], plan.config["grid"]) == (rows, 128, (1, 256 // rows, 2))
         assert select.plan_mxfp8_quantize_3d(view, "floor", 1, None).kernel.startswith("mxfp8_1x32")
 
@@ -135,3 +135,36 @@ def test_moe_plan_carries_waves(monkeypatch):
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
     plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
     assert plan.config["waves"] == 1 and "_1w_" in plan.kernel
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_mxfp8_plans_name_the_launched_kernel(arch):
+    """explain()'s kernel name is the launched kernel's up to its tile suffixes, for every MXFP8
+    quantize variant (scale layouts, 32 x 32 blocks, token groups, +0 zeros, the transposed 3D view:
+    plans once left out the _k32, layout and _offs parts of the column kernels' names) and the
+    MXFP4 ones."""
+    import flyquant as fq
+    import flyquant.emu as emu
+
+    emu.enable(arch)
+    x = torch.randn(256, 128).to(torch.bfloat16)
+    w = torch.randn(2, 64, 256).to(torch.bfloat16)
+    offs = torch.tensor([128, 256], dtype=torch.int32)  # 32x1 token groups: multiples of 128 rows
+    calls = [(fq.mxfp8_quantize, (x,), {}), (fq.mxfp8_quantize, (x,), dict(scale_layout="mfma", signed_zeros=False)),
+             (fq.mxfp8_quantize, (x, 0), {}), (fq.mxfp8_quantize, (x, 0), dict(offs=offs)),
+             (fq.mxfp8_quantize, (x, 0), dict(offs=offs, scale_layout="tcgen05")),
+             (fq.mxfp8_quantize, (x, 0), dict(scale_layout="mfma")), (fq.mxfp8_quantize_dual, (x,), {}),
+             (fq.mxfp8_quantize_3d, (w,), {}), (fq.mxfp8_quantize_3d, (w,), dict(scale_block_k=32)),
+             (fq.mxfp8_quantize_3d, (w,), dict(scale_layout="mfma")),
+             (fq.mxfp8_quantize_3d, (w.transpose(1, 2).contiguous().transpose(1, 2),), dict(scale_block_k=32)),
+             (fq.mxfp8_quantize_3d, (w.transpose(1, 2).contiguous().transpose(1, 2),), {}),
+             (fq.mxfp4_quantize, (x,), {}), (fq.mxfp4_quantize, (x, 0), {}),
+             (fq.mxfp4_quantize, (x,), dict(scale_layout="mfma", shuffle="a4w4")), (fq.mxfp4_quantize_dual, (x,), {}),
+             (fq.mxfp4_quantize_3d, (w,), dict(shuffle="a16w4", gate_up=True))]
+    for fn, args, kwargs in calls:
+        plan = fq.explain(fn, *args, **kwargs)
+        with emu.record() as launches:
+            fn(*args, **kwargs)
+        assert plan.backend == "flydsl" and len(launches) == 1, (fn.__name__, kwargs, plan)
+        kernel = launches[0].kernel
+        assert kernel == plan.kernel or kernel.startswith(plan.kernel + "_"), (kernel, plan.kernel)
