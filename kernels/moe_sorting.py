@@ -207,7 +207,8 @@ def build_moe_sorting(spec: SortSpec):
     IDB, MB = spec.id_bytes, spec.mask_bytes
     WB = 4 if spec.weight == "f32" else 2
     SLICE_SHIFT = (N - 1).bit_length()  # slices are multiples of 64 per wave: S = ceil(P / N) * 64
-    HIST, SCAN, WTOT = 0, W * STRIDE, (W + 1) * STRIDE  # dword offsets in LDS
+    # LDS dword offsets: the W waves' histogram rows from 0 (STRIDE apart), then the scan and the wave totals
+    SCAN, WTOT = W * STRIDE, (W + 1) * STRIDE
     name = spec.name
     source = SOURCE_TAG
 
