@@ -30,7 +30,8 @@ CU (occupancy x the most load bytes a wave has outstanding, from the ISA). Shape
 MXFP4 kinds fp4_32x1 and fp4_3d_a16w4 keep their quantized dimension whole: quantize_mxfp4.KEEP)
 and the totals scaled by elements: per-element figures and coalescing are ratios and carry over,
 but the selector plans the reduced shape itself, so the table says when its configuration
-differs from the full shape's. Registers, LDS and occupancy are the emulated kernel's (the JSON
+differs from the full shape's (the MXFP4 shuffles' wave length, which grows with the launch, is
+planned as for the full launch: quantize_mxfp4.waves_of_full_launch). Registers, LDS and occupancy are the emulated kernel's (the JSON
 adds the model-sized input's as full_shape_resources when that compiles another
 specialization). Outputs are checked bit for bit against the reference too. Input and outputs
 sit on 256-byte boundaries as on a GPU (the launcher's CPU allocations are made so while it
@@ -249,14 +250,15 @@ def model_case(case: Case, arch: str, max_elements: int) -> dict:
         return row | {"status": f"the selector chose the reference: {'; '.join(full_plan.reasons)}"}
     shape = reduced_shape(case.shape, max_elements, fp4.KEEP.get(case.kind))
     x = make_input(case, shape, "cpu")
-    small_plan = plan(case, x)
     # Every input is compiled (without running) before it is emulated, so each specialization's
     # first compile is one whose resources are read; the emulated kernel's are then known by name.
     full_key = (arch, case.kind, case.mode, case.dtype, case.shape)
     full_res = common.compiled_resources(full_key, arch, api_call, case, torch.empty(case.shape, dtype=case.dtype))
-    common.compiled_resources(full_key[:-1] + (shape,), arch, api_call, case, x)
-    with emu.device_like_allocations():
-        out, counts, records = common.emulate(lambda: api_call(case, x))
+    with fp4.waves_of_full_launch(math.prod(shape) / case.elements):
+        small_plan = plan(case, x)
+        common.compiled_resources(full_key[:-1] + (shape,), arch, api_call, case, x)
+        with emu.device_like_allocations():
+            out, counts, records = common.emulate(lambda: api_call(case, x))
     if not records:
         return row | {"status": "nothing was launched (the API ran the reference)"}
     resources = common.resources_of_kernel(records[0].kernel)  # None: compiled before this script ran it

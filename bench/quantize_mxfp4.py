@@ -21,6 +21,7 @@ layout padded to 256 rows and 8 columns, as aiter's e8m0_shuffle pads).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -46,6 +47,24 @@ OUTPUTS = {
 # one each kind quantizes along: the a16w4 layout is tiled along K (its store coalescing depends on
 # K), and aiter's wrapper picks its blocks by the length of the quantized dimension (the fp4_32x1 peer)
 KEEP = {"fp4_32x1": "m", "fp4_3d_a16w4": "k"}
+
+
+@contextlib.contextmanager
+def waves_of_full_launch(fraction: float):
+    """Plan and run a reduced input (`fraction` of the full one's elements) with the full launch's
+    wave length: the shuffles' waves grow while the launch keeps _mxfp4_shuffles.LONG_WAVES_PER_CU
+    waves per CU, a threshold scaled here by the reduction, so the emulated launch's waves take
+    the full one's steps (its per-element figures, not the reduced launch's)."""
+    from flyquant.kernels import _mxfp4_shuffles as sh
+
+    full = sh.LONG_WAVES_PER_CU
+    sh.LONG_WAVES_PER_CU = full * fraction
+    try:
+        yield
+    finally:
+        sh.LONG_WAVES_PER_CU = full
+
+
 MIN_TRAFFIC_KINDS = ("fp4_dual", "fp4_a4w4", "fp4_3d_a16w4")  # the dual and shuffled variants
 TRAFFIC_TARGET = 1.02  # bytes moved within 2% of the minimum
 PEER_TARGET = 0.6  # ours <= 0.6x the best Triton MXFP4 quantize's wave-instructions per element

@@ -221,6 +221,27 @@ def test_quantize_bench_reduction_keeps_the_quantized_dimension():
     assert bench.reduced_shape((8192, 7168), budget, keep.get("fp4_1x32")) == (512, 7168)  # 585 -> 512
 
 
+def test_quantize_bench_reduced_mxfp4_shuffles_keep_the_full_waves():
+    """A reduced MXFP4 shuffle row runs the full launch's wave length (the shuffles lengthen waves
+    only for launches of 4 waves per CU and more, which a reduced input is not): 8192x7168 (28
+    tiles a wave), 8192x2880 (12), GPT-OSS-sized a16w4 weights (20) from the shapes the bench
+    emulates; outside the context the reduced shape plans its own short waves."""
+    bench = load("quantize")
+    from flyquant.kernels import _mxfp4_shuffles as sh
+    from flyquant.kernels.mxfp4_quantize import plan_rows
+
+    threshold = sh.LONG_WAVES_PER_CU
+    for shuffle, full_shape, small_shape, per in (("a4w4", (8192, 7168), (512, 7168), 28),
+                                                  ("a4w4", (8192, 2880), (1280, 2880), 12),
+                                                  ("a16w4", (8 * 5120, 5120), (768, 5120), 20)):
+        full = plan_rows(full_shape, "gfx950", shuffle, "bf16")
+        with bench.fp4.waves_of_full_launch(small_shape[0] / full_shape[0]):
+            reduced = plan_rows(small_shape, "gfx950", shuffle, "bf16")
+        assert full.tiles_per_wave == reduced.tiles_per_wave == per
+        assert plan_rows(small_shape, "gfx950", shuffle, "bf16").tiles_per_wave == 8
+    assert sh.LONG_WAVES_PER_CU == threshold
+
+
 def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
     """--vs aiter on MXFP4 rows (64x256, both arches): aiter's Triton dynamic_mxfp4_quant, launched
     by its own wrapper, compiled for each arch and run under flyquant.emu, has our scales byte for
