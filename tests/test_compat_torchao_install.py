@@ -257,3 +257,30 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     assert max(out["grad_rel"]) <= 2**-4 and max(out["weight_rel"]) <= 2**-4, out
     assert min(out["moved"]) > 1e-3, out["moved"]  # the step changed the weights
     assert out["unsupported"] == [True, True] and out["bias"]
+
+
+def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():
+    """kernel_preference=EMULATED hands the call to torchao's own function, whose to_mx compares
+    the scale mode against its ScaleCalculationMode enum only: the string default "rceil" (and
+    "floor" as flyquant's path takes it) failed there with torchao's "unsupported scaling
+    calculation mode", where torchao's function with the same arguments runs."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        compat.install()
+        import torchao.prototype.moe_training as mt
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common import KernelPreference
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+        B_t = torch.randn(2, 32, 32, generator=g).to(torch.bfloat16).transpose(1, 2)
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        theirs = compat._TORCHAO_GROUPED_MM["original"]
+        emulated = KernelPreference.EMULATED
+        out["default"] = torch.equal(mt._to_mxfp8_then_scaled_grouped_mm(A, B_t, offs, kernel_preference=emulated),
+                                     theirs(A, B_t, offs, kernel_preference=emulated))
+        out["floor"] = torch.equal(
+            compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, offs, kernel_preference=emulated,
+                                                   scale_calculation_mode="floor"),
+            theirs(A, B_t, offs, kernel_preference=emulated, scale_calculation_mode=ScaleCalculationMode.FLOOR))
+    """)
+    assert out == {"default": True, "floor": True}

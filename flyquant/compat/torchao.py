@@ -243,6 +243,7 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
     MXTensor A (pre-quantized activations).
     """
     from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common import KernelPreference
 
     from .. import training
@@ -253,6 +254,8 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
         original = _TORCHAO_GROUPED_MM.get("original")
         if original is None:
             raise RuntimeError("call flyquant.compat.torchao.install() first: it keeps torchao's own function")
+        if isinstance(scale_calculation_mode, str):  # our default "rceil": torchao's to_mx compares enums only
+            scale_calculation_mode = ScaleCalculationMode(scale_calculation_mode.lower())
         return original(A, B_t, offs, bias, out_dtype, kernel_preference, wgrad_with_hp, scale_calculation_mode,
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
