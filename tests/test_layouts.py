@@ -78,6 +78,18 @@ def test_mfma_shuffle_is_aiters_e8m0_shuffle(shape):
     assert back.dtype == E8M0 and torch.equal(back.view(U8), padded)
 
 
+def test_scale_layouts_take_one_2d_matrix_of_scale_bytes():
+    """bf16 (256, 4) scales were shuffled as their 8 bytes a row and came back bf16 garbage; a 1D
+    or 3D tensor (the 3D quantize's per-expert mfma scales) failed unpacking its shape."""
+    for fn, name in ((L.tcgen05_blocked, "scales"), (L.mfma_shuffle_scales, "scales"),
+                     (L.mfma_unshuffle_scales, "shuffled")):
+        with pytest.raises(TypeError, match=f"{name} must have dtype in \\(float8_e8m0fnu, uint8\\), got torch.bfloat16"):
+            fn(torch.zeros(256, 4, dtype=torch.bfloat16))
+        for shape in ((2048,), (1, 256, 8)):
+            with pytest.raises(ValueError, match=f"{name} must be 2D, got {len(shape)}D"):
+                fn(torch.zeros(shape, dtype=E8M0))
+
+
 # (E, N, K/2, nlane, gate_up): the GPT-OSS-like tile case, nlane 32, gate/up interleave, one tile
 WEIGHT_CASES = [(2, 64, 128, 16, False), (2, 64, 128, 32, False), (3, 64, 64, 16, True), (1, 64, 32, 32, True)]
 
