@@ -192,6 +192,7 @@ def _a16w4_weight_dims(w: torch.Tensor, nlane: int, gate_up: bool, name: str):
     validate.tensor(w, name, (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     if not validate.is_int(nlane) or nlane <= 0 or WAVE % nlane:  # not 16.0 (view() fails) or True (1)
         raise ValueError(f"nlane must divide the wave size {WAVE} (an int), got {nlane!r}")
+    validate.flag(gate_up, "gate_up")  # a truth test took "no" or 0.0 for a layout
     experts, n, k_packed = w.shape
     halves = 2 if gate_up else 1
     validate.multiple_of(n, halves * nlane, f"{name}.shape[1] (N{' = gate + up' if gate_up else ''}, rows per expert)")
@@ -228,6 +229,7 @@ def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
     validate.tensor(s, "s", (torch.float8_e8m0fnu, torch.uint8), ndim=(2, 3))
     if not validate.is_int(experts):  # 2.0 or True failed in view() naming no argument
         raise ValueError(f"experts must be an int, got {experts!r}")
+    validate.flag(gate_up, "gate_up")
     if s.dim() == 3:
         if experts != s.shape[0]:
             raise ValueError(f"experts = {experts} must equal s.shape[0] = {s.shape[0]} for (E, N, K/32) scales")

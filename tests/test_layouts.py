@@ -162,6 +162,13 @@ def test_shuffle_errors_name_the_constraint():
         for fn in (L.shuffle_weight_a16w4, L.unshuffle_weight_a16w4):
             with pytest.raises(ValueError, match=r"nlane must divide the wave size 64 \(an int\)"):
                 fn(torch.zeros(1, 32, 128, dtype=U8), nlane)
+    # gate_up="no" (truthy) gave the gate/up layout with no error
+    w, s = torch.zeros(1, 64, 128, dtype=U8), torch.zeros(1, 64, 8, dtype=E8M0)
+    for fn, args in ((L.shuffle_weight_a16w4, (w, 16)), (L.unshuffle_weight_a16w4, (w, 16)),
+                     (L.shuffle_scale_a16w4, (s, 1)), (L.unshuffle_scale_a16w4, (s, 1))):
+        for gate_up in ("no", 1, None):
+            with pytest.raises(ValueError, match="gate_up must be a bool, got"):
+                fn(*args, gate_up)
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N, rows per expert\) = 40"):
         L.shuffle_weight_a16w4(torch.zeros(1, 40, 64, dtype=U8))
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N = gate \+ up, rows per expert\) = 48 must be a positive multiple of 32"):
