@@ -179,6 +179,17 @@ def test_warmup_checks_sizes_and_modes_before_running_anything():
         fq.warmup(**sizes, tokens=(1,), scaling_mode="even", quantize_shapes=[(32, 32)])
     with pytest.raises(ValueError, match="activation must be None or one of"):
         fq.warmup(**sizes, tokens=(), activation="relu")
+    # topk past experts failed in the first moe_sorting, naming its topk_ids (internal to warmup);
+    # stage1_bias="no" warmed the bias variant, and without an activation both were ignored
+    with emu.record() as launches, pytest.raises(ValueError, match=r"topk = 3 must be at most min\(experts = 2, 127\)"):
+        fq.warmup(**dict(sizes, topk=3), tokens=(1,))
+    assert launches == []
+    for options, match in ((dict(activation="silu", stage1_bias="no"), "stage1_bias must be a bool, got 'no'"),
+                           (dict(activation="silu", stage1_weights=1), "stage1_weights must be a bool, got 1"),
+                           (dict(stage1_bias=True), "stage1_bias / stage1_weights choose the stage-1 kernel")):
+        with emu.record() as launches, pytest.raises(ValueError, match=match):
+            fq.warmup(**sizes, tokens=(1,), **options)
+        assert launches == []
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
