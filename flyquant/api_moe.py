@@ -91,6 +91,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm2_call(
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
         bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    validate.flag(apply_weights, "apply_weights")  # "no" was torch's schema error naming the internal op
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w2.shape[0])
@@ -169,13 +170,14 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+    validate.flag(apply_weights, "apply_weights")  # bool() took "no" for True: weighted rows, no error
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w1.shape[0])
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
-                  bias, activation, float(alpha), float(limit), bool(apply_weights), model_dim, inter_dim)
+                  bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)
     return out
 
 
@@ -387,6 +389,7 @@ def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids
                  out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
     reference_moe.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
                                   topk, block_m)
+    validate.flag(apply_weights, "apply_weights")
     model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
     dtype = out.dtype if out is not None else out_dtype
     return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
@@ -398,6 +401,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
     model_dim, inter_dim, _ = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+    validate.flag(apply_weights, "apply_weights")
     return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
 
 
