@@ -66,6 +66,23 @@ def test_without_install_torchao_moe_training_does_not_import_and_flyquant_patch
     assert out["vector"] is False
 
 
+def test_grouped_mm_entry_point_without_install_says_to_install():
+    """Before install() the grouped-GEMM entry point failed in its import of torchao's module with
+    flydsl's "cannot import name 'vector' from 'flydsl.expr'", which did not say what to do."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        A, B_t = torch.randn(64, 32).to(torch.bfloat16), torch.randn(2, 32, 32).to(torch.bfloat16)
+        try:
+            compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, torch.tensor([32, 64], dtype=torch.int32))
+        except ImportError as exc:
+            out["error"] = str(exc)
+        out["first"] = compat.install() != []
+        out["shape"] = list(compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, torch.tensor([32, 64], dtype=torch.int32)).shape)
+    """)
+    assert "call flyquant.compat.torchao.install() first" in out["error"] and "vector" in out["error"]
+    assert out["first"] and out["shape"] == [64, 32]
+
+
 def test_install_reports_patches_once_and_routes_torchaos_entry_points():
     out = run("""
         from flyquant.compat import torchao as compat

@@ -242,7 +242,11 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
     pad_token_groups_for_grouped_mm=True (pad groups to multiples of 32 beforehand), and an
     MXTensor A (pre-quantized activations).
     """
-    from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    try:
+        from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    except ImportError as exc:  # without install(): flydsl 0.4.2's missing flydsl.expr.vector, named alone
+        raise ImportError(f"to_mxfp8_then_scaled_grouped_mm needs torchao.prototype.moe_training, which did not "
+                          f"import ({exc}): call flyquant.compat.torchao.install() first") from exc
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common import KernelPreference
 
