@@ -216,6 +216,7 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
 
 def _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim, inter_dim):
     """moe_stage2's own checks and sizes: (tokens, topk, experts, model_dim, inter_dim, block_m)."""
+    validate.high_precision(a2, "a2", ndim=2)  # read below (its shape), before stage 2 checks it
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
@@ -328,7 +329,7 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
                                        model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
                                        bias_name="b1")
     for name, t in (("w2", w2), ("w2_scale", w2_scale), ("b2", b2)):  # stage 2's checks would name a2, internal
-        if t is not None:
+        if isinstance(t, torch.Tensor):  # anything else: stage 2's type checks name it
             validate.same_device("x", x, name, t)
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
                                        inter_dim=inter_dim, bias_name="b2")

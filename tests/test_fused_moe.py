@@ -160,6 +160,24 @@ def test_bad_input(monkeypatch):
         run(dict(p, mask=[1, 1, 1, 1]), "silu")
     with pytest.raises(TypeError, match=r"out_dtype must be one of \(bfloat16, float32\), got 'bfloat16'"):
         run(p, "silu", out_dtype="bfloat16")
+    # topk_weights, b1, b2, out, w2_scale given as a list or string: AttributeErrors from the autograd and
+    # device checks ("'list' object has no attribute 'requires_grad'"), as moe_stage2's topk_weights,
+    # bias and a2; now each is named, before moe_sorting zeroes a given out
+    out = torch.full((2, MODEL_DIM), 7.0)
+    for key, bad, name in (("weights", [1.0], "topk_weights"), ("b1", [1.0], "b1"), ("b2", "b2", "b2"),
+                           ("w2_scale", "s", "w2_scale")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got"):
+            run(dict(p, **{key: bad}), "silu", out=out)
+        assert bool((out == 7).all())
+    with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
+        run(p, "silu", out=[[0.0]])
+    a2 = torch.zeros(4, W2_K, dtype=torch.bfloat16)
+    for args, name in (((a2, p["ids"], [1.0], p["w2"], p["w2_scale"]), "topk_weights"),
+                       (([1.0], p["ids"], p["weights"], p["w2"], p["w2_scale"]), "a2")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+            fq.moe_stage2(*args)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
+        fq.moe_stage2(a2, p["ids"], p["weights"], p["w2"], p["w2_scale"], bias=[1.0])
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
