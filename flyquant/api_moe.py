@@ -312,19 +312,35 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
+    _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
+    if out is None:
+        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
+    moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
+                    alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
+                    model_dim=model_dim, inter_dim=inter_dim)
+    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
+                           apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim) -> None:
+    """fused_moe's checks past _fused_moe_sizes, all before moe_sorting zeroes out; explain runs
+    them too (it planned calls fused_moe refuses, and failed inside the selector on some)."""
+    tokens = a2.shape[0] // topk
     # named as given (stage 1 would name its sorted_weights), before moe_sorting zeroes out
     validate.no_autograd("fused_moe", dict(x=x, topk_weights=topk_weights, b1=b1, b2=b2, out=out))
     if out is None:
         _check_out_dtype(out_dtype)
-        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
     else:
         _check_fused_moe_out(out, x, tokens, model_dim, dict(
             x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
             b1=b1, b2=b2, expert_mask=expert_mask))
-    a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
     # The stages' own checks before moe_sorting zeroes out (a bad b1, activation or w2_scale left a
     # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
-    unsorted = [torch.empty(0, dtype=d, device=x.device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
+    unsorted = _unsorted(x.device)
     reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
                                        model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
                                        bias_name="b1")
@@ -333,12 +349,12 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
             validate.same_device("x", x, name, t)
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
                                        inter_dim=inter_dim, bias_name="b2")
-    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
-    moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
-                    alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
-                    model_dim=model_dim, inter_dim=inter_dim)
-    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
-                           apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _unsorted(device) -> list[torch.Tensor]:
+    """Empty moe_sorting outputs, for a stage's checks before the sorting runs (no rows: the checks of
+    their lengths hold)."""
+    return [torch.empty(0, dtype=d, device=device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
 
 
 def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
@@ -418,6 +434,9 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
     dtype = out.dtype if out is not None else out_dtype
     return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
             select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation),
@@ -430,6 +449,8 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
     _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
                                                                         inter_dim)
     moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=False)
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *_unsorted(a2.device), topk, block_m, bias=bias,
+                                       model_dim=model_dim, inter_dim=inter_dim)
     return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
 

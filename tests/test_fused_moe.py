@@ -289,3 +289,31 @@ def test_explain_prints_the_three_plans(monkeypatch, capsys):
         assert r.kernel.startswith(plan.op) and r.kernel.endswith("gfx942"), (r.kernel, plan.kernel)
         if "tile_n" in plan.config:
             assert f"{plan.config['tile_m']}x{plan.config['tile_n']}" in r.kernel, (r.kernel, plan.config)
+
+
+def test_explain_refuses_what_fused_moe_refuses(monkeypatch):
+    # explain(fused_moe, ...) ran none of the stages' checks: a bad activation, b1, w1_scale or out
+    # was planned as if it would run, int topk_weights failed inside the selector (KeyError:
+    # torch.int32) and a list one with an AttributeError. explain(moe_stage2, ...) planned a wrong
+    # w2_scale or bias alike. Each is now the op's own error.
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=12)
+    for bad, match in ((dict(activation="relu"), "activation must be one of"),
+                       (dict(b1=p["b1"][:, :3]), r"b1 must have shape \(4, 128\)"),
+                       (dict(w1_scale=p["w1_scale"][:, :1]), "w1_scale must have shape"),
+                       (dict(out=torch.zeros(2, 2)), r"out must have shape \(3, 256\)"),
+                       (dict(weights=p["weights"].int()), "topk_weights must have dtype in"),
+                       (dict(weights=[1.0]), "topk_weights must be a torch.Tensor")):
+        q = dict(p, **{k: v for k, v in bad.items() if k in p})
+        kw = {k: v for k, v in bad.items() if k not in p}
+        for fn in (fq.fused_moe, lambda *a, **k: fq.explain(fq.fused_moe, *a, **k)):
+            with pytest.raises((ValueError, TypeError), match=match):
+                fn(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], b1=q["b1"],
+                   b2=q["b2"], **kw)
+    a2 = torch.zeros(6, W2_K, dtype=torch.bfloat16)
+    for bad, match in ((dict(w2_scale=p["w2_scale"][:, :1]), "w2_scale must have shape"),
+                       (dict(bias=p["b2"][:1]), r"bias must have shape \(E = 4")):
+        args = (a2, p["ids"], p["weights"], p["w2"], bad.get("w2_scale", p["w2_scale"]))
+        for fn in (fq.moe_stage2, lambda *a, **k: fq.explain(fq.moe_stage2, *a, **k)):
+            with pytest.raises(ValueError, match=match):
+                fn(*args, bias=bad.get("bias"))
