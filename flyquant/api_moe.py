@@ -277,11 +277,15 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     moe_sorting zeroes moe_buf)."""
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
                           check_ids=env.flag("FLYQUANT_DEBUG"))
+    _check_moe_buf(topk_ids, moe_buf)
+    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
+
+
+def _check_moe_buf(topk_ids, moe_buf) -> None:
     if moe_buf is not None:
         validate.tensor(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
         validate.no_self_overlap(moe_buf, "moe_buf")
-    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,10 +408,13 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
 
 def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
                  out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
-    reference_moe.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-                                  topk, block_m)
+    # the op's checks (bias, out and out_dtype were not checked: a wrong one was planned)
+    model_dim, inter_dim, _ = reference_moe.check_moe_gemm2_call(
+        a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
+        bias=bias, model_dim=model_dim, inter_dim=inter_dim)
     validate.flag(apply_weights, "apply_weights")
-    model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
+    if out is None:
+        _check_out_dtype(out_dtype)
     dtype = out.dtype if out is not None else out_dtype
     return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
 
@@ -424,6 +431,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    _check_moe_buf(topk_ids, moe_buf)
     return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
 
 

@@ -317,3 +317,21 @@ def test_explain_refuses_what_fused_moe_refuses(monkeypatch):
         for fn in (fq.moe_stage2, lambda *a, **k: fq.explain(fq.moe_stage2, *a, **k)):
             with pytest.raises(ValueError, match=match):
                 fn(*args, bias=bad.get("bias"))
+
+
+def test_explain_of_stage_2_and_sorting_refuses_what_they_refuse(monkeypatch):
+    # explain(moe_gemm2_a16w4, ...) checked neither bias, out nor out_dtype, explain(moe_sorting, ...)
+    # not moe_buf: each wrong one was planned as if the call would run.
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=13)
+    sorted_ = fq.moe_sorting(p["ids"], p["weights"], 4, 16)
+    a2 = torch.zeros(6, W2_K, dtype=torch.bfloat16)
+    for bad, match in ((dict(bias=p["b2"][:1]), r"bias must have shape \(E = 4"),
+                       (dict(out=torch.zeros(2, 2)), r"out must have shape \(3, 256\)"),
+                       (dict(out_dtype=torch.float16), r"out_dtype must be one of \(bfloat16, float32\)")):
+        for fn in (fq.moe_gemm2_a16w4, lambda *a, **k: fq.explain(fq.moe_gemm2_a16w4, *a, **k)):
+            with pytest.raises((ValueError, TypeError), match=match):
+                fn(a2, p["w2"], p["w2_scale"], *sorted_, topk=2, block_m=16, **bad)
+    for fn in (fq.moe_sorting, lambda *a, **k: fq.explain(fq.moe_sorting, *a, **k)):
+        with pytest.raises(TypeError, match="moe_buf must be a torch.Tensor, got list"):
+            fn(p["ids"], p["weights"], 4, 16, moe_buf=[0.0])
