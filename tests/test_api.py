@@ -149,6 +149,21 @@ def test_warmup_runs_the_kernels_a_model_uses():
     assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
 
 
+def test_device_0_is_torchs_device_0():
+    # device=0 (torch.device(0): accelerator 0) went through `device or "cpu"`: moe_block_m gave the
+    # CPU's block size and warmup compiled and ran for the CPU, with no error
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    try:
+        want = torch.device(0)
+    except RuntimeError as exc:  # no accelerator here: torch's own error, as for device="cuda:0"
+        for call in (lambda: fq.moe_block_m(1, 1, 2, 64, 64, device=0), lambda: fq.warmup(**sizes, device=0)):
+            with pytest.raises(RuntimeError) as info:
+                call()
+            assert str(info.value) == str(exc)
+        return
+    assert fq.moe_block_m(1, 1, 2, 64, 64, device=0) == fq.moe_block_m(1, 1, 2, 64, 64, device=want)
+
+
 def test_warmup_lists_are_checked():
     # tokens=4 ("'int' object is not iterable") and one (M, K) pair as quantize_shapes ("cannot
     # unpack non-iterable int object") were TypeErrors from warmup's loops, naming neither argument.
