@@ -301,3 +301,26 @@ def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():
             theirs(A, B_t, offs, kernel_preference=emulated, scale_calculation_mode=ScaleCalculationMode.FLOOR))
     """)
     assert out == {"default": True, "floor": True}
+
+
+def test_grouped_mm_bad_input_is_torchaos_assertion_error():
+    """torchao's _to_mxfp8_then_scaled_grouped_mm asserts on bad input (AssertionError: input_act
+    must be 2D, out_dtype must be bfloat16 or float32, ...); after install() the same calls raised
+    flyquant's plain ValueError / TypeError, which callers catching AssertionError missed."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        compat.install()
+        import torchao.prototype.moe_training as mt
+        A = torch.randn(64, 32).to(torch.bfloat16)
+        B_t = torch.randn(2, 32, 32).to(torch.bfloat16).transpose(1, 2)
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        out["errors"] = []
+        for args, kw in (((A.view(2, 32, 32), B_t, offs), {}), ((A, B_t[0], offs), {}), ((A, B_t[:, :16], offs), {}),
+                         ((A, B_t, offs), {"out_dtype": torch.float16}), ((A.int(), B_t, offs), {}),
+                         ((A, B_t, offs.long()), {})):
+            try:
+                mt._to_mxfp8_then_scaled_grouped_mm(*args, **kw)
+            except AssertionError as exc:
+                out["errors"].append([isinstance(exc, ValueError), isinstance(exc, TypeError)])
+    """)
+    assert out["errors"] == [[True, False]] * 3 + [[True, True]] * 3

@@ -240,7 +240,8 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
     AUTO on AMD or CPU, where torchao asserts) flyquant's op, then ``+ bias`` as torchao does.
     Options flyquant does not implement raise TorchaoUnsupportedError: wgrad_with_hp=True,
     pad_token_groups_for_grouped_mm=True (pad groups to multiples of 32 beforehand), and an
-    MXTensor A (pre-quantized activations).
+    MXTensor A (pre-quantized activations). Bad A, B_t, offs or out_dtype raises TorchaoInputError
+    (TorchaoDtypeError for a dtype): an AssertionError as torchao's own checks raise.
     """
     try:
         from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
@@ -272,5 +273,12 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
         raise TorchaoUnsupportedError("flyquant's MXFP8 grouped GEMM takes high-precision A, not an MXTensor")
     if offs is None:
         _fail("group_end_offsets must be provided for 2d-3d grouped mm")
-    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, _mode(scale_calculation_mode))
+    mode = _mode(scale_calculation_mode)
+    try:  # torchao asserts on bad input: its callers catch AssertionError, which flyquant's errors were not
+        training._check(A, B_t, offs, out_dtype, mode)
+    except TypeError as exc:
+        raise TorchaoDtypeError(str(exc)) from exc
+    except ValueError as exc:
+        raise TorchaoInputError(str(exc)) from exc
+    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode)
     return out if bias is None else out + bias.to(out.dtype)
