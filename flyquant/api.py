@@ -17,6 +17,7 @@ import torch
 
 from . import api_moe, layouts, reference, reference_moe, select, validate
 from .formats import MX_BLOCK
+from .moe import MAX_TOPK
 from .select import Plan
 
 # ---------------------------------------------------------------------------------------------
@@ -238,12 +239,19 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
     dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
+    if topk > min(experts, MAX_TOPK):  # else moe_sorting's error named its topk_ids, internal here
+        raise ValueError(f"topk = {topk} must be at most min(experts = {experts}, {MAX_TOPK})")
     tokens, quantize_shapes = _warmup_lists(tokens, quantize_shapes)
     # before anything compiles: these were refused only when their op ran, naming its x
     validate.scaling_mode(scaling_mode)
     if activation is not None and activation not in reference_moe.MOE_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {reference_moe.MOE_ACTIVATIONS}, got {activation!r}")
-    device = torch.device(device or ("cuda" if select.rocm_device_present() else "cpu"))
+    # "no" warmed the bias variant; without an activation no stage 1 runs, so they were ignored
+    stage1_options = validate.flag(stage1_bias, "stage1_bias"), validate.flag(stage1_weights, "stage1_weights")
+    if any(stage1_options) and activation is None:
+        raise ValueError("stage1_bias / stage1_weights choose the stage-1 kernel warmed up: pass its activation too")
+    # `device or ...` took device=0 (torch's accelerator 0) for the default
+    device = torch.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
     w_n, w_k = -(-model_dim // 32) * 32, -(-inter_dim // 256) * 256

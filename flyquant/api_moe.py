@@ -91,6 +91,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm2_call(
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
         bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    validate.flag(apply_weights, "apply_weights")  # "no" was torch's schema error naming the internal op
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w2.shape[0])
@@ -169,20 +170,22 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+    validate.flag(apply_weights, "apply_weights")  # bool() took "no" for True: weighted rows, no error
     if env.flag("FLYQUANT_DEBUG"):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w1.shape[0])
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
-                  bias, activation, float(alpha), float(limit), bool(apply_weights), model_dim, inter_dim)
+                  bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)
     return out
 
 
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
     check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
-    return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, torch.device(device or "cpu"))
+    device = torch.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
+    return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, device)
 
 
 def check_moe_sizes(**sizes) -> None:
@@ -214,6 +217,7 @@ def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype
 
 def _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim, inter_dim):
     """moe_stage2's own checks and sizes: (tokens, topk, experts, model_dim, inter_dim, block_m)."""
+    validate.high_precision(a2, "a2", ndim=2)  # read below (its shape), before stage 2 checks it
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
@@ -274,11 +278,15 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     moe_sorting zeroes moe_buf)."""
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
                           check_ids=env.flag("FLYQUANT_DEBUG"))
+    _check_moe_buf(topk_ids, moe_buf)
+    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
+
+
+def _check_moe_buf(topk_ids, moe_buf) -> None:
     if moe_buf is not None:
         validate.tensor(moe_buf, "moe_buf")
         validate.same_device("topk_ids", topk_ids, "moe_buf", moe_buf)
         validate.no_self_overlap(moe_buf, "moe_buf")
-    return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,33 +317,49 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
-    # named as given (stage 1 would name its sorted_weights), before moe_sorting zeroes out
-    validate.no_autograd("fused_moe", dict(x=x, topk_weights=topk_weights, b1=b1, b2=b2, out=out))
-    if out is None:
-        _check_out_dtype(out_dtype)
-        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
-    else:
-        _check_fused_moe_out(out, x, tokens, model_dim, dict(
-            x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
-            b1=b1, b2=b2, expert_mask=expert_mask))
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
-    # The stages' own checks before moe_sorting zeroes out (a bad b1, activation or w2_scale left a
-    # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
-    unsorted = [torch.empty(0, dtype=d, device=x.device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
-    reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
-                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
-                                       bias_name="b1")
-    for name, t in (("w2", w2), ("w2_scale", w2_scale), ("b2", b2)):  # stage 2's checks would name a2, internal
-        if t is not None:
-            validate.same_device("x", x, name, t)
-    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
-                                       inter_dim=inter_dim, bias_name="b2")
+    _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
+    if out is None:
+        out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
     sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                     alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
                     model_dim=model_dim, inter_dim=inter_dim)
     return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
                            apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+
+
+def _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim) -> None:
+    """fused_moe's checks past _fused_moe_sizes, all before moe_sorting zeroes out; explain runs
+    them too (it planned calls fused_moe refuses, and failed inside the selector on some)."""
+    tokens = a2.shape[0] // topk
+    # named as given (stage 1 would name its sorted_weights), before moe_sorting zeroes out
+    validate.no_autograd("fused_moe", dict(x=x, topk_weights=topk_weights, b1=b1, b2=b2, out=out))
+    if out is None:
+        _check_out_dtype(out_dtype)
+    else:
+        _check_fused_moe_out(out, x, tokens, model_dim, dict(
+            x=x, w1=w1, w1_scale=w1_scale, w2=w2, w2_scale=w2_scale, topk_weights=topk_weights, topk_ids=topk_ids,
+            b1=b1, b2=b2, expert_mask=expert_mask))
+    # The stages' own checks before moe_sorting zeroes out (a bad b1, activation or w2_scale left a
+    # given out zeroed), on empty sorted arrays (no rows: the checks of their lengths hold)
+    unsorted = _unsorted(x.device)
+    reference_moe.check_moe_gemm1_call(x, w1, w1_scale, *unsorted, topk, block_m, bias=b1, activation=activation,
+                                       model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha,
+                                       bias_name="b1")
+    for name, t in (("w2", w2), ("w2_scale", w2_scale), ("b2", b2)):  # stage 2's checks would name a2, internal
+        if isinstance(t, torch.Tensor):  # anything else: stage 2's type checks name it
+            validate.same_device("x", x, name, t)
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
+                                       inter_dim=inter_dim, bias_name="b2")
+
+
+def _unsorted(device) -> list[torch.Tensor]:
+    """Empty moe_sorting outputs, for a stage's checks before the sorting runs (no rows: the checks of
+    their lengths hold)."""
+    return [torch.empty(0, dtype=d, device=device) for d in (torch.int32, torch.float32, torch.int32, torch.int32)]
 
 
 def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
@@ -385,9 +409,13 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
 
 def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
                  out=None, bias=None, apply_weights=True, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None):
-    reference_moe.check_moe_gemm2(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
-                                  topk, block_m)
-    model_dim, inter_dim = reference_moe.moe_true_dims(a2, w2, model_dim, inter_dim)
+    # the op's checks (bias, out and out_dtype were not checked: a wrong one was planned)
+    model_dim, inter_dim, _ = reference_moe.check_moe_gemm2_call(
+        a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
+        bias=bias, model_dim=model_dim, inter_dim=inter_dim)
+    validate.flag(apply_weights, "apply_weights")
+    if out is None:
+        _check_out_dtype(out_dtype)
     dtype = out.dtype if out is not None else out_dtype
     return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
 
@@ -398,11 +426,13 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
     model_dim, inter_dim, _ = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
+    validate.flag(apply_weights, "apply_weights")
     return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    _check_moe_buf(topk_ids, moe_buf)
     return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
 
 
@@ -413,6 +443,9 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
+    _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
+                     expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
     dtype = out.dtype if out is not None else out_dtype
     return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
             select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation),
@@ -425,6 +458,8 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
     _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
                                                                         inter_dim)
     moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=False)
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *_unsorted(a2.device), topk, block_m, bias=bias,
+                                       model_dim=model_dim, inter_dim=inter_dim)
     return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
 

@@ -67,6 +67,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _scale_matrix(s, name: str) -> None:
+    """A 2D (rows, cols) matrix of E8M0 scales (or their bytes): a wider dtype's bytes were permuted
+    as if each were a scale (bf16 (256, 4) came back as bf16 garbage), and a 1D or 3D tensor failed
+    unpacking its shape, naming nothing."""
+    validate.tensor(s, name, (torch.float8_e8m0fnu, torch.uint8), ndim=2)
+
+
 def _permuted(t: torch.Tensor, split: tuple, perm: tuple, inverse: bool = False) -> torch.Tensor:
     """t's bytes viewed as `split` and permuted by `perm`, same shape and dtype as t; inverse: t
     holds the permuted order and is put back."""
@@ -81,6 +88,7 @@ def _permuted(t: torch.Tensor, split: tuple, perm: tuple, inverse: bool = False)
 def tcgen05_blocked(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) scales -> the flat tcgen05 blocked layout (torchao to_blocked), zero-padded to
     (ceil(rows/128)*128, ceil(cols/4)*4) first. Returns a 1D tensor of the padded size."""
+    _scale_matrix(scales, "scales")
     rows, cols = scales.shape
     prows, pcols = _ceil_to(rows, TCGEN05_TILE_ROWS), _ceil_to(cols, TCGEN05_TILE_COLS)
     padded = _zero_pad_2d(_bytes(scales), prows, pcols)
@@ -124,6 +132,7 @@ def mfma_scales_shape(rows: int, cols: int) -> tuple[int, int]:
 def mfma_shuffle_scales(scales: torch.Tensor) -> torch.Tensor:
     """(rows, cols) scales -> aiter's e8m0_shuffle layout, shape (ceil(rows/256)*256,
     ceil(cols/8)*8); the padding is zero bytes (aiter leaves it uninitialised)."""
+    _scale_matrix(scales, "scales")
     prows, pcols = mfma_scales_shape(*scales.shape)
     padded = _zero_pad_2d(_bytes(scales), prows, pcols)
     return _permuted(padded, _mfma_split(prows, pcols), _MFMA_PERM).view(scales.dtype)
@@ -133,6 +142,7 @@ def mfma_unshuffle_scales(shuffled: torch.Tensor) -> torch.Tensor:
     """Inverse of mfma_shuffle_scales, padding kept: e8m0_shuffle'd (rows, cols) scales (rows % 256
     == 0, cols % 8 == 0) -> the plain padded (rows, cols) matrix (slice it to the unpadded shape).
     Zero rows or columns (what mfma_shuffle_scales gives an empty matrix) give an empty matrix."""
+    _scale_matrix(shuffled, "shuffled")
     prows, pcols = shuffled.shape
     validate.multiple_of(prows, MFMA_ROW_PAD, "shuffled.shape[0] (rows, padded for the MFMA scale layout)", zero=True)
     validate.multiple_of(pcols, MFMA_COL_PAD, "shuffled.shape[1] (cols, padded for the MFMA scale layout)", zero=True)
@@ -182,6 +192,7 @@ def _a16w4_weight_dims(w: torch.Tensor, nlane: int, gate_up: bool, name: str):
     validate.tensor(w, name, (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     if not validate.is_int(nlane) or nlane <= 0 or WAVE % nlane:  # not 16.0 (view() fails) or True (1)
         raise ValueError(f"nlane must divide the wave size {WAVE} (an int), got {nlane!r}")
+    validate.flag(gate_up, "gate_up")  # a truth test took "no" or 0.0 for a layout
     experts, n, k_packed = w.shape
     halves = 2 if gate_up else 1
     validate.multiple_of(n, halves * nlane, f"{name}.shape[1] (N{' = gate + up' if gate_up else ''}, rows per expert)")
@@ -218,6 +229,7 @@ def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
     validate.tensor(s, "s", (torch.float8_e8m0fnu, torch.uint8), ndim=(2, 3))
     if not validate.is_int(experts):  # 2.0 or True failed in view() naming no argument
         raise ValueError(f"experts must be an int, got {experts!r}")
+    validate.flag(gate_up, "gate_up")
     if s.dim() == 3:
         if experts != s.shape[0]:
             raise ValueError(f"experts = {experts} must equal s.shape[0] = {s.shape[0]} for (E, N, K/32) scales")

@@ -122,8 +122,10 @@ def moe_routing(router_logits, topk, renormalize=True, softmax_after_topk=False)
     experts = router_logits.shape[1]
     if not validate.is_int(topk) or not 0 < topk <= min(experts, MAX_TOPK):
         raise ValueError(f"topk must be an int in [1, min(E = router_logits.shape[1] = {experts}, {MAX_TOPK})], got {topk!r}")
+    # a truth test picked the convention: softmax_after_topk="no" routed GPT-OSS-style, no error
+    validate.flag(renormalize, "renormalize")
     logits = router_logits.float()
-    if softmax_after_topk:
+    if validate.flag(softmax_after_topk, "softmax_after_topk"):
         top, ids = logits.topk(topk, dim=-1)
         weights = top.softmax(dim=-1)
     else:

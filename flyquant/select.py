@@ -319,15 +319,20 @@ def plan_mxfp4_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
     return _kernel_plan(op, target, name, config, split, conversion)
 
 
-def _moe_config_values(config: dict, source: str) -> None:
-    """Values from the tuning table or FLYQUANT_CONFIG are among the kernel's (k_batch's range
-    depends on the shape: the launcher checks it)."""
+def _moe_config_values(config: dict, source: str, inter_dim: int) -> None:
+    """Values from the tuning table or FLYQUANT_CONFIG are among the kernel's; k_batch (stage 2's
+    split of inter_dim) at most its K iterations for this shape: past them the launcher's error
+    named its own k_batch argument, not the variable, after fused_moe had zeroed out."""
     from .kernels import moe_gemm2_a16w4 as k
 
     allowed = {"tile_m": k.TILE_MS, "tile_n": k.TILE_NS, "waves": k.WAVE_COUNTS}
     for f, values in allowed.items():
         if f in config and config[f] not in values:
             raise env.EnvError(f"{source}: {f} = {config[f]}: expected one of {', '.join(map(str, values))}")
+    n_kt = k.k_iterations(inter_dim)
+    if config.get("k_batch", 1) > n_kt:
+        raise env.EnvError(f"{source}: k_batch = {config['k_batch']}: expected at most ceil(inter_dim / {k.KT}) = "
+                           f"{n_kt} for inter_dim = {inter_dim}")
 
 
 def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
@@ -369,9 +374,9 @@ def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inte
     entry for exactly this shape, then FLYQUANT_CONFIG's fields that the op has (TUNED_OPS)."""
     shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
     tuned = tuned_config(op, arch, shape)
-    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}")
+    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}", inter_dim)
     forced = {f: v for f, v in config_overrides().items() if f in TUNED_OPS[op][1]}
-    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}")
+    _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}", inter_dim)
     return tuned | forced
 
 

@@ -250,10 +250,11 @@ def no_self_overlap(out: torch.Tensor, name: str) -> None:
 
 def no_autograd(op: str, inputs: dict) -> None:
     """None of the inputs (name -> tensor or None) requires grad while grad mode is on: `op` has no
-    backward, and returning an output detached from the graph would lose the gradient silently."""
+    backward, and returning an output detached from the graph would lose the gradient silently.
+    Anything else is left to the argument's own check (a list here was an AttributeError)."""
     if not torch.is_grad_enabled():
         return
     for name, t in inputs.items():
-        if t is not None and t.requires_grad:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
             raise ValueError(f"{op} does not support autograd: {name} requires grad; detach {name} (or run "
                              f"under torch.no_grad()) if no gradient should flow through {op}")

@@ -149,6 +149,21 @@ def test_warmup_runs_the_kernels_a_model_uses():
     assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
 
 
+def test_device_0_is_torchs_device_0():
+    # device=0 (torch.device(0): accelerator 0) went through `device or "cpu"`: moe_block_m gave the
+    # CPU's block size and warmup compiled and ran for the CPU, with no error
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    try:
+        want = torch.device(0)
+    except RuntimeError as exc:  # no accelerator here: torch's own error, as for device="cuda:0"
+        for call in (lambda: fq.moe_block_m(1, 1, 2, 64, 64, device=0), lambda: fq.warmup(**sizes, device=0)):
+            with pytest.raises(RuntimeError) as info:
+                call()
+            assert str(info.value) == str(exc)
+        return
+    assert fq.moe_block_m(1, 1, 2, 64, 64, device=0) == fq.moe_block_m(1, 1, 2, 64, 64, device=want)
+
+
 def test_warmup_lists_are_checked():
     # tokens=4 ("'int' object is not iterable") and one (M, K) pair as quantize_shapes ("cannot
     # unpack non-iterable int object") were TypeErrors from warmup's loops, naming neither argument.
@@ -179,6 +194,17 @@ def test_warmup_checks_sizes_and_modes_before_running_anything():
         fq.warmup(**sizes, tokens=(1,), scaling_mode="even", quantize_shapes=[(32, 32)])
     with pytest.raises(ValueError, match="activation must be None or one of"):
         fq.warmup(**sizes, tokens=(), activation="relu")
+    # topk past experts failed in the first moe_sorting, naming its topk_ids (internal to warmup);
+    # stage1_bias="no" warmed the bias variant, and without an activation both were ignored
+    with emu.record() as launches, pytest.raises(ValueError, match=r"topk = 3 must be at most min\(experts = 2, 127\)"):
+        fq.warmup(**dict(sizes, topk=3), tokens=(1,))
+    assert launches == []
+    for options, match in ((dict(activation="silu", stage1_bias="no"), "stage1_bias must be a bool, got 'no'"),
+                           (dict(activation="silu", stage1_weights=1), "stage1_weights must be a bool, got 1"),
+                           (dict(stage1_bias=True), "stage1_bias / stage1_weights choose the stage-1 kernel")):
+        with emu.record() as launches, pytest.raises(ValueError, match=match):
+            fq.warmup(**sizes, tokens=(1,), **options)
+        assert launches == []
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])

@@ -66,6 +66,23 @@ def test_without_install_torchao_moe_training_does_not_import_and_flyquant_patch
     assert out["vector"] is False
 
 
+def test_grouped_mm_entry_point_without_install_says_to_install():
+    """Before install() the grouped-GEMM entry point failed in its import of torchao's module with
+    flydsl's "cannot import name 'vector' from 'flydsl.expr'", which did not say what to do."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        A, B_t = torch.randn(64, 32).to(torch.bfloat16), torch.randn(2, 32, 32).to(torch.bfloat16)
+        try:
+            compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, torch.tensor([32, 64], dtype=torch.int32))
+        except ImportError as exc:
+            out["error"] = str(exc)
+        out["first"] = compat.install() != []
+        out["shape"] = list(compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, torch.tensor([32, 64], dtype=torch.int32)).shape)
+    """)
+    assert "call flyquant.compat.torchao.install() first" in out["error"] and "vector" in out["error"]
+    assert out["first"] and out["shape"] == [64, 32]
+
+
 def test_install_reports_patches_once_and_routes_torchaos_entry_points():
     out = run("""
         from flyquant.compat import torchao as compat
@@ -257,3 +274,53 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     assert max(out["grad_rel"]) <= 2**-4 and max(out["weight_rel"]) <= 2**-4, out
     assert min(out["moved"]) > 1e-3, out["moved"]  # the step changed the weights
     assert out["unsupported"] == [True, True] and out["bias"]
+
+
+def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():
+    """kernel_preference=EMULATED hands the call to torchao's own function, whose to_mx compares
+    the scale mode against its ScaleCalculationMode enum only: the string default "rceil" (and
+    "floor" as flyquant's path takes it) failed there with torchao's "unsupported scaling
+    calculation mode", where torchao's function with the same arguments runs."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        compat.install()
+        import torchao.prototype.moe_training as mt
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common import KernelPreference
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+        B_t = torch.randn(2, 32, 32, generator=g).to(torch.bfloat16).transpose(1, 2)
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        theirs = compat._TORCHAO_GROUPED_MM["original"]
+        emulated = KernelPreference.EMULATED
+        out["default"] = torch.equal(mt._to_mxfp8_then_scaled_grouped_mm(A, B_t, offs, kernel_preference=emulated),
+                                     theirs(A, B_t, offs, kernel_preference=emulated))
+        out["floor"] = torch.equal(
+            compat.to_mxfp8_then_scaled_grouped_mm(A, B_t, offs, kernel_preference=emulated,
+                                                   scale_calculation_mode="floor"),
+            theirs(A, B_t, offs, kernel_preference=emulated, scale_calculation_mode=ScaleCalculationMode.FLOOR))
+    """)
+    assert out == {"default": True, "floor": True}
+
+
+def test_grouped_mm_bad_input_is_torchaos_assertion_error():
+    """torchao's _to_mxfp8_then_scaled_grouped_mm asserts on bad input (AssertionError: input_act
+    must be 2D, out_dtype must be bfloat16 or float32, ...); after install() the same calls raised
+    flyquant's plain ValueError / TypeError, which callers catching AssertionError missed."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        compat.install()
+        import torchao.prototype.moe_training as mt
+        A = torch.randn(64, 32).to(torch.bfloat16)
+        B_t = torch.randn(2, 32, 32).to(torch.bfloat16).transpose(1, 2)
+        offs = torch.tensor([32, 64], dtype=torch.int32)
+        out["errors"] = []
+        for args, kw in (((A.view(2, 32, 32), B_t, offs), {}), ((A, B_t[0], offs), {}), ((A, B_t[:, :16], offs), {}),
+                         ((A, B_t, offs), {"out_dtype": torch.float16}), ((A.int(), B_t, offs), {}),
+                         ((A, B_t, offs.long()), {})):
+            try:
+                mt._to_mxfp8_then_scaled_grouped_mm(*args, **kw)
+            except AssertionError as exc:
+                out["errors"].append([isinstance(exc, ValueError), isinstance(exc, TypeError)])
+    """)
+    assert out["errors"] == [[True, False]] * 3 + [[True, True]] * 3

@@ -98,6 +98,8 @@ def _moe_plan():
     ('{"tile_n": 96}', "FLYQUANT_CONFIG='{\"tile_n\": 96}': tile_n = 96: expected one of 64, 128, 256"),
     ('{"waves": 3}', "waves = 3: expected one of 1, 2, 4"),
     ('{"tile_m": 8}', "tile_m = 8: expected one of 16, 32, 64"),
+    # past the shape's K iterations: the launcher's ValueError named its k_batch argument
+    ('{"k_batch": 13}', "k_batch = 13: expected at most ceil(inter_dim / 256) = 12 for inter_dim = 2880"),
 ])
 def test_config_values_outside_the_kernels_are_refused_when_planning(monkeypatch, raw, message):
     monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")

@@ -79,7 +79,9 @@ def test_gfx950_only_instruction_rejected_on_gfx942():
 
 def test_endless_wave_is_an_error():
     # s_branch -1: branch to itself (target = pc + 4 + 4 * -1)
-    with pytest.raises(EmuError, match="without ending"):
+    # the message names the variable that sets the limit (it did not: a legitimately long wave
+    # gave no hint of how to raise it)
+    with pytest.raises(EmuError, match="without ending .* needs a larger FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS"):
         run("gfx942", I.s_branch(simm16=0xFFFF), budget=1000)
 
 

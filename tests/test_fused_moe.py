@@ -160,6 +160,24 @@ def test_bad_input(monkeypatch):
         run(dict(p, mask=[1, 1, 1, 1]), "silu")
     with pytest.raises(TypeError, match=r"out_dtype must be one of \(bfloat16, float32\), got 'bfloat16'"):
         run(p, "silu", out_dtype="bfloat16")
+    # topk_weights, b1, b2, out, w2_scale given as a list or string: AttributeErrors from the autograd and
+    # device checks ("'list' object has no attribute 'requires_grad'"), as moe_stage2's topk_weights,
+    # bias and a2; now each is named, before moe_sorting zeroes a given out
+    out = torch.full((2, MODEL_DIM), 7.0)
+    for key, bad, name in (("weights", [1.0], "topk_weights"), ("b1", [1.0], "b1"), ("b2", "b2", "b2"),
+                           ("w2_scale", "s", "w2_scale")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got"):
+            run(dict(p, **{key: bad}), "silu", out=out)
+        assert bool((out == 7).all())
+    with pytest.raises(TypeError, match="out must be a torch.Tensor, got list"):
+        run(p, "silu", out=[[0.0]])
+    a2 = torch.zeros(4, W2_K, dtype=torch.bfloat16)
+    for args, name in (((a2, p["ids"], [1.0], p["w2"], p["w2_scale"]), "topk_weights"),
+                       (([1.0], p["ids"], p["weights"], p["w2"], p["w2_scale"]), "a2")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got list"):
+            fq.moe_stage2(*args)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
+        fq.moe_stage2(a2, p["ids"], p["weights"], p["w2"], p["w2_scale"], bias=[1.0])
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
@@ -271,3 +289,49 @@ def test_explain_prints_the_three_plans(monkeypatch, capsys):
         assert r.kernel.startswith(plan.op) and r.kernel.endswith("gfx942"), (r.kernel, plan.kernel)
         if "tile_n" in plan.config:
             assert f"{plan.config['tile_m']}x{plan.config['tile_n']}" in r.kernel, (r.kernel, plan.config)
+
+
+def test_explain_refuses_what_fused_moe_refuses(monkeypatch):
+    # explain(fused_moe, ...) ran none of the stages' checks: a bad activation, b1, w1_scale or out
+    # was planned as if it would run, int topk_weights failed inside the selector (KeyError:
+    # torch.int32) and a list one with an AttributeError. explain(moe_stage2, ...) planned a wrong
+    # w2_scale or bias alike. Each is now the op's own error.
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=12)
+    for bad, match in ((dict(activation="relu"), "activation must be one of"),
+                       (dict(b1=p["b1"][:, :3]), r"b1 must have shape \(4, 128\)"),
+                       (dict(w1_scale=p["w1_scale"][:, :1]), "w1_scale must have shape"),
+                       (dict(out=torch.zeros(2, 2)), r"out must have shape \(3, 256\)"),
+                       (dict(weights=p["weights"].int()), "topk_weights must have dtype in"),
+                       (dict(weights=[1.0]), "topk_weights must be a torch.Tensor")):
+        q = dict(p, **{k: v for k, v in bad.items() if k in p})
+        kw = {k: v for k, v in bad.items() if k not in p}
+        for fn in (fq.fused_moe, lambda *a, **k: fq.explain(fq.fused_moe, *a, **k)):
+            with pytest.raises((ValueError, TypeError), match=match):
+                fn(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], b1=q["b1"],
+                   b2=q["b2"], **kw)
+    a2 = torch.zeros(6, W2_K, dtype=torch.bfloat16)
+    for bad, match in ((dict(w2_scale=p["w2_scale"][:, :1]), "w2_scale must have shape"),
+                       (dict(bias=p["b2"][:1]), r"bias must have shape \(E = 4")):
+        args = (a2, p["ids"], p["weights"], p["w2"], bad.get("w2_scale", p["w2_scale"]))
+        for fn in (fq.moe_stage2, lambda *a, **k: fq.explain(fq.moe_stage2, *a, **k)):
+            with pytest.raises(ValueError, match=match):
+                fn(*args, bias=bad.get("bias"))
+
+
+def test_explain_of_stage_2_and_sorting_refuses_what_they_refuse(monkeypatch):
+    # explain(moe_gemm2_a16w4, ...) checked neither bias, out nor out_dtype, explain(moe_sorting, ...)
+    # not moe_buf: each wrong one was planned as if the call would run.
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=13)
+    sorted_ = fq.moe_sorting(p["ids"], p["weights"], 4, 16)
+    a2 = torch.zeros(6, W2_K, dtype=torch.bfloat16)
+    for bad, match in ((dict(bias=p["b2"][:1]), r"bias must have shape \(E = 4"),
+                       (dict(out=torch.zeros(2, 2)), r"out must have shape \(3, 256\)"),
+                       (dict(out_dtype=torch.float16), r"out_dtype must be one of \(bfloat16, float32\)")):
+        for fn in (fq.moe_gemm2_a16w4, lambda *a, **k: fq.explain(fq.moe_gemm2_a16w4, *a, **k)):
+            with pytest.raises((ValueError, TypeError), match=match):
+                fn(a2, p["w2"], p["w2_scale"], *sorted_, topk=2, block_m=16, **bad)
+    for fn in (fq.moe_sorting, lambda *a, **k: fq.explain(fq.moe_sorting, *a, **k)):
+        with pytest.raises(TypeError, match="moe_buf must be a torch.Tensor, got list"):
+            fn(p["ids"], p["weights"], 4, 16, moe_buf=[0.0])

@@ -78,6 +78,18 @@ def test_mfma_shuffle_is_aiters_e8m0_shuffle(shape):
     assert back.dtype == E8M0 and torch.equal(back.view(U8), padded)
 
 
+def test_scale_layouts_take_one_2d_matrix_of_scale_bytes():
+    """bf16 (256, 4) scales were shuffled as their 8 bytes a row and came back bf16 garbage; a 1D
+    or 3D tensor (the 3D quantize's per-expert mfma scales) failed unpacking its shape."""
+    for fn, name in ((L.tcgen05_blocked, "scales"), (L.mfma_shuffle_scales, "scales"),
+                     (L.mfma_unshuffle_scales, "shuffled")):
+        with pytest.raises(TypeError, match=f"{name} must have dtype in \\(float8_e8m0fnu, uint8\\), got torch.bfloat16"):
+            fn(torch.zeros(256, 4, dtype=torch.bfloat16))
+        for shape in ((2048,), (1, 256, 8)):
+            with pytest.raises(ValueError, match=f"{name} must be 2D, got {len(shape)}D"):
+                fn(torch.zeros(shape, dtype=E8M0))
+
+
 # (E, N, K/2, nlane, gate_up): the GPT-OSS-like tile case, nlane 32, gate/up interleave, one tile
 WEIGHT_CASES = [(2, 64, 128, 16, False), (2, 64, 128, 32, False), (3, 64, 64, 16, True), (1, 64, 32, 32, True)]
 
@@ -150,6 +162,13 @@ def test_shuffle_errors_name_the_constraint():
         for fn in (L.shuffle_weight_a16w4, L.unshuffle_weight_a16w4):
             with pytest.raises(ValueError, match=r"nlane must divide the wave size 64 \(an int\)"):
                 fn(torch.zeros(1, 32, 128, dtype=U8), nlane)
+    # gate_up="no" (truthy) gave the gate/up layout with no error
+    w, s = torch.zeros(1, 64, 128, dtype=U8), torch.zeros(1, 64, 8, dtype=E8M0)
+    for fn, args in ((L.shuffle_weight_a16w4, (w, 16)), (L.unshuffle_weight_a16w4, (w, 16)),
+                     (L.shuffle_scale_a16w4, (s, 1)), (L.unshuffle_scale_a16w4, (s, 1))):
+        for gate_up in ("no", 1, None):
+            with pytest.raises(ValueError, match="gate_up must be a bool, got"):
+                fn(*args, gate_up)
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N, rows per expert\) = 40"):
         L.shuffle_weight_a16w4(torch.zeros(1, 40, 64, dtype=U8))
     with pytest.raises(ValueError, match=r"w.shape\[1\] \(N = gate \+ up, rows per expert\) = 48 must be a positive multiple of 32"):

@@ -56,3 +56,9 @@ def test_bad_input():
         fq.moe_routing(logits.to(torch.int32), 2)
     with pytest.raises(ValueError, match="router_logits must be 2D"):
         fq.moe_routing(logits[0], 2)
+    # truth tests chose the convention: softmax_after_topk="no" routed GPT-OSS-style, renormalize=0 did not
+    # renormalize, with no error
+    for name in ("renormalize", "softmax_after_topk"):
+        for bad in ("no", 0, None):
+            with pytest.raises(ValueError, match=f"{name} must be a bool, got {bad!r}"):
+                fq.moe_routing(logits, 2, **{name: bad})

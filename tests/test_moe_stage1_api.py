@@ -197,3 +197,20 @@ def test_alpha_and_limit_must_be_real_numbers(backend, monkeypatch):
                 with pytest.raises(TypeError, match=re.escape(f"{name} must be a real number, got {bad!r}")):
                     fn(*args, topk=2, block_m=16, activation="swiglu_oai", **{name: bad})
     fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", alpha=2, limit=7)  # ints are numbers
+
+
+@pytest.mark.parametrize("backend", ["reference", "gfx950"])
+def test_apply_weights_must_be_a_bool(backend, monkeypatch):
+    """Stage 1 took apply_weights through bool(): "no" ran as True (rows times their routing weight,
+    no error); stage 2 passed it to its custom op, whose schema error named the internal
+    flyquant::moe_gemm2_a16w4_ declaration (and took None or 0 as False). Both ops and explain."""
+    set_backend(monkeypatch, "reference" if backend == "reference" else "flydsl", "gfx950")
+    p = make_problem(3, 2, 3, 256, 32, 32, 256, 16, seed=27, skip_expert=None)
+    q = stage2_problem(3, 2, 4, 64, 256, 16, seed=27)
+    stage1 = (fq.moe_gemm1_a16w4, p["x"], p["w1"], p["w1_scale"], *p["sorting"])
+    stage2 = (fq.moe_gemm2_a16w4, q["a2"], q["w2"], q["w2_scale"], *q["sorting"])
+    for fn, *args in (stage1, stage2):
+        for bad in ("no", 0, None):
+            for call in (fn, lambda *a, fn=fn, **k: fq.explain(fn, *a, **k)):
+                with pytest.raises(ValueError, match=re.escape(f"apply_weights must be a bool, got {bad!r}")):
+                    call(*args, topk=2, block_m=16, apply_weights=bad)

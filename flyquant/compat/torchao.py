@@ -240,9 +240,15 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
     AUTO on AMD or CPU, where torchao asserts) flyquant's op, then ``+ bias`` as torchao does.
     Options flyquant does not implement raise TorchaoUnsupportedError: wgrad_with_hp=True,
     pad_token_groups_for_grouped_mm=True (pad groups to multiples of 32 beforehand), and an
-    MXTensor A (pre-quantized activations).
+    MXTensor A (pre-quantized activations). Bad A, B_t, offs or out_dtype raises TorchaoInputError
+    (TorchaoDtypeError for a dtype): an AssertionError as torchao's own checks raise.
     """
-    from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    try:
+        from torchao.prototype.moe_training import mxfp8_grouped_mm as theirs
+    except ImportError as exc:  # without install(): flydsl 0.4.2's missing flydsl.expr.vector, named alone
+        raise ImportError(f"to_mxfp8_then_scaled_grouped_mm needs torchao.prototype.moe_training, which did not "
+                          f"import ({exc}): call flyquant.compat.torchao.install() first") from exc
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common import KernelPreference
 
     from .. import training
@@ -253,6 +259,8 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
         original = _TORCHAO_GROUPED_MM.get("original")
         if original is None:
             raise RuntimeError("call flyquant.compat.torchao.install() first: it keeps torchao's own function")
+        if isinstance(scale_calculation_mode, str):  # our default "rceil": torchao's to_mx compares enums only
+            scale_calculation_mode = ScaleCalculationMode(scale_calculation_mode.lower())
         return original(A, B_t, offs, bias, out_dtype, kernel_preference, wgrad_with_hp, scale_calculation_mode,
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
@@ -265,5 +273,12 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
         raise TorchaoUnsupportedError("flyquant's MXFP8 grouped GEMM takes high-precision A, not an MXTensor")
     if offs is None:
         _fail("group_end_offsets must be provided for 2d-3d grouped mm")
-    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, _mode(scale_calculation_mode))
+    mode = _mode(scale_calculation_mode)
+    try:  # torchao asserts on bad input: its callers catch AssertionError, which flyquant's errors were not
+        training._check(A, B_t, offs, out_dtype, mode)
+    except TypeError as exc:
+        raise TorchaoDtypeError(str(exc)) from exc
+    except ValueError as exc:
+        raise TorchaoInputError(str(exc)) from exc
+    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode)
     return out if bias is None else out + bias.to(out.dtype)

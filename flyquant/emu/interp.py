@@ -322,7 +322,8 @@ def _run_wave(w: Wave, prog: Program, counts: list, budget: int) -> None:
             if n >= limit:
                 raise EmuError(f"a wave executed {budget} instructions without ending (infinite loop?); "
                                f"last at offset {prog.insts[pc].addr - prog.entry:#x} in kernel {prog.kernel} "
-                               f"({prog.arch})")
+                               f"({prog.arch}); a longer wave needs a larger FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS "
+                               f"(default {DEFAULT_MAX_WAVE_INSTRUCTIONS})")
     except EmuError:
         raise
     except Exception as e:
