@@ -334,13 +334,19 @@ def dequantize_mxfp4(packed, scales):
     return (values.view(*s.shape, MX_BLOCK) * s.unsqueeze(-1)).view(*packed.shape[:-1], k)
 
 
-def _check_orientation(data, strides, axis, quantize) -> None:
+def _check_orientation(data, strides, axis, quantize, other=None) -> None:
     """The data's strides are those `quantize` gives for `axis` (dims of size 1 aside): on a
-    square matrix the strides are all that tells a 1x32 result from a 32x1 one."""
-    if any(n > 1 and st != want for n, st, want in zip(data.shape, data.stride(), strides)):
+    square matrix the strides are all that tells a 1x32 result from a 32x1 one. other: (the
+    other 2D orientation's strides, its axis), named in the error when the data has them."""
+    def has(want):
+        return all(n == 1 or st == w for n, st, w in zip(data.shape, data.stride(), want))
+
+    if not has(strides):
+        hint = (f"the other orientation's output? pass axis={other[1]}" if other and has(other[0])
+                else "a strided view? pass the tensor the quantize returned")
         raise ValueError(
             f"data with axis={axis} must have the strides {quantize} returns, {strides} for shape "
-            f"{tuple(data.shape)}; got {data.stride()} (the other orientation's output? pass its axis)")
+            f"{tuple(data.shape)}; got {data.stride()} ({hint})")
 
 
 def mxfp8_dequantize(data, scales, axis=-1):
@@ -361,12 +367,12 @@ def mxfp8_dequantize(data, scales, axis=-1):
         if axis in (-1, 1):
             validate.block_dim(data, 1, "data", "K")
             validate.shape(scales, "scales", (m, k // MX_BLOCK))
-            _check_orientation(data, (k, 1), axis, "mxfp8_quantize(x, axis=-1)")
+            _check_orientation(data, (k, 1), axis, "mxfp8_quantize(x, axis=-1)", ((1, m), 0))
             return (values.view(m, k // MX_BLOCK, MX_BLOCK) * s.unsqueeze(-1)).view(m, k)
         if axis in (0, -2):
             validate.block_dim(data, 0, "data", "M")
             validate.shape(scales, "scales", (k, m // MX_BLOCK))
-            _check_orientation(data, (1, m), axis, "mxfp8_quantize(x, axis=0)")
+            _check_orientation(data, (1, m), axis, "mxfp8_quantize(x, axis=0)", ((k, 1), -1))
             per_elem = s.repeat_interleave(MX_BLOCK, dim=1)  # (K, M)
             return (values * per_elem.t()).contiguous()
         raise ValueError(f"axis must be -1 or 0 for 2D data, got {axis!r}")

@@ -135,10 +135,14 @@ def test_dequantize_checks_the_orientation_of_square_data():
     # axis used to dequantize silently wrong.
     x = torch.randn(64, 64)
     rows, cols = reference.mxfp8_quantize(x, -1, "floor"), reference.mxfp8_quantize(x, 0, "floor")
-    with pytest.raises(ValueError, match=r"axis=0 must have the strides .* \(1, 64\)"):
+    with pytest.raises(ValueError, match=r"axis=0 must have the strides .* \(1, 64\).*pass axis=-1"):
         fq.mxfp8_dequantize(rows[0], cols[1], axis=0)
-    with pytest.raises(ValueError, match=r"axis=-1 must have the strides .* \(64, 1\)"):
+    with pytest.raises(ValueError, match=r"axis=-1 must have the strides .* \(64, 1\).*pass axis=0"):
         fq.mxfp8_dequantize(cols[0], rows[1], axis=-1)
+    # a strided view of the right orientation is not the other one (the hint once said it was)
+    for data, scales, axis in ((rows[0][::2], rows[1][::2], -1), (cols[0][:, ::2], cols[1][::2], 0)):
+        with pytest.raises(ValueError, match=r"a strided view\? pass the tensor the quantize returned"):
+            fq.mxfp8_dequantize(data, scales, axis=axis)
     # the right axes round-trip to the same values both ways (within E4M3's rounding)
     back_rows, back_cols = fq.mxfp8_dequantize(*rows, axis=-1), fq.mxfp8_dequantize(*cols, axis=0)
     torch.testing.assert_close(back_rows, x, rtol=2**-3, atol=2**-6)
