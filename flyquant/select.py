@@ -189,6 +189,7 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
     if isinstance(target, Plan):
         return target
     from .kernels import mxfp8_quantize_2d as k
+    from .kernels._mx_common import Spec
     from .kernels.mxfp8_quantize_3d import matrix_too_large
 
     too_large = kind != "1x32" and matrix_too_large(x.shape, x.dtype)  # 1x32 launches in row chunks
@@ -197,15 +198,8 @@ def _mxfp8_plan(op: str, x: torch.Tensor, kind: str, scaling_mode: str, scale_la
         return reference_plan(op, target, too_large)
     plan = k.plan(kind, tuple(x.shape), x.dtype, target.arch, extra.get("scale_block_k", 1))
     config = {**dataclasses.asdict(plan), **extra}
-    # the launched kernel's name up to its tile suffixes (mxfp8_quantize_2d.build and _mx_col.build_col)
-    tag = f"{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("" if signed_zeros else "_pz")
-    layout_tag = f"_{scale_layout}" if scale_layout else ""
-    if kind == "1x32":
-        name = f"mxfp8_1x32_{tag}{layout_tag}"
-    else:
-        block_k = extra.get("scale_block_k", 1)
-        name = (f"mxfp8_{kind}" + (f"_k{block_k}" if block_k > 1 else "") + layout_tag
-                + ("_offs" if extra.get("token_groups") else "") + f"_{tag}")
+    spec = Spec(target.arch, _dtype_name(x.dtype), scaling_mode, signed_zeros)
+    name = k.kernel_prefix(spec, kind, scale_layout, extra.get("scale_block_k", 1), bool(extra.get("token_groups")))
     conversion = "OCP FP8 conversion" if target.arch == "gfx950" else "OCP bits from the FNUZ converter"
     if not signed_zeros:
         conversion += ", every zero written +0 (signed_zeros=False)"

@@ -70,6 +70,12 @@ def _lane_rc(lane, groups_n, arch, block_lanes=0):
     return band(lane, 3), bor(bor(shl(lshr(lane, 4), 2), band(lshr(lane, 1), 2)), band(lshr(lane, 3), 1))
 
 
+def kernel_prefix(spec: Spec, kind: str, block_k: int = 1, scale_layout=None, grouped: bool = False) -> str:
+    """The column kernel's name up to its tile suffixes (flyquant.select's plans name it too)."""
+    return (f"mxfp8_{kind}" + (f"_k{block_k}" if block_k > 1 else "") + (f"_{scale_layout}" if scale_layout else "")
+            + ("_offs" if grouped else "") + f"_{spec.tag}")
+
+
 def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, block_k: int = 1,
               grouped: bool = False, waves: int = MAX_WAVES, tile_rows: int = 128, signed_zeros: bool = True):
     """An uncached @flyc.jit launcher of the column kernel for one specialization: kind "32x1"
@@ -108,8 +114,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     half = cols // 2  # columns whose codes each lane of a pair stores
     lanes_per_kblock = MX_BLOCK // cols  # block_k = 32: lanes sharing a 32-column block
     source = SOURCE_TAG
-    tag = f"{kind}" + (f"_k{block_k}" if block_k > 1 else "") + (f"_{scale_layout}" if scale_layout else "")
-    name = f"mxfp8_{tag}{'_offs' if grouped else ''}_{spec.tag}_r{tile_rows}_w{waves}"
+    name = f"{kernel_prefix(spec, kind, block_k, scale_layout, grouped)}_r{tile_rows}_w{waves}"
 
     def column_amaxes(words, exact):
         """Per dword column: the block amax (both lanes of the pair hold it); 32 x 32 blocks: one

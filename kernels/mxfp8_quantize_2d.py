@@ -38,6 +38,7 @@ from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
+from ._mx_col import kernel_prefix as col_kernel_prefix
 from .mxfp8_quantize_3d import launch_col, plan_col
 from ._mx_common import (
     MX_BLOCK,
@@ -85,6 +86,14 @@ MAX_WAVES = 4
 # offsets, constants) then adds about 1/4 of a tile's work; tensors too small to give every
 # compute unit a wave that way are latency-bound whatever the split.
 TILES_PER_WAVE = 4
+
+
+def kernel_prefix(spec: Spec, kind: str, scale_layout=None, block_k: int = 1, grouped: bool = False) -> str:
+    """The name of the MXFP8 quantize kernel of `kind` (1x32, or the column kernel's 32x1, dual,
+    3d, 3d_t) up to its tile suffixes: what flyquant.select's plans call it."""
+    if kind == "1x32":
+        return f"mxfp8_1x32_{spec.tag}" + (f"_{scale_layout}" if scale_layout else "")
+    return col_kernel_prefix(spec, kind, block_k, scale_layout, grouped)
 
 
 def plan_1x32(shape, dtype: torch.dtype, arch: str) -> Plan1x32:
@@ -136,7 +145,7 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
     cols = LOAD_BYTES // in_block  # blocks per load instruction
     tile_blocks = WAVE * per_lane
     out_piece = spec.elems_per_piece  # output bytes per piece
-    name = f"mxfp8_1x32_{spec.tag}" + (f"_{scale_layout}" if scale_layout else "") + f"_w{waves}"
+    name = f"{kernel_prefix(spec, '1x32', scale_layout)}_w{waves}"
     source = SOURCE_TAG
     combine = functools.partial(mx.amax_max, spec)
 
