@@ -399,6 +399,11 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                         acc = Vec(accs[i])
                         halves = [fx.math.fma(_pair(parts[i], h), _pair(sbj[nb], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
                         accs[i] = _cat(*halves, ty=fx.Float32)
+                if const_expr(blocks == 2 and j == 0):
+                    # a two-block partial step (K % 128 == 64: GPT-OSS's 2880): LLVM otherwise issues both
+                    # blocks' MFMAs before scaling either, 264-268 VGPRs on the 128x128 +0 tile (one
+                    # workgroup per CU; with this, 252-256 and two); one or three blocks: no gain found
+                    rocdl.sched_barrier(0)
             return accs
 
         def scaled_pipeline(o, b_rsrc, bs_rsrc, steps):
