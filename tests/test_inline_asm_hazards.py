@@ -1,0 +1,146 @@
+"""Wait states around our one inline-asm VALU instruction, checked on the compiled code.
+
+_mx_ir.bit_select is a v_bfi_b32 written as inline asm, and LLVM's hazard recognizer looks at an
+inline asm only for the 12-dword store hazard (GCNHazardRecognizer::checkInlineAsmHazards): the
+CDNA3 wait states it would insert around a real v_bfi_b32 are not promised here, and flyquant.emu
+does not model hazards (it executes each instruction after the previous one has finished), so
+a v_bfi_b32 scheduled too close would go wrong only on an MI300X / MI355X. These tests read the
+ISA of every kernel that uses bit_select (the MXFP8 dual column kernel: the NaN rows, the FP32
+half-line pair exchange, the line stores) and check, per straight-line block:
+
+- a DPP instruction reading a v_bfi_b32 result: 2 wait states between them (CDNA3 ISA, "Manually
+  inserted wait states": VALU write VGPR, then DPP read of it);
+- a v_bfi_b32 reading the result of a transcendental VALU op: 1; of a VALU that wrote only part
+  of its VGPR (SDWA dst_sel, VOP3 op_sel on the destination): 1 (the same table);
+- on gfx950, a v_bfi_b32 reading a v_cvt_scalef32_* result: 2. LLVM has a gfx950-only
+  "CvtScaleForwardingHazard" whose wait count no public document gives; 2 is what the code has
+  today, so a schedule that moves them closer fails here and has to be checked against it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flyquant import toolchain
+from flyquant.kernels import _mx_col as col
+from flyquant.kernels import mxfp8_quantize_3d as q3
+
+TRANS = ("v_exp_", "v_log_", "v_rcp_", "v_rsq_", "v_sqrt_", "v_sin_", "v_cos_")
+LOOK_BACK = 8  # instructions: more than any wait count here
+
+
+def _vgprs(operand: str) -> set[int]:
+    m = re.fullmatch(r"v(\d+)", operand) or re.fullmatch(r"v\[(\d+):(\d+)\]", operand)
+    if not m:
+        return set()
+    lo = int(m.group(1))
+    return set(range(lo, int(m.group(m.lastindex)) + 1))
+
+
+def _instructions(isa: str):
+    """(mnemonic, operands, text) per instruction; None at a label (another path can enter)."""
+    out = []
+    for raw in isa.splitlines():
+        text = raw.split(";")[0].strip()
+        if not text or text.startswith("."):
+            continue
+        if text.endswith(":"):
+            out.append(None)
+            continue
+        parts = text.replace(",", " ").split()
+        out.append((parts[0], parts[1:], text))
+    return out
+
+
+def _partial_write(mnemonic: str, text: str) -> bool:
+    if "_sdwa" in mnemonic:
+        sel = re.search(r"dst_sel:(\w+)", text)
+        return bool(sel) and sel.group(1) != "DWORD"
+    sel = re.search(r"op_sel:\[([01,]+)\]", text)
+    return bool(sel) and not mnemonic.startswith("v_pk_") and len(sel.group(1).split(",")) == 4 \
+        and sel.group(1).split(",")[3] == "1"
+
+
+def _required(producer: str, text: str, consumer: str, consumer_text: str, arch: str) -> int:
+    """Wait states the pair needs when the consumer reads the producer's result (0: none)."""
+    dpp = "_dpp" in consumer or "quad_perm" in consumer_text or "row_" in consumer_text
+    if producer == "v_bfi_b32":
+        return 2 if dpp else 0
+    if consumer != "v_bfi_b32":
+        return 0
+    if arch == "gfx950" and producer.startswith("v_cvt_scalef32"):
+        return 2
+    if producer.startswith(TRANS) or _partial_write(producer, text):
+        return 1
+    return 0
+
+
+def violations(isa: str, arch: str) -> tuple[int, list[str]]:
+    """(v_bfi_b32 count, the producer/consumer pairs closer than _required), each source operand
+    against its newest writer in the block."""
+    code = _instructions(isa)
+    found, bfi = [], 0
+    for i, ins in enumerate(code):
+        if ins is None or not ins[0].startswith("v_"):
+            continue
+        mnemonic, operands, text = ins
+        bfi += mnemonic == "v_bfi_b32"
+        for reads in filter(None, (_vgprs(o) for o in operands[1:])):
+            waits = 0
+            for j in range(i - 1, max(-1, i - LOOK_BACK), -1):
+                prev = code[j]
+                if prev is None:
+                    break
+                p_mnemonic, p_operands, p_text = prev
+                if p_mnemonic == "s_nop":
+                    waits += int(p_operands[0], 0) + 1
+                    continue
+                if p_mnemonic.startswith("v_") and p_operands and _vgprs(p_operands[0]) & reads:
+                    need = _required(p_mnemonic, p_text, mnemonic, text, arch)
+                    if waits < need:
+                        found.append(f"{p_text}  ->  {text}: {waits} wait states, {need} needed")
+                    break
+                waits += 1
+    return bfi, found
+
+
+@pytest.mark.parametrize("arch", ("gfx950", "gfx942"))
+@pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
+def test_bit_select_keeps_its_wait_states(arch, dtype):
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
+    s, o = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
+    plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
+    (rep,) = toolchain.compile_only(arch, col.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256,
+                                    256 * x.element_size(), 1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1,
+                                    stream=0)
+    bfi, found = violations(rep.isa, arch)
+    assert bfi > 0, "the kernel no longer uses bit_select: point this test at the kernels that do"
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_a_close_pair():
+    # the checker itself: a v_bfi_b32 result read by DPP one instruction later, a transcendental
+    # result read at once, a partial write read at once; and the same pairs far enough apart
+    close = """
+        v_bfi_b32 v4, v1, v2, v3
+        v_add_u32_e32 v9, v8, v7
+        v_mov_b32_dpp v5, v4 quad_perm:[1,0,3,2] row_mask:0xf bank_mask:0xf
+        v_exp_f32_e32 v6, v6
+        v_bfi_b32 v7, v6, v2, v3
+        v_mov_b32_sdwa v8, v1 dst_sel:WORD_1 dst_unused:UNUSED_PRESERVE src0_sel:WORD_0
+        v_bfi_b32 v9, v1, v8, v3
+    """
+    apart = """
+        v_bfi_b32 v4, v1, v2, v3
+        s_nop 1
+        v_mov_b32_dpp v5, v4 quad_perm:[1,0,3,2] row_mask:0xf bank_mask:0xf
+        v_exp_f32_e32 v6, v6
+        s_nop 0
+        v_bfi_b32 v7, v6, v2, v3
+    """
+    assert len(violations(close, "gfx942")[1]) == 3
+    assert violations(apart, "gfx942") == (2, [])
