@@ -335,3 +335,19 @@ def test_explain_of_stage_2_and_sorting_refuses_what_they_refuse(monkeypatch):
     for fn in (fq.moe_sorting, lambda *a, **k: fq.explain(fq.moe_sorting, *a, **k)):
         with pytest.raises(TypeError, match="moe_buf must be a torch.Tensor, got list"):
             fn(p["ids"], p["weights"], 4, 16, moe_buf=[0.0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-{c[4]}-{'mask' if c[3] else 'all'}-{c[6]}"
+                                             for c in CASES])
+def test_gpu_layer_within_the_bound(case, monkeypatch):
+    """On a real MI300X/MI355X: the same layers through the kernels the selector picks for the
+    device (sorting, stage 1, stage 2), within the same bound of the exact float64 layer."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    tokens, topk, experts, mask, activation, biases, at = case
+    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
+    on_device = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in p.items()}
+    got = run(on_device, activation, at).cpu()
+    exact, bound = exact_layer(p, activation, at)
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())

@@ -359,3 +359,34 @@ def test_wgrad_untrusted_offsets_stay_inside_the_tensors(arch):
     x, x_scale, y, y_scale, _ = make_wgrad_problem(96, 16, 32, [96])
     for bad in ([40, 10, 1000], [-5, 30, 20], [96, 2**31 - 1, -(2**31)]):
         run_wgrad(arch, x, x_scale, y, y_scale, torch.tensor(bad, dtype=torch.int32))
+
+
+# ---- the same checks on a real GPU ------------------------------------------------------------
+
+
+def _device(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.gpu
+def test_gpu_matches_the_mx_definition():
+    """On a real MI300X/MI355X: the forward on CASES (both scale layouts), the weight gradient on
+    WGRAD_CASES and both with signed_zeros=False operands, for the device's arch, within the
+    module docstring's bound of the same float64 model. flyquant.emu does not model wait states
+    or timing, so this is the check of the compiled code's schedule."""
+    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    for m, n, k, sizes, out_dtype in CASES:
+        problem = make_problem(m, n, k, sizes)
+        ref, mag = expected(*problem)
+        for scale_layout in LAYOUTS:
+            out = run(arch, *_device(*problem), scale_layout, out_dtype).cpu()
+            check(out, ref, mag, k, out_dtype)
+    for m, n, k, sizes, out_dtype in WGRAD_CASES:
+        problem = make_wgrad_problem(m, n, k, sizes)
+        ref, mag = expected_wgrad(*problem)
+        check(run_wgrad(arch, *_device(*problem), out_dtype).cpu(), ref, mag, max(sizes), out_dtype)
+    m, n, k, sizes = 70, 32, 192, [20, 40, 10]
+    a, a_scale, b, b_scale, offs = _unsigned_zero_operands(m, n, k, sizes, seed=12)
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    out = run(arch, *_device(a, a_scale, b, b_scale, offs), None, torch.float32, signed_zeros=False).cpu()
+    check(out, ref, mag, k, torch.float32)
