@@ -5,7 +5,9 @@ first call) and is called inside ``flyquant.toolchain.target(arch)``. Every kern
 enough to emulate in well under a second, and each stresses one part of the machine:
 
 - ``vector_add``: predicated 128-bit global loads/stores, 2-D grid, tail predicate;
-- ``block_sum``: a tree reduction through LDS with a barrier between steps (4 waves);
+- ``block_sum``: a tree reduction through LDS with a barrier between steps (4 waves), or
+  without them (an LDS race);
+- ``last_block_id``: every workgroup stores its id to one address (a store race);
 - ``wave_shuffles``: cross-lane data movement inside one wave (shuffle xor / down / idx);
 - ``mfma_tile``: one 32x32 tile of A @ B^T on a 2x2 grid of 16x16 MFMAs (f32 and bf16);
 - ``buffer_tail``: buffer loads past the descriptor's end read 0, stores there are dropped;
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import gpu, range_constexpr, rocdl
+from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
@@ -109,12 +111,13 @@ BLOCK_SUM_STEPS = 8  # log2(BLOCK_SUM_THREADS) halvings
 
 
 @functools.lru_cache(maxsize=None)
-def block_sum(arch: str):
+def block_sum(arch: str, barriers: bool = True):
     """out[b] = sum of x[b*256 : (b+1)*256] (f32) by a tree through LDS: at step s, thread
     t < s adds slot t + s into slot t, with a workgroup barrier after every step. The
-    summation order is fixed, so the result is reproducible bit for bit on the host."""
+    summation order is fixed, so the result is reproducible bit for bit on the host.
+    barriers=False drops the barriers inside the tree: an LDS race between the waves."""
 
-    @flyc.kernel
+    @flyc.kernel(name="emu_block_sum_0" if barriers else "emu_block_sum_racy")
     def emu_block_sum(X: fx.Tensor, Out: fx.Tensor):
         tid = fx.thread_idx.x
         bid = fx.block_idx.x
@@ -127,13 +130,31 @@ def block_sum(arch: str):
             stride = BLOCK_SUM_THREADS >> (step + 1)
             if tid < stride:
                 fx.memref_store(fx.memref_load(slots, tid) + fx.memref_load(slots, tid + stride), slots, tid)
-            gpu.barrier()
+            if const_expr(barriers):
+                gpu.barrier()
         if tid == 0:
             fx.memref_store(fx.memref_load(slots, 0), Out, bid)
 
     @flyc.jit
     def launch(X: fx.Tensor, Out: fx.Tensor, blocks: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
         emu_block_sum(X, Out).launch(grid=(blocks, 1, 1), block=(BLOCK_SUM_THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def last_block_id(arch: str):
+    """Out[0] = the workgroup id, stored by every workgroup: with more than one, the stores race
+    (which id remains depends on the order the workgroups run in)."""
+
+    @flyc.kernel
+    def emu_last_block_id(Out: fx.Tensor):
+        if fx.thread_idx.x == 0:
+            fx.memref_store(fx.Int32(fx.block_idx.x), Out, 0)
+
+    @flyc.jit
+    def launch(Out: fx.Tensor, blocks: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
+        emu_last_block_id(Out).launch(grid=(blocks, 1, 1), block=(WAVE, 1, 1), stream=stream)
 
     return launch
 

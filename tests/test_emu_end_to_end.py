@@ -71,6 +71,30 @@ def test_block_sum_through_lds(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_an_lds_race_between_waves_is_an_error(arch):
+    # Without the barriers inside the tree, wave 0 reads slots that waves 1-3 write in the same
+    # step. The interpreter runs the waves one after another, which would give some sum; the
+    # race check (flyquant.emu.lds_races) stops the launch at the first such access instead.
+    x, out = torch.randn(K.BLOCK_SUM_THREADS), torch.zeros(1)
+    with pytest.raises(emu.EmuLaunchError, match=r"LdsRace: wave \d (reads|writes) LDS byte \d+, which wave \d "
+                                           r"(wrote|read) with no s_barrier between them"):
+        run(arch, K.block_sum(arch, barriers=False), x, out, 1, tensors=(x, out))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_store_race_between_workgroups_is_an_error(arch):
+    # Every workgroup stores its id to out[0]: run one after another they leave the last id; on
+    # hardware any. In strict memory mode (this suite's) flyquant.emu.store_races stops it; one
+    # workgroup alone is fine.
+    out = torch.full((1,), -1, dtype=torch.int32)
+    run(arch, K.last_block_id(arch), out, 1, tensors=(out,))
+    assert int(out[0]) == 0
+    with pytest.raises(emu.EmuLaunchError, match=r"StoreRace: workgroup \(1, 0, 0\) stores to 0x[0-9a-f]+, where "
+                                                 r"workgroup \(0, 0, 0\) of the same launch stored a different byte"):
+        run(arch, K.last_block_id(arch), out, 2, tensors=(out,))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cross_lane_shuffles(arch):
     torch.manual_seed(3)
     x = torch.randint(-1000, 1000, (K.WAVE,), dtype=torch.int32)

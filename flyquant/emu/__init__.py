@@ -12,9 +12,10 @@ the wave64 interpreter (``interp``) before the launch call returns. It is proces
 because FlyDSL's runtime library binds to whichever HIP library is loaded first, and it is
 refused on a machine with a ROCm device (there the real GPU runs the kernels).
 
-A kernel that fails in the interpreter (unknown instruction, bad address, endless wave) makes
-the FlyDSL launch call raise ``EmuLaunchError`` in the calling thread, with the interpreter's
-exception as its ``__cause__``.
+A kernel that fails in the interpreter (unknown instruction, bad address, endless wave, an LDS
+race between the waves of a workgroup (``lds_races``), in strict memory mode two workgroups
+storing different bytes to one address (``store_races``)) makes the FlyDSL launch call raise
+``EmuLaunchError`` in the calling thread, with the interpreter's exception as its ``__cause__``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 `execute(co, kernel, grid, block, kernarg_addr, dynamic_lds, memory)` runs one kernel launch:
 for every workgroup (x fastest, then y, then z), its waves run round-robin, each until it reaches
 s_barrier or s_endpgm; when every wave that has not ended waits at the barrier, all are released.
+That order hides LDS races between waves and store races between workgroups, which lds_races
+and (in strict memory mode) store_races therefore check for.
 
 Before the first instruction each wave holds what the HSA dispatch sets up from the kernel
 descriptor: the user SGPRs (FlyDSL kernels use only the kernarg segment pointer, plus
@@ -36,6 +38,9 @@ from . import (isa_cvt, isa_hwreg, isa_lane, isa_mem, isa_mfma, isa_salu, isa_sc
 from . import table
 from .errors import EmuError
 from .isa_base import END, F32, LANES, Ctx, Wave, initial_mode, sext
+from .lds_races import LdsRaceCheck
+from .memory import Memory
+from .store_races import StoreRaceCheck
 from .stats import CLASSES, LaunchStats, MemCounter, MemRecorder, classify
 
 __all__ = ["EmuError", "execute", "program", "snippet", "run_wave", "Program", "Wave", "MAX_WAVE_INSTRUCTIONS"]
@@ -182,6 +187,7 @@ def run_wave(prog: Program, w: Wave, memory=None, lds_bytes: int = 0, budget: in
     stats = LaunchStats(kernel=prog.kernel, arch=prog.arch, grid=(1, 1, 1), block=(LANES, 1, 1), waves_per_workgroup=1)
     launch = _Launch(memory)
     wg = _Workgroup(lds_bytes)
+    launch.start(wg)
     w.wg, w.launch = wg, launch
     counts = [0] * len(prog.ops)
     with np.errstate(all="ignore"):
@@ -199,14 +205,22 @@ class _Launch:
         self.memory = memory
         self.rec = MemRecorder()
         self.lds_oob = 0
+        self.stores = StoreRaceCheck(Memory.BASE) if getattr(memory, "strict", False) else None
+
+    def start(self, wg) -> None:
+        """Workgroup `wg` (its ids set) starts running."""
+        if self.stores is not None:
+            wg.store_number = self.stores.start(wg.ids)
 
 
 class _Workgroup:
-    __slots__ = ("lds", "ids")
+    __slots__ = ("lds", "ids", "races", "store_number")
 
-    def __init__(self, lds_bytes: int):
+    def __init__(self, lds_bytes: int, waves: int = 1):
         self.lds = np.zeros(lds_bytes, np.uint8)
         self.ids = (0, 0, 0)
+        self.races = LdsRaceCheck(lds_bytes) if waves > 1 and lds_bytes else None  # (lds_races)
+        self.store_number = 0  # its number in the launch's store race check (store_races)
 
 
 def _check_kernel(info, arch: str, block, dynamic_lds: int) -> int:
@@ -355,7 +369,7 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
     launch = _Launch(memory)
     counts = [0] * len(prog.ops)
     waves = [Wave() for _ in range(nwaves)]
-    wg = _Workgroup(lds_bytes)
+    wg = _Workgroup(lds_bytes, nwaves)
     packet = DispatchPacket(info, grid, block, kernarg_addr, int(dynamic_lds), memory)
     with np.errstate(all="ignore"), contextlib.closing(packet):
         for gz in range(grid[2]):
@@ -363,6 +377,9 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
                 for gx in range(grid[0]):
                     wg.ids = (gx, gy, gz)
                     wg.lds.fill(0)
+                    if wg.races is not None:
+                        wg.races.reset()
+                    launch.start(wg)
                     launch.rec.global_store = False
                     for i, w in enumerate(waves):
                         _init_wave(w, info, layout, wg.ids, i, block, kernarg_addr, memory, packet)
@@ -385,6 +402,8 @@ def _run_workgroup(waves: list[Wave], prog: Program, counts: list, budget: int) 
             return
         for w in waves:  # every live wave waits at the barrier: release them
             w.at_barrier = False
+        if waves[0].wg.races is not None:
+            waves[0].wg.races.barrier()
 
 
 def _fill_stats(stats: LaunchStats, prog: Program, counts: list, launch: _Launch) -> None:

@@ -19,9 +19,13 @@ traffic is counted as the global load.
 
 LDS is one byte array per workgroup (static + dynamic size from the launch). An access past its
 end reads 0 / writes nothing (the hardware's behaviour) and is counted in the launch statistics.
+In a workgroup of several waves every read and write goes through its race check (lds_races);
+in strict memory mode every plain global store goes through the launch's (store_races).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -107,6 +111,12 @@ def write_load(w, row: int, data: np.ndarray, nbytes: int, signed: bool, d16: st
 
 def _active(w):
     return None if w.exec_full else w.exec_mask
+
+
+def _race(w):
+    """The launch's store race check for this workgroup's stores (store_races), or None."""
+    check = w.launch.stores
+    return None if check is None else functools.partial(check.record, w.wg.store_number)
 
 
 # --- atomics ------------------------------------------------------------------------------------------
@@ -215,7 +225,7 @@ def build_global(inst, ctx):
     def store(w):
         mask = _active(w)
         addrs = address(w)
-        w.launch.memory.store(addrs, gather_store_bytes(w, row, nbytes, d16), mask)
+        w.launch.memory.store(addrs, gather_store_bytes(w, row, nbytes, d16), mask, _race(w))
         w.launch.rec.global_access(index, addrs, mask, nbytes, True)
     return store
 
@@ -358,11 +368,11 @@ def build_buffer(inst, ctx):
         data = gather_store_bytes(w, row, nbytes, d16)
         mem, rec = w.launch.memory, w.launch.rec
         if all_in:
-            mem.store(addrs, data, active)
+            mem.store(addrs, data, active, _race(w))
             rec.global_access(index, addrs, active, nbytes, True)
         else:  # out-of-range components are dropped one by one
             caddrs, ok = components(w, addrs, num_records, active)
-            mem.store(caddrs, data.reshape(LANES * ncomp, comp_bytes), ok)
+            mem.store(caddrs, data.reshape(LANES * ncomp, comp_bytes), ok, _race(w))
             rec.global_access(index, caddrs, ok, comp_bytes, True, lanes_moving(ok))
     return store
 
@@ -425,8 +435,19 @@ class _Lds:
         return ok
 
     @staticmethod
+    def _record(w, addrs, nbytes, mask, write):
+        """The workgroup's race check (lds_races) of the active lanes' bytes in range."""
+        lanes = addrs + nbytes <= w.wg.lds.size
+        if mask is not None:
+            lanes = lanes & mask
+        idx = addrs[lanes, None] + _LDS_BYTE_OFFSETS[nbytes]
+        (w.wg.races.write if write else w.wg.races.read)(w.wave_id, idx)
+
+    @staticmethod
     def read(w, addrs, nbytes, mask):
         """(64, nbytes) uint8; rows of inactive lanes are unspecified (never written back)."""
+        if w.wg.races is not None:
+            _Lds._record(w, addrs, nbytes, mask, False)
         lds = w.wg.lds
         if not np.count_nonzero(addrs > lds.size - nbytes):
             return lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]]
@@ -438,6 +459,8 @@ class _Lds:
     def write(w, addrs, data, mask):
         lds = w.wg.lds
         nbytes = data.shape[1]
+        if w.wg.races is not None:
+            _Lds._record(w, addrs, nbytes, mask, True)
         if not np.count_nonzero(addrs > lds.size - nbytes):
             if mask is None:  # colliding lanes: the highest lane's bytes win
                 lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]] = data

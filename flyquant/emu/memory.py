@@ -225,15 +225,19 @@ class Memory:
             out[mask] = self._space[self._indices(a, nbytes)]
         return out
 
-    def store(self, addrs: np.ndarray, data: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def store(self, addrs: np.ndarray, data: np.ndarray, mask: np.ndarray | None = None, race=None) -> None:
         """Write data[lane] (uint8 rows) at each active lane's address (mask None: all lanes);
-        where lanes overlap, the highest lane's bytes win."""
+        where lanes overlap, the highest lane's bytes win. `race(indices, old, new)`, if given,
+        sees the bytes before they are written (store_races)."""
         nbytes = data.shape[1]
         if mask is not None and np.count_nonzero(mask) != addrs.shape[0]:
             addrs, data = addrs[mask], data[mask]
         if addrs.shape[0]:
             self.check(addrs, nbytes, None, write=True)
-            self._space[self._indices(addrs, nbytes)] = data
+            idx = self._indices(addrs, nbytes)
+            if race is not None:
+                race(idx, self._space[idx], data)
+            self._space[idx] = data
 
     def read(self, addr: int, nbytes: int) -> np.ndarray:
         """A copy of nbytes at one address (scalar loads), checked."""
