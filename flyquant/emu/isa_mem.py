@@ -435,19 +435,23 @@ class _Lds:
         return ok
 
     @staticmethod
-    def _record(w, addrs, nbytes, mask, write):
-        """The workgroup's race check (lds_races) of the active lanes' bytes in range."""
+    def _record(w, addrs, nbytes, mask, data=None):
+        """The workgroup's race check (lds_races) of the active lanes' bytes in range: a read, or
+        (data given) a write of data's rows, which tells which bytes it changes."""
         lanes = addrs + nbytes <= w.wg.lds.size
         if mask is not None:
             lanes = lanes & mask
         idx = addrs[lanes, None] + _LDS_BYTE_OFFSETS[nbytes]
-        (w.wg.races.write if write else w.wg.races.read)(w.wave_id, idx)
+        if data is None:
+            w.wg.races.read(w.wave_id, idx)
+        else:
+            w.wg.races.write(w.wave_id, idx, w.wg.lds[idx] != data[lanes])
 
     @staticmethod
     def read(w, addrs, nbytes, mask):
         """(64, nbytes) uint8; rows of inactive lanes are unspecified (never written back)."""
         if w.wg.races is not None:
-            _Lds._record(w, addrs, nbytes, mask, False)
+            _Lds._record(w, addrs, nbytes, mask)
         lds = w.wg.lds
         if not np.count_nonzero(addrs > lds.size - nbytes):
             return lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]]
@@ -460,7 +464,7 @@ class _Lds:
         lds = w.wg.lds
         nbytes = data.shape[1]
         if w.wg.races is not None:
-            _Lds._record(w, addrs, nbytes, mask, True)
+            _Lds._record(w, addrs, nbytes, mask, data)
         if not np.count_nonzero(addrs > lds.size - nbytes):
             if mask is None:  # colliding lanes: the highest lane's bytes win
                 lds[addrs[:, None] + _LDS_BYTE_OFFSETS[nbytes]] = data

@@ -7,9 +7,12 @@ first; on hardware the two are unordered and the read may see the old byte. Such
 every emulated test and fails on a GPU. This check makes it fail here: per LDS byte it keeps the
 last writer and the waves that read it, each with the barrier epoch of the access, and raises
 `LdsRace` on a read of another wave's write (RAW), a write over another wave's write (WAW) or
-over another wave's read (WAR) in the same epoch. Within a wave program order holds (the ISA
-orders a wave's LDS accesses), so a wave's own accesses never race. LDS atomics are neither
-checked nor recorded (they are ordered by the hardware); a workgroup of one wave is not tracked.
+over another wave's read (WAR) in the same epoch. A write that leaves a byte as it was (waves
+holding copies of one value, as Triton's layout conversions do, all storing it) is neither a
+race nor recorded: in either order the byte ends the same and every read sees it. Within a wave
+program order holds (the ISA orders a wave's LDS accesses), so a wave's own accesses never race.
+LDS atomics are neither checked nor recorded (they are ordered by the hardware); a workgroup of
+one wave is not tracked.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ class LdsRaceCheck:
         self.read_epoch[idx] = self.epoch
         self.readers[idx] |= np.uint16(1 << wave)
 
-    def write(self, wave: int, idx: np.ndarray) -> None:
-        """Wave `wave` writes the LDS bytes `idx`."""
-        idx = idx.ravel()
+    def write(self, wave: int, idx: np.ndarray, changed: np.ndarray) -> None:
+        """Wave `wave` writes the LDS bytes `idx`, `changed` (same shape) where the byte written
+        differs from the one there."""
+        idx = idx.ravel()[changed.ravel()]
         over_write = self._written_by_another(wave, idx)
         over_read = (self.read_epoch[idx] == self.epoch) & ((self.readers[idx] & np.uint16(~(1 << wave) & 0xFFFF)) != 0)
         bad = over_write | over_read
