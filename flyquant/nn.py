@@ -240,6 +240,23 @@ class MoEExperts(torch.nn.Module):
             out = out[:, :self.model_dim]
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() / .bfloat16() convert every floating buffer, the E8M0 scales included (into
+        # floats no forward takes; fp16 cannot even hold their range) and the fp32 gate/up bias: the buffers
+        # are in the kernels' formats, so fn sees their bytes (uint8, which those leave alone) and only moves them.
+        given = dict(self._buffers)
+        self._buffers.update({name: b.contiguous().view(torch.uint8) for name, b in given.items() if b is not None})
+        try:
+            super()._apply(fn, recurse)
+            converted = [name for name, b in self._buffers.items() if b is not None and b.dtype != torch.uint8]
+            if converted:  # Module.type(dtype) converts integer tensors too
+                raise TypeError(f"MoEExperts keeps its buffers in the kernels' formats; cannot convert {converted}")
+            self._buffers.update({name: self._buffers[name].view(b.dtype) for name, b in given.items() if b is not None})
+        except BaseException:
+            self._buffers.update(given)
+            raise
+        return self
+
     def get_extra_state(self) -> dict:
         return dict(model_dim=self.model_dim, inter_dim=self.inter_dim, activation=self.activation,
                     alpha=self.alpha, limit=self.limit)

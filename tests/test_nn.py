@@ -495,3 +495,24 @@ def test_a_negative_swiglu_limit_is_refused_when_the_module_is_built():
         with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
             MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", limit=limit)
     assert MoEExperts.from_dense(p["w1"], p["w2"], activation="silu", limit=-1.0).limit == -1.0  # unused by silu
+
+
+def test_a_dtype_conversion_keeps_the_kernels_formats(monkeypatch):
+    """module.half() / .to(torch.bfloat16) / .double() (as model.to(dtype) after patch_gpt_oss does)
+    converted the E8M0 scales into floats (fp16 cannot hold their range) and the fp32 gate/up bias, and
+    every forward then failed naming w1_scale. The buffers keep their dtypes and bytes; devices move."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=11)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"].bfloat16(), activation="swiglu_oai")
+    given = {name: buf.clone() for name, buf in m.named_buffers()}
+    want = m(p["x"], p["ids"], p["weights"])
+    for convert in (torch.nn.Module.half, torch.nn.Module.double, lambda mod: mod.to("cpu", torch.bfloat16)):
+        assert convert(m) is m
+        for name, buf in m.named_buffers():
+            assert buf.dtype == given[name].dtype and torch.equal(buf.view(torch.uint8), given[name].view(torch.uint8)), name
+        assert torch.equal(m(p["x"], p["ids"], p["weights"]), want)
+    assert all(buf.device.type == "meta" for buf in m.to("meta").buffers())
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"])
+    with pytest.raises(TypeError, match="MoEExperts keeps its buffers in the kernels' formats"):
+        m.type(torch.float16)  # Module.type converts the uint8 weights too: refused, the module unchanged
+    assert m.w1.dtype == torch.uint8 and m.w1_scale.dtype == torch.float8_e8m0fnu
