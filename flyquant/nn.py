@@ -262,6 +262,11 @@ class MoEExperts(torch.nn.Module):
                     alpha=self.alpha, limit=self.limit)
 
     def set_extra_state(self, state: dict) -> None:
+        keys = set(self.get_extra_state())  # else a KeyError or "not subscriptable" naming no state
+        if not isinstance(state, Mapping):
+            raise TypeError(f"MoEExperts' _extra_state must be a dict with keys {sorted(keys)}, got {type(state).__name__}")
+        if set(state) != keys:
+            raise ValueError(f"MoEExperts' _extra_state must have the keys {sorted(keys)}, got {sorted(state)}")
         self._set_config(self.w1, self.w2, state["model_dim"], state["inter_dim"], state["activation"], state["alpha"],
                          state["limit"])
 

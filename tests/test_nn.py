@@ -516,3 +516,22 @@ def test_a_dtype_conversion_keeps_the_kernels_formats(monkeypatch):
     with pytest.raises(TypeError, match="MoEExperts keeps its buffers in the kernels' formats"):
         m.type(torch.float16)  # Module.type converts the uint8 weights too: refused, the module unchanged
     assert m.w1.dtype == torch.uint8 and m.w1_scale.dtype == torch.float8_e8m0fnu
+
+
+def test_a_malformed_extra_state_is_named(monkeypatch):
+    """load_state_dict with an _extra_state missing a key was a bare KeyError ('inter_dim'), and one
+    that is not a dict (None, an int) a "'NoneType' object is not subscriptable" TypeError."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 2, 1, seed=12)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    good = m.state_dict()
+    keys = r"\['activation', 'alpha', 'inter_dim', 'limit', 'model_dim'\]"
+    with pytest.raises(ValueError, match=f"_extra_state must have the keys {keys}, got \\['model_dim'\\]"):
+        m.load_state_dict({**good, "_extra_state": {"model_dim": 64}})
+    with pytest.raises(ValueError, match="_extra_state must have the keys"):
+        m.load_state_dict({**good, "_extra_state": {**good["_extra_state"], "bias": True}})
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=f"_extra_state must be a dict with keys {keys}, got {type(bad).__name__}"):
+            m.load_state_dict({**good, "_extra_state": bad})
+    m.load_state_dict(good)
+
