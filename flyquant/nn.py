@@ -213,7 +213,7 @@ class MoEExperts(torch.nn.Module):
         # topk_ids / topk_weights: (..., topk), leading dims flattening to the tokens ((T, topk) as routers
         # give them). Element counts alone would take a transposed (topk, T) and pair ids and weights wrongly.
         validate.tensor(topk_ids, "topk_ids")
-        validate.tensor(topk_weights, "topk_weights")
+        validate.tensor(topk_weights, "topk_weights", FLOAT_WEIGHTS)  # int, bool or complex ones were cast to fp32
         topk = topk_ids.shape[-1] if topk_ids.dim() else 0
         if topk_ids.numel() != tokens * topk:
             raise ValueError(f"topk_ids must have shape (T, topk) with T = {tokens} (the tokens of hidden_states), "

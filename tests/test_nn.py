@@ -535,3 +535,14 @@ def test_a_malformed_extra_state_is_named(monkeypatch):
             m.load_state_dict({**good, "_extra_state": bad})
     m.load_state_dict(good)
 
+
+def test_routing_weights_must_be_floats(monkeypatch):
+    """forward cast topk_weights to fp32 whatever their dtype: int64 or bool weights ran as 0/1 and complex
+    ones lost their imaginary part, no error (fused_moe itself refuses them)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 3, 1, seed=13)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"topk_weights must have dtype in .*, got {dtype}"):
+            m(p["x"], p["ids"], p["weights"].to(dtype))
+    assert torch.equal(m(p["x"], p["ids"], p["weights"].double()), m(p["x"], p["ids"], p["weights"]))
