@@ -439,6 +439,7 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, GptOssMLP)]
     if not blocks:
         raise ValueError(f"no GPT-OSS MoE block (transformers GptOssMLP) in {type(model).__name__}")
+    converted = []  # every block converted before any is swapped: an error leaves the model as it was
     for name, block in blocks:
         source = block.experts
         if checkpoint is not None:
@@ -448,8 +449,18 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
                 source = layer
         with torch.no_grad():
             new = from_gpt_oss_experts(source, config, scaling_mode=scaling_mode)
+        # the router picks among its E experts at the block's width: a checkpoint layer of other sizes
+        # (ids past its experts are dropped on the device, silently) must not replace the experts
+        experts, hidden = block.router.weight.shape
+        want = (experts, hidden, getattr(block.experts, "intermediate_size", new.inter_dim))
+        if (new.num_experts, new.model_dim, new.inter_dim) != want:
+            raise ValueError(f"{name}: the experts from {'the checkpoint' if isinstance(source, Mapping) else name} "
+                             f"have (E, hidden, inter) = {(new.num_experts, new.model_dim, new.inter_dim)}, the block "
+                             f"(router, config) {want}")
         if isinstance(source, Mapping):
             alpha, limit = _swiglu_params(block.experts, config)
             new.alpha, new.limit = alpha, limit
+        converted.append((block, new))
+    for block, new in converted:
         block.experts = new
     return model

@@ -546,3 +546,27 @@ def test_routing_weights_must_be_floats(monkeypatch):
         with pytest.raises(TypeError, match=f"topk_weights must have dtype in .*, got {dtype}"):
             m(p["x"], p["ids"], p["weights"].to(dtype))
     assert torch.equal(m(p["x"], p["ids"], p["weights"].double()), m(p["x"], p["ids"], p["weights"]))
+
+
+
+def test_checkpoint_experts_must_fit_the_block():
+    """patch_gpt_oss took a checkpoint layer with other sizes than the block's: with fewer experts than
+    the router picks from, the kernels dropped the ids past them (a wrong output, no error; the reference
+    path failed only at the forward); more experts or a narrower width loaded silently too. The error
+    leaves the model unchanged (the blocks before the bad one were already swapped)."""
+    import re
+
+    model, checkpoint = tiny_gpt_oss(seed=5)
+    prefix = "model.layers.1.mlp.experts."
+    fewer = {k: v[:4] if k.startswith(prefix) else v for k, v in checkpoint.items()}
+    more = {k: torch.cat([v, v]) if k.startswith(prefix) else v for k, v in checkpoint.items()}
+    narrow = {k: v for k, v in checkpoint.items() if not k.startswith(prefix + "down_proj")}  # hidden 32, no b2
+    narrow[prefix + "gate_up_proj_blocks"] = checkpoint[prefix + "gate_up_proj_blocks"][:, :, :1]
+    narrow[prefix + "gate_up_proj_scales"] = checkpoint[prefix + "gate_up_proj_scales"][:, :, :1]
+    narrow[prefix + "down_proj_blocks"] = checkpoint[prefix + "down_proj_blocks"][:, :32]
+    narrow[prefix + "down_proj_scales"] = checkpoint[prefix + "down_proj_scales"][:, :32]
+    for bad, got in ((fewer, (4, 64, 64)), (more, (16, 64, 64)), (narrow, (8, 32, 64))):
+        with pytest.raises(ValueError, match=re.escape(f"model.layers.1.mlp: the experts from the checkpoint have "
+                                                       f"(E, hidden, inter) = {got}, the block (router, config) (8, 64, 64)")):
+            patch_gpt_oss(model, checkpoint=bad)
+        assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)  # none swapped
