@@ -435,10 +435,15 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     them bit for bit; the others quantize their float weights with `scaling_mode`."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
+    if checkpoint is not None and not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a mapping of tensors (a state_dict) or None, got {type(checkpoint).__name__}")
     config = getattr(model, "config", None)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, GptOssMLP)]
     if not blocks:
         raise ValueError(f"no GPT-OSS MoE block (transformers GptOssMLP) in {type(model).__name__}")
+    patched = [name for name, block in blocks if isinstance(block.experts, MoEExperts)]
+    if patched:  # else "GPT-OSS experts need gate_up_proj and down_proj", naming neither the block nor the cause
+        raise ValueError(f"{patched[0]}.experts is already a MoEExperts: patch_gpt_oss ran on this model")
     converted = []  # every block converted before any is swapped: an error leaves the model as it was
     for name, block in blocks:
         source = block.experts

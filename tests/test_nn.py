@@ -570,3 +570,15 @@ def test_checkpoint_experts_must_fit_the_block():
                                                        f"(E, hidden, inter) = {got}, the block (router, config) (8, 64, 64)")):
             patch_gpt_oss(model, checkpoint=bad)
         assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)  # none swapped
+
+
+def test_patch_gpt_oss_twice_or_with_a_non_mapping_is_named():
+    """A second patch_gpt_oss on the same model failed with "GPT-OSS experts need gate_up_proj and
+    down_proj" (naming neither the block nor the cause), and a checkpoint that is not a mapping with
+    "'list' object has no attribute 'items'"."""
+    model, _ = tiny_gpt_oss(seed=6)
+    with pytest.raises(TypeError, match="checkpoint must be a mapping of tensors .* got list"):
+        patch_gpt_oss(model, checkpoint=[1, 2])
+    patch_gpt_oss(model)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts is already a MoEExperts: patch_gpt_oss ran"):
+        patch_gpt_oss(model)
