@@ -366,16 +366,19 @@ def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> M
     missing = [n for n in ("gate_up_proj", "down_proj") if n not in t]
     if missing:
         raise ValueError(f"GPT-OSS experts need gate_up_proj and down_proj (or their _blocks/_scales); missing {missing}")
-    gate_up, down = t["gate_up_proj"].detach(), t["down_proj"].detach()
-    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-        if w.dtype not in FLOAT_WEIGHTS:  # e.g. transformers' Mxfp4GptOssExperts after its Triton swizzle
+    for name in ("gate_up_proj", "down_proj"):
+        w = t[name]
+        if isinstance(w, torch.Tensor) and w.dtype not in FLOAT_WEIGHTS:  # e.g. transformers' Mxfp4GptOssExperts
             raise ValueError(f"{name} must be a float tensor (bf16/fp16/fp32/fp64) or come as {name}_blocks/_scales; "
                              f"got {w.dtype}")
-    validate.tensor(gate_up, "gate_up_proj", FLOAT_WEIGHTS, ndim=3)
-    validate.tensor(down, "down_proj", FLOAT_WEIGHTS, ndim=3)
+        validate.tensor(w, name, FLOAT_WEIGHTS, ndim=3)  # a mapping's value may be anything
+    gate_up, down = t["gate_up_proj"].detach(), t["down_proj"].detach()
     e, hidden, two_inter = gate_up.shape
     if tuple(down.shape) != (e, two_inter // 2, hidden):
         raise ValueError(f"down_proj must have shape (E, inter, hidden) = {(e, two_inter // 2, hidden)}, got {tuple(down.shape)}")
+    if b1 is not None:  # named as given (layouts would name it gate_up_bias), as the checkpoint path does
+        validate.tensor(b1, "gate_up_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b1, "gate_up_proj_bias", (e, two_inter))
     if b2 is not None:  # named as given (from_dense would name it b2), as the checkpoint path does
         validate.tensor(b2, "down_proj_bias", FLOAT_WEIGHTS, ndim=2)
         validate.shape(b2, "down_proj_bias", (e, hidden))

@@ -582,3 +582,16 @@ def test_patch_gpt_oss_twice_or_with_a_non_mapping_is_named():
     patch_gpt_oss(model)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts is already a MoEExperts: patch_gpt_oss ran"):
         patch_gpt_oss(model)
+
+
+def test_float_gpt_oss_tensors_are_checked_by_their_names():
+    """from_gpt_oss_experts' float path called .detach() on the mapping's values before checking them (a
+    list was "'list' object has no attribute 'detach'"), and a wrong gate_up_proj_bias was named
+    gate_up_bias (layouts' name) where the checkpoint path names it as given."""
+    gate_up, down = torch.randn(2, 64, 64), torch.randn(2, 32, 64)
+    with pytest.raises(TypeError, match="gate_up_proj must be a torch.Tensor, got list"):
+        from_gpt_oss_experts({"gate_up_proj": [1.0], "down_proj": down})
+    with pytest.raises(TypeError, match="gate_up_proj_bias must be a torch.Tensor, got list"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": [1.0]})
+    with pytest.raises(ValueError, match=r"gate_up_proj_bias must have shape \(2, 64\), got \(2, 5\)"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": torch.zeros(2, 5)})
