@@ -251,7 +251,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     if any(stage1_options) and activation is None:
         raise ValueError("stage1_bias / stage1_weights choose the stage-1 kernel warmed up: pass its activation too")
     # `device or ...` took device=0 (torch's accelerator 0) for the default
-    device = torch.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
+    device = validate.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
     w_n, w_k = -(-model_dim // 32) * 32, -(-inter_dim // 256) * 256

@@ -184,7 +184,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
     check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
-    device = torch.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
+    device = validate.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
     return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, device)
 
 

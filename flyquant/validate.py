@@ -152,6 +152,25 @@ def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> N
         raise ValueError(f"{name_b} must be on the device of {name_a} ({a.device}), got {b.device}")
 
 
+def device(value, name: str = "device") -> torch.device:
+    """torch.device(value) for a torch.device, a device string or an index; torch's own errors for a
+    malformed one ('gpu', '', 1.5, True) name no argument. A well-formed device torch cannot reach
+    (an index without an accelerator) keeps torch's error."""
+    if isinstance(value, torch.device):
+        return value
+    want = f"{name} must be a torch.device, a device string such as 'cpu' or 'cuda:0', or a device index"
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(f"{want}, got {value!r} ({exc})") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{want}, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{want}, got {value!r}")
+    return torch.device(int(value))
+
+
 def shape(x: torch.Tensor, name: str, expected: tuple) -> None:
     if tuple(x.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(x.shape)}")

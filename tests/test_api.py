@@ -2,6 +2,8 @@
 explain(). Numerics of each path are tested against the reference elsewhere; here the backend
 is forced to the reference where only the API layer is under test."""
 
+import re
+
 import pytest
 import torch
 
@@ -163,6 +165,20 @@ def test_device_0_is_torchs_device_0():
         return
     assert fq.moe_block_m(1, 1, 2, 64, 64, device=0) == fq.moe_block_m(1, 1, 2, 64, 64, device=want)
 
+
+
+def test_a_malformed_device_is_named():
+    """warmup / moe_block_m passed device to torch.device as it came: "gpu", "" or -1 were torch's
+    RuntimeErrors ("Expected one of cpu, cuda, ... device type at start of device string: gpu") and 1.5,
+    True or [0] its "device() received an invalid combination of arguments", none naming device."""
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    want = "device must be a torch.device, a device string such as 'cpu' or 'cuda:0', or a device index, got"
+    for bad, error in (("gpu", ValueError), ("", ValueError), ("cuda:x", ValueError), (-1, ValueError),
+                       (1.5, TypeError), (True, TypeError), ([0], TypeError)):
+        for call in (lambda: fq.warmup(**sizes, tokens=(1,), device=bad), lambda: fq.moe_block_m(1, 1, 2, 64, 64, device=bad)):
+            with pytest.raises(error, match=re.escape(f"{want} {bad!r}")):
+                call()
+    assert fq.moe_block_m(1, 1, 2, 64, 64, device="cpu") == fq.moe_block_m(1, 1, 2, 64, 64, device=torch.device("cpu"))
 
 def test_warmup_lists_are_checked():
     # tokens=4 ("'int' object is not iterable") and one (M, K) pair as quantize_shapes ("cannot
