@@ -9,7 +9,6 @@ explain() and warmup() cover them.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Optional
 
 import torch
@@ -192,11 +191,8 @@ def check_moe_sizes(**sizes) -> None:
     """MoE shape arguments: ints, tokens >= 0 and the others >= 1 (they divide)."""
     for name, value in sizes.items():
         low = 0 if name == "tokens" else 1
-        try:
-            ok = not isinstance(value, bool) and operator.index(value) >= low
-        except TypeError:
-            ok = False
-        if not ok:
+        n = validate.integer(value)
+        if n is None or n < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 

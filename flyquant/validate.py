@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Iterable, Optional
 
 import torch
@@ -46,6 +47,16 @@ def high_precision(x, name: str, ndim=None) -> None:
 def is_int(value) -> bool:
     """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(value) -> int | None:
+    """value as an int when it is an integer (numpy's too: operator.index), not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def flag(value, name: str) -> bool:

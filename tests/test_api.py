@@ -193,6 +193,20 @@ def test_warmup_lists_are_checked():
         fq.warmup(**sizes, tokens=(1, -1))
 
 
+
+def test_warmup_takes_numpy_integers_as_ints(monkeypatch):
+    """numpy integers passed the sizes' and token counts' check but were refused in quantize_shapes
+    ("pairs of ints, got ((np.int64(32), ...") and, as topk / experts, by the ops warmup ran ("topk must
+    be a positive int, got np.int32(2)", "experts must be an int"). They now run as the same ints."""
+    import numpy as np
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    sizes = dict(model_dim=64, inter_dim=64, experts=4, topk=2)
+    want = fq.warmup(**sizes, tokens=(1, 3), quantize_shapes=[(32, 64)], activation="silu")
+    as_numpy = {k: np.int32(v) for k, v in sizes.items()}
+    got = fq.warmup(**as_numpy, tokens=np.array([1, 3]), quantize_shapes=np.array([[32, 64]]), activation="silu")
+    assert got == want and len(want) == 7
+
 def test_warmup_checks_sizes_and_modes_before_running_anything():
     # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op
     # ran, after the MoE kernels were compiled and run, naming the quantize's x (a negative M: torch.zeros'
