@@ -109,6 +109,25 @@ def test_config_values_outside_the_kernels_are_refused_when_planning(monkeypatch
         _moe_plan()
 
 
+
+def _moe_stage1_plan():
+    x = torch.empty(1, dtype=torch.bfloat16).expand(4, 2880)
+    w1 = torch.empty(1, dtype=torch.uint8).expand(128, 6144, 1536)
+    return select.plan_moe_gemm1_a16w4(x, w1, 4, 64, 2880, 2880, False, "swiglu_oai")
+
+
+@pytest.mark.parametrize("raw, plan", [('{"tile_m": 16, "tile_n": 256, "waves": 1}', _moe_plan),  # 256 columns on one wave
+                                       ('{"tile_m": 64, "tile_n": 128, "waves": 1}', _moe_stage1_plan)])  # 128 accumulators a lane
+def test_config_values_that_fit_no_wave_split_are_refused_when_planning(monkeypatch, raw, plan):
+    """Tiles and waves each among the kernels' but not together: explain() showed the plan, and the
+    launch failed with the kernel's "no wave split fits" ValueError, naming neither the variable nor
+    the op's config (in fused_moe, after moe_sorting had zeroed the output)."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    assert plan().backend == "flydsl"
+    monkeypatch.setenv("FLYQUANT_CONFIG", raw)
+    with pytest.raises(env.EnvError, match=re.escape(f"FLYQUANT_CONFIG={raw!r}: tile ") + ".*no wave split fits"):
+        plan()
+
 # --- FLYQUANT_TUNING ---------------------------------------------------------------------------
 
 
