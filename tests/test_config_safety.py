@@ -77,6 +77,8 @@ KNOWN_CONFIG = "known: tile_m, tile_n, k_batch, waves"
     ('{"k_batch": 2.5}', r"k_batch = 2.5: expected a positive integer"),
     ('{"k_batch": true}', r"k_batch = true: expected a positive integer"),
     ('{"tile_m": null}', r"tile_m = null: expected a positive integer"),
+    # json keeps the last of a repeated key: this forced tile_n 64, silently
+    ('{"tile_n": 128, "tile_n": 64}', r"FLYQUANT_CONFIG='.*': key\(s\) 'tile_n' given twice in one JSON object"),
 ])
 def test_bad_config_is_an_error_naming_it(monkeypatch, raw, message):
     """Each used to be a bare JSONDecodeError / silently ignored key / TypeError at launch."""
@@ -155,6 +157,8 @@ def _entry(**changes):
     ({"entries": [_entry(config={"tile": 64})]}, rf"entries\[0\]\.config: unknown key\(s\) 'tile'; {KNOWN_CONFIG}"),
     ({"entries": [_entry(config={"k_batch": -1})]}, r"entries\[0\]\.config: k_batch = -1: expected a positive integer"),
     ({"entries": [_entry(), _entry(median_us=3.0)]}, r"entries\[0\] and entries\[1\] are both for \('moe_gemm2_a16w4'"),
+    (json.dumps({"entries": [_entry()]}).replace('"tile_n": 256', '"tile_n": 256, "tile_n": 64'),
+     r"FLYQUANT_TUNING='.*': key\(s\) 'tile_n' given twice in one JSON object"),
 ])
 def test_bad_tuning_table_is_an_error_naming_it(tmp_path, monkeypatch, table, message):
     """Bad JSON, wrong types, missing and unknown keys: each used to be a bare JSONDecodeError,
