@@ -257,6 +257,20 @@ class MoEExperts(torch.nn.Module):
             raise
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # The packed weights and scales are codes: torch's copy_ into a buffer of another dtype converts
+        # values (uint8 scale codes into an E8M0 buffer: 127 -> 2^7 -> code 134), so bytes of one code
+        # dtype load into another as they are, and a float tensor there is refused.
+        codes = PACKED_DTYPES + SCALE_DTYPES
+        for name in ("w1", "w1_scale", "w2", "w2_scale"):
+            given, own = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(given, torch.Tensor) and given.dtype != own.dtype:
+                if given.dtype not in codes:
+                    raise TypeError(f"MoEExperts' {prefix + name} must hold codes ({', '.join(str(d)[6:] for d in codes)}), "
+                                    f"got {given.dtype}")
+                state_dict[prefix + name] = given.view(own.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def get_extra_state(self) -> dict:
         return dict(model_dim=self.model_dim, inter_dim=self.inter_dim, activation=self.activation,
                     alpha=self.alpha, limit=self.limit)

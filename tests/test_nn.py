@@ -595,3 +595,22 @@ def test_float_gpt_oss_tensors_are_checked_by_their_names():
         from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": [1.0]})
     with pytest.raises(ValueError, match=r"gate_up_proj_bias must have shape \(2, 64\), got \(2, 5\)"):
         from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": torch.zeros(2, 5)})
+
+
+def test_a_state_dict_loads_codes_as_codes(monkeypatch):
+    """The scales (and packed weights) are codes, float8_e8m0fnu or uint8 alike, but load_state_dict
+    copied a uint8-coded state dict into an E8M0 module by value (code 127 became 2^7, code 134): every
+    scale off, outputs 1e10 away, no error. Bytes load as they are; float values are refused."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 3, 1, seed=14)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    as_uint8 = MoEExperts(m.w1, m.w1_scale.view(torch.uint8), m.w2, m.w2_scale.view(torch.uint8), model_dim=64, inter_dim=32)
+    fresh = MoEExperts.from_dense(torch.zeros_like(p["w1"]), torch.zeros_like(p["w2"]))
+    fresh.load_state_dict(as_uint8.state_dict())
+    assert fresh.w1_scale.dtype == torch.float8_e8m0fnu
+    assert torch.equal(fresh.w1_scale.view(torch.uint8), m.w1_scale.view(torch.uint8))
+    assert torch.equal(fresh(p["x"], p["ids"], p["weights"]), m(p["x"], p["ids"], p["weights"]))
+    as_uint8.load_state_dict(m.state_dict())  # and back
+    assert torch.equal(as_uint8.w2_scale, m.w2_scale.view(torch.uint8))
+    with pytest.raises(TypeError, match="MoEExperts' w1_scale must hold codes .* got torch.float32"):
+        fresh.load_state_dict({**m.state_dict(), "w1_scale": m.w1_scale.float()})
