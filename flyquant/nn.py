@@ -147,8 +147,8 @@ class MoEExperts(torch.nn.Module):
         """From MXFP4 expert weights as quantized (unshuffled), taken bit for bit:
 
         w1: (E, 2 * I, M / 2) packed FP4 (uint8, low nibble first), gate rows [0, I) then up rows;
-        w1_scale: (E, 2 * I, M / 32) E8M0 (float8_e8m0fnu or uint8 codes); w2: (E, M', I / 2) with
-        M' >= model_dim rows; w2_scale: (E, M', I / 32); b1 (E, 2 * I) in w1's row order, b2 (E, >=
+        w1_scale: (E, 2 * I, ceil(M / 32)) E8M0 (float8_e8m0fnu or uint8 codes); w2: (E, M', I / 2) with
+        M' >= model_dim rows; w2_scale: (E, M', ceil(I / 32)); b1 (E, 2 * I) in w1's row order, b2 (E, >=
         model_dim). model_dim / inter_dim: the true sizes when M / I include padding (default M, I)."""
         validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
         validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
@@ -158,11 +158,14 @@ class MoEExperts(torch.nn.Module):
         if two_i % 2:
             raise ValueError(f"w1.shape[1] = {two_i} must be even (gate rows then up rows)")
         i_rows, m_cols = two_i // 2, 2 * m_half
+        # scale columns of the reduced dims: a trailing partial block (as if zero-padded) has one too; a
+        # floor dropped it, and its elements were read with the padding scale 2^-127 (zeros), silently
+        m_blocks, i_blocks = _pad(m_cols, MX_BLOCK) // MX_BLOCK, _pad(i_rows, MX_BLOCK) // MX_BLOCK
         api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts})  # none: an ambiguous reshape below
-        validate.shape(w1_scale, "w1_scale", (experts, two_i, m_cols // MX_BLOCK))
+        validate.shape(w1_scale, "w1_scale", (experts, two_i, m_blocks))
         if w2.shape[0] != experts or 2 * w2.shape[2] != i_rows:
             raise ValueError(f"w2 must have shape (E = {experts}, rows, I / 2 = {i_rows // 2}), got {tuple(w2.shape)}")
-        validate.shape(w2_scale, "w2_scale", (experts, w2.shape[1], i_rows // MX_BLOCK))
+        validate.shape(w2_scale, "w2_scale", (experts, w2.shape[1], i_blocks))
         for name, t in (("w1_scale", w1_scale), ("w2", w2), ("w2_scale", w2_scale)):
             validate.same_device("w1", w1, name, t)
         model = m_cols if model_dim is None else model_dim
@@ -178,11 +181,11 @@ class MoEExperts(torch.nn.Module):
         p1 = torch.zeros(experts, 2, p, k // 2, dtype=torch.uint8, device=dev)
         p1[:, :, :i_rows, :m_half] = _bytes(w1).view(experts, 2, i_rows, m_half)
         s1 = torch.full((experts, 2, p, k // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
-        s1[:, :, :i_rows, :m_cols // MX_BLOCK] = _bytes(w1_scale).view(experts, 2, i_rows, -1)
+        s1[:, :, :i_rows, :m_blocks] = _bytes(w1_scale).view(experts, 2, i_rows, -1)
         p2 = torch.zeros(experts, n, p // 2, dtype=torch.uint8, device=dev)
         p2[:, :w2.shape[1], :i_rows // 2] = _bytes(w2)
         s2 = torch.full((experts, n, p // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
-        s2[:, :w2.shape[1], :i_rows // MX_BLOCK] = _bytes(w2_scale)
+        s2[:, :w2.shape[1], :i_blocks] = _bytes(w2_scale)
         e8m0 = torch.float8_e8m0fnu
         return cls._from_padded(p1.view(experts, 2 * p, k // 2), s1.view(experts, 2 * p, -1).view(e8m0), p2,
                                 s2.view(e8m0), _gate_up_bias(b1, w1, experts, i_rows, p), _down_bias(b2, w1, experts, model, n),

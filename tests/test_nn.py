@@ -614,3 +614,23 @@ def test_a_state_dict_loads_codes_as_codes(monkeypatch):
     assert torch.equal(as_uint8.w2_scale, m.w2_scale.view(torch.uint8))
     with pytest.raises(TypeError, match="MoEExperts' w1_scale must hold codes .* got torch.float32"):
         fresh.load_state_dict({**m.state_dict(), "w1_scale": m.w1_scale.float()})
+
+
+
+def test_from_mxfp4_takes_a_scale_for_a_trailing_partial_block():
+    """from_mxfp4 wanted M // 32 scale columns for w1's M = 2 * w1.shape[2] FP4 values (I // 32 for w2):
+    with M = 48, one column, and the last 16 values of each row were read with the padding scale 2^-127
+    (as zeros), silently. A partial block has its scale: 48 columns give from_dense's module."""
+    p = dense_layer(2, 48, 48, 3, 1, seed=15)
+    p1, s1 = reference.quantize_mxfp4(p["w1"])  # (2, 96, 32) bytes: 64 columns, the last 16 zero
+    p2, s2 = reference.quantize_mxfp4(p["w2"])
+    p1, p2 = p1[..., :24].contiguous(), p2[..., :24].contiguous()  # the 48 columns only
+    with pytest.raises(ValueError, match=r"w1_scale must have shape \(2, 96, 2\), got \(2, 96, 1\)"):
+        MoEExperts.from_mxfp4(p1, s1[..., :1], p2, s2)
+    with pytest.raises(ValueError, match=r"w2_scale must have shape \(2, 48, 2\), got \(2, 48, 1\)"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2[..., :1])
+    m = MoEExperts.from_mxfp4(p1, s1, p2, s2)
+    assert (m.model_dim, m.inter_dim) == (48, 48)
+    dense = MoEExperts.from_dense(p["w1"], p["w2"])
+    for name, buf in dense.named_buffers():
+        assert torch.equal(buf.view(torch.uint8), getattr(m, name).view(torch.uint8)), name
