@@ -97,8 +97,10 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     if out is None:
         _check_out_dtype(out_dtype)
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
-    _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
-                  block_m, bias, apply_weights, model_dim, inter_dim)
+    # the scales as uint8 codes: torch.compile's inductor fails on a mutating custom op given an E8M0
+    # tensor ("auto_functionalized_v2 was not removed", torch 2.13); both paths take either dtype
+    _moe_gemm2_op(out, a2, w2, w2_scale.view(torch.uint8), sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                  topk, block_m, bias, apply_weights, model_dim, inter_dim)
     return out
 
 
@@ -175,8 +177,8 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
                                              w1.shape[0])
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
-    _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
-                  bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)
+    _moe_gemm1_op(out, x, w1, w1_scale.view(torch.uint8), sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                  topk, block_m, bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)  # as stage 2
     return out
 
 
