@@ -360,7 +360,7 @@ def _swiglu_params(experts, config) -> tuple[float, float]:
         alpha = getattr(config, "swiglu_alpha", 1.702)
     if limit is None:
         limit = getattr(config, "swiglu_limit", 7.0)
-    return float(alpha), float(limit)
+    return alpha, limit  # checked by MoEExperts (float() took "7" as 7.0)
 
 
 def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> MoEExperts:
@@ -483,8 +483,8 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
                              f"have (E, hidden, inter) = {(new.num_experts, new.model_dim, new.inter_dim)}, the block "
                              f"(router, config) {want}")
         if isinstance(source, Mapping):
-            alpha, limit = _swiglu_params(block.experts, config)
-            new.alpha, new.limit = alpha, limit
+            alpha, limit = _swiglu_params(block.experts, config)  # the block's, checked (not assigned past the checks)
+            new._set_config(new.w1, new.w2, new.model_dim, new.inter_dim, new.activation, alpha, limit)
         converted.append((block, new))
     for block, new in converted:
         block.experts = new

@@ -634,3 +634,22 @@ def test_from_mxfp4_takes_a_scale_for_a_trailing_partial_block():
     dense = MoEExperts.from_dense(p["w1"], p["w2"])
     for name, buf in dense.named_buffers():
         assert torch.equal(buf.view(torch.uint8), getattr(m, name).view(torch.uint8)), name
+
+
+def test_gpt_oss_swiglu_parameters_are_checked():
+    """alpha / limit from the experts module or the config went through float() ("1.7" became 1.7), and
+    patch_gpt_oss assigned the block's to a checkpoint-built module past MoEExperts' checks: a negative
+    limit built a module whose every forward then refused it."""
+    import types
+
+    model, checkpoint = tiny_gpt_oss(seed=7)
+    prefix = "model.layers.0.mlp.experts."
+    layer0 = {k: v for k, v in checkpoint.items() if k.startswith(prefix)}
+    with pytest.raises(TypeError, match="alpha must be a real number, got '1.7'"):
+        from_gpt_oss_experts(layer0, types.SimpleNamespace(swiglu_alpha="1.7", swiglu_limit=7.0))
+    model.model.layers[1].mlp.experts.limit = -1.0
+    with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+        patch_gpt_oss(model, checkpoint=checkpoint)
+    model.model.layers[1].mlp.experts.limit = 6.5
+    patch_gpt_oss(model, checkpoint=checkpoint)
+    assert model.model.layers[1].mlp.experts.limit == 6.5 and model.model.layers[0].mlp.experts.limit == 7.0
