@@ -461,14 +461,15 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, GptOssMLP)]
     if not blocks:
         raise ValueError(f"no GPT-OSS MoE block (transformers GptOssMLP) in {type(model).__name__}")
+    experts_path = {name: f"{name}.experts" if name else "experts" for name, _ in blocks}  # name "": model is a block
     patched = [name for name, block in blocks if isinstance(block.experts, MoEExperts)]
     if patched:  # else "GPT-OSS experts need gate_up_proj and down_proj", naming neither the block nor the cause
-        raise ValueError(f"{patched[0]}.experts is already a MoEExperts: patch_gpt_oss ran on this model")
+        raise ValueError(f"{experts_path[patched[0]]} is already a MoEExperts: patch_gpt_oss ran on this model")
     converted = []  # every block converted before any is swapped: an error leaves the model as it was
     for name, block in blocks:
         source = block.experts
         if checkpoint is not None:
-            prefix = f"{name}.experts."
+            prefix = experts_path[name] + "."
             layer = {k: v for k, v in checkpoint.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
             if any(k.endswith("_blocks") for k in layer):
                 source = layer
@@ -479,9 +480,9 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
         experts, hidden = block.router.weight.shape
         want = (experts, hidden, getattr(block.experts, "intermediate_size", new.inter_dim))
         if (new.num_experts, new.model_dim, new.inter_dim) != want:
-            raise ValueError(f"{name}: the experts from {'the checkpoint' if isinstance(source, Mapping) else name} "
-                             f"have (E, hidden, inter) = {(new.num_experts, new.model_dim, new.inter_dim)}, the block "
-                             f"(router, config) {want}")
+            origin = "the checkpoint" if isinstance(source, Mapping) else "the block"
+            raise ValueError(f"{experts_path[name]}: the experts from {origin} have (E, hidden, inter) = "
+                             f"{(new.num_experts, new.model_dim, new.inter_dim)}, the block (router, config) {want}")
         if isinstance(source, Mapping):
             alpha, limit = _swiglu_params(block.experts, config)  # the block's, checked (not assigned past the checks)
             new._set_config(new.w1, new.w2, new.model_dim, new.inter_dim, new.activation, alpha, limit)

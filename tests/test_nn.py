@@ -566,7 +566,7 @@ def test_checkpoint_experts_must_fit_the_block():
     narrow[prefix + "down_proj_blocks"] = checkpoint[prefix + "down_proj_blocks"][:, :32]
     narrow[prefix + "down_proj_scales"] = checkpoint[prefix + "down_proj_scales"][:, :32]
     for bad, got in ((fewer, (4, 64, 64)), (more, (16, 64, 64)), (narrow, (8, 32, 64))):
-        with pytest.raises(ValueError, match=re.escape(f"model.layers.1.mlp: the experts from the checkpoint have "
+        with pytest.raises(ValueError, match=re.escape(f"model.layers.1.mlp.experts: the experts from the checkpoint have "
                                                        f"(E, hidden, inter) = {got}, the block (router, config) (8, 64, 64)")):
             patch_gpt_oss(model, checkpoint=bad)
         assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)  # none swapped
@@ -582,6 +582,8 @@ def test_patch_gpt_oss_twice_or_with_a_non_mapping_is_named():
     patch_gpt_oss(model)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts is already a MoEExperts: patch_gpt_oss ran"):
         patch_gpt_oss(model)
+    with pytest.raises(ValueError, match=r"^experts is already a MoEExperts"):  # one block as the model
+        patch_gpt_oss(model.model.layers[0].mlp)
 
 
 def test_float_gpt_oss_tensors_are_checked_by_their_names():
@@ -653,3 +655,18 @@ def test_gpt_oss_swiglu_parameters_are_checked():
     model.model.layers[1].mlp.experts.limit = 6.5
     patch_gpt_oss(model, checkpoint=checkpoint)
     assert model.model.layers[1].mlp.experts.limit == 6.5 and model.model.layers[0].mlp.experts.limit == 7.0
+
+
+def test_patch_gpt_oss_of_one_block_takes_its_checkpoint():
+    """patch_gpt_oss(block) on a GptOssMLP itself (its name in named_modules is "") looked for the keys
+    '.experts.gate_up_proj_blocks' etc., so the block's checkpoint ("experts.*") was ignored and its
+    float weights quantized instead, silently."""
+    model, checkpoint = tiny_gpt_oss(seed=8)
+    block, prefix = model.model.layers[0].mlp, "model.layers.0.mlp."
+    own = {k[len(prefix):]: v for k, v in checkpoint.items() if k.startswith(prefix)}  # "experts.gate_up_proj_blocks", ...
+    with torch.no_grad():
+        block.experts.gate_up_proj.zero_()  # the float weights not loaded: only the checkpoint holds them
+    assert patch_gpt_oss(block, checkpoint=own) is block
+    want = from_gpt_oss_experts(own, model.config)
+    for name, buf in want.named_buffers():
+        assert torch.equal(buf.view(torch.uint8), getattr(block.experts, name).view(torch.uint8)), name
