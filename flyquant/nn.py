@@ -465,7 +465,7 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     patched = [name for name, block in blocks if isinstance(block.experts, MoEExperts)]
     if patched:  # else "GPT-OSS experts need gate_up_proj and down_proj", naming neither the block nor the cause
         raise ValueError(f"{experts_path[patched[0]]} is already a MoEExperts: patch_gpt_oss ran on this model")
-    converted = []  # every block converted before any is swapped: an error leaves the model as it was
+    converted, sources = [], []  # every block converted before any is swapped: an error leaves the model as it was
     for name, block in blocks:
         source = block.experts
         if checkpoint is not None:
@@ -473,6 +473,7 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
             layer = {k: v for k, v in checkpoint.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
             if any(k.endswith("_blocks") for k in layer):
                 source = layer
+        sources.append(source)
         with torch.no_grad():
             new = from_gpt_oss_experts(source, config, scaling_mode=scaling_mode)
         # the router picks among its E experts at the block's width: a checkpoint layer of other sizes
@@ -487,6 +488,10 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
             alpha, limit = _swiglu_params(block.experts, config)  # the block's, checked (not assigned past the checks)
             new._set_config(new.w1, new.w2, new.model_dim, new.inter_dim, new.activation, alpha, limit)
         converted.append((block, new))
+    given = [k for k in (checkpoint or ()) if k.endswith(("gate_up_proj_blocks", "down_proj_blocks"))]
+    if given and not any(isinstance(b, Mapping) for b in sources):  # e.g. keys of another prefix: all ignored
+        raise ValueError(f"checkpoint holds MXFP4 expert tensors ({given[0]!r}, ...) but none under an experts path "
+                         f"of the model ({experts_path[blocks[0][0]]!r}, ...): its key prefix does not match the model's")
     for block, new in converted:
         block.experts = new
     return model

@@ -670,3 +670,16 @@ def test_patch_gpt_oss_of_one_block_takes_its_checkpoint():
     want = from_gpt_oss_experts(own, model.config)
     for name, buf in want.named_buffers():
         assert torch.equal(buf.view(torch.uint8), getattr(block.experts, name).view(torch.uint8)), name
+
+
+def test_a_checkpoint_none_of_whose_experts_match_is_refused():
+    """A checkpoint whose keys have another prefix than the model's module paths (GptOssModel's 'layers.0...'
+    for a GptOssForCausalLM) matched no block: every block quantized its float weights and the checkpoint
+    was ignored, silently."""
+    model, checkpoint = tiny_gpt_oss(seed=9)
+    other_prefix = {k[len("model."):]: v for k, v in checkpoint.items()}
+    with pytest.raises(ValueError, match=r"checkpoint holds MXFP4 expert tensors \('layers.0.mlp.experts.gate_up_proj_"
+                                         r"blocks', ...\) but none under an experts path of the model "
+                                         r"\('model.layers.0.mlp.experts', ...\)"):
+        patch_gpt_oss(model, checkpoint=other_prefix)
+    assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)
