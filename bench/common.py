@@ -14,6 +14,7 @@ Two modes, never mixed in one output:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -72,15 +73,36 @@ def begin(args, title: str) -> tuple[str, list[str], str, dict[str, float]]:
 
 
 def csv_list(text: str, kind=str) -> list:
-    """ "a,b,c" -> [kind(a), kind(b), kind(c)] (for argparse)."""
-    return [kind(v.strip()) for v in text.split(",") if v.strip()]
+    """ "a,b,c" -> [kind(a), kind(b), kind(c)] (for argparse). An empty list or an item `kind` refuses
+    (ValueError) is an argparse error naming the option: an empty one ran a script's whole default
+    sweep or nothing, and a bad item was a traceback (or argparse's "invalid <lambda> value")."""
+    try:
+        items = [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list")
+    return items
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    return csv_list(text, positive_int)
+
+
+def _arch(name: str) -> str:
+    arch_info(name)  # ValueError naming the supported ones
+    return name
 
 
 def arch_list(text: str) -> list[str]:
-    archs = csv_list(text)
-    for a in archs:
-        arch_info(a)  # ValueError naming the supported ones
-    return archs
+    return csv_list(text, _arch)
 
 
 def add_common_args(parser) -> None:

@@ -127,7 +127,7 @@ def shape_arg(text: str) -> list[Shape]:
             out += sets[item]
         elif item in SHAPES:
             out.append(SHAPES[item])
-        elif re.fullmatch(r"\d+x\d+x\d+x\d+", item):
+        elif re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*x[1-9]\d*", item):  # 0 was a ZeroDivisionError row
             m, n, k, e = map(int, item.split("x"))
             out.append(Shape(item, m, n, k, e))
         else:
@@ -329,7 +329,7 @@ def wgrad_shape_arg(text: str) -> list[WgradShape]:
     for item in common.csv_list(text):
         if item in WGRAD_SHAPES:
             out.append(WGRAD_SHAPES[item])
-        elif re.fullmatch(r"\d+x\d+:\d+(\+\d+)*", item):
+        elif re.fullmatch(r"[1-9]\d*x[1-9]\d*:\d+(\+\d+)*", item):
             nk, sizes = item.split(":")
             n, k = map(int, nk.split("x"))
             out.append(WgradShape(item, n, k, tuple(map(int, sizes.split("+")))))
@@ -540,8 +540,8 @@ def parse_args(argv=None):
     ap.add_argument("--full", action="store_true", help="every shape: torchao's grid, DeepSeek-V3, GPT-OSS")
     ap.add_argument("--layouts", type=common.csv_list, default=["plain", "mfma"],
                     help="scale layouts: plain,mfma, or mfma+0 (+0 zeros: the training op's gfx942 operands)")
-    ap.add_argument("--tile-m", type=int, default=None, help="default: the selector's per shape, arch and scales")
-    ap.add_argument("--tile-n", type=int, default=None, help="default: the selector's per shape, arch and scales")
+    ap.add_argument("--tile-m", type=common.positive_int, default=None, help="default: the selector's per shape, arch and scales")
+    ap.add_argument("--tile-n", type=common.positive_int, default=None, help="default: the selector's per shape, arch and scales")
     ap.add_argument("--op", choices=("fwd", "wgrad"), default="fwd",
                     help="fwd: forward / dgrad (--shapes); wgrad: the weight gradient (--wgrad-shapes)")
     ap.add_argument("--wgrad-shapes", type=wgrad_shape_arg, default=list(WGRAD_SHAPES.values()),

@@ -124,14 +124,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--shapes", type=common.csv_list, default=["gptoss120b"], help=f"of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", type=lambda s: common.csv_list(s, int), default=[1, 4, 16, 128, 1024])
+    parser.add_argument("--tokens", type=common.positive_ints, default=[1, 4, 16, 128, 1024])
     parser.add_argument("--vs", type=common.csv_list, default=[], help=f"peers beside our layer: {','.join(PEERS)}")
-    parser.add_argument("--max-workgroups", type=int, default=MAX_WORKGROUPS,
+    parser.add_argument("--max-workgroups", type=common.positive_int, default=MAX_WORKGROUPS,
                         help="--vs, modelled: working workgroups of the peer's wider stage emulated per layer")
     args = parser.parse_args(argv)
     for peer in args.vs:
         if peer not in PEERS:
             parser.error(f"unknown peer {peer!r}: choose from {sorted(PEERS)}")
+    for name in args.shapes:  # else a KeyError traceback when the sweep reached it
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
     if args.quick:
         args.tokens = [1, 4]
     mode, archs = common.resolve_mode(args.mode, args.arch)

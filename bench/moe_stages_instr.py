@@ -22,6 +22,9 @@ import torch
 
 import flyquant.emu as emu
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 EXPERTS, TOPK, HIDDEN, INTER, PAD = 128, 4, 2880, 2880, 3072
 STAGE1_INTER, STAGE2_MODEL = 128, 256  # the cut N of each stage (see the docstring)
 
@@ -72,12 +75,12 @@ def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16") -> 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="gfx950,gfx942", help="comma-separated: gfx950, gfx942")
-    ap.add_argument("--tokens", default="1,4,16", help="comma-separated token counts")
+    ap.add_argument("--arch", type=common.arch_list, default="gfx950,gfx942", help="comma-separated: gfx950, gfx942")
+    ap.add_argument("--tokens", type=common.positive_ints, default="1,4,16", help="comma-separated token counts")
     ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias")
     ap.add_argument("--out", default="results", help="output directory")
     args = ap.parse_args(argv)
-    rows = [r for arch in args.arch.split(",") for t in map(int, args.tokens.split(","))
+    rows = [r for arch in args.arch for t in args.tokens
             for r in measure(arch, t, bias_dtype=args.bias_dtype)]
     print(f"{'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  (modelled, not timed)")
     for r in rows:

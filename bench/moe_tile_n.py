@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -355,6 +356,19 @@ def merge_tuning(path: Path, table: dict) -> dict:
 # ---- driver -------------------------------------------------------------------------------------
 
 
+def _word_or_positive_ints(word: str):
+    """An argparse type: "auto,1,4" -> ["auto", 1, 4] for word "auto" (a typo was a ValueError traceback
+    mid-sweep, a 0 a negative grid)."""
+    return lambda text: common.csv_list(text, lambda v: v if v == word else common.positive_int(v))
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # nan failed in torch.multinomial mid-sweep
+        raise ValueError(f"{value} is not finite")
+    return value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -366,27 +380,27 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--tokens",
-        type=lambda t: common.csv_list(t, int),
+        type=common.positive_ints,
         default=None,
         help="token counts (default: each shape's list, " + ",".join(map(str, TOKENS)) + ")",
     )
     ap.add_argument(
-        "--tile-n", type=lambda t: common.csv_list(t, int), default=None, help="default: every supported value"
+        "--tile-n", type=common.positive_ints, default=None, help="default: every supported value"
     )
     ap.add_argument(
-        "--tile-m", type=common.csv_list, default=["auto"], help="auto (the selector's block size) or values"
+        "--tile-m", type=_word_or_positive_ints("auto"), default=["auto"], help="auto (the selector's block size) or values"
     )
     ap.add_argument(
-        "--k-batch", type=common.csv_list, default=None,
+        "--k-batch", type=_word_or_positive_ints("sel"), default=None,
         help=f"split-K values or 'sel' (default {K_BATCH_DEFAULT}; stage 1: 1)"
     )
     ap.add_argument(
-        "--waves", type=common.csv_list, default=None, help=f"waves per workgroup or 'auto' (default {WAVES_DEFAULT})"
+        "--waves", type=_word_or_positive_ints("auto"), default=None, help=f"waves per workgroup or 'auto' (default {WAVES_DEFAULT})"
     )
-    ap.add_argument("--skew", type=float, default=0.0, help="expert popularity exponent (0: uniform routing)")
+    ap.add_argument("--skew", type=_finite_float, default=0.0, help="expert popularity exponent (0: uniform routing)")
     ap.add_argument(
         "--max-workgroups",
-        type=int,
+        type=common.positive_int,
         default=None,
         help=f"modelled: working workgroups emulated per config, at least one m-tile's (default {MAX_WORKGROUPS})",
     )

@@ -438,7 +438,7 @@ def print_torchao(file=sys.stdout) -> None:
 
 def shape_arg(text: str) -> list[tuple]:
     """ "8192x7168,8x5120x5120" -> [(8192, 7168), (8, 5120, 5120)]."""
-    shapes = [tuple(int(d) for d in s.split("x")) for s in common.csv_list(text)]
+    shapes = [tuple(common.positive_int(d) for d in s.split("x")) for s in common.csv_list(text)]  # 0: ZeroDivisionError rows
     for s in shapes:
         if len(s) not in (2, 3):
             raise argparse.ArgumentTypeError(f"{'x'.join(map(str, s))}: shapes are MxK or ExNxK")
@@ -488,7 +488,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", type=common.csv_list, default=["bf16"], help="input dtypes: bf16,fp16,fp32")
     ap.add_argument(
         "--max-elements",
-        type=int,
+        type=common.positive_int,
         default=None,
         help=f"modelled: larger inputs are reduced (default {MAX_ELEMENTS}, --quick {QUICK_MAX_ELEMENTS})",
     )

@@ -239,6 +239,8 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
     dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
+    # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts
+    model_dim, inter_dim, experts, topk = map(validate.integer, (model_dim, inter_dim, experts, topk))
     if topk > min(experts, MAX_TOPK):  # else moe_sorting's error named its topk_ids, internal here
         raise ValueError(f"topk = {topk} must be at most min(experts = {experts}, {MAX_TOPK})")
     tokens, quantize_shapes = _warmup_lists(tokens, quantize_shapes)
@@ -251,7 +253,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     if any(stage1_options) and activation is None:
         raise ValueError("stage1_bias / stage1_weights choose the stage-1 kernel warmed up: pass its activation too")
     # `device or ...` took device=0 (torch's accelerator 0) for the default
-    device = torch.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
+    device = validate.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
     # Weights padded as aiter's shuffles require (N to 32, K to 256), the true sizes passed along.
     w_n, w_k = -(-model_dim // 32) * 32, -(-inter_dim // 256) * 256
@@ -295,14 +297,19 @@ def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:
     tokens = tuple(tokens)
     for t in tokens:
         api_moe.check_moe_sizes(tokens=t)
+    tokens = tuple(map(validate.integer, tokens))
     if isinstance(quantize_shapes, (str, bytes)) or not isinstance(quantize_shapes, Iterable):
         raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs, e.g. ((8192, 5120),), "
                         f"got {quantize_shapes!r}")
     quantize_shapes = tuple(quantize_shapes)
-    for shape in quantize_shapes:
-        if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(map(validate.is_int, shape))):
+    pairs = []
+    for shape in quantize_shapes:  # numpy integers too (as the token counts), a row of an array of pairs too
+        pair = tuple(map(validate.integer, shape)) if isinstance(shape, Iterable) and not isinstance(shape, str) else ()
+        if len(pair) != 2 or None in pair:
             raise TypeError(f"quantize_shapes must be a sequence of (M, K) pairs of ints, e.g. ((8192, 5120),), "
                             f"got {quantize_shapes!r}")
+        pairs.append(pair)
+    quantize_shapes = tuple(pairs)
     for i, (m, k) in enumerate(quantize_shapes):  # the dual quantize blocks both dims
         validate.multiple_of(m, MX_BLOCK, f"quantize_shapes[{i}][0] (M)")
         validate.multiple_of(k, MX_BLOCK, f"quantize_shapes[{i}][1] (K)")

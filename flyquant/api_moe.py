@@ -9,7 +9,6 @@ explain() and warmup() cover them.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Optional
 
 import torch
@@ -98,8 +97,10 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     if out is None:
         _check_out_dtype(out_dtype)
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
-    _moe_gemm2_op(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,
-                  block_m, bias, apply_weights, model_dim, inter_dim)
+    # the scales as uint8 codes: torch.compile's inductor fails on a mutating custom op given an E8M0
+    # tensor ("auto_functionalized_v2 was not removed", torch 2.13); both paths take either dtype
+    _moe_gemm2_op(out, a2, w2, w2_scale.view(torch.uint8), sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                  topk, block_m, bias, apply_weights, model_dim, inter_dim)
     return out
 
 
@@ -176,15 +177,15 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
                                              w1.shape[0])
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
-    _moe_gemm1_op(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
-                  bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)
+    _moe_gemm1_op(out, x, w1, w1_scale.view(torch.uint8), sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                  topk, block_m, bias, activation, float(alpha), float(limit), apply_weights, model_dim, inter_dim)  # as stage 2
     return out
 
 
 def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim: int, device=None) -> int:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
     check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
-    device = torch.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
+    device = validate.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
     return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, device)
 
 
@@ -192,11 +193,8 @@ def check_moe_sizes(**sizes) -> None:
     """MoE shape arguments: ints, tokens >= 0 and the others >= 1 (they divide)."""
     for name, value in sizes.items():
         low = 0 if name == "tokens" else 1
-        try:
-            ok = not isinstance(value, bool) and operator.index(value) >= low
-        except TypeError:
-            ok = False
-        if not ok:
+        n = validate.integer(value)
+        if n is None or n < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 

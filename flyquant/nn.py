@@ -147,8 +147,8 @@ class MoEExperts(torch.nn.Module):
         """From MXFP4 expert weights as quantized (unshuffled), taken bit for bit:
 
         w1: (E, 2 * I, M / 2) packed FP4 (uint8, low nibble first), gate rows [0, I) then up rows;
-        w1_scale: (E, 2 * I, M / 32) E8M0 (float8_e8m0fnu or uint8 codes); w2: (E, M', I / 2) with
-        M' >= model_dim rows; w2_scale: (E, M', I / 32); b1 (E, 2 * I) in w1's row order, b2 (E, >=
+        w1_scale: (E, 2 * I, ceil(M / 32)) E8M0 (float8_e8m0fnu or uint8 codes); w2: (E, M', I / 2) with
+        M' >= model_dim rows; w2_scale: (E, M', ceil(I / 32)); b1 (E, 2 * I) in w1's row order, b2 (E, >=
         model_dim). model_dim / inter_dim: the true sizes when M / I include padding (default M, I)."""
         validate.tensor(w1, "w1", PACKED_DTYPES, ndim=3)
         validate.tensor(w2, "w2", PACKED_DTYPES, ndim=3)
@@ -158,11 +158,14 @@ class MoEExperts(torch.nn.Module):
         if two_i % 2:
             raise ValueError(f"w1.shape[1] = {two_i} must be even (gate rows then up rows)")
         i_rows, m_cols = two_i // 2, 2 * m_half
+        # scale columns of the reduced dims: a trailing partial block (as if zero-padded) has one too; a
+        # floor dropped it, and its elements were read with the padding scale 2^-127 (zeros), silently
+        m_blocks, i_blocks = _pad(m_cols, MX_BLOCK) // MX_BLOCK, _pad(i_rows, MX_BLOCK) // MX_BLOCK
         api_moe.check_moe_sizes(**{"w1.shape[0] (E)": experts})  # none: an ambiguous reshape below
-        validate.shape(w1_scale, "w1_scale", (experts, two_i, m_cols // MX_BLOCK))
+        validate.shape(w1_scale, "w1_scale", (experts, two_i, m_blocks))
         if w2.shape[0] != experts or 2 * w2.shape[2] != i_rows:
             raise ValueError(f"w2 must have shape (E = {experts}, rows, I / 2 = {i_rows // 2}), got {tuple(w2.shape)}")
-        validate.shape(w2_scale, "w2_scale", (experts, w2.shape[1], i_rows // MX_BLOCK))
+        validate.shape(w2_scale, "w2_scale", (experts, w2.shape[1], i_blocks))
         for name, t in (("w1_scale", w1_scale), ("w2", w2), ("w2_scale", w2_scale)):
             validate.same_device("w1", w1, name, t)
         model = m_cols if model_dim is None else model_dim
@@ -178,11 +181,11 @@ class MoEExperts(torch.nn.Module):
         p1 = torch.zeros(experts, 2, p, k // 2, dtype=torch.uint8, device=dev)
         p1[:, :, :i_rows, :m_half] = _bytes(w1).view(experts, 2, i_rows, m_half)
         s1 = torch.full((experts, 2, p, k // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
-        s1[:, :, :i_rows, :m_cols // MX_BLOCK] = _bytes(w1_scale).view(experts, 2, i_rows, -1)
+        s1[:, :, :i_rows, :m_blocks] = _bytes(w1_scale).view(experts, 2, i_rows, -1)
         p2 = torch.zeros(experts, n, p // 2, dtype=torch.uint8, device=dev)
         p2[:, :w2.shape[1], :i_rows // 2] = _bytes(w2)
         s2 = torch.full((experts, n, p // MX_BLOCK), SCALE_PAD_CODE, dtype=torch.uint8, device=dev)
-        s2[:, :w2.shape[1], :i_rows // MX_BLOCK] = _bytes(w2_scale)
+        s2[:, :w2.shape[1], :i_blocks] = _bytes(w2_scale)
         e8m0 = torch.float8_e8m0fnu
         return cls._from_padded(p1.view(experts, 2 * p, k // 2), s1.view(experts, 2 * p, -1).view(e8m0), p2,
                                 s2.view(e8m0), _gate_up_bias(b1, w1, experts, i_rows, p), _down_bias(b2, w1, experts, model, n),
@@ -213,7 +216,7 @@ class MoEExperts(torch.nn.Module):
         # topk_ids / topk_weights: (..., topk), leading dims flattening to the tokens ((T, topk) as routers
         # give them). Element counts alone would take a transposed (topk, T) and pair ids and weights wrongly.
         validate.tensor(topk_ids, "topk_ids")
-        validate.tensor(topk_weights, "topk_weights")
+        validate.tensor(topk_weights, "topk_weights", FLOAT_WEIGHTS)  # int, bool or complex ones were cast to fp32
         topk = topk_ids.shape[-1] if topk_ids.dim() else 0
         if topk_ids.numel() != tokens * topk:
             raise ValueError(f"topk_ids must have shape (T, topk) with T = {tokens} (the tokens of hidden_states), "
@@ -240,11 +243,47 @@ class MoEExperts(torch.nn.Module):
             out = out[:, :self.model_dim]
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() / .bfloat16() convert every floating buffer, the E8M0 scales included (into
+        # floats no forward takes; fp16 cannot even hold their range) and the fp32 gate/up bias: the buffers
+        # are in the kernels' formats, so fn sees their bytes (uint8, which those leave alone) and only moves them.
+        given = dict(self._buffers)
+        self._buffers.update({name: b.contiguous().view(torch.uint8) for name, b in given.items() if b is not None})
+        try:
+            super()._apply(fn, recurse)
+            converted = [name for name, b in self._buffers.items() if b is not None and b.dtype != torch.uint8]
+            if converted:  # Module.type(dtype) converts integer tensors too
+                raise TypeError(f"MoEExperts keeps its buffers in the kernels' formats; cannot convert {converted}")
+            self._buffers.update({name: self._buffers[name].view(b.dtype) for name, b in given.items() if b is not None})
+        except BaseException:
+            self._buffers.update(given)
+            raise
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # The packed weights and scales are codes: torch's copy_ into a buffer of another dtype converts
+        # values (uint8 scale codes into an E8M0 buffer: 127 -> 2^7 -> code 134), so bytes of one code
+        # dtype load into another as they are, and a float tensor there is refused.
+        codes = PACKED_DTYPES + SCALE_DTYPES
+        for name in ("w1", "w1_scale", "w2", "w2_scale"):
+            given, own = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(given, torch.Tensor) and given.dtype != own.dtype:
+                if given.dtype not in codes:
+                    raise TypeError(f"MoEExperts' {prefix + name} must hold codes ({', '.join(str(d)[6:] for d in codes)}), "
+                                    f"got {given.dtype}")
+                state_dict[prefix + name] = given.view(own.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def get_extra_state(self) -> dict:
         return dict(model_dim=self.model_dim, inter_dim=self.inter_dim, activation=self.activation,
                     alpha=self.alpha, limit=self.limit)
 
     def set_extra_state(self, state: dict) -> None:
+        keys = set(self.get_extra_state())  # else a KeyError or "not subscriptable" naming no state
+        if not isinstance(state, Mapping):
+            raise TypeError(f"MoEExperts' _extra_state must be a dict with keys {sorted(keys)}, got {type(state).__name__}")
+        if set(state) != keys:
+            raise ValueError(f"MoEExperts' _extra_state must have the keys {sorted(keys)}, got {sorted(state)}")
         self._set_config(self.w1, self.w2, state["model_dim"], state["inter_dim"], state["activation"], state["alpha"],
                          state["limit"])
 
@@ -321,7 +360,7 @@ def _swiglu_params(experts, config) -> tuple[float, float]:
         alpha = getattr(config, "swiglu_alpha", 1.702)
     if limit is None:
         limit = getattr(config, "swiglu_limit", 7.0)
-    return float(alpha), float(limit)
+    return alpha, limit  # checked by MoEExperts (float() took "7" as 7.0)
 
 
 def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> MoEExperts:
@@ -344,16 +383,19 @@ def from_gpt_oss_experts(experts, config=None, scaling_mode: str = "floor") -> M
     missing = [n for n in ("gate_up_proj", "down_proj") if n not in t]
     if missing:
         raise ValueError(f"GPT-OSS experts need gate_up_proj and down_proj (or their _blocks/_scales); missing {missing}")
-    gate_up, down = t["gate_up_proj"].detach(), t["down_proj"].detach()
-    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-        if w.dtype not in FLOAT_WEIGHTS:  # e.g. transformers' Mxfp4GptOssExperts after its Triton swizzle
+    for name in ("gate_up_proj", "down_proj"):
+        w = t[name]
+        if isinstance(w, torch.Tensor) and w.dtype not in FLOAT_WEIGHTS:  # e.g. transformers' Mxfp4GptOssExperts
             raise ValueError(f"{name} must be a float tensor (bf16/fp16/fp32/fp64) or come as {name}_blocks/_scales; "
                              f"got {w.dtype}")
-    validate.tensor(gate_up, "gate_up_proj", FLOAT_WEIGHTS, ndim=3)
-    validate.tensor(down, "down_proj", FLOAT_WEIGHTS, ndim=3)
+        validate.tensor(w, name, FLOAT_WEIGHTS, ndim=3)  # a mapping's value may be anything
+    gate_up, down = t["gate_up_proj"].detach(), t["down_proj"].detach()
     e, hidden, two_inter = gate_up.shape
     if tuple(down.shape) != (e, two_inter // 2, hidden):
         raise ValueError(f"down_proj must have shape (E, inter, hidden) = {(e, two_inter // 2, hidden)}, got {tuple(down.shape)}")
+    if b1 is not None:  # named as given (layouts would name it gate_up_bias), as the checkpoint path does
+        validate.tensor(b1, "gate_up_proj_bias", FLOAT_WEIGHTS, ndim=2)
+        validate.shape(b1, "gate_up_proj_bias", (e, two_inter))
     if b2 is not None:  # named as given (from_dense would name it b2), as the checkpoint path does
         validate.tensor(b2, "down_proj_bias", FLOAT_WEIGHTS, ndim=2)
         validate.shape(b2, "down_proj_bias", (e, hidden))
@@ -413,21 +455,43 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     them bit for bit; the others quantize their float weights with `scaling_mode`."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
+    if checkpoint is not None and not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a mapping of tensors (a state_dict) or None, got {type(checkpoint).__name__}")
     config = getattr(model, "config", None)
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, GptOssMLP)]
     if not blocks:
         raise ValueError(f"no GPT-OSS MoE block (transformers GptOssMLP) in {type(model).__name__}")
+    experts_path = {name: f"{name}.experts" if name else "experts" for name, _ in blocks}  # name "": model is a block
+    patched = [name for name, block in blocks if isinstance(block.experts, MoEExperts)]
+    if patched:  # else "GPT-OSS experts need gate_up_proj and down_proj", naming neither the block nor the cause
+        raise ValueError(f"{experts_path[patched[0]]} is already a MoEExperts: patch_gpt_oss ran on this model")
+    converted, sources = [], []  # every block converted before any is swapped: an error leaves the model as it was
     for name, block in blocks:
         source = block.experts
         if checkpoint is not None:
-            prefix = f"{name}.experts."
+            prefix = experts_path[name] + "."
             layer = {k: v for k, v in checkpoint.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
             if any(k.endswith("_blocks") for k in layer):
                 source = layer
+        sources.append(source)
         with torch.no_grad():
             new = from_gpt_oss_experts(source, config, scaling_mode=scaling_mode)
+        # the router picks among its E experts at the block's width: a checkpoint layer of other sizes
+        # (ids past its experts are dropped on the device, silently) must not replace the experts
+        experts, hidden = block.router.weight.shape
+        want = (experts, hidden, getattr(block.experts, "intermediate_size", new.inter_dim))
+        if (new.num_experts, new.model_dim, new.inter_dim) != want:
+            origin = "the checkpoint" if isinstance(source, Mapping) else "the block"
+            raise ValueError(f"{experts_path[name]}: the experts from {origin} have (E, hidden, inter) = "
+                             f"{(new.num_experts, new.model_dim, new.inter_dim)}, the block (router, config) {want}")
         if isinstance(source, Mapping):
-            alpha, limit = _swiglu_params(block.experts, config)
-            new.alpha, new.limit = alpha, limit
+            alpha, limit = _swiglu_params(block.experts, config)  # the block's, checked (not assigned past the checks)
+            new._set_config(new.w1, new.w2, new.model_dim, new.inter_dim, new.activation, alpha, limit)
+        converted.append((block, new))
+    given = [k for k in (checkpoint or ()) if k.endswith(("gate_up_proj_blocks", "down_proj_blocks"))]
+    if given and not any(isinstance(b, Mapping) for b in sources):  # e.g. keys of another prefix: all ignored
+        raise ValueError(f"checkpoint holds MXFP4 expert tensors ({given[0]!r}, ...) but none under an experts path "
+                         f"of the model ({experts_path[blocks[0][0]]!r}, ...): its key prefix does not match the model's")
+    for block, new in converted:
         block.experts = new
     return model

@@ -374,6 +374,19 @@ def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inte
     return tuned | forced
 
 
+def _wave_split_fits(config: dict, n_kt: int, pair: bool = False) -> None:
+    """The final tiles and waves have a wave split (the launcher's default_layout), checked when planning:
+    FLYQUANT_CONFIG / the tuning table can pick values valid alone but not together (one wave for 256
+    columns), which failed at launch, after moe_sorting had zeroed the output, naming neither."""
+    from .kernels import moe_gemm2_a16w4 as k
+
+    try:
+        k.default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"], pair)
+    except ValueError as exc:
+        sources = [f"{n}={env.raw(n)!r}" for n in ("FLYQUANT_CONFIG", "FLYQUANT_TUNING") if env.raw(n) is not None]
+        raise env.EnvError(f"{' / '.join(sources) or 'the MoE config'}: {exc}; pick other tile_m / tile_n / waves") from None
+
+
 def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
     """(tile_m, tile_n, k_batch, waves): first principles (the kernel's choose_config and
     default_waves), then the tuning table, then FLYQUANT_CONFIG; tile_m must divide the caller's
@@ -387,6 +400,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
         config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:  # for the tiles and split actually chosen
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(inter_dim), config["k_batch"])
+    _wave_split_fits(config, k.k_iterations(inter_dim))
     return config
 
 
@@ -421,6 +435,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
+    _wave_split_fits(config, k.k_iterations(model_dim), pair=True)
     name = (f"moe_gemm1_a16w4_{activation}_{config['tile_m']}x{config['tile_n']}_{config['waves']}w"
             f"{'_bias' if has_bias else ''}_{target.arch}")
     conversion = _fp4_conversion(target.arch)

@@ -40,6 +40,20 @@ def _positive_ints(where: str, fields: dict) -> dict[str, int]:
     return dict(fields)
 
 
+class _DuplicateKeys(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json's object_pairs_hook: an object naming a key twice is refused (json keeps the last one,
+    silently: {"tile_n": 128, "tile_n": 64} forced 64)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _DuplicateKeys(f"key(s) {', '.join(map(repr, twice))} given twice in one JSON object")
+    return dict(pairs)
+
+
 def _object(where: str, value, example: str) -> dict:
     if not isinstance(value, dict):
         raise env.EnvError(f"{where} = {json.dumps(value)}: expected a JSON object, e.g. {example}")
@@ -53,9 +67,11 @@ def config_overrides() -> dict[str, Any]:
     if raw is None:
         return {}
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise env.error("FLYQUANT_CONFIG", raw, f"{env.VARIABLES['FLYQUANT_CONFIG']} ({exc})") from None
+    except _DuplicateKeys as exc:
+        raise env.EnvError(f"FLYQUANT_CONFIG={raw!r}: {exc}") from None
     if not isinstance(value, dict):
         raise env.error("FLYQUANT_CONFIG", raw, env.VARIABLES["FLYQUANT_CONFIG"])
     _keys(f"FLYQUANT_CONFIG={raw!r}", value, MOE_CONFIG_FIELDS)
@@ -86,11 +102,13 @@ def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
     where = f"FLYQUANT_TUNING={path!r}"
     try:
         with open(path) as f:
-            table = json.load(f)
+            table = json.load(f, object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise env.error("FLYQUANT_TUNING", path, f"{env.VARIABLES['FLYQUANT_TUNING']}; reading it failed: {exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise env.EnvError(f"{where}: the file is not JSON ({exc})") from None
+    except _DuplicateKeys as exc:
+        raise env.EnvError(f"{where}: {exc}") from None
     _object(where, table, '{"entries": [...]}')
     _keys(where, table, TUNING_TABLE_KEYS, TUNING_TABLE_KEYS)
     if not isinstance(table["entries"], list):

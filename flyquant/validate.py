@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Iterable, Optional
 
 import torch
@@ -46,6 +47,16 @@ def high_precision(x, name: str, ndim=None) -> None:
 def is_int(value) -> bool:
     """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(value) -> int | None:
+    """value as an int when it is an integer (numpy's too: operator.index), not a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def flag(value, name: str) -> bool:
@@ -150,6 +161,25 @@ def mxfp8_3d_transposed(w: torch.Tensor) -> bool:
 def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     if a.device != b.device:
         raise ValueError(f"{name_b} must be on the device of {name_a} ({a.device}), got {b.device}")
+
+
+def device(value, name: str = "device") -> torch.device:
+    """torch.device(value) for a torch.device, a device string or an index; torch's own errors for a
+    malformed one ('gpu', '', 1.5, True) name no argument. A well-formed device torch cannot reach
+    (an index without an accelerator) keeps torch's error."""
+    if isinstance(value, torch.device):
+        return value
+    want = f"{name} must be a torch.device, a device string such as 'cpu' or 'cuda:0', or a device index"
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(f"{want}, got {value!r} ({exc})") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{want}, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{want}, got {value!r}")
+    return torch.device(int(value))
 
 
 def shape(x: torch.Tensor, name: str, expected: tuple) -> None:

@@ -2,6 +2,8 @@
 explain(). Numerics of each path are tested against the reference elsewhere; here the backend
 is forced to the reference where only the API layer is under test."""
 
+import re
+
 import pytest
 import torch
 
@@ -164,6 +166,20 @@ def test_device_0_is_torchs_device_0():
     assert fq.moe_block_m(1, 1, 2, 64, 64, device=0) == fq.moe_block_m(1, 1, 2, 64, 64, device=want)
 
 
+
+def test_a_malformed_device_is_named():
+    """warmup / moe_block_m passed device to torch.device as it came: "gpu", "" or -1 were torch's
+    RuntimeErrors ("Expected one of cpu, cuda, ... device type at start of device string: gpu") and 1.5,
+    True or [0] its "device() received an invalid combination of arguments", none naming device."""
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    want = "device must be a torch.device, a device string such as 'cpu' or 'cuda:0', or a device index, got"
+    for bad, error in (("gpu", ValueError), ("", ValueError), ("cuda:x", ValueError), (-1, ValueError),
+                       (1.5, TypeError), (True, TypeError), ([0], TypeError)):
+        for call in (lambda: fq.warmup(**sizes, tokens=(1,), device=bad), lambda: fq.moe_block_m(1, 1, 2, 64, 64, device=bad)):
+            with pytest.raises(error, match=re.escape(f"{want} {bad!r}")):
+                call()
+    assert fq.moe_block_m(1, 1, 2, 64, 64, device="cpu") == fq.moe_block_m(1, 1, 2, 64, 64, device=torch.device("cpu"))
+
 def test_warmup_lists_are_checked():
     # tokens=4 ("'int' object is not iterable") and one (M, K) pair as quantize_shapes ("cannot
     # unpack non-iterable int object") were TypeErrors from warmup's loops, naming neither argument.
@@ -176,6 +192,20 @@ def test_warmup_lists_are_checked():
     with pytest.raises(ValueError, match="tokens must be an int >= 0"):
         fq.warmup(**sizes, tokens=(1, -1))
 
+
+
+def test_warmup_takes_numpy_integers_as_ints(monkeypatch):
+    """numpy integers passed the sizes' and token counts' check but were refused in quantize_shapes
+    ("pairs of ints, got ((np.int64(32), ...") and, as topk / experts, by the ops warmup ran ("topk must
+    be a positive int, got np.int32(2)", "experts must be an int"). They now run as the same ints."""
+    import numpy as np
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    sizes = dict(model_dim=64, inter_dim=64, experts=4, topk=2)
+    want = fq.warmup(**sizes, tokens=(1, 3), quantize_shapes=[(32, 64)], activation="silu")
+    as_numpy = {k: np.int32(v) for k, v in sizes.items()}
+    got = fq.warmup(**as_numpy, tokens=np.array([1, 3]), quantize_shapes=np.array([[32, 64]]), activation="silu")
+    assert got == want and len(want) == 7
 
 def test_warmup_checks_sizes_and_modes_before_running_anything():
     # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op

@@ -570,3 +570,37 @@ def test_grouped_mm_bench_hardware(tmp_path):
     for r in rows:
         if r.get("rel_err_vs_bf16") is not None:  # K 256: fp32 sums, one bf16 rounding each side
             assert r["rel_err_vs_bf16"] < 2**-6, r
+
+
+# (script, arguments, what argparse must say): each was a traceback (IndexError from --arch "", KeyError
+# from moe_layer's --shapes, ValueError / RuntimeError from moe_stages_instr's unparsed lists,
+# moe_tile_n's --k-batch x and --skew nan mid-sweep) or ran silently (--shapes "," ran the default sweep
+# or nothing, zero or negative token counts / sizes ran, or gave ZeroDivisionError rows).
+BAD_COMMAND_LINES = [
+    ("quantize", ["--arch", ""], "argument --arch: '': expected a comma-separated list"),
+    ("quantize", ["--arch", "gfx90a"], "argument --arch: 'gfx90a': unsupported arch 'gfx90a': flyquant kernels target"),
+    ("quantize", ["--shapes", ","], "argument --shapes: ',': expected a comma-separated list"),
+    ("quantize", ["--shapes", "0x32"], "argument --shapes: invalid shape_arg value: '0x32'"),
+    ("quantize", ["--max-elements", "-1"], "argument --max-elements: invalid positive_int value: '-1'"),
+    ("moe_layer", ["--shapes", "gptoss"], "unknown shape 'gptoss': choose from ['dsr1', 'gptoss120b', 'tiny']"),
+    ("moe_layer", ["--tokens", "0"], "argument --tokens: '0': 0 is not a positive integer"),
+    ("moe_layer", ["--max-workgroups", "0"], "argument --max-workgroups: invalid positive_int value: '0'"),
+    ("moe_tile_n", ["--k-batch", "sel,x"], "argument --k-batch: 'sel,x': invalid literal for int()"),
+    ("moe_tile_n", ["--waves", "auto,0"], "argument --waves: 'auto,0': 0 is not a positive integer"),
+    ("moe_tile_n", ["--skew", "nan"], "argument --skew: invalid _finite_float value: 'nan'"),
+    ("moe_tile_n", ["--tokens", ","], "argument --tokens: ',': expected a comma-separated list"),
+    ("grouped_mm", ["--shapes", "0x64x64x1"], "argument --shapes: unknown shape '0x64x64x1'"),
+    ("grouped_mm", ["--tile-m", "-16"], "argument --tile-m: invalid positive_int value: '-16'"),
+    ("moe_stages_instr", ["--arch", "gfx90a"], "argument --arch: 'gfx90a': unsupported arch"),
+    ("moe_stages_instr", ["--tokens", "1,x"], "argument --tokens: '1,x': invalid literal for int()"),
+    ("moe_stages_instr", ["--tokens", "-1"], "argument --tokens: '-1': -1 is not a positive integer"),
+]
+
+
+@pytest.mark.parametrize("script, args, message", BAD_COMMAND_LINES,
+                         ids=[f"{s}{'_'.join(a)}" for s, a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_are_argparse_errors(script, args, message, tmp_path, capsys, keep_emu_arch):
+    with pytest.raises(SystemExit) as info:
+        load(script).main([*args, "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

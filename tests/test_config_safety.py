@@ -77,6 +77,8 @@ KNOWN_CONFIG = "known: tile_m, tile_n, k_batch, waves"
     ('{"k_batch": 2.5}', r"k_batch = 2.5: expected a positive integer"),
     ('{"k_batch": true}', r"k_batch = true: expected a positive integer"),
     ('{"tile_m": null}', r"tile_m = null: expected a positive integer"),
+    # json keeps the last of a repeated key: this forced tile_n 64, silently
+    ('{"tile_n": 128, "tile_n": 64}', r"FLYQUANT_CONFIG='.*': key\(s\) 'tile_n' given twice in one JSON object"),
 ])
 def test_bad_config_is_an_error_naming_it(monkeypatch, raw, message):
     """Each used to be a bare JSONDecodeError / silently ignored key / TypeError at launch."""
@@ -109,6 +111,25 @@ def test_config_values_outside_the_kernels_are_refused_when_planning(monkeypatch
         _moe_plan()
 
 
+
+def _moe_stage1_plan():
+    x = torch.empty(1, dtype=torch.bfloat16).expand(4, 2880)
+    w1 = torch.empty(1, dtype=torch.uint8).expand(128, 6144, 1536)
+    return select.plan_moe_gemm1_a16w4(x, w1, 4, 64, 2880, 2880, False, "swiglu_oai")
+
+
+@pytest.mark.parametrize("raw, plan", [('{"tile_m": 16, "tile_n": 256, "waves": 1}', _moe_plan),  # 256 columns on one wave
+                                       ('{"tile_m": 64, "tile_n": 128, "waves": 1}', _moe_stage1_plan)])  # 128 accumulators a lane
+def test_config_values_that_fit_no_wave_split_are_refused_when_planning(monkeypatch, raw, plan):
+    """Tiles and waves each among the kernels' but not together: explain() showed the plan, and the
+    launch failed with the kernel's "no wave split fits" ValueError, naming neither the variable nor
+    the op's config (in fused_moe, after moe_sorting had zeroed the output)."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    assert plan().backend == "flydsl"
+    monkeypatch.setenv("FLYQUANT_CONFIG", raw)
+    with pytest.raises(env.EnvError, match=re.escape(f"FLYQUANT_CONFIG={raw!r}: tile ") + ".*no wave split fits"):
+        plan()
+
 # --- FLYQUANT_TUNING ---------------------------------------------------------------------------
 
 
@@ -136,6 +157,8 @@ def _entry(**changes):
     ({"entries": [_entry(config={"tile": 64})]}, rf"entries\[0\]\.config: unknown key\(s\) 'tile'; {KNOWN_CONFIG}"),
     ({"entries": [_entry(config={"k_batch": -1})]}, r"entries\[0\]\.config: k_batch = -1: expected a positive integer"),
     ({"entries": [_entry(), _entry(median_us=3.0)]}, r"entries\[0\] and entries\[1\] are both for \('moe_gemm2_a16w4'"),
+    (json.dumps({"entries": [_entry()]}).replace('"tile_n": 256', '"tile_n": 256, "tile_n": 64'),
+     r"FLYQUANT_TUNING='.*': key\(s\) 'tile_n' given twice in one JSON object"),
 ])
 def test_bad_tuning_table_is_an_error_naming_it(tmp_path, monkeypatch, table, message):
     """Bad JSON, wrong types, missing and unknown keys: each used to be a bare JSONDecodeError,

@@ -111,7 +111,8 @@ def test_layer_three_launches_no_host_sync_within_the_bound(arch, case, monkeypa
     kernels = [r.kernel for r in launches]
     assert len(kernels) == 3 and kernels[0].startswith("moe_sorting") and kernels[1].startswith("moe_gemm1") \
         and kernels[2].startswith("moe_gemm2"), kernels
-    device_work = [op for op in seen.ops if not op.startswith(("flyquant.", "aten.empty"))]
+    # allocations and metadata-only views (the scales as uint8 codes) aside
+    device_work = [op for op in seen.ops if not op.startswith(("flyquant.", "aten.empty", "aten.view.dtype", "aten.detach"))]
     assert device_work == [], device_work  # no memset, no copy, no _local_scalar_dense (host sync)
     exact, bound = exact_layer(p, activation, at)
     assert (bound < 0.1 * exact.abs().max()).all()  # tight enough to see a wrong element (topk 8: 9 roundings)
@@ -272,6 +273,20 @@ def test_torch_compile_traces_the_layer(monkeypatch):
     compiled = torch.compile(lambda x: run(dict(p, x=x), "swiglu_oai"), fullgraph=True, backend="eager")
     assert torch.equal(compiled(p["x"]), eager)
 
+
+
+@pytest.mark.parametrize("backend", ("reference", "flydsl"))
+def test_torch_compile_with_inductor_runs_the_layer(backend, monkeypatch):
+    """torch.compile's default backend (inductor) failed on the stage ops ("auto_functionalized_v2 was
+    not removed": torch 2.13 cannot compile a mutating custom op given an E8M0 tensor); they take the
+    scales as uint8 codes. The compiled layer gives the eager bytes."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    torch._dynamo.reset()  # a fresh compile: the graph above ran with backend="eager"
+    p = layer(3, 2, 4, None, True, seed=8)
+    eager = run(p, "swiglu_oai")
+    compiled = torch.compile(lambda x: run(dict(p, x=x), "swiglu_oai"), fullgraph=True)
+    assert torch.equal(compiled(p["x"]), eager)
 
 def test_explain_prints_the_three_plans(monkeypatch, capsys):
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")

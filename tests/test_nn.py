@@ -495,3 +495,191 @@ def test_a_negative_swiglu_limit_is_refused_when_the_module_is_built():
         with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
             MoEExperts.from_dense(p["w1"], p["w2"], activation="swiglu_oai", limit=limit)
     assert MoEExperts.from_dense(p["w1"], p["w2"], activation="silu", limit=-1.0).limit == -1.0  # unused by silu
+
+
+def test_a_dtype_conversion_keeps_the_kernels_formats(monkeypatch):
+    """module.half() / .to(torch.bfloat16) / .double() (as model.to(dtype) after patch_gpt_oss does)
+    converted the E8M0 scales into floats (fp16 cannot hold their range) and the fp32 gate/up bias, and
+    every forward then failed naming w1_scale. The buffers keep their dtypes and bytes; devices move."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(4, 64, 32, 5, 2, seed=11)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"].bfloat16(), activation="swiglu_oai")
+    given = {name: buf.clone() for name, buf in m.named_buffers()}
+    want = m(p["x"], p["ids"], p["weights"])
+    for convert in (torch.nn.Module.half, torch.nn.Module.double, lambda mod: mod.to("cpu", torch.bfloat16)):
+        assert convert(m) is m
+        for name, buf in m.named_buffers():
+            assert buf.dtype == given[name].dtype and torch.equal(buf.view(torch.uint8), given[name].view(torch.uint8)), name
+        assert torch.equal(m(p["x"], p["ids"], p["weights"]), want)
+    assert all(buf.device.type == "meta" for buf in m.to("meta").buffers())
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"])
+    with pytest.raises(TypeError, match="MoEExperts keeps its buffers in the kernels' formats"):
+        m.type(torch.float16)  # Module.type converts the uint8 weights too: refused, the module unchanged
+    assert m.w1.dtype == torch.uint8 and m.w1_scale.dtype == torch.float8_e8m0fnu
+
+
+def test_a_malformed_extra_state_is_named(monkeypatch):
+    """load_state_dict with an _extra_state missing a key was a bare KeyError ('inter_dim'), and one
+    that is not a dict (None, an int) a "'NoneType' object is not subscriptable" TypeError."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 2, 1, seed=12)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    good = m.state_dict()
+    keys = r"\['activation', 'alpha', 'inter_dim', 'limit', 'model_dim'\]"
+    with pytest.raises(ValueError, match=f"_extra_state must have the keys {keys}, got \\['model_dim'\\]"):
+        m.load_state_dict({**good, "_extra_state": {"model_dim": 64}})
+    with pytest.raises(ValueError, match="_extra_state must have the keys"):
+        m.load_state_dict({**good, "_extra_state": {**good["_extra_state"], "bias": True}})
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=f"_extra_state must be a dict with keys {keys}, got {type(bad).__name__}"):
+            m.load_state_dict({**good, "_extra_state": bad})
+    m.load_state_dict(good)
+
+
+def test_routing_weights_must_be_floats(monkeypatch):
+    """forward cast topk_weights to fp32 whatever their dtype: int64 or bool weights ran as 0/1 and complex
+    ones lost their imaginary part, no error (fused_moe itself refuses them)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 3, 1, seed=13)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    for dtype in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=f"topk_weights must have dtype in .*, got {dtype}"):
+            m(p["x"], p["ids"], p["weights"].to(dtype))
+    assert torch.equal(m(p["x"], p["ids"], p["weights"].double()), m(p["x"], p["ids"], p["weights"]))
+
+
+
+def test_checkpoint_experts_must_fit_the_block():
+    """patch_gpt_oss took a checkpoint layer with other sizes than the block's: with fewer experts than
+    the router picks from, the kernels dropped the ids past them (a wrong output, no error; the reference
+    path failed only at the forward); more experts or a narrower width loaded silently too. The error
+    leaves the model unchanged (the blocks before the bad one were already swapped)."""
+    import re
+
+    model, checkpoint = tiny_gpt_oss(seed=5)
+    prefix = "model.layers.1.mlp.experts."
+    fewer = {k: v[:4] if k.startswith(prefix) else v for k, v in checkpoint.items()}
+    more = {k: torch.cat([v, v]) if k.startswith(prefix) else v for k, v in checkpoint.items()}
+    narrow = {k: v for k, v in checkpoint.items() if not k.startswith(prefix + "down_proj")}  # hidden 32, no b2
+    narrow[prefix + "gate_up_proj_blocks"] = checkpoint[prefix + "gate_up_proj_blocks"][:, :, :1]
+    narrow[prefix + "gate_up_proj_scales"] = checkpoint[prefix + "gate_up_proj_scales"][:, :, :1]
+    narrow[prefix + "down_proj_blocks"] = checkpoint[prefix + "down_proj_blocks"][:, :32]
+    narrow[prefix + "down_proj_scales"] = checkpoint[prefix + "down_proj_scales"][:, :32]
+    for bad, got in ((fewer, (4, 64, 64)), (more, (16, 64, 64)), (narrow, (8, 32, 64))):
+        with pytest.raises(ValueError, match=re.escape(f"model.layers.1.mlp.experts: the experts from the checkpoint have "
+                                                       f"(E, hidden, inter) = {got}, the block (router, config) (8, 64, 64)")):
+            patch_gpt_oss(model, checkpoint=bad)
+        assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)  # none swapped
+
+
+def test_patch_gpt_oss_twice_or_with_a_non_mapping_is_named():
+    """A second patch_gpt_oss on the same model failed with "GPT-OSS experts need gate_up_proj and
+    down_proj" (naming neither the block nor the cause), and a checkpoint that is not a mapping with
+    "'list' object has no attribute 'items'"."""
+    model, _ = tiny_gpt_oss(seed=6)
+    with pytest.raises(TypeError, match="checkpoint must be a mapping of tensors .* got list"):
+        patch_gpt_oss(model, checkpoint=[1, 2])
+    patch_gpt_oss(model)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts is already a MoEExperts: patch_gpt_oss ran"):
+        patch_gpt_oss(model)
+    with pytest.raises(ValueError, match=r"^experts is already a MoEExperts"):  # one block as the model
+        patch_gpt_oss(model.model.layers[0].mlp)
+
+
+def test_float_gpt_oss_tensors_are_checked_by_their_names():
+    """from_gpt_oss_experts' float path called .detach() on the mapping's values before checking them (a
+    list was "'list' object has no attribute 'detach'"), and a wrong gate_up_proj_bias was named
+    gate_up_bias (layouts' name) where the checkpoint path names it as given."""
+    gate_up, down = torch.randn(2, 64, 64), torch.randn(2, 32, 64)
+    with pytest.raises(TypeError, match="gate_up_proj must be a torch.Tensor, got list"):
+        from_gpt_oss_experts({"gate_up_proj": [1.0], "down_proj": down})
+    with pytest.raises(TypeError, match="gate_up_proj_bias must be a torch.Tensor, got list"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": [1.0]})
+    with pytest.raises(ValueError, match=r"gate_up_proj_bias must have shape \(2, 64\), got \(2, 5\)"):
+        from_gpt_oss_experts({"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": torch.zeros(2, 5)})
+
+
+def test_a_state_dict_loads_codes_as_codes(monkeypatch):
+    """The scales (and packed weights) are codes, float8_e8m0fnu or uint8 alike, but load_state_dict
+    copied a uint8-coded state dict into an E8M0 module by value (code 127 became 2^7, code 134): every
+    scale off, outputs 1e10 away, no error. Bytes load as they are; float values are refused."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(2, 64, 32, 3, 1, seed=14)
+    m = MoEExperts.from_dense(p["w1"], p["w2"])
+    as_uint8 = MoEExperts(m.w1, m.w1_scale.view(torch.uint8), m.w2, m.w2_scale.view(torch.uint8), model_dim=64, inter_dim=32)
+    fresh = MoEExperts.from_dense(torch.zeros_like(p["w1"]), torch.zeros_like(p["w2"]))
+    fresh.load_state_dict(as_uint8.state_dict())
+    assert fresh.w1_scale.dtype == torch.float8_e8m0fnu
+    assert torch.equal(fresh.w1_scale.view(torch.uint8), m.w1_scale.view(torch.uint8))
+    assert torch.equal(fresh(p["x"], p["ids"], p["weights"]), m(p["x"], p["ids"], p["weights"]))
+    as_uint8.load_state_dict(m.state_dict())  # and back
+    assert torch.equal(as_uint8.w2_scale, m.w2_scale.view(torch.uint8))
+    with pytest.raises(TypeError, match="MoEExperts' w1_scale must hold codes .* got torch.float32"):
+        fresh.load_state_dict({**m.state_dict(), "w1_scale": m.w1_scale.float()})
+
+
+
+def test_from_mxfp4_takes_a_scale_for_a_trailing_partial_block():
+    """from_mxfp4 wanted M // 32 scale columns for w1's M = 2 * w1.shape[2] FP4 values (I // 32 for w2):
+    with M = 48, one column, and the last 16 values of each row were read with the padding scale 2^-127
+    (as zeros), silently. A partial block has its scale: 48 columns give from_dense's module."""
+    p = dense_layer(2, 48, 48, 3, 1, seed=15)
+    p1, s1 = reference.quantize_mxfp4(p["w1"])  # (2, 96, 32) bytes: 64 columns, the last 16 zero
+    p2, s2 = reference.quantize_mxfp4(p["w2"])
+    p1, p2 = p1[..., :24].contiguous(), p2[..., :24].contiguous()  # the 48 columns only
+    with pytest.raises(ValueError, match=r"w1_scale must have shape \(2, 96, 2\), got \(2, 96, 1\)"):
+        MoEExperts.from_mxfp4(p1, s1[..., :1], p2, s2)
+    with pytest.raises(ValueError, match=r"w2_scale must have shape \(2, 48, 2\), got \(2, 48, 1\)"):
+        MoEExperts.from_mxfp4(p1, s1, p2, s2[..., :1])
+    m = MoEExperts.from_mxfp4(p1, s1, p2, s2)
+    assert (m.model_dim, m.inter_dim) == (48, 48)
+    dense = MoEExperts.from_dense(p["w1"], p["w2"])
+    for name, buf in dense.named_buffers():
+        assert torch.equal(buf.view(torch.uint8), getattr(m, name).view(torch.uint8)), name
+
+
+def test_gpt_oss_swiglu_parameters_are_checked():
+    """alpha / limit from the experts module or the config went through float() ("1.7" became 1.7), and
+    patch_gpt_oss assigned the block's to a checkpoint-built module past MoEExperts' checks: a negative
+    limit built a module whose every forward then refused it."""
+    import types
+
+    model, checkpoint = tiny_gpt_oss(seed=7)
+    prefix = "model.layers.0.mlp.experts."
+    layer0 = {k: v for k, v in checkpoint.items() if k.startswith(prefix)}
+    with pytest.raises(TypeError, match="alpha must be a real number, got '1.7'"):
+        from_gpt_oss_experts(layer0, types.SimpleNamespace(swiglu_alpha="1.7", swiglu_limit=7.0))
+    model.model.layers[1].mlp.experts.limit = -1.0
+    with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+        patch_gpt_oss(model, checkpoint=checkpoint)
+    model.model.layers[1].mlp.experts.limit = 6.5
+    patch_gpt_oss(model, checkpoint=checkpoint)
+    assert model.model.layers[1].mlp.experts.limit == 6.5 and model.model.layers[0].mlp.experts.limit == 7.0
+
+
+def test_patch_gpt_oss_of_one_block_takes_its_checkpoint():
+    """patch_gpt_oss(block) on a GptOssMLP itself (its name in named_modules is "") looked for the keys
+    '.experts.gate_up_proj_blocks' etc., so the block's checkpoint ("experts.*") was ignored and its
+    float weights quantized instead, silently."""
+    model, checkpoint = tiny_gpt_oss(seed=8)
+    block, prefix = model.model.layers[0].mlp, "model.layers.0.mlp."
+    own = {k[len(prefix):]: v for k, v in checkpoint.items() if k.startswith(prefix)}  # "experts.gate_up_proj_blocks", ...
+    with torch.no_grad():
+        block.experts.gate_up_proj.zero_()  # the float weights not loaded: only the checkpoint holds them
+    assert patch_gpt_oss(block, checkpoint=own) is block
+    want = from_gpt_oss_experts(own, model.config)
+    for name, buf in want.named_buffers():
+        assert torch.equal(buf.view(torch.uint8), getattr(block.experts, name).view(torch.uint8)), name
+
+
+def test_a_checkpoint_none_of_whose_experts_match_is_refused():
+    """A checkpoint whose keys have another prefix than the model's module paths (GptOssModel's 'layers.0...'
+    for a GptOssForCausalLM) matched no block: every block quantized its float weights and the checkpoint
+    was ignored, silently."""
+    model, checkpoint = tiny_gpt_oss(seed=9)
+    other_prefix = {k[len("model."):]: v for k, v in checkpoint.items()}
+    with pytest.raises(ValueError, match=r"checkpoint holds MXFP4 expert tensors \('layers.0.mlp.experts.gate_up_proj_"
+                                         r"blocks', ...\) but none under an experts path of the model "
+                                         r"\('model.layers.0.mlp.experts', ...\)"):
+        patch_gpt_oss(model, checkpoint=other_prefix)
+    assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)
