@@ -33,8 +33,8 @@ import numpy as np
 
 from .. import env
 from . import decode as D
-from . import (isa_cvt, isa_hwreg, isa_lane, isa_mem, isa_mfma, isa_salu, isa_scratch, isa_valu, isa_vdiv,  # noqa: F401
-               isa_vopc, isa_vpacked)  # (imported for their registrations into `table`)
+from . import (isa_cvt, isa_hwreg, isa_lane, isa_lds, isa_mem, isa_mfma, isa_salu, isa_scratch,  # noqa: F401
+               isa_valu, isa_vdiv, isa_vopc, isa_vpacked)  # (imported for their registrations into `table`)
 from . import table
 from .errors import EmuError
 from .isa_base import END, F32, LANES, Ctx, Wave, initial_mode, sext
