@@ -133,3 +133,9 @@ def strict_launch_memory(request, monkeypatch):
         return
     with emu.strict_memory(), _launch_arguments_tracked(monkeypatch):
         yield
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    """Every op on the pure-PyTorch reference (FLYQUANT_BACKEND=reference)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")

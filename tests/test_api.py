@@ -16,11 +16,6 @@ DESIGN_NAMES = [
 ]
 
 
-@pytest.fixture
-def reference_backend(monkeypatch):
-    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
-
-
 def test_public_names():
     for name in DESIGN_NAMES:
         assert hasattr(fq, name), name

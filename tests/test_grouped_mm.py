@@ -1,6 +1,6 @@
 """The MXFP8 grouped GEMMs of MoE training (issue 22): the reference against an independent FP64
-computation and torchao's EMULATED path, input errors, fakes, the selector's plan, the training
-op (forward / dgrad / wgrad, torch.compile), and the op under the emulator on both arches.
+computation and torchao's EMULATED path, input errors, fakes, the selector's plan, and the op
+under the emulator on both arches (the training op: tests/test_training.py).
 
 Tolerances, derived (u32 = 2^-24, u16 = 2^-8 the unit roundoffs of FP32 and BF16):
 - The dequantized operands are exact in FP32 and BF16 (an E4M3 value times a power of two, in
@@ -8,13 +8,6 @@ Tolerances, derived (u32 = 2^-24, u16 = 2^-8 the unit roundoffs of FP32 and BF16
   in any order, errs by at most gamma_K * S, gamma_K = K u32 / (1 - K u32), S = sum |a_i b_i|;
   rounding to BF16 adds u16 * |result|. So |got - exact| <= gamma_K S + u16 (|exact| + gamma_K S)
   (`fp32_bound`), for the reference and for any kernel that accumulates in FP32.
-- MX quantization (training op vs the BF16 autograd of the unquantized matmul): with rceil an
-  E4M3 element is within 2^-4 |x| (3 mantissa bits, round to nearest) of x, or 2^-10 * scale
-  absolutely in E4M3's subnormal range, and the block scale is < amax / 224 (amax / 448 rounded
-  up to a power of two). So |q(x) - x| <= e(x) = 2^-4 |x| + 2^-10 amax / 224 per element, and a
-  product errs by at most e(a)|b| + |a|e(b) + e(a)e(b), summed over K (`_product_bound`), plus
-  the FP32 accumulation and BF16 rounding of both sides (fp32_bound on magnitudes |exact| +
-  bound; torch._grouped_mm in BF16, the other side, accumulates in FP32 as the op does).
 """
 
 from __future__ import annotations
@@ -32,11 +25,6 @@ from flyquant.formats import MX_BLOCK
 
 U32, U16 = 2.0**-24, 2.0**-8
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
-
-
-@pytest.fixture
-def reference_backend(monkeypatch):
-    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
 
 
 def fp32_bound(exact, s, k, out_dtype, sides=1):
@@ -223,29 +211,6 @@ def test_bad_inputs(reference_backend):
             fq.mxfp8_grouped_mm_wgrad(*args)
 
 
-def test_training_op_bad_inputs(reference_backend):
-    A = torch.randn(64, 64, dtype=torch.bfloat16)
-    B_t = torch.randn(2, 64, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="B_t.shape"):
-        training.mxfp8_grouped_mm(A, B_t[:, :32], offs(32, 64))
-    with pytest.raises(ValueError, match="N, quantized in blocks of 32"):
-        training.mxfp8_grouped_mm(A, B_t[:, :, :16], offs(32, 64))
-    with pytest.raises(ValueError, match="scaling_mode"):
-        training.mxfp8_grouped_mm(A, B_t, offs(32, 64), scaling_mode="even")
-    with pytest.raises(TypeError, match="A must have dtype"):
-        training.mxfp8_grouped_mm(A.to(E4M3), B_t, offs(32, 64))
-    # backward: 32x1 blocks may not straddle groups
-    A.requires_grad_()
-    out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        out.sum().backward()
-    # M off 32: the wgrad's quantize of the token rows named its own x ("x.shape[0] (M, ...)")
-    A, B_t = A[:48].detach().requires_grad_(), B_t.detach().requires_grad_()
-    out = training.mxfp8_grouped_mm(A, B_t, offs(16, 48))
-    with pytest.raises(ValueError, match=r"A.shape\[0\] \(M, the token rows.* = 48 must be a positive multiple of 32"):
-        out.sum().backward()
-
-
 # ------------------------------------------------------------------------------------------------
 # Fakes, plans, explain
 # ------------------------------------------------------------------------------------------------
@@ -373,135 +338,6 @@ def test_selected_backend_under_emulator(arch, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # The training op
 # ------------------------------------------------------------------------------------------------
-
-
-def _mx_error(x: torch.Tensor, along: int) -> torch.Tensor:
-    """e(x) = 2^-4 |x| + 2^-10 amax / 224 per element, blocks of 32 along dim `along` (module doc)."""
-    t = x.double().movedim(along, -1)
-    amax = t.abs().unflatten(-1, (-1, MX_BLOCK)).amax(-1).repeat_interleave(MX_BLOCK, -1)
-    return (2.0**-4 * t.abs() + 2.0**-10 * amax / 224).movedim(-1, along)
-
-
-def _product_bound(a, ea, b, eb):
-    """sum_k e(a)|b| + |a|e(b) + e(a)e(b) for a (R, K) @ b (K, C), and S = sum |a||b|."""
-    a, b = a.double().abs(), b.double().abs()
-    return ea @ b + a @ eb + ea @ eb, a @ b
-
-
-def _training_case(m=96, k=64, n=64, ends=(32, 32, 96), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    A = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    W = (torch.randn(len(ends), n, k, generator=g) * 0.5).to(torch.bfloat16)  # (E, N, K), as torchao stores it
-    G = torch.randn(m, n, generator=g).to(torch.bfloat16)
-    return A, W, G, offs(*ends)
-
-
-def _run_training_op(A, B_t, G, ends, mode="rceil"):
-    a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()  # clone keeps B_t's strides
-    assert b.stride() == B_t.stride()
-    out = training.mxfp8_grouped_mm(a, b, ends, scaling_mode=mode)
-    out.backward(G)
-    return out.detach(), a.grad, b.grad
-
-
-def test_training_op_vs_bf16_autograd(reference_backend):
-    """Forward, dgrad and wgrad (rceil) against the BF16 autograd of the same grouped matmul, each
-    element within the MX bound (module docstring)."""
-    A, W, G, ends = _training_case()
-    out, grad_a, grad_b_t = _run_training_op(A, W.transpose(1, 2), G, ends)
-    A1, B1 = A.clone().requires_grad_(), W.transpose(1, 2).clone().requires_grad_()
-    ref_out = torch._grouped_mm(A1, B1, offs=ends)
-    ref_out.backward(G)
-    k, n = A.shape[1], W.shape[1]
-    for g, (lo, hi) in enumerate(groups(ends)):
-        a, w, gr = A[lo:hi], W[g], G[lo:hi]
-        # forward: a (rows, K) 1x32 along K, w^T (K, N) blocks along K
-        bound, s = _product_bound(a, _mx_error(a, 1), w.T, _mx_error(w, 1).T)
-        exact = a.double() @ w.double().T
-        tol = bound + fp32_bound(exact.abs() + bound, s + bound, k, torch.bfloat16, sides=2)
-        assert ((out[lo:hi].double() - ref_out[lo:hi].detach().double()).abs() <= tol).all(), f"forward group {g}"
-        # dgrad: gr (rows, N) 1x32 along N, w (N, K) blocks along N
-        bound, s = _product_bound(gr, _mx_error(gr, 1), w, _mx_error(w, 0))
-        exact = gr.double() @ w.double()
-        tol = bound + fp32_bound(exact.abs() + bound, s + bound, n, torch.bfloat16, sides=2)
-        assert ((grad_a[lo:hi].double() - A1.grad[lo:hi].double()).abs() <= tol).all(), f"dgrad group {g}"
-        # wgrad: a^T (K, rows) and gr (rows, N), both blocks of 32 rows
-        if hi > lo:
-            bound, s = _product_bound(a.T, _mx_error(a, 0).T, gr, _mx_error(gr, 0))
-            exact = a.double().T @ gr.double()
-            tol = bound + fp32_bound(exact.abs() + bound, s + bound, hi - lo, torch.bfloat16, sides=2)
-            assert ((grad_b_t[g].double() - B1.grad[g].double()).abs() <= tol).all(), f"wgrad group {g}"
-        else:
-            assert (grad_b_t[g] == 0).all()
-    assert grad_a.dtype == A.dtype and grad_b_t.dtype == W.dtype and grad_b_t.shape == (3, k, n)
-
-
-OPERAND_CASES = [("reference", m, lay) for m in ("rceil", "floor") for lay in ("transposed_view", "contiguous")]
-OPERAND_CASES += [("gfx942", "rceil", "transposed_view"), ("gfx950", "floor", "contiguous")]
-
-
-@pytest.mark.parametrize("where,mode,layout", OPERAND_CASES)
-def test_training_op_gemm_operands(monkeypatch, where, mode, layout):
-    """Each GEMM of the op sees exactly the operands the contract names, quantized by the
-    reference quantize (1x32 rows of A, of B_t^T, of grad_out, of B_t; 32x1 columns of grad_out
-    and A) and multiplied in FP64: fp32_bound. B_t as torchao passes it (the transpose of
-    contiguous (E, N, K) weights) and contiguous (E, K, N). On the reference backend, and as the
-    selector plans it under the emulator (the quantize casts on flyquant's kernels; the GEMMs on
-    whatever is registered)."""
-    if where == "reference":
-        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
-    else:
-        monkeypatch.setenv("FLYQUANT_ARCH", where)
-    A, W, G, ends = _training_case(ends=(0, 64, 96))
-    B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
-    with fq.emu.record() as launches:
-        out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode)
-    kernels = [r.kernel for r in launches]
-    # six casts: A, B_t along K, grad_out 1x32, B_t along N, grad_out and A 32x1
-    assert (kernels == []) if where == "reference" else (len(kernels) >= 6 and all(where in k for k in kernels)), kernels
-    k, n = A.shape[1], W.shape[1]
-    qa, sa = reference.mxfp8_quantize(A, -1, mode)
-    qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1, mode)  # W (E, N, K) along K
-    exact, s = grouped64(deq64(qa, sa, -1), deq64(qw, sw, -1).view(W.shape), ends)
-    assert_within(out, exact, fp32_bound(exact, s, k, torch.bfloat16), "forward")
-    qg, sg = reference.mxfp8_quantize(G, -1, mode)
-    qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1, mode)  # B_t (E, K, N) along N
-    exact, s = grouped64(deq64(qg, sg, -1), deq64(qwt, swt, -1).view(B_t.shape), ends)
-    assert_within(grad_a, exact, fp32_bound(exact, s, n, torch.bfloat16), "dgrad")
-    qgc, sgc = reference.mxfp8_quantize(G, 0, mode)
-    qac, sac = reference.mxfp8_quantize(A, 0, mode)
-    g64, a64 = deq64(qgc.t(), sgc, -1).t(), deq64(qac.t(), sac, -1).t()
-    for g, (lo, hi) in enumerate(groups(ends)):
-        exact, s = a64[lo:hi].T @ g64[lo:hi], a64[lo:hi].T.abs() @ g64[lo:hi].abs()
-        assert_within(grad_b_t[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
-
-
-def test_training_op_rows_past_the_last_group(reference_backend):
-    A, W, G, ends = _training_case(m=128, ends=(32, 96))
-    A.requires_grad_()
-    B_t = W.transpose(1, 2).detach().requires_grad_()
-    out = training.mxfp8_grouped_mm(A, B_t, ends, out_dtype=torch.float32)
-    assert out.dtype == torch.float32 and (out[96:] == 0).all()
-    out.backward(G.float())
-    assert (A.grad[96:] == 0).all() and A.grad.dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_training_op_compiles_fullgraph(reference_backend, backend):
-    A, W, G, ends = _training_case()
-    B_t = W.transpose(1, 2)
-
-    def step(A, B_t):
-        return (training.mxfp8_grouped_mm(A, B_t, ends).float() * G.float()).sum()
-
-    results = []
-    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
-        a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()
-        loss = fn(a, b)
-        loss.backward()
-        results.append((loss.detach(), a.grad, b.grad))
-    for want, got in zip(*results):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
