@@ -8,8 +8,9 @@ Every test runs in the emulator's strict memory mode (fixture ``strict_launch_me
 kernel launch may touch only the bytes of the tensors handed to that launch (each tensor's own
 extent, not its whole storage), hipMalloc'd memory, its kernarg segment and tensors a test
 tracked itself. An access anywhere else, past a tensor's end included, fails the launch and so
-the test that made it. A test that must see the loose mode opts out with
-``@pytest.mark.loose_memory("why")``.
+the test that made it. Strict mode also fails a launch in which two workgroups store different
+bytes to one address (flyquant.emu.store_races). A test that must see the loose mode opts out
+with ``@pytest.mark.loose_memory("why")``.
 """
 
 import contextlib
