@@ -352,6 +352,12 @@ def _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, 
             validate.same_device("x", x, name, t)
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
                                        inter_dim=inter_dim, bias_name="b2")
+    # FLYQUANT_CONFIG / FLYQUANT_TUNING tiles are checked when a stage plans, after moe_sorting has
+    # zeroed out; with either set, both stages plan here first (an EnvError leaves out as given)
+    if env.raw("FLYQUANT_CONFIG") is not None or env.raw("FLYQUANT_TUNING") is not None:
+        select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation)
+        select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype if out is None else out.dtype,
+                                    b2 is not None)
 
 
 def _unsorted(device) -> list[torch.Tensor]:

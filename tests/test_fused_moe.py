@@ -18,7 +18,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import layouts, reference
+from flyquant import env, layouts, reference
 
 from test_moe_gemm1_kernel import exact_and_tolerance
 from test_moe_sorting_kernel import AtenOps
@@ -210,6 +210,21 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
     # a separate out: the layer, as without one
     fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out=out)
     assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
+
+
+def test_a_config_refused_when_planning_leaves_out_as_given(monkeypatch):
+    # FLYQUANT_CONFIG tiles and waves that fit no wave split of stage 1 (gate/up pairs of 64
+    # columns over 4 waves; stage 2 takes them) are an EnvError when stage 1 plans, which came
+    # after moe_sorting had zeroed out: fused_moe plans both stages first when it is set.
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_m": 16, "tile_n": 64, "waves": 4}')
+    p = layer(3, 2, 4, None, True, seed=10)
+    out = torch.full((3, 256), 7.0, dtype=torch.float32)
+    with pytest.raises(env.EnvError, match="no wave split fits"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"], b1=p["b1"],
+                     b2=p["b2"], out=out)
+    assert bool((out == 7).all())
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
