@@ -22,11 +22,8 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
-from flyquant import toolchain
-from flyquant.kernels import _mx_col as col
-from flyquant.kernels import mxfp8_quantize_3d as q3
+from test_mxfp8_kernels import compile_dual
 
 TRANS = ("v_exp_", "v_log_", "v_rcp_", "v_rsq_", "v_sqrt_", "v_sin_", "v_cos_")
 LOOK_BACK = 8  # instructions: more than any wait count here
@@ -110,13 +107,7 @@ def violations(isa: str, arch: str) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("arch", ("gfx950", "gfx942"))
 @pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
 def test_bit_select_keeps_its_wait_states(arch, dtype):
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
-    s, o = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
-    plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
-    (rep,) = toolchain.compile_only(arch, col.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256,
-                                    256 * x.element_size(), 1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1,
-                                    stream=0)
+    rep, _ = compile_dual(arch, dtype)
     bfi, found = violations(rep.isa, arch)
     assert bfi > 0, "the kernel no longer uses bit_select: point this test at the kernels that do"
     assert not found, "\n".join(found)

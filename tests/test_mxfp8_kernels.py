@@ -392,6 +392,17 @@ def test_compile_resources(arch, mode):
         assert r1.vgprs <= 64 and r2.vgprs <= 128
 
 
+def compile_dual(arch: str, dtype: str):
+    """(the dual column kernel's compile report, its plan) on a 256 x 256 input."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
+    s, o = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
+    plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
+    r = _compile(arch, col.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256, 256 * x.element_size(),
+                 1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1)
+    return r, plan
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_compile_dual(arch, dtype):
@@ -399,12 +410,7 @@ def test_compile_dual(arch, dtype):
     group's last tiles store the line's second half from registers) exactly as far as that
     costs no occupancy (col_rows.staged_tiles): the registers' occupancy is kept, and on gfx950 that
     is 2 workgroups of 4 waves per CU (as before the staging)."""
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    x, q = torch.zeros(256, 256, dtype=torch_dtype), torch.zeros(256 * 256, dtype=torch.uint8)
-    s, o = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
-    plan = q3.plan_col((1, 256, 256), torch_dtype, arch, kind="dual")
-    r = _compile(arch, col.build_col(arch, dtype, "rceil", "dual"), x, q, s, q, s, o, 256, 256, 256 * x.element_size(),
-                 1, 256 // plan.tile_cols, 8, 0, 0, 4096, 0, 0, 1, 2, 1)
+    r, plan = compile_dual(arch, dtype)
     group = col_rows.LINE_BYTES // plan.tile_cols
     staged = col_rows.staged_tiles(arch, dtype)
     # all tiles of a group staged, except on gfx942 with 8 waves per CU: FP16 / FP32 stage the
