@@ -1,4 +1,5 @@
-"""torch.nn modules on flyquant: MoE experts running fq.fused_moe, and the GPT-OSS swap.
+"""torch.nn modules on flyquant: MoE experts running fq.fused_moe, and the swaps into transformers'
+models (GPT-OSS with its checkpoint's MXFP4 tensors; any model of its experts interface: patch_moe).
 
 `MoEExperts` holds one MoE layer's experts as the A16W4 kernels take them: MXFP4 w1 (gate rows
 then up rows) and w2, pre-shuffled, their E8M0 scales shuffled to match, optional biases, the
@@ -30,7 +31,7 @@ import torch
 from . import api, api_moe, layouts, reference_moe, validate
 from .formats import MX_BLOCK
 
-__all__ = ["MoEExperts", "from_gpt_oss_experts", "patch_gpt_oss"]
+__all__ = ["MoEExperts", "from_gpt_oss_experts", "from_transformers_experts", "patch_gpt_oss", "patch_moe"]
 
 K_ALIGN = 256  # w1's K: shuffle_scale_a16w4 takes K / 32 in tiles of 8 columns
 P_ALIGN = 256  # the gate/up halves and w2's K (stage 2 reduces over P in the same 256-wide tiles)
@@ -494,4 +495,102 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
                          f"of the model ({experts_path[blocks[0][0]]!r}, ...): its key prefix does not match the model's")
     for block, new in converted:
         block.experts = new
+    return model
+
+
+# ---- any transformers MoE model (its experts interface) -------------------------------------------
+
+EXPERTS_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")  # set by @use_experts_implementation
+ACTIVATION_PROBE = torch.linspace(-8.0, 8.0, 161)
+
+
+def _is_experts_module(m) -> bool:
+    """Whether m is an experts module of transformers' experts interface (a class decorated with
+    transformers.integrations.moe.use_experts_implementation), as ~70 of its MoE models have."""
+    return all(hasattr(m, f) for f in EXPERTS_FLAGS) and callable(getattr(type(m), "_apply_gate", None))
+
+
+def _gated_activation(experts) -> str:
+    """Our activation name for act(gate) * up with the module's act_fn, identified by its values (the
+    class names vary across transformers' models); anything else is refused."""
+    import torch.nn.functional as F
+
+    x = ACTIVATION_PROBE.to(experts.gate_up_proj.device)
+    with torch.no_grad():
+        y = experts.act_fn(x)
+    for name, f in (("silu", F.silu), ("gelu", lambda v: F.gelu(v, approximate="tanh"))):
+        if torch.allclose(y.float(), f(x), rtol=1e-5, atol=1e-6):
+            return name
+    raise ValueError(f"{type(experts).__name__}: its activation {experts.act_fn!r} is neither silu nor tanh-approximated "
+                     "gelu, the gated activations the kernels fuse")
+
+
+def from_transformers_experts(experts, config=None, scaling_mode: str = "floor") -> MoEExperts:
+    """A MoEExperts from an experts module of transformers' experts interface (Mixtral, Qwen2/3-MoE,
+    DeepSeek-V2/V3, GLM-4 MoE, OLMoE, GPT-OSS and the other models whose experts class is decorated
+    with `use_experts_implementation`), its float weights quantized to MXFP4 with `scaling_mode`.
+
+    Taken: gated experts (gate_up_proj and down_proj, stored concatenated [gate; up] or interleaved,
+    transposed or not, with or without biases) whose gate is transformers' default act(gate) * up with
+    act silu or tanh-approximated gelu, and GPT-OSS's clamped swiglu (from_gpt_oss_experts). Refused
+    with the reason: experts without a gate, with a post-expert norm, with another gating, sharded
+    for expert parallelism, or with quantized (non-float) weights."""
+    name = type(experts).__name__
+    if not _is_experts_module(experts):
+        raise ValueError(f"{name} is not an experts module of transformers' experts interface "
+                         "(a class decorated with use_experts_implementation)")
+    from transformers.integrations.moe import _default_apply_gate
+
+    refused = [why for why, bad in (
+        ("it has no gate projection (has_gate=False)", not experts.has_gate),
+        ("it applies a norm after each expert", getattr(experts, "has_post_expert_norm", False)),
+        ("it is sharded for expert parallelism", getattr(experts, "_is_expert_parallel", False))) if bad]
+    if refused:
+        raise ValueError(f"{name}: {refused[0]}, which fq.fused_moe does not compute")
+    if type(experts)._apply_gate is not _default_apply_gate:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        if isinstance(experts, GptOssExperts):
+            return from_gpt_oss_experts(experts, config, scaling_mode=scaling_mode)
+        raise ValueError(f"{name}: its gating ({name}._apply_gate) is not act(gate) * up, which fq.fused_moe fuses")
+    for attr in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, attr, None)
+        if not isinstance(w, torch.Tensor) or w.dtype not in FLOAT_WEIGHTS or w.dim() != 3:
+            got = f"{w.dtype} {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"{name}.{attr} must be a 3-D float tensor (bf16/fp16/fp32/fp64), got {got}")
+    w1, w2 = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if experts.is_transposed:  # stored (E, in, out), applied as x @ w
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    b1 = experts.gate_up_proj_bias.detach() if experts.has_bias else None
+    b2 = experts.down_proj_bias.detach() if experts.has_bias else None
+    if not experts.is_concatenated:  # rows gate0, up0, gate1, ..: gate rows then up rows
+        w1, b1 = layouts.gate_up_rows_from_interleaved(w1.transpose(1, 2), b1)
+    return MoEExperts.from_dense(w1, w2, b1, b2, activation=_gated_activation(experts), scaling_mode=scaling_mode)
+
+
+def patch_moe(model, scaling_mode: str = "floor"):
+    """Swap every experts module of transformers' experts interface in `model` (from_transformers_experts:
+    Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4 MoE, OLMoE, GPT-OSS, ...) for a MoEExperts, in place,
+    keeping the routers; returns the model. Every module is converted before any is swapped, so a
+    refused one leaves the model as it was. For inference: MoEExperts computes no gradients.
+    GPT-OSS's MXFP4 checkpoint tensors are taken bit for bit by patch_gpt_oss(model, checkpoint)."""
+    if _is_experts_module(model):
+        raise ValueError(f"{type(model).__name__} is itself an experts module: convert it with from_transformers_experts")
+    config = getattr(model, "config", None)
+    found = [(parent, child_name, f"{path}.{child_name}" if path else child_name, child)
+             for path, parent in model.named_modules() for child_name, child in parent.named_children()
+             if _is_experts_module(child)]
+    if not found:
+        done = any(isinstance(m, MoEExperts) for m in model.modules())
+        raise ValueError(f"{type(model).__name__} has no experts module of transformers' experts interface"
+                         + (" left: patch_moe or patch_gpt_oss ran on this model" if done else ""))
+    converted = []
+    for parent, child_name, path, child in found:
+        try:
+            with torch.no_grad():
+                converted.append((parent, child_name, from_transformers_experts(child, config, scaling_mode)))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+    for parent, child_name, new in converted:
+        setattr(parent, child_name, new)
     return model

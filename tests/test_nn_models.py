@@ -1,0 +1,151 @@
+"""flyquant.nn.patch_moe: any transformers MoE model whose experts class uses transformers' experts
+interface (use_experts_implementation), checked on a tiny Qwen3-MoE (silu, [gate; up] rows, no
+biases) against transformers' own forward with the bound and logit ratio of tests/test_nn.py, and
+GPT-OSS through the same call; refusals leave the model as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flyquant as fq
+from flyquant import reference
+from flyquant.nn import MoEExperts, from_gpt_oss_experts, from_transformers_experts, patch_moe
+
+from test_nn import BACKENDS, LOGIT_RATIO, SEQ, U_F32, exact_moe, run_capturing, tiny_gpt_oss
+
+# inter 48: not a multiple of 32 (the padded block shares real weights), hidden 96 not of 64
+QWEN = dict(vocab_size=128, hidden_size=96, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=64)
+
+
+def mxfp4_values(w):
+    """w with every 32-block along its last dim replaced by its MXFP4 (floor) value: a model holding
+    these is what the kernels compute with, exactly (the quantize takes them back bit for bit)."""
+    cols = -(-w.shape[-1] // 32) * 32
+    padded = torch.nn.functional.pad(w, (0, cols - w.shape[-1]))
+    return reference.dequantize_mxfp4(*reference.quantize_mxfp4(padded))[..., :w.shape[-1]]
+
+
+def tiny_qwen3_moe(seed=0, **overrides):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**dict(QWEN, **overrides), attn_implementation="eager", experts_implementation="eager")
+    model = Qwen3MoeForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for w in (ex.gate_up_proj, ex.down_proj):
+                w.copy_(mxfp4_values(torch.randn(w.shape, generator=g) * 0.3))
+    return model
+
+
+@pytest.mark.parametrize("backend,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
+def test_patch_moe_agrees_with_transformers_qwen3(backend, arch, monkeypatch):
+    """Every MoE block within the derived bound of transformers' own float64 forward of the same
+    (MXFP4-valued) weights on the block's bf16 input; routing and routers unchanged; logits within
+    LOGIT_RATIO times what rounding the experts' inputs to bf16 alone moves transformers' logits by."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    model = tiny_qwen3_moe()
+    tokens = torch.randint(0, QWEN["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_caps = run_capturing(model, tokens)
+    bf16_logits, _ = run_capturing(model, tokens, x_hook=lambda m, args: (args[0].bfloat16().float(), *args[1:]))
+    reference_experts = [copy.deepcopy(layer.mlp.experts).double() for layer in model.model.layers]
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    assert patch_moe(model) is model
+    assert all(isinstance(layer.mlp.experts, MoEExperts) and layer.mlp.experts.activation == "silu"
+               for layer in model.model.layers)
+    assert [layer.mlp.gate for layer in model.model.layers] == routers
+    with fq.emu.record() as launches:
+        logits, caps = run_capturing(model, tokens)
+    assert len(launches) == (3 * QWEN["num_hidden_layers"] if backend == "flydsl" else 0)
+    for n, ((x, ids, w, out), ref_cap) in enumerate(zip(caps, ref_caps)):
+        assert torch.equal(ids, ref_cap[1]), f"layer {n}: routing changed"
+        ex, xb = reference_experts[n], x.to(torch.bfloat16)
+        with torch.no_grad():
+            theirs = ex(xb.double(), ids, w.double())
+            ours, bound = exact_moe(xb, ex.gate_up_proj, None, ex.down_proj, None, ids, w, "silu", U_F32)
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # our exact MoE is transformers' math
+        assert (bound < 0.05 * theirs.abs().max()).all()
+        err = (out.double() - theirs).abs()
+        assert bool((err <= bound).all()), f"layer {n}: worst excess {float((err - bound).max()):.3g}"
+    d_kernel = float((logits - ref_logits).abs().max())
+    d_bf16 = float((bf16_logits - ref_logits).abs().max())
+    assert 0 < d_bf16 and d_kernel <= LOGIT_RATIO * d_bf16, (d_kernel, d_bf16)
+
+
+def same_buffers(a: MoEExperts, b: MoEExperts) -> bool:
+    raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t  # noqa: E731
+    return all(torch.equal(raw(x), raw(y)) for x, y in zip(a.buffers(), b.buffers())) and \
+        (a.activation, a.alpha, a.limit, a.model_dim, a.inter_dim) == (b.activation, b.alpha, b.limit, b.model_dim, b.inter_dim)
+
+
+def test_gpt_oss_through_patch_moe_is_patch_gpt_oss():
+    """GPT-OSS (interleaved, transposed, biased, its own clamped swiglu) converts as from_gpt_oss_experts."""
+    model, _ = tiny_gpt_oss(seed=4)
+    want = [from_gpt_oss_experts(layer.mlp.experts, model.config) for layer in model.model.layers]
+    patch_moe(model)
+    assert all(same_buffers(layer.mlp.experts, w) for layer, w in zip(model.model.layers, want))
+
+
+def test_layouts_are_read_as_transformers_applies_them():
+    """The flags of the experts interface: transposed (E, in, out) weights and interleaved gate/up
+    rows give the same module as the [gate; up] (E, out, in) ones; biases are kept."""
+    model = tiny_qwen3_moe(seed=5)
+    ex = model.model.layers[0].mlp.experts
+    want = from_transformers_experts(ex)
+    flipped = copy.deepcopy(ex)
+    e, two_i, h = ex.gate_up_proj.shape
+    rows = torch.stack([ex.gate_up_proj[:, :two_i // 2], ex.gate_up_proj[:, two_i // 2:]], dim=2).reshape(e, two_i, h)
+    flipped.gate_up_proj = torch.nn.Parameter(rows.transpose(1, 2).contiguous())  # interleaved, transposed
+    flipped.down_proj = torch.nn.Parameter(ex.down_proj.transpose(1, 2).contiguous())
+    flipped.is_concatenated, flipped.is_transposed = False, True
+    assert same_buffers(from_transformers_experts(flipped), want)
+    g = torch.Generator().manual_seed(0)
+    biased = copy.deepcopy(ex)
+    biased.gate_up_proj_bias = torch.nn.Parameter(torch.randn(e, two_i, generator=g))
+    biased.down_proj_bias = torch.nn.Parameter(torch.randn(e, h, generator=g))
+    biased.has_bias = True
+    m = from_transformers_experts(biased)
+    p = m.padded_dims["P"]
+    assert torch.equal(m.b1[:, :two_i // 2], biased.gate_up_proj_bias[:, :two_i // 2].detach())
+    assert torch.equal(m.b1[:, p:p + two_i // 2], biased.gate_up_proj_bias[:, two_i // 2:].detach())
+    assert torch.equal(m.b2[:, :h], biased.down_proj_bias.detach())
+
+
+def test_gelu_tanh_is_recognised_and_others_refused():
+    assert from_transformers_experts(tiny_qwen3_moe(hidden_act="gelu_pytorch_tanh").model.layers[0].mlp.experts).activation == "gelu"
+    model = tiny_qwen3_moe(hidden_act="relu")
+    before = [layer.mlp.experts for layer in model.model.layers]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: Qwen3MoeExperts: its activation .* neither silu"):
+        patch_moe(model)
+    assert [layer.mlp.experts for layer in model.model.layers] == before  # nothing swapped
+
+
+def test_unsupported_experts_are_refused_by_name():
+    model = tiny_qwen3_moe()
+    ex = model.model.layers[1].mlp.experts
+    ex.has_post_expert_norm = True
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: .* applies a norm after each expert"):
+        patch_moe(model)
+    assert not any(isinstance(m, MoEExperts) for m in model.modules())
+    ex.has_post_expert_norm, ex.has_gate = False, False
+    with pytest.raises(ValueError, match="no gate projection"):
+        from_transformers_experts(ex)
+    ex.has_gate = True
+    ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.detach().to(torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts\.gate_up_proj must be a 3-D float tensor"):
+        from_transformers_experts(ex)
+    with pytest.raises(ValueError, match="is not an experts module"):
+        from_transformers_experts(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="itself an experts module"):
+        patch_moe(model.model.layers[0].mlp.experts)
+    patch_moe(model.model.layers[0])
+    with pytest.raises(ValueError, match="no experts module .* left: patch_moe or patch_gpt_oss ran"):
+        patch_moe(model.model.layers[0])
