@@ -149,3 +149,47 @@ def test_unsupported_experts_are_refused_by_name():
     patch_moe(model.model.layers[0])
     with pytest.raises(ValueError, match="no experts module .* left: patch_moe or patch_gpt_oss ran"):
         patch_moe(model.model.layers[0])
+
+
+TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=64)
+ROUTED = dict(num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=0, n_group=1, topk_group=1)
+MLA = dict(q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+FAMILIES = {
+    "MixtralConfig": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen2MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "OlmoeConfig": dict(num_experts=4, num_experts_per_tok=2),
+    "DeepseekV3Config": dict(ROUTED, n_routed_experts=4, **MLA),
+    "Glm4MoeConfig": dict(ROUTED, n_routed_experts=4, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_moe_runs_other_families(family, monkeypatch):
+    """Each family's MoE block calls its experts as patch_moe assumes (hidden states, top-k ids, top-k
+    weights): logits within LOGIT_RATIO of what bf16 experts inputs alone move them by (on the
+    reference path; the kernels are checked on Qwen3 above)."""
+    import transformers
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    torch.manual_seed(0)
+    config = getattr(transformers, family)(**TINY, **FAMILIES[family], attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for ex in experts:
+            for w in (ex.gate_up_proj, ex.down_proj):
+                w.copy_(mxfp4_values(torch.randn(w.shape, generator=g) * 0.3))
+    tokens = torch.randint(0, TINY["vocab_size"], (1, SEQ), generator=g)
+    with torch.no_grad():
+        ref = model(tokens).logits
+        hooks = [ex.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(), *args[1:])) for ex in experts]
+        bf16 = model(tokens).logits
+        for h in hooks:
+            h.remove()
+        patch_moe(model)
+        assert sum(isinstance(m, MoEExperts) for m in model.modules()) == len(experts) == TINY["num_hidden_layers"]
+        logits = model(tokens).logits
+    d_kernel, d_bf16 = float((logits - ref).abs().max()), float((bf16 - ref).abs().max())
+    assert 0 < d_bf16 and d_kernel <= LOGIT_RATIO * d_bf16, (d_kernel, d_bf16)
