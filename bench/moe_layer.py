@@ -49,6 +49,7 @@ SHAPES = {
     "gptoss120b": LayerShape("gptoss120b", 128, 4, 2880, 2880, "swiglu_oai", True,
                              "GPT-OSS-120B: inter 2880 padded to 3072 for the shuffles, biases, clamped swiglu"),
     "dsr1": LayerShape("dsr1", 256, 8, 7168, 256, "silu", False, "DeepSeek-R1-like per rank: E 256, topk 8, inter 256"),
+    "qwen3": LayerShape("qwen3", 128, 8, 2048, 768, "silu", False, "Qwen3-30B-A3B: E 128, topk 8, inter 768 (flyquant.nn.patch_moe)"),
     "tiny": LayerShape("tiny", 4, 2, 224, 224, "swiglu_oai", True, "smoke test: padded dims, biases, seconds to emulate"),
 }
 SCALE_ONE = 127  # E8M0 code of 2^0

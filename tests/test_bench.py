@@ -582,7 +582,7 @@ BAD_COMMAND_LINES = [
     ("quantize", ["--shapes", ","], "argument --shapes: ',': expected a comma-separated list"),
     ("quantize", ["--shapes", "0x32"], "argument --shapes: invalid shape_arg value: '0x32'"),
     ("quantize", ["--max-elements", "-1"], "argument --max-elements: invalid positive_int value: '-1'"),
-    ("moe_layer", ["--shapes", "gptoss"], "unknown shape 'gptoss': choose from ['dsr1', 'gptoss120b', 'tiny']"),
+    ("moe_layer", ["--shapes", "gptoss"], "unknown shape 'gptoss': choose from ['dsr1', 'gptoss120b', 'qwen3', 'tiny']"),
     ("moe_layer", ["--tokens", "0"], "argument --tokens: '0': 0 is not a positive integer"),
     ("moe_layer", ["--max-workgroups", "0"], "argument --max-workgroups: invalid positive_int value: '0'"),
     ("moe_tile_n", ["--k-batch", "sel,x"], "argument --k-batch: 'sel,x': invalid literal for int()"),
