@@ -515,13 +515,16 @@ def _gated_activation(experts) -> str:
     class names vary across transformers' models); anything else is refused."""
     import torch.nn.functional as F
 
+    act = getattr(experts, "act_fn", None)
+    if not callable(act):
+        raise ValueError(f"{type(experts).__name__} has no act_fn: its gated activation is unknown")
     x = ACTIVATION_PROBE.to(experts.gate_up_proj.device)
     with torch.no_grad():
-        y = experts.act_fn(x)
+        y = act(x)
     for name, f in (("silu", F.silu), ("gelu", lambda v: F.gelu(v, approximate="tanh"))):
         if torch.allclose(y.float(), f(x), rtol=1e-5, atol=1e-6):
             return name
-    raise ValueError(f"{type(experts).__name__}: its activation {experts.act_fn!r} is neither silu nor tanh-approximated "
+    raise ValueError(f"{type(experts).__name__}: its activation {act!r} is neither silu nor tanh-approximated "
                      "gelu, the gated activations the kernels fuse")
 
 

@@ -139,8 +139,13 @@ def test_unsupported_experts_are_refused_by_name():
     with pytest.raises(ValueError, match="no gate projection"):
         from_transformers_experts(ex)
     ex.has_gate = True
-    ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.detach().to(torch.int8), requires_grad=False)
+    floats = ex.gate_up_proj
+    ex.gate_up_proj = torch.nn.Parameter(floats.detach().to(torch.int8), requires_grad=False)
     with pytest.raises(ValueError, match=r"Qwen3MoeExperts\.gate_up_proj must be a 3-D float tensor"):
+        from_transformers_experts(ex)
+    ex.gate_up_proj = floats
+    del ex.act_fn
+    with pytest.raises(ValueError, match="Qwen3MoeExperts has no act_fn"):
         from_transformers_experts(ex)
     with pytest.raises(ValueError, match="is not an experts module"):
         from_transformers_experts(torch.nn.Linear(2, 2))
