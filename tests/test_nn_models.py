@@ -5,6 +5,7 @@ GPT-OSS through the same call; refusals leave the model as it was."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -45,28 +46,26 @@ def tiny_qwen3_moe(seed=0, **overrides):
     return model
 
 
-@pytest.mark.parametrize("backend,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
-def test_patch_moe_agrees_with_transformers_qwen3(backend, arch, monkeypatch):
+def check_qwen3(device: str):
     """Every MoE block within the derived bound of transformers' own float64 forward of the same
     (MXFP4-valued) weights on the block's bf16 input; routing and routers unchanged; logits within
-    LOGIT_RATIO times what rounding the experts' inputs to bf16 alone moves transformers' logits by."""
-    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
-    monkeypatch.setenv("FLYQUANT_ARCH", arch)
-    model = tiny_qwen3_moe()
-    tokens = torch.randint(0, QWEN["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
+    LOGIT_RATIO times what rounding the experts' inputs to bf16 alone moves transformers' logits by.
+    Returns the launches flyquant.emu recorded (none on a GPU)."""
+    model = tiny_qwen3_moe().to(device)
+    tokens = torch.randint(0, QWEN["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
     ref_logits, ref_caps = run_capturing(model, tokens)
     bf16_logits, _ = run_capturing(model, tokens, x_hook=lambda m, args: (args[0].bfloat16().float(), *args[1:]))
-    reference_experts = [copy.deepcopy(layer.mlp.experts).double() for layer in model.model.layers]
+    reference_experts = [copy.deepcopy(layer.mlp.experts).cpu().double() for layer in model.model.layers]
     routers = [layer.mlp.gate for layer in model.model.layers]
     assert patch_moe(model) is model
     assert all(isinstance(layer.mlp.experts, MoEExperts) and layer.mlp.experts.activation == "silu"
                for layer in model.model.layers)
     assert [layer.mlp.gate for layer in model.model.layers] == routers
-    with fq.emu.record() as launches:
+    with fq.emu.record() if fq.emu.enabled() else contextlib.nullcontext([]) as launches:
         logits, caps = run_capturing(model, tokens)
-    assert len(launches) == (3 * QWEN["num_hidden_layers"] if backend == "flydsl" else 0)
-    for n, ((x, ids, w, out), ref_cap) in enumerate(zip(caps, ref_caps)):
-        assert torch.equal(ids, ref_cap[1]), f"layer {n}: routing changed"
+    for n, (cap, ref_cap) in enumerate(zip(caps, ref_caps)):
+        x, ids, w, out = (t.cpu() for t in cap)
+        assert torch.equal(ids, ref_cap[1].cpu()), f"layer {n}: routing changed"
         ex, xb = reference_experts[n], x.to(torch.bfloat16)
         with torch.no_grad():
             theirs = ex(xb.double(), ids, w.double())
@@ -78,6 +77,23 @@ def test_patch_moe_agrees_with_transformers_qwen3(backend, arch, monkeypatch):
     d_kernel = float((logits - ref_logits).abs().max())
     d_bf16 = float((bf16_logits - ref_logits).abs().max())
     assert 0 < d_bf16 and d_kernel <= LOGIT_RATIO * d_bf16, (d_kernel, d_bf16)
+    return launches
+
+
+@pytest.mark.parametrize("backend,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
+def test_patch_moe_agrees_with_transformers_qwen3(backend, arch, monkeypatch):
+    """check_qwen3 under flyquant.emu (3 launches per layer) or on the reference path."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    launches = check_qwen3("cpu")
+    assert len(launches) == (3 * QWEN["num_hidden_layers"] if backend == "flydsl" else 0)
+
+
+@pytest.mark.gpu
+def test_gpu_patch_moe_agrees_with_transformers_qwen3(monkeypatch):
+    """check_qwen3 on a real MI300X/MI355X, through the kernels the selector picks for it."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    check_qwen3("cuda")
 
 
 def same_buffers(a: MoEExperts, b: MoEExperts) -> bool:
