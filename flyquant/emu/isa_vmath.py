@@ -66,11 +66,15 @@ def _signed_zero_fix(r, a, b, is_max):
 
 def max_min(a, b, ieee, is_max):
     """v_max/v_min of one float type: a NaN operand is dropped (a signalling NaN is returned
-    quieted in IEEE mode); max(+0, -0) = +0, min(+0, -0) = -0."""
+    quieted in IEEE mode, S0's first); with both NaN the result is S1 (the pseudocode's
+    "isNAN(S0) -> S1", which NumPy's fmax/fmin leave open); max(+0, -0) = +0, min(+0, -0) = -0."""
     r = _signed_zero_fix(np.fmax(a, b) if is_max else np.fmin(a, b), a, b, is_max)
-    if ieee and (np.count_nonzero(np.isnan(a)) or np.count_nonzero(np.isnan(b))):
-        r = np.where(_is_snan(b), _quiet(b), r)
-        r = np.where(_is_snan(a), _quiet(a), r)
+    nan_a = np.isnan(a)
+    if np.count_nonzero(nan_a) or np.count_nonzero(np.isnan(b)):
+        r = np.where(nan_a & np.isnan(b), b, r)
+        if ieee:
+            r = np.where(_is_snan(b), _quiet(b), r)
+            r = np.where(_is_snan(a), _quiet(a), r)
     return r
 
 
