@@ -77,6 +77,7 @@ def _med3(a, b, c):
 # name -> (tinygrad builder, source kinds ('u' random, 's' shift/offset/width), reference on Python ints)
 INT_OPS = {
     "v_bfe_u32": (I.v_bfe_u32_e64, "uss", lambda a, b, c: (a >> (b & 31)) & ((1 << (c & 31)) - 1)),
+    "v_bfe_i32": (I.v_bfe_i32_e64, "uss", X.bfe_i32),
     "v_bfi_b32": (I.v_bfi_b32_e64, "uuu", lambda a, b, c: (a & b) | (~a & c)),
     "v_alignbit_b32": (I.v_alignbit_b32_e64, "uus", lambda a, b, c: ((a << 32 | b) >> (c & 31)) & M32),
     "v_alignbyte_b32": (I.v_alignbyte_b32_e64, "uus", lambda a, b, c: ((a << 32 | b) >> (8 * (c & 3))) & M32),
@@ -157,6 +158,7 @@ SOP2 = {  # name -> reference (a, b, scc) -> (result, scc or None)
     "s_ashr_i32": lambda a, b, c: _nz(_s32(a) >> (b & 31)),
     "s_bfm_b32": lambda a, b, c: ((((1 << (a & 31)) - 1) << (b & 31)) & M32, None),
     "s_bfe_u32": lambda a, b, c: _nz((a >> (b & 31)) & ((1 << (b >> 16 & 0x7F)) - 1)),
+    "s_bfe_i32": lambda a, b, c: _nz(_bfe_i_scalar(a, b)),
     "s_mul_i32": lambda a, b, c: ((a * b) & M32, None),
     "s_mul_hi_u32": lambda a, b, c: ((a * b) >> 32, None),
     "s_absdiff_i32": lambda a, b, c: _nz(abs(_s32(a) - _s32(b))),
@@ -315,3 +317,15 @@ def test_v_max_min_f32_of_two_quiet_nans_is_s1(arch):
     assert (w.v[2] == 0x7FC00123).all() and (w.v[3] == 0x7FC00123).all()
     assert (w.v[4] == 0x7FC00123).all() and (w.v[5] == 0xFFC00000).all()
 
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_signed_bitfield_extract_past_bit_31_reads_the_sign(arch):
+    # V_BFE_I32 / S_BFE_I32 pseudocode: tmp = (S0.i32 >> offset) & mask is an arithmetic shift,
+    # so a field reaching past bit 31 reads copies of the sign bit. 0x80000000, offset 28,
+    # width 8: tmp = 0xFFFFFFF8 & 0xFF = 0xF8, sign-extended from bit 8: -8 (the emulator
+    # shifted logically: 0x08 -> +8). S_BFE_I64 alike: 0x8000000000000000, offset 60, width 8.
+    w, _ = run(arch, I.v_bfe_i32_e64(v[1], v[0], v[2], v[3]), I.s_bfe_i32(s[2], s[0], s[1]),
+               I.s_bfe_i64(s[4:5], s[6:7], s[8]),
+               vgpr={0: 0x80000000, 2: 28, 3: 8}, sgpr={0: 0x80000000, 1: 8 << 16 | 28, 6: 0, 7: 0x80000000,
+                                                        8: 8 << 16 | 60})
+    assert (w.v[1] == 0xFFFFFFF8).all() and w.s[2] == 0xFFFFFFF8 and (w.s[4], w.s[5]) == (0xFFFFFFF8, M32)

@@ -204,9 +204,11 @@ def _bfe_u32(a, off, width):
 
 
 def _bfe_i32(a, off, width):
+    """(S0.i32 >> off) & ((1 << width) - 1), sign-extended from bit `width`: the shift is
+    arithmetic, so a field reaching past bit 31 reads copies of the sign bit (pseudocode)."""
     off = np.asarray(off, U32) & U32(31)
     width = np.asarray(width, U32) & U32(31)
-    field = (np.asarray(a, U32) >> off) & ((U32(1) << width) - U32(1))
+    field = (np.asarray(a, I32) >> off.astype(I32)).view(U32) & ((U32(1) << width) - U32(1))
     shift = (U32(32) - width) & U32(31)  # width 0 -> 0 (and shift 0)
     out = ((field << shift).view(I32) >> shift.astype(I32))
     return np.where(width == 0, I32(0), out)
