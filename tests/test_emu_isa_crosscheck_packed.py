@@ -1,0 +1,300 @@
+"""Randomized differential tests of the packed 16-bit, compare, lane and scalar instructions the
+flyquant kernels execute, against the CDNA3/CDNA4 ISA guides' pseudocode transcribed per lane
+(tinygrad/runtime/autogen/amd/cdna/str_pcode.py) and exact rounding (tests/emu_xref.py).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction as Fr
+
+import emu_xref as X
+import numpy as np
+import pytest
+from test_emu_isa import run
+from tinygrad.renderer.amd.dsl import s, v
+from tinygrad.runtime.autogen.amd.cdna import ins as I
+
+M32, M16 = 0xFFFFFFFF, 0xFFFF
+F16_SPECIALS = [0x0000, 0x8000, 0x3C00, 0xBC00, 0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7D00, 0x0001, 0x83FF, 0x7BFF,
+                0xFBFF, 0x0400]
+
+
+def rand_u32(rng, n=64):
+    return rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+
+
+def f16_words(rng, n=64):
+    """Two f16 halves per lane: specials, small integers (so equal values occur) and random bits."""
+    def halves():
+        pick = rng.choice(np.array(F16_SPECIALS, np.uint32), n)
+        small = np.float16(rng.integers(-3, 4, n)).view(np.uint16).astype(np.uint32)
+        which = rng.integers(0, 3, n)
+        return np.where(which == 0, pick, np.where(which == 1, small, rng.integers(0, 1 << 16, n).astype(np.uint32)))
+    return (halves() | halves() << 16).astype(np.uint32)
+
+
+def _nan16(h):
+    return X.is_nan_bits(h, 5, 10)
+
+
+def _val16(h):
+    return float(np.array([h], np.uint16).view(np.float16)[0])
+
+
+def min_f16(a, b):
+    """V_MIN_F16 pseudocode (IEEE mode): sNaN quieted (S0 first), one NaN dropped, both -> S1,
+    min(+0, -0) = -0."""
+    if _nan16(a) and not a >> 9 & 1:
+        return a | 0x200
+    if _nan16(b) and not b >> 9 & 1:
+        return b | 0x200
+    if _nan16(a):
+        return b
+    if _nan16(b):
+        return a
+    if {a, b} == {0, 0x8000}:
+        return 0x8000
+    return a if _val16(a) < _val16(b) else b
+
+
+def maximum_f16(a, b):
+    """IEEE 754-2019 maximum: a NaN operand gives a NaN (payload not checked: 'nan'), +0 > -0."""
+    if _nan16(a) or _nan16(b):
+        return "nan"
+    if {a, b} == {0, 0x8000}:
+        return 0
+    return a if _val16(a) >= _val16(b) else b
+
+
+def round16(value, sign_if_zero):
+    if isinstance(value, str):
+        return value
+    bits = X.to_ieee(value, 5, 10)
+    return bits | (0x8000 if value == 0 and sign_if_zero else 0)
+
+
+def fma16(a, b, c):
+    """fma on f16 bit patterns, one rounding; specials through binary64 (exact for them)."""
+    xa, xb, xc = (X.exact(t, 5, 10) for t in (a, b, c))
+    if any(isinstance(t, str) for t in (xa, xb, xc)):
+        fa, fb, fc = (_val16(t) for t in (a, b, c))
+        prod = fa * fb if not ((fa == 0 and np.isinf(fb)) or (fb == 0 and np.isinf(fa))) else float("nan")
+        r = prod + fc if not (np.isinf(prod) and np.isinf(fc) and (prod > 0) != (fc > 0)) else float("nan")
+        return "nan" if r != r else X.to_ieee("inf" if r > 0 else "-inf", 5, 10) if np.isinf(r) else \
+            round16(Fr(r), False)
+    exact = xa * xb + xc
+    if exact == 0:
+        ps = (a ^ b) >> 15 & 1
+        neg = ps & (c >> 15) if xa * xb == 0 and xc == 0 else 0
+        return 0x8000 if neg else 0
+    return round16(exact, False)
+
+
+def mul16(a, b):
+    return fma16(a, b, 0x8000)  # x * y + (-0) is x * y exactly, zero signs included
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_packed_f16_fma_mul_min_follow_the_pseudocode(arch):
+    rng = np.random.default_rng(17)
+    for _ in range(6):
+        a, b, c = f16_words(rng), f16_words(rng), f16_words(rng)
+        insts = [I.v_pk_fma_f16(v[4], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1), I.v_pk_mul_f16(v[5], v[0], v[1], opsel_hi=3),
+                 I.v_pk_min_f16(v[6], v[0], v[1], opsel_hi=3)]
+        if arch == "gfx950":
+            insts.append(I.v_pk_maximum3_f16(v[7], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1))
+        w, _ = run(arch, *insts, vgpr={0: a, 1: b, 2: c})
+        for lane in range(64):
+            for h in (0, 1):
+                x, y, z = ((int(t[lane]) >> (16 * h)) & M16 for t in (a, b, c))
+                cases = [(4, fma16(x, y, z)), (5, mul16(x, y)), (6, min_f16(x, y))]
+                if arch == "gfx950":
+                    m = maximum_f16(x, y)
+                    cases.append((7, "nan" if m == "nan" else maximum_f16(m, z)))
+                for row, want in cases:
+                    got = (int(w.v[row, lane]) >> (16 * h)) & M16
+                    if want == "nan":
+                        assert _nan16(got), (row, h, hex(x), hex(y), hex(z), hex(got))
+                    else:
+                        assert got == want, (row, h, hex(x), hex(y), hex(z), hex(got), hex(want))
+
+
+PK_U16 = {  # name -> per-half reference (s0 half, s1 half, whole s0 for the shift count)
+    "v_pk_add_u16": lambda a, b: (a + b) & M16,
+    "v_pk_sub_u16": lambda a, b: (a - b) & M16,
+    "v_pk_max_u16": max,
+    "v_pk_lshlrev_b16": lambda a, b: (b << (a & 15)) & M16,
+    "v_pk_lshrrev_b16": lambda a, b: b >> (a & 15),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PK_U16))
+def test_packed_u16_ops_follow_the_pseudocode(name):
+    # the shifts take the count from bits 3:0 (low half) and 19:16 (high half) of S0
+    rng = np.random.default_rng(len(name))
+    a, b = rand_u32(rng), rand_u32(rng)
+    a[:4] = [0x000F0010, 0x00100000, 0xFFFFFFFF, 0]
+    w, _ = run("gfx950", getattr(I, name)(v[2], v[0], v[1], opsel_hi=3), vgpr={0: a, 1: b})
+    for lane in range(64):
+        for h in (0, 1):
+            x, y = (int(a[lane]) >> (16 * h)) & M16, (int(b[lane]) >> (16 * h)) & M16
+            assert (int(w.v[2, lane]) >> (16 * h)) & M16 == PK_U16[name](x, y), (name, hex(int(a[lane])), hex(y))
+
+
+def class_f16(h, mask):
+    """V_CMP_CLASS_F16 pseudocode."""
+    e, m, neg = h >> 10 & 31, h & 0x3FF, h >> 15
+    if e == 31 and m:
+        bit = 1 if m >> 9 else 0
+    elif e == 31:
+        bit = 2 if neg else 9
+    elif e:
+        bit = 3 if neg else 8
+    elif m:
+        bit = 4 if neg else 7
+    else:
+        bit = 5 if neg else 6
+    return mask >> bit & 1
+
+
+def test_compares_follow_the_pseudocode():
+    # v_cmp_class_f16 (every class bit), v_cmp_o_f32 / v_cmp_u_f32 (ordered / unordered),
+    # v_cmp_lt_u16 / v_cmp_ne_u16 (low halves only); lanes with EXEC off read 0
+    rng = np.random.default_rng(23)
+    for _ in range(4):
+        h = f16_words(rng) & np.uint32(M16)
+        mask = rng.integers(0, 1 << 10, 64).astype(np.uint32)
+        fa = np.where(rng.integers(0, 3, 64) == 0, np.uint32(0x7FC00000), rand_u32(rng)).astype(np.uint32)
+        fb = np.where(rng.integers(0, 3, 64) == 0, np.uint32(0xFF800001), rand_u32(rng)).astype(np.uint32)
+        ua, ub = rand_u32(rng), rand_u32(rng)
+        ub[:8] = ua[:8] ^ np.uint32(0xFFFF0000)  # equal low halves
+        ex = int(rng.integers(0, 1 << 63)) | 1
+        w, _ = run("gfx950", I.v_cmp_class_f16_e64(s[0:1], v[0], v[1]), I.v_cmp_o_f32_e64(s[2:3], v[2], v[3]),
+                   I.v_cmp_u_f32_e64(s[4:5], v[2], v[3]), I.v_cmp_lt_u16_e64(s[6:7], v[4], v[5]),
+                   I.v_cmp_ne_u16_e64(s[8:9], v[4], v[5]), vgpr={0: h, 1: mask, 2: fa, 3: fb, 4: ua, 5: ub},
+                   exec_mask=ex)
+        for k, fn in enumerate([lambda i: class_f16(int(h[i]), int(mask[i])),
+                                lambda i: int(not (X.is_nan_bits(int(fa[i]), 8, 23) or X.is_nan_bits(int(fb[i]), 8, 23))),
+                                lambda i: int(X.is_nan_bits(int(fa[i]), 8, 23) or X.is_nan_bits(int(fb[i]), 8, 23)),
+                                lambda i: int((int(ua[i]) & M16) < (int(ub[i]) & M16)),
+                                lambda i: int((int(ua[i]) & M16) != (int(ub[i]) & M16))]):
+            want = sum(fn(i) << i for i in range(64) if ex >> i & 1)
+            assert w.s[2 * k] | w.s[2 * k + 1] << 32 == want, k
+
+
+def _s24(x):
+    x &= 0xFFFFFF
+    return x - (1 << 24) if x >> 23 else x
+
+
+def test_mad_and_64bit_integer_ops_follow_the_pseudocode():
+    # v_mad_i32_i24 (S0.i24 * S1.i24 + S2.i32), v_mad_u64_u32 ({carry, D} = S0 * S1 + S2.u64),
+    # v_lshl_add_u64 ((S0.u64 << S1[2:0]) + S2.u64), v_mbcnt_lo/hi (set bits of the SGPR mask
+    # S0 below the lane, plus S1)
+    rng = np.random.default_rng(29)
+    for _ in range(4):
+        a, b, c, d, e = (rand_u32(rng) for _ in range(5))
+        mlo, mhi = (int(t) for t in rand_u32(rng, 2))
+        b[:4] = [0, 1, 4, 7]
+        w, _ = run("gfx942", I.v_mad_i32_i24_e64(v[10], v[0], v[1], v[2]),
+                   I.v_mad_u64_u32(v[12:13], s[20:21], v[0], v[1], v[2:3]),
+                   I.v_lshl_add_u64(v[14:15], v[3:4], v[1], v[4:5]),
+                   I.v_mbcnt_lo_u32_b32(v[16], s[10], v[2]), I.v_mbcnt_hi_u32_b32(v[17], s[11], v[16]),
+                   vgpr={0: a, 1: b, 2: c, 3: d, 4: e, 5: a ^ d}, sgpr={10: mlo, 11: mhi})
+        carry = 0
+        for lane in range(64):
+            x, y, z, p, q, r = (int(t[lane]) for t in (a, b, c, d, e, a ^ d))
+            assert int(w.v[10, lane]) == (_s24(x) * _s24(y) + (z - (1 << 32) if z >> 31 else z)) & M32
+            full = x * y + (z | p << 32)
+            assert int(w.v[12, lane]) | int(w.v[13, lane]) << 32 == full & ((1 << 64) - 1)
+            carry |= (full >> 64) << lane
+            shifted = ((p | q << 32) << (y & 7)) + (q | r << 32)
+            assert int(w.v[14, lane]) | int(w.v[15, lane]) << 32 == shifted & ((1 << 64) - 1), lane
+            lo = bin(mlo & ((1 << min(lane, 32)) - 1)).count("1") + z
+            assert int(w.v[16, lane]) == lo & M32
+            hi = bin(mhi & ((1 << max(lane - 32, 0)) - 1)).count("1") + lo
+            assert int(w.v[17, lane]) == hi & M32, lane
+        assert w.s[20] | w.s[21] << 32 == carry
+
+
+@pytest.mark.parametrize("kind", ["b32", "b16"])
+def test_v_bitop3_every_table_follows_the_pseudocode(kind):
+    # V_BITOP3: TTBL = {OMOD[1:0], ABS[2:0], NEG[2:0]}; bit i of TTBL selects the minterm with
+    # S0 = i[2], S1 = i[1], S2 = i[0]
+    rng = np.random.default_rng(31)
+    a, b, c = rand_u32(rng), rand_u32(rng), rand_u32(rng)
+    width = 32 if kind == "b32" else 16
+    for ttbl in list(range(0, 256, 7)) + [0xFF, 0x96, 0xE8]:
+        inst = getattr(I, f"v_bitop3_{kind}")(v[3], v[0], v[1], v[2], omod=ttbl >> 6, abs=ttbl >> 3 & 7, neg=ttbl & 7)
+        w, _ = run("gfx950", inst, vgpr={0: a, 1: b, 2: c, 3: 0})
+        for lane in range(0, 64, 5):
+            x, y, z = (int(t[lane]) & ((1 << width) - 1) for t in (a, b, c))
+            want = 0
+            for bit in range(width):
+                i = (x >> bit & 1) << 2 | (y >> bit & 1) << 1 | (z >> bit & 1)
+                want |= (ttbl >> i & 1) << bit
+            assert int(w.v[3, lane]) & ((1 << width) - 1) == want, (hex(ttbl), lane)
+
+
+def test_permlane_swaps_follow_the_pseudocode():
+    # v_permlane16_swap: in each 32-lane half, lanes 0..15 of SRC0 swap with lanes 16..31 of VDST;
+    # v_permlane32_swap: lanes 0..31 of SRC0 swap with lanes 32..63 of VDST
+    rng = np.random.default_rng(37)
+    x, y = rand_u32(rng), rand_u32(rng)
+    for name in ("v_permlane16_swap_b32_e32", "v_permlane32_swap_b32_e32"):
+        w, _ = run("gfx950", getattr(I, name)(v[0], v[1]), vgpr={0: y, 1: x})  # VDST v0, SRC0 v1
+        vd, s0 = y.copy(), x.copy()
+        span = 16 if "16" in name else 32
+        for base in ((0, 32) if span == 16 else (0,)):
+            for lane in range(span):
+                lo, hi = base + lane, base + lane + span
+                s0[lo], vd[hi] = vd[hi], s0[lo]
+        assert np.array_equal(w.v[0], vd) and np.array_equal(w.v[1], s0), name
+
+
+SOP = {  # (builder, sources, reference (a, b) -> (D, SCC or None))
+    "s_brev_b32": (lambda: I.s_brev_b32(s[2], s[0]), lambda a, b: (int(f"{a:032b}"[::-1], 2), None)),
+    "s_bcnt1_i32_b32": (lambda: I.s_bcnt1_i32_b32(s[2], s[0]), lambda a, b: (bin(a).count("1"), int(a != 0))),
+    "s_bcnt1_i32_b64": (lambda: I.s_bcnt1_i32_b64(s[2], s[0:1]),
+                        lambda a, b: (bin(a | b << 32).count("1"), int((a | b << 32) != 0))),
+    "s_ff1_i32_b64": (lambda: I.s_ff1_i32_b64(s[2], s[0:1]),
+                      lambda a, b: (X.ffbl_b32(a) if a else (X.ffbl_b32(b) + 32 if b else M32), None)),
+    "s_not_b32": (lambda: I.s_not_b32(s[2], s[0]), lambda a, b: (~a & M32, int(~a & M32 != 0))),
+    "s_bitcmp0_b32": (lambda: I.s_bitcmp0_b32(s[0], s[1]), lambda a, b: (None, int(not a >> (b & 31) & 1))),
+    "s_bitcmp1_b32": (lambda: I.s_bitcmp1_b32(s[0], s[1]), lambda a, b: (None, a >> (b & 31) & 1)),
+    "s_mul_hi_i32": (lambda: I.s_mul_hi_i32(s[2], s[0], s[1]),
+                     lambda a, b: (((a - (a >> 31 << 32)) * (b - (b >> 31 << 32)) >> 32) & M32, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOP))
+def test_scalar_ops_follow_the_pseudocode(name):
+    build, ref = SOP[name]
+    rng = np.random.default_rng(len(name) * 31)
+    for k in range(24):
+        a, b = (int(x) for x in rand_u32(rng, 2))
+        if k % 3 == 0:
+            a >>= int(rng.integers(0, 32))
+            b = b >> int(rng.integers(0, 32)) if k % 2 else 0
+        if k == 1:
+            a, b = 0, 0
+        w, _ = run("gfx942", build(), sgpr={0: a, 1: b, 2: 0xDEAD}, scc=k & 1)
+        d, scc = ref(a, b)
+        if d is not None:
+            assert w.s[2] == d & M32, (name, hex(a), hex(b), hex(w.s[2]))
+        assert w.scc == (k & 1 if scc is None else scc), (name, hex(a), hex(b))
+
+
+def test_sopk_addk_mulk_and_saveexec():
+    # S_ADDK_I32: D += signext(simm16), SCC = signed overflow; S_MULK_I32: D *= signext(simm16);
+    # S_AND/ANDN2_SAVEEXEC_B64: D = EXEC; EXEC = S0 & EXEC / S0 & ~EXEC; SCC = EXEC != 0
+    for d0, k in ((0x7FFFFFFF, 1), (0x80000000, 0xFFFF), (5, 0x8000), (0xFFFFFFFE, 3)):
+        w, _ = run("gfx942", I.s_addk_i32(s[0], simm16=k), I.s_mulk_i32(s[1], simm16=k), sgpr={0: d0, 1: d0})
+        kk = k - (1 << 16) if k >> 15 else k
+        r = (d0 + kk) & M32
+        assert w.s[0] == r and w.scc == int(d0 >> 31 == (kk < 0) and d0 >> 31 != r >> 31), (hex(d0), k)
+        assert w.s[1] == ((d0 - (d0 >> 31 << 32)) * kk) & M32
+    ex, src = 0x00FF00FF0000FFFF, 0x0F0F0F0F0F0F0F0F
+    for name, new in (("s_and_saveexec_b64", src & ex), ("s_andn2_saveexec_b64", src & ~ex & (1 << 64) - 1)):
+        w, _ = run("gfx942", getattr(I, name)(s[2:3], s[0:1]), sgpr={0: src & M32, 1: src >> 32}, exec_mask=ex)
+        assert (w.s[2] | w.s[3] << 32, w.exec_value(), w.scc) == (ex, new, int(new != 0)), name
