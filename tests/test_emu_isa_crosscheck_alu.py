@@ -381,3 +381,39 @@ def test_transcendental_special_values_and_one_ulp(name):
             assert got == want, (name, hex(xi), hex(got), hex(want))
         else:
             assert _ulp_distance(got, want) <= 1, (name, hex(xi), hex(got), hex(want))
+
+
+def _maximum_f32(a: int, b: int):
+    """IEEE 754-2019 maximum (V_MAXIMUM3_F32 applies it twice): a NaN operand gives a NaN
+    ('nan': its payload is not checked), +0 > -0."""
+    if X.is_nan_bits(a, 8, 23) or X.is_nan_bits(b, 8, 23):
+        return "nan"
+    if {a, b} == {0, 0x80000000}:
+        return 0
+    return a if X.bits_f32(a) >= X.bits_f32(b) else b
+
+
+def test_v_maximum3_f32_and_v_cvt_f32_f16():
+    # gfx950 v_maximum3_f32 = maximum(maximum(S0, S1), S2); v_cvt_f32_f16 of every f16 code is
+    # its exact value (NaN codes: a NaN)
+    rng = np.random.default_rng(43)
+    for _ in range(6):
+        a, b, c = f32_operands(rng), f32_operands(rng), f32_operands(rng)
+        w, _ = run("gfx950", I.v_maximum3_f32(v[3], v[0], v[1], v[2]), vgpr={0: a, 1: b, 2: c})
+        for lane in range(64):
+            m = _maximum_f32(int(a[lane]), int(b[lane]))
+            want = "nan" if m == "nan" else _maximum_f32(m, int(c[lane]))
+            got = int(w.v[3, lane])
+            assert (X.is_nan_bits(got, 8, 23) if want == "nan" else got == want), \
+                ([hex(int(t[lane])) for t in (a, b, c)], hex(got))
+    want = {}
+    for h in range(1 << 16):
+        val = X.exact(h, 5, 10)
+        want[h] = "nan" if val == "nan" else X.to_ieee(val, 8, 23) | (h >> 15) << 31
+    codes = np.arange(1 << 16, dtype=np.uint32).reshape(-1, 16, 64)  # 16 registers of 64 lanes per run
+    for block in codes:
+        w, _ = run("gfx942", *[I.v_cvt_f32_f16_e32(v[16 + r], v[r]) for r in range(16)], vgpr=dict(enumerate(block)))
+        for r in range(16):
+            for lane in range(64):
+                h, got = int(block[r, lane]), int(w.v[16 + r, lane])
+                assert (X.is_nan_bits(got, 8, 23) if want[h] == "nan" else got == want[h]), (hex(h), hex(got))
