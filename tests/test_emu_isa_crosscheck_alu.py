@@ -117,8 +117,9 @@ def test_integer_op_follows_the_pseudocode(name):
     for _ in range(4):
         srcs = [_shift_counts(rng) if k == "s" else rand_u32(rng) for k in kinds]
         if kinds == "u":  # leading/trailing-zero counts: values with few bits set, 0 and all ones
-            srcs[0] = np.where(rng.integers(0, 2, 64) == 0, srcs[0] >> rng.integers(0, 32, 64).astype(np.uint32),
-                               rng.choice(np.array([0, M32, 1, 0x80000000, 0x7FFFFFFF], np.uint32), 64)).astype(np.uint32)
+            edge = rng.choice(np.array([0, M32, 1, 0x80000000, 0x7FFFFFFF], np.uint32), 64)
+            few = srcs[0] >> rng.integers(0, 32, 64).astype(np.uint32)
+            srcs[0] = np.where(rng.integers(0, 2, 64) == 0, few, edge).astype(np.uint32)
         w, _ = run("gfx942", build(v[8], *[v[i] for i in range(len(kinds))]), vgpr=dict(enumerate(srcs)))
         for lane in range(64):
             ops = [int(x[lane]) for x in srcs]
@@ -184,10 +185,6 @@ def test_sop2_result_and_scc_follow_the_pseudocode(name):
 
 
 # --- f32 arithmetic: exact rounding -------------------------------------------------------------------------
-def _exact_or_special(bits):
-    return X.exact(bits)
-
-
 def _round32(value):
     return X.to_ieee(value, 8, 23)
 
@@ -269,7 +266,8 @@ def test_f16_bf16_narrowing_round_once():
             checks = [(int(w.v[2, lane]), ref(x, 5, 10), 5, 10),
                       (int(w.v[3, lane]) & 0xFFFF, ref(x, 5, 10, True), 5, 10),
                       (int(w.v[3, lane]) >> 16, ref(y, 5, 10, True), 5, 10),
-                      (int(w.v[4, lane]) & 0xFFFF, ref(x, 5, 10), 5, 10), (int(w.v[4, lane]) >> 16, ref(y, 5, 10), 5, 10),
+                      (int(w.v[4, lane]) & 0xFFFF, ref(x, 5, 10), 5, 10),
+                      (int(w.v[4, lane]) >> 16, ref(y, 5, 10), 5, 10),
                       (int(w.v[5, lane]) & 0xFFFF, ref(x, 8, 7), 8, 7), (int(w.v[5, lane]) >> 16, ref(y, 8, 7), 8, 7)]
             for k, (got, want, eb, mb) in enumerate(checks):
                 if want == "nan":
@@ -340,7 +338,8 @@ def _ulp_distance(a: int, b: int) -> int:
 
 
 TRANS = {  # name -> (builder, reference in binary64 on a finite/special float, input exponent range)
-    "v_exp_f32": (I.v_exp_f32_e32, lambda x: 2.0 ** x if x < 1024 else math.inf, (118, 133)),  # |x| < 64: normal results
+    # v_exp_f32 inputs |x| < 64: normal results
+    "v_exp_f32": (I.v_exp_f32_e32, lambda x: 2.0 ** x if x < 1024 else math.inf, (118, 133)),
     "v_log_f32": (I.v_log_f32_e32, lambda x: (-math.inf if x == 0 else math.nan if x < 0 else
                                               math.inf if x == math.inf else math.log2(x)), (1, 254)),
     "v_rcp_f32": (I.v_rcp_f32_e32, lambda x: math.copysign(math.inf, x) if x == 0 else 1.0 / x, (2, 252)),

@@ -99,8 +99,8 @@ def test_packed_f16_fma_mul_min_follow_the_pseudocode(arch):
     rng = np.random.default_rng(17)
     for _ in range(6):
         a, b, c = f16_words(rng), f16_words(rng), f16_words(rng)
-        insts = [I.v_pk_fma_f16(v[4], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1), I.v_pk_mul_f16(v[5], v[0], v[1], opsel_hi=3),
-                 I.v_pk_min_f16(v[6], v[0], v[1], opsel_hi=3)]
+        insts = [I.v_pk_fma_f16(v[4], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1),
+                 I.v_pk_mul_f16(v[5], v[0], v[1], opsel_hi=3), I.v_pk_min_f16(v[6], v[0], v[1], opsel_hi=3)]
         if arch == "gfx950":
             insts.append(I.v_pk_maximum3_f16(v[7], v[0], v[1], v[2], opsel_hi=3, opsel_hi2=1))
         w, _ = run(arch, *insts, vgpr={0: a, 1: b, 2: c})
@@ -173,9 +173,10 @@ def test_compares_follow_the_pseudocode():
                    I.v_cmp_u_f32_e64(s[4:5], v[2], v[3]), I.v_cmp_lt_u16_e64(s[6:7], v[4], v[5]),
                    I.v_cmp_ne_u16_e64(s[8:9], v[4], v[5]), vgpr={0: h, 1: mask, 2: fa, 3: fb, 4: ua, 5: ub},
                    exec_mask=ex)
+        def unordered(i):
+            return X.is_nan_bits(int(fa[i]), 8, 23) or X.is_nan_bits(int(fb[i]), 8, 23)
         for k, fn in enumerate([lambda i: class_f16(int(h[i]), int(mask[i])),
-                                lambda i: int(not (X.is_nan_bits(int(fa[i]), 8, 23) or X.is_nan_bits(int(fb[i]), 8, 23))),
-                                lambda i: int(X.is_nan_bits(int(fa[i]), 8, 23) or X.is_nan_bits(int(fb[i]), 8, 23)),
+                                lambda i: int(not unordered(i)), lambda i: int(unordered(i)),
                                 lambda i: int((int(ua[i]) & M16) < (int(ub[i]) & M16)),
                                 lambda i: int((int(ua[i]) & M16) != (int(ub[i]) & M16))]):
             want = sum(fn(i) << i for i in range(64) if ex >> i & 1)
