@@ -299,3 +299,52 @@ def test_sopk_addk_mulk_and_saveexec():
     for name, new in (("s_and_saveexec_b64", src & ex), ("s_andn2_saveexec_b64", src & ~ex & (1 << 64) - 1)):
         w, _ = run("gfx942", getattr(I, name)(s[2:3], s[0:1]), sgpr={0: src & M32, 1: src >> 32}, exec_mask=ex)
         assert (w.s[2] | w.s[3] << 32, w.exec_value(), w.scc) == (ex, new, int(new != 0)), name
+
+
+# --- DPP: every control the kernels use (and the other GFX9 ones), with masks and bound_ctrl -----------
+def _dpp_source(ctrl: int, lane: int):
+    """(source lane, exists) for a GFX9 DPP control, from the guides' DPP_CTRL list: quad_perm
+    selects within the quad; row_shl:n reads lane + n of the row, row_shr:n lane - n, row_ror:n
+    (lane - n) mod 16; wave_shl1 / wave_rol1 lane + 1, wave_shr1 / wave_ror1 lane - 1 (rotations
+    wrap); row_mirror 15 - i, row_half_mirror 7 - i in each half row; row_bcast:15 lane 15 of
+    the previous row (rows 1..3), row_bcast:31 lane 31 (rows 2, 3)."""
+    row, i = lane & ~15, lane & 15
+    n = ctrl & 15
+    if ctrl <= 0xFF:
+        return (lane & ~3) + (ctrl >> (2 * (lane & 3)) & 3), True
+    if 0x101 <= ctrl <= 0x10F:
+        return row + i + n, i + n < 16
+    if 0x111 <= ctrl <= 0x11F:
+        return row + i - n, i - n >= 0
+    if 0x121 <= ctrl <= 0x12F:
+        return row + (i - n) % 16, True
+    return {0x130: ((lane + 1) % 64, lane < 63), 0x134: ((lane + 1) % 64, True), 0x138: ((lane - 1) % 64, lane > 0),
+            0x13C: ((lane - 1) % 64, True), 0x140: (row + 15 - i, True), 0x141: (row + (i & 8) + 7 - (i & 7), True),
+            0x142: (row - 1, lane >= 16), 0x143: (31, lane >= 32)}[ctrl]
+
+
+DPP_CTRLS = [0xB1, 0x4E, 0x1B, 0xE4, 0x101, 0x108, 0x111, 0x11F, 0x124, 0x128, 0x12C, 0x130, 0x134, 0x138, 0x13C,
+             0x140, 0x141, 0x142, 0x143]
+
+
+@pytest.mark.parametrize("ctrl", DPP_CTRLS, ids=[hex(c) for c in DPP_CTRLS])
+def test_dpp_controls_masks_and_bound_ctrl(ctrl):
+    # v_mov_b32_dpp over random row/bank masks, bound_ctrl on/off and partial EXEC: a lane is
+    # written iff its row and bank are enabled and EXEC is on, and then, if its source lane
+    # exists and has EXEC on, it reads that lane; otherwise it reads 0 with bound_ctrl, else it
+    # is not written (GFX9 DPP rules for an invalid source lane)
+    from tinygrad.renderer.amd.dsl import DPP
+    rng = np.random.default_rng(ctrl)
+    src = rand_u32(rng)
+    for row_mask, bank_mask, bc in ((0xF, 0xF, 0), (0xF, 0xF, 1), (int(rng.integers(1, 16)), 0xC, 0),
+                                    (0xA, int(rng.integers(1, 16)), 1), (0xF, 0x3, 0), (0xF, 0x5, 1)):
+        ex = int(rng.integers(0, 1 << 63)) << 1 | 1 if bc else (1 << 64) - 1
+        inst = I.VOP1_DPP16(I.VOP1Op.V_MOV_B32_E32, vdst=v[1], src0=DPP, vsrc0=v[0], dpp=ctrl, row_mask=row_mask,
+                            bank_mask=bank_mask, bc=bc)
+        w, _ = run("gfx942", inst, vgpr={0: src, 1: 0x5EED}, exec_mask=ex)
+        for lane in range(64):
+            s_lane, exists = _dpp_source(ctrl, lane)
+            enabled = row_mask >> (lane // 16) & 1 and bank_mask >> (lane % 16 // 4) & 1 and ex >> lane & 1
+            valid = exists and ex >> s_lane & 1
+            want = 0x5EED if not enabled else int(src[s_lane]) if valid else 0 if bc else 0x5EED
+            assert int(w.v[1, lane]) == want, (hex(ctrl), row_mask, bank_mask, bc, lane)
