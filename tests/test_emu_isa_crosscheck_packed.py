@@ -348,3 +348,68 @@ def test_dpp_controls_masks_and_bound_ctrl(ctrl):
             valid = exists and ex >> s_lane & 1
             want = 0x5EED if not enabled else int(src[s_lane]) if valid else 0 if bc else 0x5EED
             assert int(w.v[1, lane]) == want, (hex(ctrl), row_mask, bank_mask, bc, lane)
+
+
+# --- LDS: the DS forms the kernels use, against a byte model of the pseudocode's addresses ---------------
+def test_ds_forms_against_a_byte_model():
+    # ds_write2_b64 / ds_read2_b64 (ADDR + OFFSETn * 8), ds_write2st64_b32 / ds_read2st64_b32
+    # (ADDR + OFFSETn * 256), ds_write_b128 / ds_read_b128 and ds_write_b16[_d16_hi] (ADDR +
+    # {OFFSET1, OFFSET0}), ds_read2_b32 (ADDR + OFFSETn * 4): random distinct lane addresses,
+    # random offsets, EXEC with lanes off (they neither write nor read)
+    rng = np.random.default_rng(47)
+    size = 1 << 16
+    for rep in range(3):
+        lds = np.zeros(size, np.uint8)
+        ex = int(rng.integers(0, 1 << 64, dtype=np.uint64)) | 1
+        on = [bool(ex >> lane & 1) for lane in range(64)]
+        slots = rng.permutation(64).astype(np.uint32)
+        a64 = slots * 32  # region 0..2047 (+ offsets * 8 < 2048)
+        a_st = 8192 + slots * 4  # region 8192 + 256 * offset
+        a128 = 40960 + slots * 16
+        a16 = 50000 + slots * 4
+        o0, o1 = int(rng.integers(0, 2)), int(rng.integers(2, 4))  # b64 slots: 8 * o within the lane's 32 bytes
+        s0, s1 = int(rng.integers(0, 6)), int(rng.integers(6, 12))  # st64: 256 * s within 8192..11264 + 256
+        off128 = int(rng.integers(0, 64)) * 16
+        d = [rand_u32(rng) for _ in range(10)]
+        insts = [I.ds_write2_b64(addr=v[0], data0=v[10:11], data1=v[12:13], offset0=o0, offset1=o1),
+                 I.ds_write2st64_b32(addr=v[1], data0=v[14], data1=v[15], offset0=s0, offset1=s1),
+                 I.ds_write_b128(addr=v[2], data0=v[16:19], offset0=off128 & 0xFF, offset1=off128 >> 8),
+                 I.ds_write_b16(addr=v[3], data0=v[10], offset0=0, offset1=0),
+                 I.ds_write_b16_d16_hi(addr=v[3], data0=v[11], offset0=2, offset1=0),
+                 I.ds_read2_b64(vdst=v[20:23], addr=v[0], offset0=o0, offset1=o1),
+                 I.ds_read2st64_b32(vdst=v[24:25], addr=v[1], offset0=s0, offset1=s1),
+                 I.ds_read_b128(vdst=v[26:29], addr=v[2], offset0=off128 & 0xFF, offset1=off128 >> 8),
+                 I.ds_read_b32(vdst=v[30], addr=v[3], offset0=0, offset1=0),
+                 I.ds_read2_b32(vdst=v[32:33], addr=v[0], offset0=2 * o0 + 1, offset1=2 * o1)]
+        vg = {0: a64, 1: a_st, 2: a128, 3: a16, **{10 + k: d[k] for k in range(10)}}
+        vg.update({r: np.full(64, 0xDEADBEEF, np.uint32) for r in range(20, 34)})
+        w, _ = run("gfx942", *insts, vgpr=vg, lds=size, exec_mask=ex)
+
+        def put(addr, val, n):
+            lds[addr:addr + n] = np.frombuffer(int(val).to_bytes(n, "little"), np.uint8)
+
+        def get(addr, n):
+            return int.from_bytes(lds[addr:addr + n].tobytes(), "little")
+        for lane in range(64):
+            if not on[lane]:
+                continue
+            dd = [int(x[lane]) for x in d]
+            put(int(a64[lane]) + 8 * o0, dd[0] | dd[1] << 32, 8)
+            put(int(a64[lane]) + 8 * o1, dd[2] | dd[3] << 32, 8)
+            put(int(a_st[lane]) + 256 * s0, dd[4], 4)
+            put(int(a_st[lane]) + 256 * s1, dd[5], 4)
+            put(int(a128[lane]) + off128, dd[6] | dd[7] << 32 | dd[8] << 64 | dd[9] << 96, 16)
+            put(int(a16[lane]), dd[0] & M16, 2)
+            put(int(a16[lane]) + 2, dd[1] >> 16, 2)
+        assert np.array_equal(w.wg.lds, lds), rep
+        for lane in range(64):
+            got = [int(w.v[r, lane]) for r in range(20, 34) if r != 31]
+            if not on[lane]:
+                assert all(g == 0xDEADBEEF for g in got), lane
+                continue
+            b64, st, b128, b16 = int(a64[lane]), int(a_st[lane]), int(a128[lane]) + off128, int(a16[lane])
+            want = [get(b64 + 8 * o0, 4), get(b64 + 8 * o0 + 4, 4), get(b64 + 8 * o1, 4), get(b64 + 8 * o1 + 4, 4),
+                    get(st + 256 * s0, 4), get(st + 256 * s1, 4),
+                    get(b128, 4), get(b128 + 4, 4), get(b128 + 8, 4), get(b128 + 12, 4), get(b16, 4),
+                    get(b64 + 4 * (2 * o0 + 1), 4), get(b64 + 8 * o1, 4)]
+            assert got == want, (rep, lane)
