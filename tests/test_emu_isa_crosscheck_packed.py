@@ -1,6 +1,7 @@
-"""Randomized differential tests of the packed 16-bit, compare, lane and scalar instructions the
-flyquant kernels execute, against the CDNA3/CDNA4 ISA guides' pseudocode transcribed per lane
-(tinygrad/runtime/autogen/amd/cdna/str_pcode.py) and exact rounding (tests/emu_xref.py).
+"""Randomized differential tests of the packed 16-bit, compare, lane (DPP, permlane), scalar, LDS
+and buffer instructions the flyquant kernels execute, against the CDNA3/CDNA4 ISA guides'
+pseudocode and definitions transcribed per lane (tinygrad/runtime/autogen/amd/cdna/str_pcode.py),
+exact rounding (tests/emu_xref.py) and byte models of memory.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import emu_xref as X
 import numpy as np
 import pytest
 from test_emu_isa import run
-from tinygrad.renderer.amd.dsl import s, v
+from tinygrad.renderer.amd.dsl import DPP, s, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
+
+from flyquant.emu.memory import Memory
 
 M32, M16 = 0xFFFFFFFF, 0xFFFF
 F16_SPECIALS = [0x0000, 0x8000, 0x3C00, 0xBC00, 0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7D00, 0x0001, 0x83FF, 0x7BFF,
@@ -333,7 +336,6 @@ def test_dpp_controls_masks_and_bound_ctrl(ctrl):
     # written iff its row and bank are enabled and EXEC is on, and then, if its source lane
     # exists and has EXEC on, it reads that lane; otherwise it reads 0 with bound_ctrl, else it
     # is not written (GFX9 DPP rules for an invalid source lane)
-    from tinygrad.renderer.amd.dsl import DPP
     rng = np.random.default_rng(ctrl)
     src = rand_u32(rng)
     for row_mask, bank_mask, bc in ((0xF, 0xF, 0), (0xF, 0xF, 1), (int(rng.integers(1, 16)), 0xC, 0),
@@ -413,3 +415,73 @@ def test_ds_forms_against_a_byte_model():
                     get(b128, 4), get(b128 + 4, 4), get(b128 + 8, 4), get(b128 + 12, 4), get(b16, 4),
                     get(b64 + 4 * (2 * o0 + 1), 4), get(b64 + 8 * o1, 4)]
             assert got == want, (rep, lane)
+
+
+# --- buffer range checking ------------------------------------------------------------------------------
+def _buffer_sgprs(base: int, num_records: int, soffset: int) -> dict:
+    """A raw buffer resource in s[4:7] (stride 0, FlyDSL's flags) and the SGPR offset in s8."""
+    return {4: base & M32, 5: (base >> 32) & 0xFFFF, 6: num_records, 7: (7 << 12) | (4 << 15), 8: soffset}
+
+
+BUFFER_LOADS = {"buffer_load_dword": (4, 1), "buffer_load_dwordx2": (8, 2), "buffer_load_dwordx4": (16, 4),
+                "buffer_load_ubyte": (1, 1), "buffer_load_ushort": (2, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(BUFFER_LOADS))
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_buffer_loads_range_check(arch, name):
+    # Raw buffer (stride 0) range check: the offset checked is inst_offset + VGPR offset (offen),
+    # unsigned and without wrap-around, against num_records; the SGPR offset is added after the
+    # check. DWORDxN loads check each dword on its own (a dword reaching past num_records is out,
+    # AMDGPUUsage "Relaxed Buffer OOB Mode": 32-bit words checked independently, unsigned,
+    # saturating), sub-dword loads are in or out whole. Out of range: 0.
+    nbytes, ndw = BUFFER_LOADS[name]
+    rng = np.random.default_rng(nbytes * 7 + len(name))
+    for _ in range(3):
+        num_records = int(rng.integers(64, 400))
+        soffset = int(rng.integers(0, 64)) * 4
+        inst_offset = int(rng.integers(0, 40))
+        data = rng.integers(0, 256, num_records + soffset + 128, dtype=np.uint8)
+        near = num_records - inst_offset - int(nbytes) + rng.integers(-12, 12, 64)
+        voff = np.where(rng.integers(0, 8, 64) == 0, rng.choice(np.array([0xFFFFFFF0, 0x80000000, 0], np.uint64), 64),
+                        np.maximum(near, 0)).astype(np.uint32)
+        vd = v[2:2 + ndw - 1] if ndw > 1 else v[2]
+        inst = getattr(I, name)(vdata=vd, vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=inst_offset)
+        w, _ = run(arch, inst, sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
+                   vgpr={0: voff, **{2 + k: 0xA5A5A5A5 for k in range(ndw)}}, memory=Memory())
+        for lane in range(64):
+            off = int(voff[lane]) + inst_offset
+            for c in range(ndw):
+                width = min(nbytes, 4)
+                ok = off + width * (c + 1) <= num_records
+                at = soffset + off + width * c
+                want = int.from_bytes(data[at:at + width].tobytes(), "little") if ok else 0
+                assert int(w.v[2 + c, lane]) == want, (name, lane, hex(off), c, num_records)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_buffer_stores_range_check(arch):
+    # The same rule for stores: an out-of-range dword (DWORDxN) or a whole sub-dword store is
+    # dropped; lanes write distinct 16-byte slots, so their order does not matter
+    rng = np.random.default_rng(53)
+    for name, nbytes, ndw in (("buffer_store_dwordx4", 16, 4), ("buffer_store_dwordx2", 8, 2),
+                              ("buffer_store_dword", 4, 1), ("buffer_store_short", 2, 1), ("buffer_store_byte", 1, 1)):
+        num_records = int(rng.integers(300, 1000))
+        soffset, inst_offset = int(rng.integers(0, 16)) * 4, int(rng.integers(0, 5)) * 4
+        data = np.zeros(num_records + soffset + 1200, np.uint8)
+        voff = (np.arange(64) * 16 + rng.integers(0, 16 - nbytes + 1, 64) // max(min(nbytes, 4), 1)
+                * max(min(nbytes, 4), 1)).astype(np.uint32)
+        vals = [rand_u32(rng) for _ in range(ndw)]
+        vd = v[2:2 + ndw - 1] if ndw > 1 else v[2]
+        inst = getattr(I, name)(vdata=vd, vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=inst_offset)
+        run(arch, inst, sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
+            vgpr={0: voff, **{2 + k: vals[k] for k in range(ndw)}}, memory=Memory())
+        want = np.zeros_like(data)
+        for lane in range(64):
+            off = int(voff[lane]) + inst_offset
+            for c in range(ndw):
+                width = min(nbytes, 4)
+                if off + width * (c + 1) <= num_records:
+                    at = soffset + off + width * c
+                    want[at:at + width] = np.frombuffer(int(vals[c][lane]).to_bytes(4, "little")[:width], np.uint8)
+        assert np.array_equal(data, want), name
