@@ -416,3 +416,42 @@ def test_v_maximum3_f32_and_v_cvt_f32_f16():
             for lane in range(64):
                 h, got = int(block[r, lane]), int(w.v[16 + r, lane])
                 assert (X.is_nan_bits(got, 8, 23) if want[h] == "nan" else got == want[h]), (hex(h), hex(got))
+
+
+# --- gfx942 MFMAs the kernels use: register layouts from AMD's matrix instruction calculator -------------
+@pytest.mark.parametrize("name,k,per_lane", [("v_mfma_f32_16x16x16_bf16", 16, 4),
+                                             ("v_mfma_f32_16x16x32_fp8_fp8", 32, 8)])
+def test_gfx942_mfma_layout_of_amds_calculator(name, k, per_lane):
+    # ROCm/amd_matrix_instruction_calculator (-a CDNA3 -i <name> -A/-B/-D --matrix-layout) gives
+    # A[i][kk] in lane i + 16 * (kk // E), element kk % E of the lane's registers (E = per_lane,
+    # little-endian), B[kk][j] in lane j + 16 * (kk // E) likewise, D[i][j] in lane
+    # j + 16 * (i // 4), register i % 4. With those, the MFMA is A @ B + C (exact here: the
+    # products and sums of these small values are exact in binary32).
+    import torch
+    rng = np.random.default_rng(k)
+    if per_lane == 4:
+        a = torch.from_numpy(rng.integers(-8, 9, (16, k)).astype(np.float32)).bfloat16()
+        b = torch.from_numpy(rng.integers(-8, 9, (k, 16)).astype(np.float32)).bfloat16()
+        abits, bbits = (t.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32) for t in (a, b))
+    else:
+        a = torch.from_numpy(rng.integers(-8, 9, (16, k)).astype(np.float32)).to(torch.float8_e4m3fnuz)
+        b = torch.from_numpy(rng.integers(-8, 9, (k, 16)).astype(np.float32)).to(torch.float8_e4m3fnuz)
+        abits, bbits = (t.view(torch.uint8).numpy().astype(np.uint32) for t in (a, b))
+    bits = 64 // per_lane  # element bits: A and B are 2 registers per lane
+    regs = {r: np.zeros(64, np.uint32) for r in range(4)}
+    for lane in range(64):
+        row, grp = lane % 16, lane // 16
+        for e in range(per_lane):
+            kk = per_lane * grp + e
+            regs[e * bits // 32][lane] |= np.uint32(int(abits[row, kk]) << (e * bits % 32))
+            regs[2 + e * bits // 32][lane] |= np.uint32(int(bbits[kk, row]) << (e * bits % 32))
+    c = rng.integers(-100, 100, (16, 16)).astype(np.float32)
+    for r in range(4):
+        regs[8 + r] = np.array([c[4 * (lane // 16) + r, lane % 16] for lane in range(64)], np.float32).view(np.uint32)
+    w, _ = run("gfx942", getattr(I, name)(v[8:11], v[0:1], v[2:3], v[8:11]), vgpr=regs)
+    want = a.float().numpy() @ b.float().numpy() + c
+    got = np.zeros((16, 16), np.float32)
+    for lane in range(64):
+        for r in range(4):
+            got[4 * (lane // 16) + r, lane % 16] = w.v[8 + r, lane].view(np.float32)
+    assert np.array_equal(got, want)
