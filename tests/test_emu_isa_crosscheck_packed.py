@@ -485,3 +485,25 @@ def test_buffer_stores_range_check(arch):
                     at = soffset + off + width * c
                     want[at:at + width] = np.frombuffer(int(vals[c][lane]).to_bytes(4, "little")[:width], np.uint8)
         assert np.array_equal(data, want), name
+
+
+def test_sopk_compares_extend_the_immediate_by_signedness():
+    # S_CMPK_*_I32 sign-extend SIMM16, S_CMPK_*_U32 zero-extend it; S_MOVK_I32 sign-extends;
+    # S_CMP_EQ/LG_U64 compare 64 bits; S_CSELECT_B64 picks by SCC
+    def s32(x):
+        return x - (1 << 32) if x >> 31 else x
+
+    for d0 in (0, 5, 0x7FFF, 0x8000, 0xFFFF, 0xFFFF8000, 0xFFFFFFFF, 0x80000000, 0x12345):
+        for k in (0, 5, 0x7FFF, 0x8000, 0xFFFF):
+            ks = k - (1 << 16) if k >> 15 else k
+            for name, want in (("s_cmpk_gt_i32", s32(d0) > ks), ("s_cmpk_lt_i32", s32(d0) < ks),
+                               ("s_cmpk_gt_u32", d0 > k), ("s_cmpk_lt_u32", d0 < k)):
+                w, _ = run("gfx942", getattr(I, name)(s[0], simm16=k), sgpr={0: d0})
+                assert w.scc == int(want), (name, hex(d0), hex(k))
+        w, _ = run("gfx942", I.s_movk_i32(s[1], simm16=d0 & M16))
+        assert w.s[1] == (d0 & M16) - (1 << 16 if d0 >> 15 & 1 else 0) & M32
+    for lo, hi, lo2, hi2 in ((1, 0, 1, 1), (7, 9, 7, 9), (0, 0, 0, 0), (0, 1, 0, 0)):
+        w, _ = run("gfx942", I.s_cmp_lg_u64(s[0:1], s[2:3]), I.s_cselect_b64(s[4:5], s[0:1], s[2:3]),
+                   sgpr={0: lo, 1: hi, 2: lo2, 3: hi2})
+        differ = (lo, hi) != (lo2, hi2)
+        assert w.scc == int(differ) and (w.s[4], w.s[5]) == ((lo, hi) if differ else (lo2, hi2))
