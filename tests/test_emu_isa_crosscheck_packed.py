@@ -12,7 +12,7 @@ import emu_xref as X
 import numpy as np
 import pytest
 from test_emu_isa import run
-from tinygrad.renderer.amd.dsl import DPP, s, v
+from tinygrad.renderer.amd.dsl import DPP, SDWA, VCC, s, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
 from flyquant.emu.memory import Memory
@@ -507,3 +507,74 @@ def test_sopk_compares_extend_the_immediate_by_signedness():
                    sgpr={0: lo, 1: hi, 2: lo2, 3: hi2})
         differ = (lo, hi) != (lo2, hi2)
         assert w.scc == int(differ) and (w.s[4], w.s[5]) == ((lo, hi) if differ else (lo2, hi2))
+
+
+# --- the SDWA forms and clamp / abs / neg modifiers the kernels' code objects use ---------------------------
+def test_sdwa_and_modifier_forms_the_kernels_use():
+    # SDWA src_sel: BYTE0..3 = 0..3, WORD0/1 = 4/5, DWORD = 6 (zero-extended, no sext here); a
+    # 16-bit op takes the low 16 bits of a DWORD select. Integer clamp saturates (unsigned for
+    # _u32 / _u16). Forms as they occur in the MX, GEMM and sorting kernels' code objects.
+    rng = np.random.default_rng(59)
+    a, b, m = rand_u32(rng), rand_u32(rng), rng.integers(0, 1 << 10, 64).astype(np.uint32)
+    b[:16] = a[:16] & np.uint32(0xFFFF)  # equal words: compares and saturation edges
+    c = f16_words(rng)
+    insts = [
+        I.VOP2_SDWA(I.VOP2Op.V_ADD_U32_E32, vdst=v[10], src0=SDWA, vsrc0=v[0], vsrc1=v[1], dst_sel=6, dst_unused=0,
+                    src0_sel=3, src1_sel=6),
+        I.VOP2_SDWA(I.VOP2Op.V_MAX_U32_E32, vdst=v[11], src0=SDWA, vsrc0=v[0], vsrc1=v[1], dst_sel=6, dst_unused=0,
+                    src0_sel=4, src1_sel=5),
+        I.VOP2_SDWA(I.VOP2Op.V_SUB_U32_E32, vdst=v[12], src0=SDWA, vsrc0=v[0], vsrc1=v[1], dst_sel=6, dst_unused=0,
+                    src0_sel=5, src1_sel=6, clmp=1),
+        I.VOP1_SDWA(I.VOP1Op.V_CVT_F32_F16_E32, vdst=v[13], src0=SDWA, vsrc0=v[2], dst_sel=6, dst_unused=0, src0_sel=5),
+        I.VOPC_SDWA_SDST(I.VOPCOp.V_CMP_GT_U32_E32, src0=SDWA, vsrc0=v[0], vsrc1=v[1], sdst=s[20], sd=1, src0_sel=4,
+                         src1_sel=6),
+        I.VOPC_SDWA_SDST(I.VOPCOp.V_CMP_LT_U16_E32, src0=SDWA, vsrc0=v[0], vsrc1=v[1], sdst=VCC, sd=0, src0_sel=0,
+                         src1_sel=6),
+        I.VOPC_SDWA_SDST(I.VOPCOp.V_CMP_CLASS_F16_E32, src0=SDWA, vsrc0=v[2], vsrc1=v[3], sdst=s[22], sd=1,
+                         src0_sel=5, src1_sel=6),
+        I.v_sub_u32_e64(v[14], v[0], v[1], clmp=1),
+        I.v_pk_sub_u16(v[15], v[0], v[1], opsel_hi=3, clmp=1),
+    ]
+    w, _ = run("gfx950", *insts, vgpr={0: a, 1: b, 2: c, 3: m})
+    gt = lt = cls = 0
+    for lane in range(64):
+        x, y, h = int(a[lane]), int(b[lane]), int(c[lane])
+        assert int(w.v[10, lane]) == ((x >> 24) + y) & M32
+        assert int(w.v[11, lane]) == max(x & M16, y >> 16)
+        assert int(w.v[12, lane]) == max((x >> 16) - y, 0)
+        half = X.exact(h >> 16, 5, 10)
+        got13 = int(w.v[13, lane])
+        assert (X.is_nan_bits(got13, 8, 23) if half == "nan" else
+                got13 == X.to_ieee(half, 8, 23) | (h >> 31) << 31), hex(h)
+        assert int(w.v[14, lane]) == max(x - y, 0)
+        assert int(w.v[15, lane]) == max((x & M16) - (y & M16), 0) | max((x >> 16) - (y >> 16), 0) << 16
+        gt |= int((x & M16) > y) << lane
+        lt |= int((x & 0xFF) < (y & M16)) << lane
+        cls |= class_f16(h >> 16, int(m[lane])) << lane
+    assert (w.s[20] | w.s[21] << 32, w.s[106] | w.s[107] << 32, w.s[22] | w.s[23] << 32) == (gt, lt, cls)
+
+
+def test_maximum3_with_abs_and_neg_modifiers():
+    # v_maximum3_f32 with abs on S1, S2 (abs=6) and v_pk_maximum3_f16 with S2 negated in both
+    # halves (neg=4, neg_hi=4), as the MX kernels use them: amax = maximum3(amax, |x|, |y|)
+    rng = np.random.default_rng(61)
+    a, b, c = (np.where(rng.integers(0, 4, 64) == 0, np.uint32(0x7FC00000), rand_u32(rng)) for _ in range(3))
+    h0, h1, h2 = f16_words(rng), f16_words(rng), f16_words(rng)
+    w, _ = run("gfx950", I.v_maximum3_f32(v[10], v[0], v[1], v[2], abs=6),
+               I.v_pk_maximum3_f16(v[11], v[3], v[4], v[5], opsel_hi=3, opsel_hi2=1, neg=4, neg_hi=4),
+               vgpr={0: a, 1: b, 2: c, 3: h0, 4: h1, 5: h2})
+    for lane in range(64):
+        x, y, z = int(a[lane]), int(b[lane]) & 0x7FFFFFFF, int(c[lane]) & 0x7FFFFFFF
+        fx, fy, fz = (X.bits_f32(t) for t in (x, y, z))
+        got = int(w.v[10, lane])
+        if any(t != t for t in (fx, fy, fz)):
+            assert X.is_nan_bits(got, 8, 23), lane
+        else:
+            best = max((x, y, z), key=lambda t: (X.bits_f32(t), not t >> 31))
+            assert got == best, (lane, hex(x), hex(y), hex(z), hex(got))
+        for hh in (0, 1):
+            p, q, r = ((int(t[lane]) >> (16 * hh)) & M16 for t in (h0, h1, h2))
+            m1 = maximum_f16(p, q)
+            want = "nan" if m1 == "nan" else maximum_f16(m1, r ^ 0x8000)
+            gh = (int(w.v[11, lane]) >> (16 * hh)) & M16
+            assert (_nan16(gh) if want == "nan" else gh == want), (lane, hh, hex(p), hex(q), hex(r), hex(gh))
