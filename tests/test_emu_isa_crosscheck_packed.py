@@ -534,9 +534,21 @@ def test_sdwa_and_modifier_forms_the_kernels_use():
                          src0_sel=5, src1_sel=6),
         I.v_sub_u32_e64(v[14], v[0], v[1], clmp=1),
         I.v_pk_sub_u16(v[15], v[0], v[1], opsel_hi=3, clmp=1),
+        # VOP2 SDWA: D = S1 >> S0 into BYTE1 with the other bits 0 (UNUSED_PAD); S1's BYTE3 / WORD0
+        I.VOP2_SDWA(I.VOP2Op.V_LSHRREV_B32_E32, vdst=v[16], src0=SDWA, vsrc0=v[4], vsrc1=v[1], dst_sel=1,
+                    dst_unused=0, src0_sel=6, src1_sel=6),
+        I.VOP2_SDWA(I.VOP2Op.V_LSHLREV_B32_E32, vdst=v[17], src0=SDWA, vsrc0=v[4], vsrc1=v[1], dst_sel=6,
+                    dst_unused=0, src0_sel=6, src1_sel=3),
+        I.VOP2_SDWA(I.VOP2Op.V_OR_B32_E32, vdst=v[18], src0=SDWA, vsrc0=v[0], vsrc1=v[1], dst_sel=6, dst_unused=0,
+                    src0_sel=0, src1_sel=4),
+        I.VOP2_SDWA(I.VOP2Op.V_ADD_U32_E32, vdst=v[19], src0=SDWA, vsrc0=v[0], vsrc1=v[1], dst_sel=6, dst_unused=0,
+                    src0_sel=6, src1_sel=3),
+        I.VOPC_SDWA_SDST(I.VOPCOp.V_CMP_NE_U32_E32, src0=SDWA, vsrc0=v[0], vsrc1=v[1], sdst=s[24], sd=1, src0_sel=5,
+                         src1_sel=6),
     ]
-    w, _ = run("gfx950", *insts, vgpr={0: a, 1: b, 2: c, 3: m})
-    gt = lt = cls = 0
+    shifts = rng.integers(0, 40, 64).astype(np.uint32)
+    w, _ = run("gfx950", *insts, vgpr={0: a, 1: b, 2: c, 3: m, 4: shifts})
+    gt = lt = cls = ne = 0
     for lane in range(64):
         x, y, h = int(a[lane]), int(b[lane]), int(c[lane])
         assert int(w.v[10, lane]) == ((x >> 24) + y) & M32
@@ -548,10 +560,17 @@ def test_sdwa_and_modifier_forms_the_kernels_use():
                 got13 == X.to_ieee(half, 8, 23) | (h >> 31) << 31), hex(h)
         assert int(w.v[14, lane]) == max(x - y, 0)
         assert int(w.v[15, lane]) == max((x & M16) - (y & M16), 0) | max((x >> 16) - (y >> 16), 0) << 16
+        sh = int(shifts[lane])
+        assert int(w.v[16, lane]) == ((y >> (sh & 31)) & 0xFF) << 8
+        assert int(w.v[17, lane]) == ((y >> 24) << (sh & 31)) & M32
+        assert int(w.v[18, lane]) == (x & 0xFF) | (y & M16)
+        assert int(w.v[19, lane]) == (x + (y >> 24)) & M32
+        ne |= int((x >> 16) != y) << lane
         gt |= int((x & M16) > y) << lane
         lt |= int((x & 0xFF) < (y & M16)) << lane
         cls |= class_f16(h >> 16, int(m[lane])) << lane
     assert (w.s[20] | w.s[21] << 32, w.s[106] | w.s[107] << 32, w.s[22] | w.s[23] << 32) == (gt, lt, cls)
+    assert w.s[24] | w.s[25] << 32 == ne
 
 
 def test_maximum3_with_abs_and_neg_modifiers():
