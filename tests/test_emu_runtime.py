@@ -373,6 +373,21 @@ def test_flydsl_launch_reaches_the_interpreter(arch, monkeypatch):
     assert emu.launches()[-1] == record
 
 
+def test_nested_record_blocks_each_get_their_launches(monkeypatch):
+    """An inner emu.record() block leaves the enclosing one registered: both see the launch made
+    inside both, only the outer the one after (the inner block's exit removed the first recorder
+    equal to its list, so with both empty the outer's: it stopped recording and its own exit
+    raised ValueError)."""
+    monkeypatch.setattr(emu._runtime, "executor", lambda *args: {"fake": "stats"})
+    a, b, c = _vadd_tensors()
+    with toolchain.target("gfx942"), emu.record() as outer:
+        with emu.record() as inner:
+            K.vector_add("gfx942")(a, b, c, stream=0)
+        K.vector_add("gfx942")(a, b, c, stream=0)
+    assert (len(inner), len(outer)) == (1, 2)
+    assert not any(r is inner or r is outer for r in emu._runtime.recorders)
+
+
 def test_failing_kernel_raises_in_the_launching_thread(monkeypatch):
     def broken(co, kernel, *_):
         raise ValueError(f"{kernel}: unknown instruction v_bogus_b32 at offset 0x40")

@@ -155,8 +155,8 @@ def record():
     runtime.recorders.append(collected)
     try:
         yield collected
-    finally:
-        runtime.recorders.remove(collected)
+    finally:  # by identity: an enclosing record() block's list may be equal (both empty)
+        runtime.recorders[:] = [r for r in runtime.recorders if r is not collected]
 
 
 def _enable_from_environment() -> None:

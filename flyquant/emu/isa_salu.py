@@ -48,10 +48,12 @@ def _bfe_u(x: int, ctl: int, bits: int) -> int:
 
 
 def _bfe_i(x: int, ctl: int, bits: int) -> int:
+    """S_BFE_I32/I64: the signed S0 shifted right arithmetically (a field reaching past the top
+    bit reads copies of the sign bit), masked to `width` bits, sign-extended from bit `width`."""
     width = (ctl >> 16) & 0x7F
-    v = _bfe_u(x, ctl, bits)
     if width == 0:
         return 0
+    v = (sext(x, bits) >> (ctl & (bits - 1))) & ((1 << width) - 1)
     return sext(v, min(width, bits)) & ((1 << bits) - 1)
 
 

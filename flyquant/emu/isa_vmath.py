@@ -66,11 +66,15 @@ def _signed_zero_fix(r, a, b, is_max):
 
 def max_min(a, b, ieee, is_max):
     """v_max/v_min of one float type: a NaN operand is dropped (a signalling NaN is returned
-    quieted in IEEE mode); max(+0, -0) = +0, min(+0, -0) = -0."""
+    quieted in IEEE mode, S0's first); with both NaN the result is S1 (the pseudocode's
+    "isNAN(S0) -> S1", which NumPy's fmax/fmin leave open); max(+0, -0) = +0, min(+0, -0) = -0."""
     r = _signed_zero_fix(np.fmax(a, b) if is_max else np.fmin(a, b), a, b, is_max)
-    if ieee and (np.count_nonzero(np.isnan(a)) or np.count_nonzero(np.isnan(b))):
-        r = np.where(_is_snan(b), _quiet(b), r)
-        r = np.where(_is_snan(a), _quiet(a), r)
+    nan_a = np.isnan(a)
+    if np.count_nonzero(nan_a) or np.count_nonzero(np.isnan(b)):
+        r = np.where(nan_a & np.isnan(b), b, r)
+        if ieee:
+            r = np.where(_is_snan(b), _quiet(b), r)
+            r = np.where(_is_snan(a), _quiet(a), r)
     return r
 
 
@@ -200,9 +204,11 @@ def _bfe_u32(a, off, width):
 
 
 def _bfe_i32(a, off, width):
+    """(S0.i32 >> off) & ((1 << width) - 1), sign-extended from bit `width`: the shift is
+    arithmetic, so a field reaching past bit 31 reads copies of the sign bit (pseudocode)."""
     off = np.asarray(off, U32) & U32(31)
     width = np.asarray(width, U32) & U32(31)
-    field = (np.asarray(a, U32) >> off) & ((U32(1) << width) - U32(1))
+    field = (np.asarray(a, I32) >> off.astype(I32)).view(U32) & ((U32(1) << width) - U32(1))
     shift = (U32(32) - width) & U32(31)  # width 0 -> 0 (and shift 0)
     out = ((field << shift).view(I32) >> shift.astype(I32))
     return np.where(width == 0, I32(0), out)
