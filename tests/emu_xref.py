@@ -188,20 +188,26 @@ def _cmp_val(b):
     return bits_f32(b)
 
 
-def v_max_f32(a: int, b: int, ieee: bool = True) -> int:
-    """V_MAX_F32 pseudocode (CDNA3/CDNA4 ISA) on bit patterns."""
-    if ieee and _is_snan32(a):
-        return a | 1 << 22
-    if ieee and _is_snan32(b):
-        return b | 1 << 22
+def _nan_pick(a: int, b: int, ieee: bool) -> int | None:
+    """The NaN rules V_MAX_F32 and V_MIN_F32 share: a signaling NaN quieted (IEEE mode), else a
+    quiet NaN gives the other operand; None when neither is NaN."""
+    for x in (a, b):
+        if ieee and _is_snan32(x):
+            return x | 1 << 22
     if is_nan_bits(a, 8, 23):
         return b
     if is_nan_bits(b, 8, 23):
         return a
-    if a == 0 and b == 0x80000000:
-        return a
-    if a == 0x80000000 and b == 0:
-        return b
+    return None
+
+
+def v_max_f32(a: int, b: int, ieee: bool = True) -> int:
+    """V_MAX_F32 pseudocode (CDNA3/CDNA4 ISA) on bit patterns."""
+    nan = _nan_pick(a, b, ieee)
+    if nan is not None:
+        return nan
+    if {a, b} == {0, 0x80000000}:
+        return 0
     x, y = _cmp_val(a), _cmp_val(b)
     if ieee:
         return a if x >= y else b
@@ -210,18 +216,11 @@ def v_max_f32(a: int, b: int, ieee: bool = True) -> int:
 
 def v_min_f32(a: int, b: int, ieee: bool = True) -> int:
     """V_MIN_F32 pseudocode."""
-    if ieee and _is_snan32(a):
-        return a | 1 << 22
-    if ieee and _is_snan32(b):
-        return b | 1 << 22
-    if is_nan_bits(a, 8, 23):
-        return b
-    if is_nan_bits(b, 8, 23):
-        return a
-    if a == 0 and b == 0x80000000:
-        return b
-    if a == 0x80000000 and b == 0:
-        return a
+    nan = _nan_pick(a, b, ieee)
+    if nan is not None:
+        return nan
+    if {a, b} == {0, 0x80000000}:
+        return 0x80000000
     return a if _cmp_val(a) < _cmp_val(b) else b
 
 
