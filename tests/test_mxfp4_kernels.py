@@ -235,11 +235,12 @@ def test_cols(arch, mode, dtype):
 
 
 # Columnwise tails: one element; 1 x 7 (16-bit: the last element at offset 0 of an odd row); a
-# column of 3 rows (odd K = 1: the last row's load moved back); a prime M and K (rows at 2-byte
+# column of 3 rows (odd K = 1: the last row's load moved back); a column of 2 rows (16-bit: x's
+# last dword whole, both rows' elements; row 0 was given row 1's); a prime M and K (rows at 2-byte
 # alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group); 544 x
 # 136: tiles inside x (scalar row offsets) beside edge tiles in both directions, a NaN and an Inf
 # inside. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
-COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (2, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
