@@ -184,8 +184,10 @@ def test_encoder_all_patterns(dtype, code, mode):
 def fp16_amax_blocks():
     """(2^15, 32) FP16 blocks, block p's amax the FP16 pattern p (+0 .. NaN; the other elements
     random within it), and the normal ones alone with a lone 0, -0, subnormal, Inf and NaN block
-    among them: the packed FP16 scale rule (_mx_common.f16_scale_tops) on every amax, and a wave
-    with one unusual block taking the exact rule."""
+    among them, and a lone -NaN past a block's first dword (gfx950's amax there is -NaN, whose
+    sign the NaN flags mistook: scale 0xFF, elements not NaN): the packed FP16 scale rule
+    (_mx_common.f16_scale_tops) on every amax, and a wave with one unusual block taking the exact
+    rule."""
     amax = torch.arange(0x8000, dtype=torch.int16).view(torch.float16)
     g = torch.Generator().manual_seed(7)
     bound = amax.float().nan_to_num(0.0, posinf=0.0)
@@ -194,6 +196,7 @@ def fp16_amax_blocks():
     lone = blocks[0x400:0x7C00].clone()
     for i, b in zip((3, 700, 1500, 2500, 4000), (0, 0x8000, 0x3FF, 0x7C00, 0x7E00)):
         lone[i] = torch.tensor(b, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    lone[5000, 11] = torch.tensor(0xFE00, dtype=torch.int32).to(torch.int16).view(torch.float16)
     return blocks, lone
 
 
