@@ -115,6 +115,15 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
 # ---------------------------------------------------------------------------------------------
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous x (..., K) as the (M, K) matrix the MXFP4 kernels take, strides (K, 1): a
+    reshape keeps a single element's strides, which torch calls contiguous whatever they are
+    (x[::4, ::64]: (256, 64)), and FlyDSL refused a tensor with no stride of 1 (a RuntimeError
+    naming neither x nor the op)."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    return x.as_strided((m, k), (k, 1))
+
+
 @torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
 def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str] = None,
                        shuffle: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +133,7 @@ def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layo
     from .kernels import mxfp4_quantize as rows
     from .kernels import mxfp4_quantize_cols as cols
 
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    x2 = _rows(x)
     if axis == 0:
         return cols.quantize_cols(x2, arch=plan.arch, scaling_mode=scaling_mode)
     return rows.quantize_rows(x2, arch=plan.arch, scaling_mode=scaling_mode, shuffle=shuffle, scale_layout=scale_layout)
@@ -157,8 +166,7 @@ def _mxfp4_quantize_dual_op(x: torch.Tensor, scaling_mode: str
     else:
         from .kernels import mxfp4_quantize_dual as k
 
-        (d1, s1), (d0, s0) = k.quantize_dual(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), arch=plan.arch,
-                                             scaling_mode=scaling_mode)
+        (d1, s1), (d0, s0) = k.quantize_dual(_rows(x), arch=plan.arch, scaling_mode=scaling_mode)
     return d1, s1, d0, s0
 
 
@@ -193,7 +201,7 @@ def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[
     from .kernels import mxfp4_quantize as rows
 
     variant = ("a16w4_gate_up" if gate_up else "a16w4") if shuffle else None
-    packed, scales = rows.quantize_rows(w.reshape(e * n, k), arch=plan.arch, scaling_mode=scaling_mode, shuffle=variant,
+    packed, scales = rows.quantize_rows(_rows(w), arch=plan.arch, scaling_mode=scaling_mode, shuffle=variant,
                                         rows_per_expert=n)
     return reference.weight_shaped(w, packed, scales)  # (no -1 in the view: E or N may be 0)
 

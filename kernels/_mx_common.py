@@ -279,12 +279,14 @@ def _tree(values, op):
 
 
 def nonfinite_halves(spec: Spec, pair):
-    """Two 16-bit amax patterns h (< 2^15) in a dword -> 1 in bit 0 / 16 where h >= NONFINITE (NaN
-    or Inf), else 0: with 2^s = 2^15 - NONFINITE, h >> s is all ones exactly there, so adding 1
-    carries into bit 15 - s. Packed shifts and an add of inline constants (a compare would keep
-    its bound in a register)."""
+    """Two 16-bit amax patterns h in a dword -> 1 in bit 0 / 16 where h >= NONFINITE (NaN or Inf),
+    else 0: with 2^s = 2^15 - NONFINITE, h >> s is all ones exactly there, so adding 1 carries
+    into bit 15 - s. Packed shifts and an add of inline constants (a compare would keep its bound
+    in a register). The sign bits are cleared first: a NaN amax of gfx950's f16 view keeps the sign
+    of the NaN it came from (v_pk_maximum3_f16 returns the NaN operand), and -NaN's h >> s carried
+    into bit 1 / 17 instead (scale 0xFF, elements left unpatched)."""
     s = (0x8000 - NONFINITE[spec.dtype]).bit_length() - 1
-    top = pk(arith.addi, pk(arith.shrui, pair, splat16(s)), splat16(1))
+    top = pk(arith.addi, pk(arith.shrui, band(pair, splat16(0x7FFF)), splat16(s)), splat16(1))
     return pk(arith.shrui, top, splat16(15 - s))
 
 

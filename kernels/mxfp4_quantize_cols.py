@@ -85,8 +85,9 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
         """One row's 16 bytes. odd (16-bit, odd K): the tensor's last element is the low half of a
         dword whose high half lies past x's end, which the buffer range check (whole dwords) reads
         as 0; a load that ends past x's end but starts inside it is moved 2 bytes back, where its
-        dwords end at x's end, and realigned (v_alignbit_b32 by 16 bits). At offset 0 (a 1 x K
-        tensor of under 8 elements) the element comes from a 2-byte load instead (rare branch)."""
+        dwords end at x's end, and realigned (v_alignbit_b32 by 16 bits). At offset 0 (x of under 8
+        elements) the element comes from a 2-byte load instead (rare branch), when M * K is odd:
+        else x's last dword is whole (M = 2, K = 1: both rows' elements, read as they are)."""
         if not odd:
             return mx.dwords_of(mx.load(rx, off))
         inside = arith.andi(mx.cmp_ult(off, x_bytes), mx.cmp_ult(x_bytes, add(off, PIECE_BYTES)))
@@ -97,7 +98,7 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
                  for j in range(PIECE_DWORDS)]
         if not first:  # only a block's first row can start at offset 0
             return words
-        at0 = arith.andi(inside, mx.cmp_eq(off, 0))
+        at0 = arith.andi(arith.andi(inside, mx.cmp_eq(off, 0)), mx.cmp_ne(band(x_bytes, 2), 0))
         last = lshr(sub(x_bytes, 2), 2)  # the dword holding the last element (low half)
 
         def patched():

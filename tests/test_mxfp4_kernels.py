@@ -184,8 +184,10 @@ def test_encoder_all_patterns(dtype, code, mode):
 def fp16_amax_blocks():
     """(2^15, 32) FP16 blocks, block p's amax the FP16 pattern p (+0 .. NaN; the other elements
     random within it), and the normal ones alone with a lone 0, -0, subnormal, Inf and NaN block
-    among them: the packed FP16 scale rule (_mx_common.f16_scale_tops) on every amax, and a wave
-    with one unusual block taking the exact rule."""
+    among them, and a lone -NaN past a block's first dword (gfx950's amax there is -NaN, whose
+    sign the NaN flags mistook: scale 0xFF, elements not NaN): the packed FP16 scale rule
+    (_mx_common.f16_scale_tops) on every amax, and a wave with one unusual block taking the exact
+    rule."""
     amax = torch.arange(0x8000, dtype=torch.int16).view(torch.float16)
     g = torch.Generator().manual_seed(7)
     bound = amax.float().nan_to_num(0.0, posinf=0.0)
@@ -194,6 +196,7 @@ def fp16_amax_blocks():
     lone = blocks[0x400:0x7C00].clone()
     for i, b in zip((3, 700, 1500, 2500, 4000), (0, 0x8000, 0x3FF, 0x7C00, 0x7E00)):
         lone[i] = torch.tensor(b, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    lone[5000, 11] = torch.tensor(0xFE00, dtype=torch.int32).to(torch.int16).view(torch.float16)
     return blocks, lone
 
 
@@ -235,11 +238,12 @@ def test_cols(arch, mode, dtype):
 
 
 # Columnwise tails: one element; 1 x 7 (16-bit: the last element at offset 0 of an odd row); a
-# column of 3 rows (odd K = 1: the last row's load moved back); a prime M and K (rows at 2-byte
+# column of 3 rows (odd K = 1: the last row's load moved back); a column of 2 rows (16-bit: x's
+# last dword whole, both rows' elements; row 0 was given row 1's); a prime M and K (rows at 2-byte
 # alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group); 544 x
 # 136: tiles inside x (scalar row offsets) beside edge tiles in both directions, a NaN and an Inf
 # inside. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
-COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (2, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

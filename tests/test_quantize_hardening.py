@@ -111,6 +111,24 @@ def test_non_contiguous_input_is_refused_on_every_backend(backend, monkeypatch):
             call()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mxfp4_single_element_views_of_any_strides(arch, monkeypatch):
+    # A one-element view is contiguous whatever its strides (x[::4, ::64]: (256, 64)); the MXFP4
+    # ops handed its reshape, with no stride of 1, to FlyDSL, which raised a RuntimeError ("cannot
+    # auto-mark layout-dynamic") naming neither x nor the op. The reference's bytes now.
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    base = torch.randn(4, 64).to(torch.bfloat16)
+    x, flat = base[::4, ::64], base.view(-1)[::2][:1]
+    assert x.is_contiguous() and x.stride() == (256, 64) and flat.stride() == (2,)
+    for got, want in ((fq.mxfp4_quantize(x), reference.mxfp4_quantize(x)),
+                      (fq.mxfp4_quantize(flat), reference.mxfp4_quantize(flat)),
+                      (fq.mxfp4_quantize(x, axis=0), reference.mxfp4_quantize(x, 0)),
+                      (sum(fq.mxfp4_quantize_dual(x), ()), sum(reference.mxfp4_quantize_dual(x), ())),
+                      (fq.mxfp4_quantize_3d(x[None]), reference.mxfp4_quantize_3d(x[None]))):
+        _assert_same(got, want, "one element")
+
+
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
 def test_axis_and_scale_block_k_must_be_ints(backend, monkeypatch):
     # axis=True / False and 1.0 / 0.0 equal 1 / 0 in a tuple: mxfp8_quantize took True as 1x32
