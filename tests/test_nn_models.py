@@ -214,3 +214,18 @@ def test_patch_moe_runs_other_families(family, monkeypatch):
         logits = model(tokens).logits
     d_kernel, d_bf16 = float((logits - ref).abs().max()), float((bf16 - ref).abs().max())
     assert 0 < d_bf16 and d_kernel <= LOGIT_RATIO * d_bf16, (d_kernel, d_bf16)
+
+
+def test_a_patched_model_generates_and_round_trips(monkeypatch):
+    """Decoding (a token per sequence and step) runs through the swapped experts and gives
+    transformers' greedy tokens on this seed; a patched model's state_dict loads into another."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    model = tiny_qwen3_moe()
+    tokens = torch.randint(0, QWEN["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model.generate(tokens, max_new_tokens=3, do_sample=False)
+        got = patch_moe(model).generate(tokens, max_new_tokens=3, do_sample=False)
+        assert torch.equal(got, want)
+        other = patch_moe(tiny_qwen3_moe(seed=1))
+        other.load_state_dict(model.state_dict())
+        assert torch.equal(other(tokens).logits, model(tokens).logits)
