@@ -232,32 +232,40 @@ def _f32_max_abs(acc, x):
     return as_i32(arith.maximumf(as_f32(acc), xa))
 
 
-def chain_amax(spec: Spec, dwords, exact=False):
+def abs_mask(spec: Spec) -> int:
+    """The bits of |x| in a dword of x: FP32, or two 16-bit halves."""
+    return 0x7FFFFFFF if spec.wide else splat16(0x7FFF)
+
+
+def chain_amax(spec: Spec, dwords, exact=False, mask=None):
     """amax over dwords of one block (or of column pairs, for the 16-bit column kernels) as an
     i32: two 16-bit patterns (BF16/FP16: the low and high halves separately) or FP32 bits, all of
-    |x|. exact=False uses gfx950's f16 view for BF16 (see the module doc)."""
+    |x|. exact=False uses gfx950's f16 view for BF16 (see the module doc). mask: abs_mask as a
+    value of the caller's (an opaque SGPR keeps these |x| apart from other uses of x & abs_mask,
+    which LLVM would otherwise merge with them and keep alive in between)."""
+    mask = abs_mask(spec) if mask is None else mask
     if spec.wide:
         if spec.arch == "gfx950":
             acc = as_i32(llvm.intr_fabs(as_f32(dwords[0])))
             for d in dwords[1:]:
                 acc = _f32_max_abs(acc, d)
             return acc
-        return _tree([band(d, 0x7FFFFFFF) for d in dwords], umax)
+        return _tree([band(d, mask) for d in dwords], umax)
     if spec.f16_view and not exact:
-        acc = band(dwords[0], splat16(0x7FFF))
+        acc = band(dwords[0], mask)
         for d in dwords[1:]:
             acc = _f16_max_abs(acc, d)
         return acc
-    return _tree([band(d, splat16(0x7FFF)) for d in dwords], pk_umax)
+    return _tree([band(d, mask) for d in dwords], pk_umax)
 
 
-def chain_amax_interleaved(spec: Spec, columns, exact=False, pinned=False):
+def chain_amax_interleaved(spec: Spec, columns, exact=False, pinned=False, mask=None):
     """chain_amax of several independent lists, emitted step by step across the lists so that
     consecutive instructions do not depend on each other (no hazard wait states between them).
     pinned: a scheduling barrier after each step keeps that order (LLVM's scheduler otherwise may
     run a fourth chain alone, an s_nop between each of its steps)."""
     if spec.wide and spec.arch != "gfx950" or (not spec.wide and not (spec.f16_view and not exact)):
-        return [chain_amax(spec, col, exact) for col in columns]
+        return [chain_amax(spec, col, exact, mask) for col in columns]
     first = _f32_abs if spec.wide else (lambda d: band(d, splat16(0x7FFF)))
     step = _f32_max_abs if spec.wide else _f16_max_abs
     accs = [first(col[0]) for col in columns]

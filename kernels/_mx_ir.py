@@ -224,6 +224,14 @@ def opaque_sgpr(x, tag: str = ""):
     return llvm.inline_asm(x.type, [x], f"; {tag}" if tag else "", "=s,0")
 
 
+def opaque_vgprs(values):
+    """The i32 values, hidden from LLVM by empty side-effecting inline asm (no instruction; a value
+    not used after it keeps its register): what follows cannot share computations with what came
+    before (LLVM would keep such shared values alive in between), nor be scheduled before the
+    side effects emitted so far."""
+    return [llvm.inline_asm(i32_t(), [val(v)], "", "=v,0", has_side_effects=True) for v in values]
+
+
 def lane_word(pred_bit):
     """A per-lane word of all ones where the i32 `pred_bit` (0 or 1) is 1, else 0 (bit_select's
     choice: it stays in a VGPR, where an i1 lane mask would take an SGPR pair)."""

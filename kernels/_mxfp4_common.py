@@ -264,11 +264,16 @@ def convert_pieces(spec: Spec, groups, operands, rare=None, codes=None):
     16-bit range; `codes()` then gives the pieces' codes)."""
     if spec.scaled_cvt:
         return hw_pieces(spec, groups, [mx.as_f32(op) for op in operands])
-    via_f32 = lambda cs: [sw32_piece(spec, w, sw32_mult(c)) for w, c in zip(groups, cs)]  # noqa: E731
     if spec.wide:
-        return via_f32(operands)
-    return mx.if_else(rare, lambda: via_f32(codes()), lambda: sw16_pieces(spec, groups, operands),
+        return sw32_pieces(spec, groups, operands)
+    return mx.if_else(rare, lambda: sw32_pieces(spec, groups, codes()), lambda: sw16_pieces(spec, groups, operands),
                       types=[mx.i32_t()] * len(groups))
+
+
+def sw32_pieces(spec: Spec, groups, codes):
+    """gfx942: pieces of 8 elements (or 4 FP32), each with its block's code -> a dword of nibbles
+    each through FP32 (sw32_piece)."""
+    return [sw32_piece(spec, w, sw32_mult(c)) for w, c in zip(groups, codes)]
 
 
 def sw_convert(spec: Spec, words, code, amax):

@@ -3,6 +3,13 @@ ceil(K/32) * 16), scales (M, ceil(K/32))) and the columnwise ones (x^T quantized
 (K, ceil(M/32) * 16), scales (K, ceil(M/32))) of kernels/mxfp4_quantize.py and
 kernels/mxfp4_quantize_cols.py, bit-exact with both, in one kernel.
 
+Two kernels (in_registers picks): K % 32 == 0, but for FP32 on gfx942, the register kernel,
+kernels/mxfp4_quantize_cols.py's dual variant (its docstring: the columnwise kernel's lanes, each
+holding 32 rows x 16 bytes, quantize their columns as that kernel does and, from the same
+registers, the rows' blocks split over 4 (FP32: 8) lanes, whose data goes through an LDS stage
+out as whole lines). The others (K % 32 != 0, and FP32 on gfx942, where the software conversion
+of whole blocks in one lane executes fewer instructions) take this module's kernel:
+
 Work split: a wave tile is 32 rows (row block rb) x 64 columns (row blocks 2t and 2t + 1 of
 each row); lane l quantizes block (rb * 32 + l % 32, 2t + l / 32) of the rowwise output and
 column 64t + l over the row block of the columnwise one. K % 32 == 0: the tile is loaded by
@@ -55,6 +62,7 @@ from flyquant.arch import arch_info
 
 from . import _mx_common as mx
 from . import _mxfp4_common
+from . import mxfp4_quantize_cols as cols_kernel
 from ._mx_common import MX_BLOCK, PIECE_BYTES, PIECE_DWORDS, WAVE, Spec, add, band, const, lshr, mul, shl, sub, val
 from ._mxfp4_common import OUT_BLOCK_BYTES, TORCH_DTYPES, allocate, quantize_words
 
@@ -92,9 +100,23 @@ def column_pass(elem_bytes: int) -> int:
     return min(WAVE, 1 << (fit.bit_length() - 1))
 
 
+def in_registers(k: int, arch: str, dtype: torch.dtype) -> bool:
+    """Whether the register kernel (kernels/mxfp4_quantize_cols.py's dual variant) takes a dual
+    quantize: K % 32 == 0, but for FP32 on gfx942, where this module's kernel executes fewer
+    instructions (its software conversion of 8 elements per output dword, against 4)."""
+    return k % MX_BLOCK == 0 and not (arch == "gfx942" and dtype == torch.float32)
+
+
 def plan_dual(shape, arch: str, dtype: torch.dtype = torch.bfloat16) -> DualPlan:
-    """The grid of a dual quantize of an (M, K) tensor: a workgroup per 256 x 256 elements."""
+    """The grid of a dual quantize of an (M, K) tensor: the register kernel (in_registers) a
+    workgroup per 256 rows x dual_waves column tiles of 128 bytes (256 columns); this module's a
+    workgroup per 256 x 256 elements."""
     m, k = shape
+    if in_registers(k, arch, dtype):
+        eb = torch.empty((), dtype=dtype).element_size()
+        waves = cols_kernel.dual_waves(eb)
+        return DualPlan(-(-k * eb // (waves * cols_kernel.LINE_BYTES)), -(-m // cols_kernel.STAGE_ROWS),
+                        cols_kernel.STAGE_ROWS * cols_kernel.LINE_BYTES)
     lds = WAVES * wave_lds_bytes(torch.empty((), dtype=dtype).element_size()) + 2 * ROW_STAGE_BYTES
     assert lds <= arch_info(arch).lds_bytes_per_cu
     return DualPlan(-(-k // (WAVES * TILE_COLS)), -(-m // (ROW_BLOCKS * MX_BLOCK)), lds)
@@ -293,14 +315,15 @@ _cached_dual = functools.lru_cache(maxsize=None)(build_dual)
 
 
 def too_large(shape, dtype: torch.dtype) -> str | None:
-    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets; the last row block's
-    rows past M are read, as zeros), or None."""
+    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets; the last row tile's
+    rows past M are read, as zeros: 32 of them here, 256 in the register kernel), or None."""
     m, k = shape
     row_bytes = k * torch.empty((), dtype=dtype).element_size()
-    x_bytes = (m + MX_BLOCK) * row_bytes
+    x_bytes = (m + cols_kernel.STAGE_ROWS) * row_bytes
     out_bytes = max(m * -(-k // MX_BLOCK), k * -(-m // MX_BLOCK)) * OUT_BLOCK_BYTES
     if max(x_bytes, out_bytes) >= mx.MAX_LAUNCH_BYTES:
-        return f"x plus {MX_BLOCK} rows ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB (32-bit buffer offsets)"
+        return (f"x plus {cols_kernel.STAGE_ROWS} rows ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB "
+                "(32-bit buffer offsets)")
     return None
 
 
@@ -319,6 +342,13 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     if m * k == 0:
         return (d1, s1.view(e8)), (d0, s0.view(e8))
     cfg = plan_dual((m, k), arch, x.dtype)
+    if in_registers(k, arch, x.dtype):
+        with toolchain.target(arch):
+            dt = TORCH_DTYPES[x.dtype]
+            launch = cols_kernel._cached_cols(arch, dt, scaling_mode, False, cols_kernel.dual_waves(x.element_size()), True)
+            launch(x, d0, s0, d1, s1, m, k, nmb, nkb, k * x.element_size(), cfg.col_groups, cfg.row_groups,
+                   stream=mx.torch_stream(x))
+        return (d1, s1.view(e8)), (d0, s0.view(e8))
     with toolchain.target(arch):
         launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0)
         launch(x, d1, s1, d0, s0, m, k, nkb, nmb, k * x.element_size(), x.numel() * x.element_size(),

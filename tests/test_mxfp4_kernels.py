@@ -268,11 +268,11 @@ def test_dual(arch, mode, dtype):
     """kernels/mxfp4_quantize_dual.py: both orientations in one launch, each byte-identical to the
     reference's (so to the rowwise and columnwise kernels'): the special blocks (as rows, and
     their values across the columns; NaN/Inf, -0, subnormals, saturation), an odd row count
-    with a K tail (odd K: the 16-bit last element), one row, one column; K % 32 == 0 (the
-    whole-line loads): an odd row count with an odd block count (the tile's second block past the
-    row's end), and whole tiles; workgroups of 256 x 256 (2 x 3 here): the last row group with 2
-    of its 8 row blocks, the last column group with 1 of its 4 column tiles (the other waves'
-    blocks all past K), NaN and Inf in the second group's rows; and with a K tail over groups."""
+    with a K tail (odd K: the 16-bit last element), one row, one column; K % 32 == 0 (the register
+    kernel, but for FP32 on gfx942: the whole-line loads): an odd row count with an odd block
+    count (the tile's second block past the row's end), and whole tiles; 300 x 544 (workgroups of
+    256 rows x 256 columns: the last row tile with 44 rows, the last column group with 1 of its 4
+    (FP32: 8) column tiles, the other waves' tiles past K), NaN and Inf in the second row tile's rows; and with a K tail over groups."""
     emu.enable(arch)
     grouped = random_rows(300, 544, dtype, 13)
     grouped[260, 300], grouped[1, 540] = float("nan"), float("-inf")
@@ -339,6 +339,34 @@ def test_compile_dual(arch, dtype, tail):
     assert r.count("s_barrier") == blocks
     assert r.count("buffer_store_dwordx4") == blocks + 8 and r.count("buffer_store_byte") == 2 * blocks
     assert r.workgroups_per_cu() >= (1 if (arch, dtype) == ("gfx942", "fp32") else 2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_compile_dual_registers(arch, dtype):
+    """The dual's register kernel (mxfp4_quantize_cols.build_cols(dual=True); K % 32 == 0): no
+    scratch, no AGPRs; the lane's 32 row loads once per path (inner tile, edge tile); its rowwise
+    data into the stage (16-bit: 32 dwords, mostly as ds_write2_b32, gfx942 once more for the rare
+    FP32 conversion; FP32: 32 ds_write_b16), plus the rare path's NaN rows (32 more); one barrier, then 8 (FP32: 4) 16-byte stage reads and line
+    stores; per column a data store and a code byte, per own row a code byte."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x = torch.zeros(256, 256, dtype=torch_dtype)
+    eb = x.element_size()
+    q1, s1, q0, s0 = (torch.zeros(s, dtype=U8) for s in ((256, 128), (256, 8), (256, 128), (256, 8)))
+    launch = kc.build_cols(arch, dtype, "even", False, kc.dual_waves(eb), True)
+    (r,) = toolchain.compile_only(arch, launch, x, q0, s0, q1, s1, 256, 256, 8, 8, 256 * eb, 1, 1, stream=0)
+    print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}, LDS {r.lds_bytes}, {r.workgroups_per_cu()} workgroups/CU")
+    cols, own, lines = (4, 4, 4) if dtype == "fp32" else (8, 8, 8)
+    assert r.spills == 0 and r.vgprs <= 256 and "accvgpr" not in r.isa and r.lds_bytes == 256 * 128
+    assert r.count("buffer_load_dwordx4") == 2 * 32
+    paths = 2 if arch == "gfx942" and dtype != "fp32" else 1  # gfx942 16-bit: the encoder's and the FP32 fallback's
+    if dtype == "fp32":
+        assert r.count("ds_write_b16") == 2 * 32
+    else:  # (pairs of rows 128 bytes apart merged; LLVM may merge the two paths' last stores)
+        assert 64 <= 2 * r.count("ds_write2_b32") + r.count("ds_write_b32") <= 32 * paths + 32
+    assert r.count("s_barrier") == 1 and r.count("ds_read_b128") == lines
+    assert r.count("buffer_store_dwordx4") == cols + lines and r.count("buffer_store_byte") == cols + own
+    assert ("v_cvt_scalef32" in r.isa) == (arch == "gfx950")
 
 
 @pytest.mark.parametrize("exp_field", [0, 1, 2, 3, 4, 127, 200, 254])
