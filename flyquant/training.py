@@ -1,9 +1,10 @@
 """MXFP8 MoE training: the grouped GEMM of routed experts as an autograd op.
 
 ``mxfp8_grouped_mm(A, B_t, offs)`` has the contract of torchao 0.18's
-``_to_mxfp8_then_scaled_grouped_mm`` (its default recipe: MXFP8 forward, dgrad and wgrad, no
-bias, no padding): A (M, K) high precision, token-grouped by offs; B_t (E, K, N) the transposed
-expert weights; out (M, N), out[group g] = A[g] @ B_t[g]. Every GEMM is fq.mxfp8_grouped_mm /
+``_to_mxfp8_then_scaled_grouped_mm`` (its recipes: MXFP8 forward, dgrad and wgrad, or the wgrad
+in high precision; token groups padded or not; the bias is the caller's): A (M, K) high
+precision, token-grouped by offs; B_t (E, K, N) the transposed expert weights; out (M, N),
+out[group g] = A[g] @ B_t[g]. Every MXFP8 GEMM is fq.mxfp8_grouped_mm /
 fq.mxfp8_grouped_mm_wgrad (FlyDSL kernel or reference, as the selector plans) on operands
 quantized by flyquant's MXFP8 quantize ops:
 
@@ -19,8 +20,16 @@ probe that arbitrary OCP operands need there (validate.SIGNED_ZEROS_DOC).
 
 The forward takes any token group sizes. The backward's 32x1 blocks must not straddle groups:
 every group size must be a multiple of 32 and M a multiple of 32 (torchao's unpadded recipe
-requires the same), checked where the host holds offs (see flyquant.grouped_mm). Gradients come
-back in A's and B_t's dtypes.
+requires the same), checked where the host holds offs (see flyquant.grouped_mm), unless
+- wgrad_with_hp: grad_B_t[g] = A[g]^T @ grad_out[g] by torch._grouped_mm in the operands'
+  (promoted) dtype, as torchao's MXFP8_RCEIL_WGRAD_WITH_HP recipe computes it; or
+- pad_token_groups_for_grouped_mm: every group is moved to a 32-aligned start in a zero-padded
+  copy of A (and of grad_out in the backward) with its size rounded up to 32, the GEMMs run on
+  the copies and the token rows are gathered back. Where the rows go is computed on offs' device
+  (no host synchronisation), so the copies have the bound M + 31 E rows (rounded up to 32); the
+  padding rows are zeros, which change no 1x32 or 32x1 block's scale, so every block of a
+  group's rows is quantized as torchao's padded recipe quantizes it.
+Gradients come back in A's and B_t's dtypes.
 """
 
 from __future__ import annotations
@@ -72,29 +81,61 @@ def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool) -> tuple[
     return data.transpose(1, 2), scales
 
 
+def _padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token groups padded to multiples of 32 (module docstring): (where each of the `rows` rows
+    goes (rows,) int64, the padded groups' ends (E,) int32, the padded row count), computed on
+    offs' device. Rows past the last group go after the last padded group, still past it; with
+    offs that are not non-decreasing the places are clamped into the copy (no access outside it)."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    sizes = (ends - starts).clamp_min(0)
+    padded_ends = ((sizes + MX_BLOCK - 1) // MX_BLOCK * MX_BLOCK).cumsum(0)
+    padded_starts = torch.cat([padded_ends.new_zeros(1), padded_ends[:-1]])
+    shift = torch.cat([padded_starts - starts, padded_ends[-1:] - ends[-1:]])  # per group, then past the last
+    row = torch.arange(rows, device=offs.device)
+    total = -(-(rows + (MX_BLOCK - 1) * offs.numel()) // MX_BLOCK) * MX_BLOCK
+    dest = (row + shift[torch.searchsorted(ends, row, right=True)]).clamp_(0, total - 1)
+    return dest, padded_ends.int(), total
+
+
+def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.new_zeros(rows, t.shape[1]).index_copy_(0, dest, t)
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A, B_t, offs, out_dtype, scaling_mode):
+    def forward(ctx, A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad_groups):
         sz = _signed_zeros(A)
+        dest = None
+        if pad_groups:  # the GEMMs run on the padded copy; its rows are gathered back below
+            dest, offs, rows = _padded_rows(offs, A.shape[0])
+            A = _scatter_rows(A, dest, rows)
         a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT, signed_zeros=sz)
         b, b_scale = _along_k(B_t, scaling_mode, sz)
-        ctx.save_for_backward(A, B_t, offs)
-        ctx.out_dtype, ctx.scaling_mode, ctx.signed_zeros = out_dtype, scaling_mode, sz
-        return grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT, signed_zeros=sz)
+        ctx.save_for_backward(A, B_t, offs, dest)
+        ctx.out_dtype, ctx.scaling_mode, ctx.signed_zeros, ctx.wgrad_with_hp = out_dtype, scaling_mode, sz, wgrad_with_hp
+        out = grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT, signed_zeros=sz)
+        return out if dest is None else out.index_select(0, dest)
 
     @staticmethod
     def backward(ctx, grad_out):
-        A, B_t, offs = ctx.saved_tensors
+        A, B_t, offs, dest = ctx.saved_tensors
         mode, out_dtype, sz = ctx.scaling_mode, ctx.out_dtype, ctx.signed_zeros
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous() if dest is None else _scatter_rows(grad_out, dest, A.shape[0])
         grad_a = grad_b_t = None
         if ctx.needs_input_grad[0]:
             g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT, signed_zeros=sz)
             w, w_scale = _along_k(B_t.transpose(1, 2), mode, sz)  # B_t along N, as (E, K, N)
             grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT,
                                                  signed_zeros=sz).to(A.dtype)
+            if dest is not None:
+                grad_a = grad_a.index_select(0, dest)
         if ctx.needs_input_grad[1] and A.shape[0] == 0:  # no tokens: no 32x1 block to quantize, zero gradient
             grad_b_t = torch.zeros(B_t.shape, dtype=B_t.dtype, device=B_t.device)
+        elif ctx.needs_input_grad[1] and ctx.wgrad_with_hp:  # torchao's recipe: A[g]^T @ grad_out[g] unquantized
+            dtype = torch.promote_types(A.dtype, grad_out.dtype)
+            grad_b_t = torch._grouped_mm(A.t().to(dtype), grad_out.to(dtype), offs=offs,
+                                         out_dtype=out_dtype).to(B_t.dtype)
         elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
             validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
                                  "quantizes them in 32x1 blocks for B_t's gradient)")
@@ -102,17 +143,21 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode, signed_zeros=sz)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype,
                                                          signed_zeros=sz).to(B_t.dtype)
-        return grad_a, grad_b_t, None, None, None
+        return grad_a, grad_b_t, None, None, None, None, None
 
 
-def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil"):
+def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil", wgrad_with_hp=False,
+                     pad_token_groups_for_grouped_mm=False):
     """Differentiable MXFP8 grouped GEMM of routed experts: (M, N), rows of group g = A[g] @ B_t[g].
 
     A (M, K) BF16/FP16/FP32, K a multiple of 32; B_t (E, K, N), contiguous or (as torchao passes
     it) the transpose of contiguous (E, N, K) weights, N a multiple of 32; offs (E,) int32 on A's device,
     cumulative token-group ends (non-decreasing, last <= M; rows after it give 0 and get zero
     gradient); out_dtype bfloat16 or float32; scaling_mode "rceil" or "floor". The backward needs
-    group sizes and M multiples of 32 (module docstring).
+    group sizes and M multiples of 32, unless wgrad_with_hp (B_t's gradient by torch._grouped_mm,
+    unquantized) or pad_token_groups_for_grouped_mm (groups padded to multiples of 32 on the
+    device): torchao's options of the same names (module docstring).
     """
     _check(A, B_t, offs, out_dtype, scaling_mode)
-    return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode)
+    return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, bool(wgrad_with_hp),
+                                 bool(pad_token_groups_for_grouped_mm))

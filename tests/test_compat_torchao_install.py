@@ -189,7 +189,10 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     before rounding to BF16, so its outputs differ by at most one BF16 rounding (2^-8 relative
     each side); through the second GEMM such a difference can move one E4M3 rounding (2^-4
     relative of one element). Loss (a mean of squares): 2^-6 relative; weights after the step
-    and their gradients: 2^-4 relative (Frobenius)."""
+    and their gradients: 2^-4 relative (Frobenius). The same for torchao's other recipe options,
+    each against EMULATED with the same options: wgrad_with_hp (its MXFP8_RCEIL_WGRAD_WITH_HP
+    recipe; B_t's gradients unquantized, so token groups of any size) and
+    pad_token_groups_for_grouped_mm, both on groups that are not multiples of 32."""
     out = run("""
         os.environ["FLYQUANT_BACKEND"] = "auto"  # kernels where registered, else the reference
         import copy
@@ -222,58 +225,57 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
         base = Experts(3, 64, 96, g)
         x = torch.randn(96, 64, generator=g).to(torch.bfloat16)
         target = torch.randn(96, 64, generator=g).to(torch.bfloat16)
-        offs = torch.tensor([32, 32, 96], dtype=torch.int32)  # an empty expert
-        runs = {}
-        for pref in ("AUTO", "EMULATED"):
-            model = copy.deepcopy(base)
-            quantize_(model, MXFP8TrainingOpConfig(kernel_preference=getattr(KernelPreference, pref)),
-                      filter_fn=lambda mod, fqn: isinstance(mod, Experts))
-            opt = torch.optim.SGD(model.parameters(), lr=0.5)
-            calls.clear()
-            with fq.emu.record() as launches:
-                loss = (model(x, offs).float() - target.float()).square().mean()
-                loss.backward()
-            plain = lambda t: getattr(t, "_data", t).detach().float().clone()  # torchao's weight wrapper -> its tensor
-            grads = [plain(p.grad) for p in (model.w1, model.w2)]
-            opt.step()
-            runs[pref] = (loss.item(), grads, [plain(p) for p in (model.w1, model.w2)],
-                          list(calls), [r.kernel for r in launches], type(model.w1).__name__)
-        auto, emulated = runs["AUTO"], runs["EMULATED"]
+        recipes = {"default": ({}, [32, 32, 96]),  # an empty expert
+                   "wgrad_with_hp": ({"wgrad_with_hp": True}, [20, 20, 96]),
+                   "padded": ({"pad_token_groups_for_grouped_mm": True}, [20, 20, 96])}
         rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-        out["wrapped"] = [auto[5], emulated[5]]
-        out["loss"] = [auto[0], emulated[0]]
-        out["grad_rel"] = [rel(a, b) for a, b in zip(auto[1], emulated[1])]
-        out["weight_rel"] = [rel(a, b) for a, b in zip(auto[2], emulated[2])]
-        out["moved"] = [rel(a, b.float()) for a, b in zip(auto[2], (base.w1, base.w2))]
-        out["calls"] = [auto[3], emulated[3]]
-        out["kernels"] = [auto[4], emulated[4]]
+        for recipe, (options, ends) in recipes.items():
+            offs = torch.tensor(ends, dtype=torch.int32)
+            runs = {}
+            for pref in ("AUTO", "EMULATED"):
+                model = copy.deepcopy(base)
+                config = MXFP8TrainingOpConfig(kernel_preference=getattr(KernelPreference, pref), **options)
+                quantize_(model, config, filter_fn=lambda mod, fqn: isinstance(mod, Experts))
+                opt = torch.optim.SGD(model.parameters(), lr=0.5)
+                calls.clear()
+                with fq.emu.record() as launches:
+                    loss = (model(x, offs).float() - target.float()).square().mean()
+                    loss.backward()
+                plain = lambda t: getattr(t, "_data", t).detach().float().clone()  # torchao's weight wrapper -> its tensor
+                grads = [plain(p.grad) for p in (model.w1, model.w2)]
+                opt.step()
+                runs[pref] = (loss.item(), grads, [plain(p) for p in (model.w1, model.w2)],
+                              list(calls), [r.kernel for r in launches], type(model.w1).__name__)
+            auto, emulated = runs["AUTO"], runs["EMULATED"]
+            out[recipe] = {"wrapped": [auto[5], emulated[5]], "loss": [auto[0], emulated[0]],
+                           "grad_rel": [rel(a, b) for a, b in zip(auto[1], emulated[1])],
+                           "weight_rel": [rel(a, b) for a, b in zip(auto[2], emulated[2])],
+                           "moved": [rel(a, b.float()) for a, b in zip(auto[2], (base.w1, base.w2))],
+                           "calls": [auto[3], emulated[3]], "kernels": [auto[4], emulated[4]]}
         w1_t = base.w1.detach().transpose(-2, -1)
-        out["unsupported"] = []
-        for option in ("wgrad_with_hp", "pad_token_groups_for_grouped_mm"):
-            try:
-                compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, **{option: True})
-            except NotImplementedError as exc:
-                out["unsupported"].append(option in str(exc))
+        offs = torch.tensor([32, 32, 96], dtype=torch.int32)
         bias = torch.randn(96, generator=g).to(torch.bfloat16)
         out["bias"] = torch.equal(compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs, bias=bias),
                                   compat.to_mxfp8_then_scaled_grouped_mm(x, w1_t, offs) + bias)
     """)
     assert any("_to_mxfp8_then_scaled_grouped_mm" in line for line in out["installed"])
-    assert out["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
-    auto_calls, emulated_calls = out["calls"]
-    # 2 forward GEMMs, 1 dgrad (x needs no gradient: the first GEMM's dgrad is skipped) and 2
-    # wgrads, all the FlyDSL kernels, emulated: the reference never runs
-    assert auto_calls == [] and emulated_calls == []
-    auto_kernels, emulated_kernels = out["kernels"]
-    assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 3, auto_kernels
-    assert sum(k.startswith("mxfp8_grouped_mm_wgrad_gfx950") for k in auto_kernels) == 2, auto_kernels
-    assert all(k.startswith("mxfp8_") for k in auto_kernels), auto_kernels  # and the casts, emulated
-    assert emulated_kernels == []
-    loss, loss_emulated = out["loss"]
-    assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, out["loss"]
-    assert max(out["grad_rel"]) <= 2**-4 and max(out["weight_rel"]) <= 2**-4, out
-    assert min(out["moved"]) > 1e-3, out["moved"]  # the step changed the weights
-    assert out["unsupported"] == [True, True] and out["bias"]
+    for recipe, wgrad_kernels in (("default", 2), ("wgrad_with_hp", 0), ("padded", 2)):
+        run_ = out[recipe]
+        assert run_["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
+        auto_calls, emulated_calls = run_["calls"]
+        # 2 forward GEMMs, 1 dgrad (x needs no gradient: the first GEMM's dgrad is skipped) and 2
+        # wgrads (wgrad_with_hp: torch._grouped_mm), all the FlyDSL kernels, emulated: the reference never runs
+        assert auto_calls == [] and emulated_calls == [], recipe
+        auto_kernels, emulated_kernels = run_["kernels"]
+        assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 3, (recipe, auto_kernels)
+        assert sum(k.startswith("mxfp8_grouped_mm_wgrad_gfx950") for k in auto_kernels) == wgrad_kernels, recipe
+        assert all(k.startswith("mxfp8_") for k in auto_kernels), auto_kernels  # and the casts, emulated
+        assert emulated_kernels == []
+        loss, loss_emulated = run_["loss"]
+        assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, (recipe, run_["loss"])
+        assert max(run_["grad_rel"]) <= 2**-4 and max(run_["weight_rel"]) <= 2**-4, (recipe, run_)
+        assert min(run_["moved"]) > 1e-3, (recipe, run_["moved"])  # the step changed the weights
+    assert out["bias"]
 
 
 def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():

@@ -68,10 +68,10 @@ def _training_case(m=96, k=64, n=64, ends=(32, 32, 96), seed=0):
     return A, W, G, offs(*ends)
 
 
-def _run_training_op(A, B_t, G, ends, mode="rceil"):
+def _run_training_op(A, B_t, G, ends, mode="rceil", **options):
     a, b = A.clone().requires_grad_(), B_t.detach().clone().requires_grad_()  # clone keeps B_t's strides
     assert b.stride() == B_t.stride()
-    out = training.mxfp8_grouped_mm(a, b, ends, scaling_mode=mode)
+    out = training.mxfp8_grouped_mm(a, b, ends, scaling_mode=mode, **options)
     out.backward(G)
     return out.detach(), a.grad, b.grad
 
@@ -122,44 +122,64 @@ def check_vs_bf16_autograd(to_device):
     assert grad_a.dtype == A.dtype and grad_b_t.dtype == W.dtype and grad_b_t.shape == (3, k, n)
 
 
-OPERAND_CASES = [("reference", m, lay) for m in ("rceil", "floor") for lay in ("transposed_view", "contiguous")]
-OPERAND_CASES += [("gfx942", "rceil", "transposed_view"), ("gfx950", "floor", "contiguous")]
+OPERAND_CASES = [("reference", m, lay, {}) for m in ("rceil", "floor") for lay in ("transposed_view", "contiguous")]
+OPERAND_CASES += [("gfx942", "rceil", "transposed_view", {}), ("gfx950", "floor", "contiguous", {})]
+# torchao's other recipe options: groups not multiples of 32 (an empty one, rows past the last)
+PAD, HP = {"pad_token_groups_for_grouped_mm": True}, {"wgrad_with_hp": True}
+OPERAND_CASES += [("reference", "rceil", "transposed_view", PAD), ("reference", "floor", "contiguous", HP),
+                  ("gfx950", "rceil", "transposed_view", PAD), ("gfx942", "floor", "transposed_view", PAD),
+                  ("gfx950", "rceil", "transposed_view", {**PAD, **HP})]
 
 
-@pytest.mark.parametrize("where,mode,layout", OPERAND_CASES)
-def test_training_op_gemm_operands(monkeypatch, where, mode, layout):
+@pytest.mark.parametrize("where,mode,layout,options", OPERAND_CASES)
+def test_training_op_gemm_operands(monkeypatch, where, mode, layout, options):
     """Each GEMM of the op sees exactly the operands the contract names, quantized by the
     reference quantize (1x32 rows of A, of B_t^T, of grad_out, of B_t; 32x1 columns of grad_out
-    and A) and multiplied in FP64: fp32_bound. B_t as torchao passes it (the transpose of
+    and A, per group) and multiplied in FP64: fp32_bound. B_t as torchao passes it (the transpose of
     contiguous (E, N, K) weights) and contiguous (E, K, N). On the reference backend, and as the
     selector plans it under the emulator (the quantize casts on flyquant's kernels; the GEMMs on
-    whatever is registered)."""
+    whatever is registered). With torchao's options: pad_token_groups_for_grouped_mm quantizes
+    each group's 32x1 blocks as if the group were zero-padded to a multiple of 32 (its padded
+    recipe); wgrad_with_hp gives B_t's gradient from the unquantized A and grad_out."""
     if where == "reference":
         monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
     else:
         monkeypatch.setenv("FLYQUANT_ARCH", where)
-    A, W, G, ends = _training_case(ends=(0, 64, 96))
+    A, W, G, ends = _training_case(ends=(5, 5, 77) if options else (0, 64, 96))
     B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
     with fq.emu.record() as launches:
-        out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode)
+        out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode, **options)
     kernels = [r.kernel for r in launches]
-    # six casts: A, B_t along K, grad_out 1x32, B_t along N, grad_out and A 32x1
-    assert (kernels == []) if where == "reference" else (len(kernels) >= 6 and all(where in k for k in kernels)), kernels
-    k, n = A.shape[1], W.shape[1]
+    # six casts (four with wgrad_with_hp): A, B_t along K, grad_out 1x32, B_t along N, grad_out and A 32x1
+    casts = 4 if options.get("wgrad_with_hp") else 6
+    assert (kernels == []) if where == "reference" else (len(kernels) >= casts and all(where in k for k in kernels)), kernels
+    k, n, end = A.shape[1], W.shape[1], int(ends[-1])
+    assert (out[end:] == 0).all() and (grad_a[end:] == 0).all()
     qa, sa = reference.mxfp8_quantize(A, -1, mode)
     qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1, mode)  # W (E, N, K) along K
     exact, s = grouped64(deq64(qa, sa, -1), deq64(qw, sw, -1).view(W.shape), ends)
-    assert_within(out, exact, fp32_bound(exact, s, k, torch.bfloat16), "forward")
+    assert_within(out[:end], exact[:end], fp32_bound(exact, s, k, torch.bfloat16)[:end], "forward")
     qg, sg = reference.mxfp8_quantize(G, -1, mode)
     qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1, mode)  # B_t (E, K, N) along N
     exact, s = grouped64(deq64(qg, sg, -1), deq64(qwt, swt, -1).view(B_t.shape), ends)
-    assert_within(grad_a, exact, fp32_bound(exact, s, n, torch.bfloat16), "dgrad")
-    qgc, sgc = reference.mxfp8_quantize(G, 0, mode)
-    qac, sac = reference.mxfp8_quantize(A, 0, mode)
-    g64, a64 = deq64(qgc.t(), sgc, -1).t(), deq64(qac.t(), sac, -1).t()
+    assert_within(grad_a[:end], exact[:end], fp32_bound(exact, s, n, torch.bfloat16)[:end], "dgrad")
     for g, (lo, hi) in enumerate(groups(ends)):
-        exact, s = a64[lo:hi].T @ g64[lo:hi], a64[lo:hi].T.abs() @ g64[lo:hi].abs()
+        if options.get("wgrad_with_hp"):
+            a64, g64 = A[lo:hi].double(), G[lo:hi].double()
+        else:  # the group's rows, zero-padded to whole 32x1 blocks
+            rows = -(-(hi - lo) // MX_BLOCK) * MX_BLOCK
+            a64, g64 = (_deq_columns(torch.nn.functional.pad(t[lo:hi], (0, 0, 0, rows - hi + lo)), mode)
+                        for t in (A, G))
+        exact, s = a64.T @ g64, a64.T.abs() @ g64.abs()
         assert_within(grad_b_t[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+
+
+def _deq_columns(t, mode):
+    """t (R, C), R a multiple of 32 (or 0), quantized 32x1 by the reference and dequantized in FP64."""
+    if t.shape[0] == 0:
+        return t.double()
+    q, sc = reference.mxfp8_quantize(t, 0, mode)
+    return deq64(q.t(), sc, -1).t()
 
 
 def test_training_op_rows_past_the_last_group(reference_backend):
@@ -172,13 +192,14 @@ def test_training_op_rows_past_the_last_group(reference_backend):
     assert (A.grad[96:] == 0).all() and A.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("options", [{}, PAD, HP], ids=["default", "padded", "wgrad_with_hp"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_training_op_compiles_fullgraph(reference_backend, backend):
-    A, W, G, ends = _training_case()
+def test_training_op_compiles_fullgraph(reference_backend, backend, options):
+    A, W, G, ends = _training_case(ends=(5, 5, 77) if options else (32, 32, 96))
     B_t = W.transpose(1, 2)
 
     def step(A, B_t):
-        return (training.mxfp8_grouped_mm(A, B_t, ends).float() * G.float()).sum()
+        return (training.mxfp8_grouped_mm(A, B_t, ends, **options).float() * G.float()).sum()
 
     results = []
     for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):

@@ -237,10 +237,9 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
 
     Calls torchao's own function when it can run them itself: kernel_preference EMULATED (torchao's
     PyTorch emulation, asked for by name) or torchao's SM100 kernels available. Otherwise (its
-    AUTO on AMD or CPU, where torchao asserts) flyquant's op, then ``+ bias`` as torchao does.
-    Options flyquant does not implement raise TorchaoUnsupportedError: wgrad_with_hp=True,
-    pad_token_groups_for_grouped_mm=True (pad groups to multiples of 32 beforehand), and an
-    MXTensor A (pre-quantized activations). Bad A, B_t, offs or out_dtype raises TorchaoInputError
+    AUTO on AMD or CPU, where torchao asserts) flyquant's op, with wgrad_with_hp and
+    pad_token_groups_for_grouped_mm as torchao's recipes set them, then ``+ bias`` as torchao does.
+    An MXTensor A (pre-quantized activations) raises TorchaoUnsupportedError. Bad A, B_t, offs or out_dtype raises TorchaoInputError
     (TorchaoDtypeError for a dtype): an AssertionError as torchao's own checks raise.
     """
     try:
@@ -265,10 +264,6 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
         _fail("kernel_preference must be AUTO or EMULATED", f"got {kernel_preference}")
-    for option, value in (("wgrad_with_hp", wgrad_with_hp),
-                          ("pad_token_groups_for_grouped_mm", pad_token_groups_for_grouped_mm)):
-        if value:
-            raise TorchaoUnsupportedError(f"flyquant's MXFP8 grouped GEMM does not implement {option}=True")
     if isinstance(A, theirs.MXTensor):
         raise TorchaoUnsupportedError("flyquant's MXFP8 grouped GEMM takes high-precision A, not an MXTensor")
     if offs is None:
@@ -280,5 +275,5 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
         raise TorchaoDtypeError(str(exc)) from exc
     except ValueError as exc:
         raise TorchaoInputError(str(exc)) from exc
-    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode)
+    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode, wgrad_with_hp, pad_token_groups_for_grouped_mm)
     return out if bias is None else out + bias.to(out.dtype)
