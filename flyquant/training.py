@@ -30,13 +30,21 @@ requires the same), checked where the host holds offs (see flyquant.grouped_mm),
   padding rows are zeros, which change no 1x32 or 32x1 block's scale, so every block of a
   group's rows is quantized as torchao's padded recipe quantizes it.
 Gradients come back in A's and B_t's dtypes.
+
+Pre-quantized activations (torchao's MXTensor A, e.g. from its expert-parallel MXFP8 dispatch):
+a_quantized = (data, scales), A quantized 1x32 along K with row-major scales; A itself is then
+only autograd's handle for its gradient (its shape, dtype and device are read, not its values).
+As in torchao, wgrad_with_hp is required (B_t's gradient from A's dequantized values: the 32x1
+blocks of B_t's MXFP8 gradient need A in high precision), the forward's B_t is quantized with
+row-major scales to match, and where FP8 is FNUZ the forward GEMM reads A's bytes as arbitrary
+OCP codes (signed_zeros=True).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import api, grouped_mm, select, validate
+from . import api, grouped_mm, reference, select, validate
 from .arch import arch_info
 from .formats import MX_BLOCK
 from .reference_grouped_mm import OUT_DTYPES
@@ -46,8 +54,9 @@ from .reference_grouped_mm import OUT_DTYPES
 SCALE_LAYOUT = "mfma"
 
 
-def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
-    validate.high_precision(A, "A", ndim=2)
+def _check(A, B_t, offs, out_dtype, scaling_mode, quantized=False) -> None:
+    if not quantized:  # else A is only the gradient's handle: _check_quantized
+        validate.high_precision(A, "A", ndim=2)
     validate.high_precision(B_t, "B_t", ndim=3)
     validate.same_device("A", A, "B_t", B_t)
     validate.offs_tensor(offs, "A", A)
@@ -65,6 +74,26 @@ def _check(A, B_t, offs, out_dtype, scaling_mode) -> None:
     validate.scaling_mode(scaling_mode)
 
 
+def _check_quantized(A, a_quantized, wgrad_with_hp) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's pre-quantized (data, scales): E4M3 (M, K) and row-major E8M0 (M, K/32) on A's device."""
+    if not wgrad_with_hp:
+        raise ValueError("a pre-quantized A (a_quantized) needs wgrad_with_hp=True: B_t's MXFP8 gradient "
+                         "quantizes A in 32x1 blocks from its high-precision values")
+    if not (isinstance(a_quantized, (tuple, list)) and len(a_quantized) == 2):
+        raise TypeError(f"a_quantized must be a (data, scales) pair, got {type(a_quantized).__name__}")
+    data, scales = a_quantized
+    validate.tensor(data, "a_quantized data", (torch.float8_e4m3fn,), ndim=2)
+    validate.tensor(scales, "a_quantized scales", (torch.float8_e8m0fnu,), ndim=2)
+    if tuple(A.shape) != tuple(data.shape) or A.dtype not in validate.HIGH_PRECISION_DTYPES:
+        raise ValueError(f"A (shape {tuple(A.shape)}, dtype {A.dtype}) must have the pre-quantized data's shape "
+                         f"{tuple(data.shape)} and a bf16/fp16/fp32 dtype (its gradient's)")
+    validate.block_dim(data, 1, "a_quantized data", "K")
+    validate.shape(scales, "a_quantized scales", (data.shape[0], data.shape[1] // MX_BLOCK))
+    for t, name in ((data, "data"), (scales, "scales")):
+        validate.same_device("A", A, f"a_quantized {name}", t)
+    return data.contiguous(), scales.contiguous()
+
+
 def _signed_zeros(t: torch.Tensor) -> bool:
     """Whether the operands keep -0: where FP8 is FNUZ (gfx942) they are quantized with +0 zeros,
     which that GEMM then reads without rewriting (validate.SIGNED_ZEROS_DOC); elsewhere the
@@ -73,12 +102,14 @@ def _signed_zeros(t: torch.Tensor) -> bool:
     return arch is None or not arch_info(arch).fnuz_fp8
 
 
-def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and its scales in the
-    "mfma" layout (each expert's (N, K/32) scales shuffled: what the 3D quantize writes)."""
-    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=SCALE_LAYOUT,
+def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool,
+             layout=SCALE_LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """B_t (E, K, N) quantized along K, as the GEMM's b (E, N, K) contiguous and its scales in
+    `layout` ("mfma": each expert's (N, K/32) scales shuffled, what the 3D quantize writes; None:
+    row-major (E, N, K/32), the 3D quantize's (E, K/32, N) transposed)."""
+    data, scales = api.mxfp8_quantize_3d(B_t, scaling_mode, scale_layout=layout,
                                          signed_zeros=signed_zeros)  # data stride (K*N, 1, K)
-    return data.transpose(1, 2), scales
+    return data.transpose(1, 2), (scales if layout else scales.transpose(1, 2).contiguous())
 
 
 def _padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -99,40 +130,52 @@ def _padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """t's rows at `dest` of a zero (FP8/E8M0: zero-byte) tensor of `rows` rows."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:  # float8 types: index_copy_ moves their bytes
+        return _scatter_rows(t.view(torch.uint8), dest, rows).view(t.dtype)
     return t.new_zeros(rows, t.shape[1]).index_copy_(0, dest, t)
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad_groups):
-        sz = _signed_zeros(A)
+    def forward(ctx, A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad_groups, a_data, a_scale):
+        sz = _signed_zeros(B_t)
         dest = None
+        rows = A.shape[0]
         if pad_groups:  # the GEMMs run on the padded copy; its rows are gathered back below
-            dest, offs, rows = _padded_rows(offs, A.shape[0])
-            A = _scatter_rows(A, dest, rows)
-        a, a_scale = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT, signed_zeros=sz)
-        b, b_scale = _along_k(B_t, scaling_mode, sz)
-        ctx.save_for_backward(A, B_t, offs, dest)
+            dest, offs, rows = _padded_rows(offs, rows)
+        if a_data is None:
+            A = A if dest is None else _scatter_rows(A, dest, rows)
+            a, a_sc = api.mxfp8_quantize(A.contiguous(), -1, scaling_mode, SCALE_LAYOUT, signed_zeros=sz)
+            layout, gemm_sz = SCALE_LAYOUT, sz
+        else:  # pre-quantized (module docstring): the backward dequantizes them for wgrad_with_hp
+            a, a_sc = (t if dest is None else _scatter_rows(t, dest, rows) for t in (a_data, a_scale))
+            layout, gemm_sz = None, True  # A's bytes may hold -0 (FNUZ's NaN): rewritten where FP8 is FNUZ
+        b, b_scale = _along_k(B_t, scaling_mode, sz, layout)
+        ctx.save_for_backward(A if a_data is None else None, B_t, offs, dest, *((a, a_sc) if a_data is not None else ()))
+        ctx.a_dtype, ctx.rows = A.dtype, rows
         ctx.out_dtype, ctx.scaling_mode, ctx.signed_zeros, ctx.wgrad_with_hp = out_dtype, scaling_mode, sz, wgrad_with_hp
-        out = grouped_mm.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, SCALE_LAYOUT, signed_zeros=sz)
+        out = grouped_mm.mxfp8_grouped_mm(a, a_sc, b, b_scale, offs, out_dtype, layout, signed_zeros=gemm_sz)
         return out if dest is None else out.index_select(0, dest)
 
     @staticmethod
     def backward(ctx, grad_out):
-        A, B_t, offs, dest = ctx.saved_tensors
+        A, B_t, offs, dest, *a_quantized = ctx.saved_tensors
         mode, out_dtype, sz = ctx.scaling_mode, ctx.out_dtype, ctx.signed_zeros
-        grad_out = grad_out.contiguous() if dest is None else _scatter_rows(grad_out, dest, A.shape[0])
+        grad_out = grad_out.contiguous() if dest is None else _scatter_rows(grad_out, dest, ctx.rows)
         grad_a = grad_b_t = None
         if ctx.needs_input_grad[0]:
             g, g_scale = api.mxfp8_quantize(grad_out, -1, mode, SCALE_LAYOUT, signed_zeros=sz)
             w, w_scale = _along_k(B_t.transpose(1, 2), mode, sz)  # B_t along N, as (E, K, N)
             grad_a = grouped_mm.mxfp8_grouped_mm(g, g_scale, w, w_scale, offs, out_dtype, SCALE_LAYOUT,
-                                                 signed_zeros=sz).to(A.dtype)
+                                                 signed_zeros=sz).to(ctx.a_dtype)
             if dest is not None:
                 grad_a = grad_a.index_select(0, dest)
-        if ctx.needs_input_grad[1] and A.shape[0] == 0:  # no tokens: no 32x1 block to quantize, zero gradient
+        if ctx.needs_input_grad[1] and ctx.rows == 0:  # no tokens: no 32x1 block to quantize, zero gradient
             grad_b_t = torch.zeros(B_t.shape, dtype=B_t.dtype, device=B_t.device)
         elif ctx.needs_input_grad[1] and ctx.wgrad_with_hp:  # torchao's recipe: A[g]^T @ grad_out[g] unquantized
+            if a_quantized:  # A's values: the pre-quantized ones
+                A = reference.mxfp8_dequantize(*a_quantized).to(ctx.a_dtype)
             dtype = torch.promote_types(A.dtype, grad_out.dtype)
             grad_b_t = torch._grouped_mm(A.t().to(dtype), grad_out.to(dtype), offs=offs,
                                          out_dtype=out_dtype).to(B_t.dtype)
@@ -143,11 +186,11 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode, signed_zeros=sz)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype,
                                                          signed_zeros=sz).to(B_t.dtype)
-        return grad_a, grad_b_t, None, None, None, None, None
+        return grad_a, grad_b_t, None, None, None, None, None, None, None
 
 
 def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil", wgrad_with_hp=False,
-                     pad_token_groups_for_grouped_mm=False):
+                     pad_token_groups_for_grouped_mm=False, a_quantized=None):
     """Differentiable MXFP8 grouped GEMM of routed experts: (M, N), rows of group g = A[g] @ B_t[g].
 
     A (M, K) BF16/FP16/FP32, K a multiple of 32; B_t (E, K, N), contiguous or (as torchao passes
@@ -156,8 +199,12 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     gradient); out_dtype bfloat16 or float32; scaling_mode "rceil" or "floor". The backward needs
     group sizes and M multiples of 32, unless wgrad_with_hp (B_t's gradient by torch._grouped_mm,
     unquantized) or pad_token_groups_for_grouped_mm (groups padded to multiples of 32 on the
-    device): torchao's options of the same names (module docstring).
+    device): torchao's options of the same names (module docstring). a_quantized: (data, scales)
+    of A pre-quantized 1x32 (module docstring; needs wgrad_with_hp).
     """
-    _check(A, B_t, offs, out_dtype, scaling_mode)
+    a_data = a_scale = None
+    if a_quantized is not None:
+        a_data, a_scale = _check_quantized(A, a_quantized, wgrad_with_hp)
+    _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
     return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, bool(wgrad_with_hp),
-                                 bool(pad_token_groups_for_grouped_mm))
+                                 bool(pad_token_groups_for_grouped_mm), a_data, a_scale)

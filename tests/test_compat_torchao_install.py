@@ -278,6 +278,51 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     assert out["bias"]
 
 
+def test_mxtensor_activations_run_through_flyquant_after_install():
+    """torchao's MXTensor A (pre-quantized activations, as its expert-parallel MXFP8 dispatch
+    hands them on) through the installed entry point: flyquant.training with a_quantized =
+    (qdata, scale), the same outputs and gradients as calling it so (padded groups too; on CPU
+    torchao's EMULATED path cannot dequantize an MXTensor: Triton); without wgrad_with_hp,
+    torchao's AssertionError in its words."""
+    out = run("""
+        from flyquant.compat import torchao as compat
+        compat.install()
+        import torchao.prototype.moe_training as mt
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from flyquant import training
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+        W = (torch.randn(3, 64, 64, generator=g) / 2).to(torch.bfloat16)
+        G = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+        offs = torch.tensor([20, 20, 96], dtype=torch.int32)
+        amx = MXTensor.to_mx(A, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+        out["same"] = []
+        for pad in (False, True):
+            results = []
+            for call in ("installed", "training"):
+                handle = amx if call == "installed" else torch.zeros_like(A)
+                handle.requires_grad_(True)
+                b = W.transpose(1, 2).clone().requires_grad_()
+                if call == "installed":
+                    y = mt._to_mxfp8_then_scaled_grouped_mm(handle, b, offs, wgrad_with_hp=True,
+                                                            pad_token_groups_for_grouped_mm=pad)
+                else:
+                    y = training.mxfp8_grouped_mm(handle, b, offs, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=pad,
+                                                  a_quantized=(amx.qdata, amx.scale))
+                y.backward(G)
+                results.append((y.detach(), handle.grad, b.grad))
+                handle.grad = None
+            out["same"].append([torch.equal(x, y) for x, y in zip(*results)])
+        try:
+            mt._to_mxfp8_then_scaled_grouped_mm(amx, W.transpose(1, 2), offs)
+        except AssertionError as exc:
+            out["error"] = str(exc)
+    """)
+    assert out["same"] == [[True, True, True]] * 2
+    assert out["error"].startswith("only `wgrad_with_hp` recipe is supported for MXTensor inputs")
+
+
 def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():
     """kernel_preference=EMULATED hands the call to torchao's own function, whose to_mx compares
     the scale mode against its ScaleCalculationMode enum only: the string default "rceil" (and

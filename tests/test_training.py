@@ -182,6 +182,45 @@ def _deq_columns(t, mode):
     return deq64(q.t(), sc, -1).t()
 
 
+@pytest.mark.parametrize("where,pad", [("reference", False), ("reference", True), ("gfx950", False), ("gfx942", True)])
+def test_training_op_prequantized_a(monkeypatch, where, pad):
+    """A pre-quantized (a_quantized: torchao's MXTensor A, here with -0 elements, which gfx942's
+    forward GEMM must read as OCP codes): the forward multiplies exactly those codes (B_t along K,
+    row-major scales), dgrad is the usual one, and wgrad_with_hp uses A's dequantized values;
+    without wgrad_with_hp it is refused. Tolerances: fp32_bound on the FP64 products."""
+    if where == "reference":
+        monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    else:
+        monkeypatch.setenv("FLYQUANT_ARCH", where)
+    A, W, G, ends = _training_case(ends=(20, 20, 77))
+    A[::7, ::5] = -0.0
+    data, scales = reference.mxfp8_quantize(A, -1, "rceil")
+    assert (data.view(torch.uint8) == 0x80).any()
+    handle = torch.zeros_like(A).requires_grad_()  # its values are never read
+    B_t = W.transpose(1, 2).detach().clone().requires_grad_()
+    with pytest.raises(ValueError, match="needs wgrad_with_hp=True"):
+        training.mxfp8_grouped_mm(handle, B_t, ends, a_quantized=(data, scales))
+    with fq.emu.record() as launches:
+        out = training.mxfp8_grouped_mm(handle, B_t, ends, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=pad,
+                                        a_quantized=(data, scales))
+        out.backward(G)
+    kernels = [r.kernel for r in launches]
+    assert (kernels == []) if where == "reference" else (len(kernels) >= 3 and all(where in k for k in kernels))
+    k, n, end = A.shape[1], W.shape[1], int(ends[-1])
+    a64 = deq64(data, scales, -1)
+    qw, sw = reference.mxfp8_quantize(W.reshape(-1, k), -1, "rceil")
+    exact, s = grouped64(a64, deq64(qw, sw, -1).view(W.shape), ends)
+    assert_within(out[:end], exact[:end], fp32_bound(exact, s, k, torch.bfloat16)[:end], "forward")
+    assert (out[end:] == 0).all() and (handle.grad[end:] == 0).all() and handle.grad.dtype == A.dtype
+    qg, sg = reference.mxfp8_quantize(G, -1, "rceil")
+    qwt, swt = reference.mxfp8_quantize(W.transpose(1, 2).reshape(-1, n), -1, "rceil")
+    exact, s = grouped64(deq64(qg, sg, -1), deq64(qwt, swt, -1).view(B_t.shape), ends)
+    assert_within(handle.grad[:end], exact[:end], fp32_bound(exact, s, n, torch.bfloat16)[:end], "dgrad")
+    for g, (lo, hi) in enumerate(groups(ends)):
+        exact, s = a64[lo:hi].T @ G[lo:hi].double(), a64[lo:hi].T.abs() @ G[lo:hi].double().abs()
+        assert_within(B_t.grad[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+
+
 def test_training_op_rows_past_the_last_group(reference_backend):
     A, W, G, ends = _training_case(m=128, ends=(32, 96))
     A.requires_grad_()

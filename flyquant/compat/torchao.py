@@ -239,7 +239,9 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
     PyTorch emulation, asked for by name) or torchao's SM100 kernels available. Otherwise (its
     AUTO on AMD or CPU, where torchao asserts) flyquant's op, with wgrad_with_hp and
     pad_token_groups_for_grouped_mm as torchao's recipes set them, then ``+ bias`` as torchao does.
-    An MXTensor A (pre-quantized activations) raises TorchaoUnsupportedError. Bad A, B_t, offs or out_dtype raises TorchaoInputError
+    An MXTensor A (pre-quantized activations, torchao's expert-parallel dispatch) goes in as
+    training's a_quantized, with torchao's conditions (E4M3 elements, blocks of 32, row-major
+    scales, wgrad_with_hp). Bad A, B_t, offs or out_dtype raises TorchaoInputError
     (TorchaoDtypeError for a dtype): an AssertionError as torchao's own checks raise.
     """
     try:
@@ -264,16 +266,32 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
         _fail("kernel_preference must be AUTO or EMULATED", f"got {kernel_preference}")
-    if isinstance(A, theirs.MXTensor):
-        raise TorchaoUnsupportedError("flyquant's MXFP8 grouped GEMM takes high-precision A, not an MXTensor")
+    a_quantized = _mxtensor_parts(A, wgrad_with_hp) if isinstance(A, theirs.MXTensor) else None
     if offs is None:
         _fail("group_end_offsets must be provided for 2d-3d grouped mm")
     mode = _mode(scale_calculation_mode)
     try:  # torchao asserts on bad input: its callers catch AssertionError, which flyquant's errors were not
-        training._check(A, B_t, offs, out_dtype, mode)
+        if a_quantized is not None:
+            training._check_quantized(A, a_quantized, wgrad_with_hp)
+        training._check(A, B_t, offs, out_dtype, mode, quantized=a_quantized is not None)
     except TypeError as exc:
         raise TorchaoDtypeError(str(exc)) from exc
     except ValueError as exc:
         raise TorchaoInputError(str(exc)) from exc
-    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode, wgrad_with_hp, pad_token_groups_for_grouped_mm)
+    out = training.mxfp8_grouped_mm(A, B_t, offs, out_dtype, mode, wgrad_with_hp, pad_token_groups_for_grouped_mm,
+                                    a_quantized)
     return out if bias is None else out + bias.to(out.dtype)
+
+
+def _mxtensor_parts(A, wgrad_with_hp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdata, scale) of an MXTensor A under torchao's own conditions, asserted in its words."""
+    for ok, message in ((A.elem_dtype == torch.float8_e4m3fn,
+                         f"Expected MXTensor with elem_dtype float8_e4m3fn, but got {A.elem_dtype}"),
+                        (A.block_size == MX_BLOCK, f"Expected MXTensor block_size={MX_BLOCK}, but got {A.block_size}"),
+                        (not A.is_swizzled_scales, "MXTensor input scales must be unswizzled for grouped GEMM"),
+                        (A.qdata.ndim == 2 and A.scale.ndim == 2, "MXTensor input_act data and scale must be 2D"),
+                        (wgrad_with_hp, "only `wgrad_with_hp` recipe is supported for MXTensor inputs because backward "
+                                        "needs the high-precision activations to quantize along dim1 for weight gradients")):
+        if not ok:
+            _fail(message)
+    return A.qdata, A.scale
