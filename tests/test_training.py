@@ -145,14 +145,30 @@ def test_training_op_gemm_operands(monkeypatch, where, mode, layout, options):
         monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
     else:
         monkeypatch.setenv("FLYQUANT_ARCH", where)
-    A, W, G, ends = _training_case(ends=(5, 5, 77) if options else (0, 64, 96))
-    B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
     with fq.emu.record() as launches:
-        out, grad_a, grad_b_t = _run_training_op(A, B_t, G, ends, mode, **options)
+        check_gemm_operands(lambda t: t, mode, layout, options)
     kernels = [r.kernel for r in launches]
     # six casts (four with wgrad_with_hp): A, B_t along K, grad_out 1x32, B_t along N, grad_out and A 32x1
     casts = 4 if options.get("wgrad_with_hp") else 6
     assert (kernels == []) if where == "reference" else (len(kernels) >= casts and all(where in k for k in kernels)), kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [PAD, HP, {**PAD, **HP}], ids=["padded", "wgrad_with_hp", "both"])
+def test_gpu_training_op_options(monkeypatch, options):
+    """On a real MI300X/MI355X: torchao's recipe options (the padding on the device, the
+    unquantized wgrad by the device's torch._grouped_mm) against the same contract."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    check_gemm_operands(lambda t: t.cuda(), "rceil", "transposed_view", options)
+
+
+def check_gemm_operands(to_device, mode, layout, options):
+    """The training op on the tensors to_device gives (module tests above), every output within
+    fp32_bound of the FP64 products of the operands the contract names."""
+    A, W, G, ends = _training_case(ends=(5, 5, 77) if options else (0, 64, 96))
+    B_t = W.transpose(1, 2) if layout == "transposed_view" else W.transpose(1, 2).contiguous()
+    on = [to_device(t) for t in (A, B_t, G, ends)]
+    out, grad_a, grad_b_t = (t.cpu() for t in _run_training_op(*on, mode, **options))
     k, n, end = A.shape[1], W.shape[1], int(ends[-1])
     assert (out[end:] == 0).all() and (grad_a[end:] == 0).all()
     qa, sa = reference.mxfp8_quantize(A, -1, mode)
