@@ -278,6 +278,62 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     assert out["bias"]
 
 
+def test_transformers_moe_model_trains_through_flyquant_after_install():
+    """The user's path end to end: a tiny Qwen3-MoE from transformers (its experts on
+    torch._grouped_mm: experts_implementation="grouped_mm"), converted by torchao's
+    quantize_(model, MXFP8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)) (the router's
+    token groups are not multiples of 32), one forward and backward. After install() its grouped
+    GEMMs and casts run on flyquant's kernels (emulated gfx950); the loss and the experts'
+    gradients are those of torchao's EMULATED recipe with the same options (tolerances as the
+    training-step test above: 2^-6 relative on the loss, 2^-4 on the gradients)."""
+    out = run("""
+        os.environ["FLYQUANT_BACKEND"] = "auto"
+        import copy
+        from flyquant.compat import torchao as compat
+        compat.install()
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+        from torchao.quantization import quantize_
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        torch.manual_seed(0)
+        config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                norm_topk_prob=True, max_position_embeddings=64, attn_implementation="eager",
+                                experts_implementation="grouped_mm")
+        base = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+        runs = {}
+        for pref in ("AUTO", "EMULATED"):
+            model = copy.deepcopy(base)
+            config = MXFP8TrainingOpConfig(kernel_preference=getattr(KernelPreference, pref),
+                                           pad_token_groups_for_grouped_mm=True)
+            quantize_(model, config, filter_fn=lambda mod, fqn: type(mod).__name__ == "Qwen3MoeExperts")
+            experts = model.model.layers[0].mlp.experts
+            with fq.emu.record() as launches:
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+            plain = lambda t: getattr(t, "_data", t).detach().float()
+            runs[pref] = (loss.item(), [plain(w.grad) for w in (experts.gate_up_proj, experts.down_proj)],
+                          [r.kernel for r in launches], type(experts.gate_up_proj).__name__)
+        auto, emulated = runs["AUTO"], runs["EMULATED"]
+        out["loss"] = [auto[0], emulated[0]]
+        out["grad_rel"] = [((a - b).norm() / b.norm()).item() for a, b in zip(auto[1], emulated[1])]
+        out["kernels"] = [auto[2], emulated[2]]
+        out["wrapped"] = [auto[3], emulated[3]]
+    """)
+    assert out["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
+    auto_kernels, emulated_kernels = out["kernels"]
+    # 2 forward GEMMs, 2 dgrads, 2 wgrads (the experts' gate_up and down), all emulated gfx950 kernels
+    assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 4, auto_kernels
+    assert sum(k.startswith("mxfp8_grouped_mm_wgrad_gfx950") for k in auto_kernels) == 2, auto_kernels
+    assert emulated_kernels == []
+    loss, loss_emulated = out["loss"]
+    assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, out["loss"]
+    assert max(out["grad_rel"]) <= 2**-4, out["grad_rel"]
+
+
 def test_mxtensor_activations_run_through_flyquant_after_install():
     """torchao's MXTensor A (pre-quantized activations, as its expert-parallel MXFP8 dispatch
     hands them on) through the installed entry point: flyquant.training with a_quantized =
