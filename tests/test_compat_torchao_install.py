@@ -279,6 +279,17 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
 
 
 def test_transformers_moe_model_trains_through_flyquant_after_install():
+    check_transformers_moe_training("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_transformers_moe_model_trains_through_flyquant_after_install():
+    """The same on a real MI300X/MI355X (flyquant's kernels on the device; torchao's EMULATED
+    recipe there too)."""
+    check_transformers_moe_training("cuda")
+
+
+def check_transformers_moe_training(device: str):
     """The user's path end to end: a tiny Qwen3-MoE from transformers (its experts on
     torch._grouped_mm: experts_implementation="grouped_mm"), converted by torchao's
     quantize_(model, MXFP8TrainingOpConfig(pad_token_groups_for_grouped_mm=True)) (the router's
@@ -286,8 +297,9 @@ def test_transformers_moe_model_trains_through_flyquant_after_install():
     GEMMs and casts run on flyquant's kernels (emulated gfx950); the loss and the experts'
     gradients are those of torchao's EMULATED recipe with the same options (tolerances as the
     training-step test above: 2^-6 relative on the loss, 2^-4 on the gradients)."""
-    out = run("""
-        os.environ["FLYQUANT_BACKEND"] = "auto"
+    out = run(f"""
+        os.environ["FLYQUANT_BACKEND"] = "{'auto' if device == 'cpu' else 'flydsl'}"
+        device = "{device}"
         import copy
         from flyquant.compat import torchao as compat
         compat.install()
@@ -302,9 +314,9 @@ def test_transformers_moe_model_trains_through_flyquant_after_install():
                                 num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                 norm_topk_prob=True, max_position_embeddings=64, attn_implementation="eager",
                                 experts_implementation="grouped_mm")
-        base = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-        runs = {}
+        base = Qwen3MoeForCausalLM(config).to(device, torch.bfloat16)
+        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+        runs = {{}}
         for pref in ("AUTO", "EMULATED"):
             model = copy.deepcopy(base)
             config = MXFP8TrainingOpConfig(kernel_preference=getattr(KernelPreference, pref),
@@ -314,7 +326,7 @@ def test_transformers_moe_model_trains_through_flyquant_after_install():
             with fq.emu.record() as launches:
                 loss = model(ids, labels=ids).loss
                 loss.backward()
-            plain = lambda t: getattr(t, "_data", t).detach().float()
+            plain = lambda t: getattr(t, "_data", t).detach().float().cpu()
             runs[pref] = (loss.item(), [plain(w.grad) for w in (experts.gate_up_proj, experts.down_proj)],
                           [r.kernel for r in launches], type(experts.gate_up_proj).__name__)
         auto, emulated = runs["AUTO"], runs["EMULATED"]
@@ -325,10 +337,10 @@ def test_transformers_moe_model_trains_through_flyquant_after_install():
     """)
     assert out["wrapped"] == ["MXFP8TrainingWeightWrapperTensor"] * 2
     auto_kernels, emulated_kernels = out["kernels"]
-    # 2 forward GEMMs, 2 dgrads, 2 wgrads (the experts' gate_up and down), all emulated gfx950 kernels
-    assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 4, auto_kernels
-    assert sum(k.startswith("mxfp8_grouped_mm_wgrad_gfx950") for k in auto_kernels) == 2, auto_kernels
-    assert emulated_kernels == []
+    if device == "cpu":  # 2 forward GEMMs, 2 dgrads, 2 wgrads (gate_up and down), all emulated gfx950 kernels
+        assert sum(k.startswith("mxfp8_grouped_mm_gfx950") for k in auto_kernels) == 4, auto_kernels
+        assert sum(k.startswith("mxfp8_grouped_mm_wgrad_gfx950") for k in auto_kernels) == 2, auto_kernels
+        assert emulated_kernels == []
     loss, loss_emulated = out["loss"]
     assert abs(loss - loss_emulated) <= 2**-6 * loss_emulated, out["loss"]
     assert max(out["grad_rel"]) <= 2**-4, out["grad_rel"]
