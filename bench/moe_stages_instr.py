@@ -1,9 +1,12 @@
 """A16W4 MoE stage 1 vs stage 2 under flyquant.emu: executed wave-instructions per MFMA, per stage,
-on a GPT-OSS-like shape (hidden 2880 -> K 3072, inter 2880 -> 3072 rows per half, 128 experts, top-4,
-swiglu_oai; both stages with a bias, as GPT-OSS has, bf16 as in its checkpoint or fp32 as
-flyquant.nn stores it: --bias-dtype), each stage on the config its selector picks for the full shape.
+on issue 15's shapes (--shapes): GPT-OSS-like (hidden 2880 -> K 3072, inter 2880 -> 3072 rows per
+half, 128 experts, top-4, swiglu_oai; both stages with a bias, as GPT-OSS has, bf16 as in its
+checkpoint or fp32 as flyquant.nn stores it: --bias-dtype), DeepSeek-R1-like per rank (hidden
+7168, inter 256, 256 experts, top-8, silu, no bias) and Qwen3-30B-A3B-like (hidden 2048, inter
+768, 128 experts, top-8, silu, no bias), each stage on the config its selector picks for the
+full shape.
 
-    python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --out results
+    python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --shapes gptoss,dsr1,qwen3 --out results
 
 Modelled, not timed. The N of each stage is cut (stage 1: inter 128 -> N 256; stage 2: model_dim
 256) so a CPU emulates it in seconds: a working workgroup's work is the full shape's (same K, tiles,
@@ -25,47 +28,56 @@ import flyquant.emu as emu
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-EXPERTS, TOPK, HIDDEN, INTER, PAD = 128, 4, 2880, 2880, 3072
+SHAPES = {  # experts, topk, hidden, inter, activation, bias
+    "gptoss": (128, 4, 2880, 2880, "swiglu_oai", True),
+    "dsr1": (256, 8, 7168, 256, "silu", False),
+    "qwen3": (128, 8, 2048, 768, "silu", False),
+}
 STAGE1_INTER, STAGE2_MODEL = 128, 256  # the cut N of each stage (see the docstring)
 
 
 BIAS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16") -> list[dict]:
+def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16", shape: str = "gptoss") -> list[dict]:
     emu.enable(arch)
     from flyquant import layouts, reference, toolchain
     from flyquant.kernels import moe_gemm1_a16w4 as k1
     from flyquant.kernels import moe_gemm2_a16w4 as k2
     from flyquant.moe import moe_sorting
 
+    experts, topk, hidden, inter, act, has_bias = SHAPES[shape]
+    k1_pad, k2_pad = (-(-d // 256) * 256 for d in (hidden, inter))  # the shuffles' K (GPT-OSS: 2880 -> 3072)
     gen = torch.Generator().manual_seed(seed)
-    p1, s1 = reference.quantize_mxfp4(torch.randn(EXPERTS, 2 * STAGE1_INTER, PAD, generator=gen) * 0.05)
-    p2, s2 = reference.quantize_mxfp4(torch.randn(EXPERTS, STAGE2_MODEL, PAD, generator=gen) * 0.05)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]).int()
-    wts = torch.rand(tokens, TOPK, generator=gen)
-    tm1, tn1 = k1.choose_config1(tokens, TOPK, EXPERTS, HIDDEN, INTER, arch)
-    tm2, tn2, kb2 = k2.choose_config(tokens, TOPK, EXPERTS, HIDDEN, INTER, arch)
+    p1, s1 = reference.quantize_mxfp4(torch.randn(experts, 2 * STAGE1_INTER, k1_pad, generator=gen) * 0.05)
+    p2, s2 = reference.quantize_mxfp4(torch.randn(experts, STAGE2_MODEL, k2_pad, generator=gen) * 0.05)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).int()
+    wts = torch.rand(tokens, topk, generator=gen)
+    tm1, tn1 = k1.choose_config1(tokens, topk, experts, hidden, inter, arch)
+    tm2, tn2, kb2 = k2.choose_config(tokens, topk, experts, hidden, inter, arch)
+
+    def bias(n):
+        return torch.randn(experts, n, generator=gen).to(BIAS_DTYPES[bias_dtype]) if has_bias else None
+
     rows = []
     with toolchain.target(arch):
         with emu.record() as rec1:
-            k1.moe_gemm1_a16w4(torch.randn(tokens, HIDDEN, generator=gen).bfloat16(),
+            k1.moe_gemm1_a16w4(torch.randn(tokens, hidden, generator=gen).bfloat16(),
                                layouts.shuffle_weight_a16w4(p1, gate_up=True),
-                               layouts.shuffle_scale_a16w4(s1, EXPERTS, gate_up=True),
-                               *moe_sorting(ids, wts, EXPERTS, tm1), arch=arch, topk=TOPK, block_m=tm1,
-                               activation="swiglu_oai",
-                               bias=torch.randn(EXPERTS, 2 * STAGE1_INTER, generator=gen).to(BIAS_DTYPES[bias_dtype]),
-                               model_dim=HIDDEN, inter_dim=STAGE1_INTER, tile_m=tm1, tile_n=tn1)
+                               layouts.shuffle_scale_a16w4(s1, experts, gate_up=True),
+                               *moe_sorting(ids, wts, experts, tm1), arch=arch, topk=topk, block_m=tm1,
+                               activation=act, bias=bias(2 * STAGE1_INTER),
+                               model_dim=hidden, inter_dim=STAGE1_INTER, tile_m=tm1, tile_n=tn1)
         with emu.record() as rec2:
-            k2.moe_gemm2_a16w4(torch.randn(tokens * TOPK, INTER, generator=gen).bfloat16(),
-                               layouts.shuffle_weight_a16w4(p2), layouts.shuffle_scale_a16w4(s2, EXPERTS),
-                               *moe_sorting(ids, wts, EXPERTS, tm2), arch=arch, topk=TOPK, block_m=tm2,
-                               bias=torch.randn(EXPERTS, STAGE2_MODEL, generator=gen).to(BIAS_DTYPES[bias_dtype]),
-                               model_dim=STAGE2_MODEL, inter_dim=INTER, tile_m=tm2, tile_n=tn2, k_batch=kb2)
+            k2.moe_gemm2_a16w4(torch.randn(tokens * topk, inter, generator=gen).bfloat16(),
+                               layouts.shuffle_weight_a16w4(p2), layouts.shuffle_scale_a16w4(s2, experts),
+                               *moe_sorting(ids, wts, experts, tm2), arch=arch, topk=topk, block_m=tm2,
+                               bias=bias(STAGE2_MODEL),
+                               model_dim=STAGE2_MODEL, inter_dim=inter, tile_m=tm2, tile_n=tn2, k_batch=kb2)
     for stage, rec, cfg in ((1, rec1, (tm1, tn1, 1)), (2, rec2, (tm2, tn2, kb2))):
         st = rec[0].stats
         mfma = sum(v for k, v in st.by_opcode.items() if k.startswith("v_mfma"))
-        rows.append({"arch": arch, "tokens": tokens, "stage": stage, "kernel": st.kernel, "tile_m": cfg[0],
+        rows.append({"shape": shape, "arch": arch, "tokens": tokens, "stage": stage, "kernel": st.kernel, "tile_m": cfg[0],
                      "tile_n": cfg[1], "k_batch": cfg[2], "waves": st.waves_per_workgroup,
                      "wg_launched": st.workgroups_launched, "wg_working": st.workgroups_with_global_store,
                      "wave_instr": st.wave_instructions, "mfma": mfma,
@@ -77,15 +89,20 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=common.arch_list, default="gfx950,gfx942", help="comma-separated: gfx950, gfx942")
     ap.add_argument("--tokens", type=common.positive_ints, default="1,4,16", help="comma-separated token counts")
-    ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias")
+    ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias (gptoss)")
+    ap.add_argument("--shapes", type=common.csv_list, default=["gptoss"], help=f"comma-separated, of {sorted(SHAPES)}")
     ap.add_argument("--out", default="results", help="output directory")
     args = ap.parse_args(argv)
-    rows = [r for arch in args.arch for t in args.tokens
-            for r in measure(arch, t, bias_dtype=args.bias_dtype)]
-    print(f"{'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  (modelled, not timed)")
+    for name in args.shapes:  # else a KeyError traceback once the sweep reached it
+        if name not in SHAPES:
+            ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
+    rows = [r for shape in args.shapes for arch in args.arch for t in args.tokens
+            for r in measure(arch, t, bias_dtype=args.bias_dtype, shape=shape)]
+    print(f"{'shape':7} {'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  "
+          "(modelled, not timed)")
     for r in rows:
-        print(f"{r['arch']:7} {r['tokens']:3} {r['stage']:5} {r['tile_m']:>4}x{r['tile_n']:<5} {r['k_batch']:3} "
-              f"{r['wg_working']:4} {r['instr_per_mfma']:10.2f}  {r['kernel']}")
+        print(f"{r['shape']:7} {r['arch']:7} {r['tokens']:3} {r['stage']:5} {r['tile_m']:>4}x{r['tile_n']:<5} "
+              f"{r['k_batch']:3} {r['wg_working']:4} {r['instr_per_mfma']:10.2f}  {r['kernel']}")
     payload = {"label": "modelled, not timed (flyquant.emu)", "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -491,14 +491,15 @@ def test_moe_layer_bench_vs_aiter_triton(tmp_path, keep_emu_arch):
     assert [p["config"].split()[0] for p in peers] == ["64x64x128", "256x256x64"]  # MI350X MX_FP4 file; default
 
 
-def test_moe_stages_instr_bench(tmp_path, keep_emu_arch):
+@pytest.mark.parametrize("shape,act", [("gptoss", "swiglu_oai"), ("qwen3", "silu")])
+def test_moe_stages_instr_bench(tmp_path, keep_emu_arch, shape, act):
     """bench/moe_stages_instr.py at 1 token on gfx950: both stages emulated, every workgroup works,
     and stage 1's wave-instructions per MFMA are no more than stage 2's (issue 15's target)."""
     bench = load("moe_stages_instr")
-    payload = bench.main(["--arch", "gfx950", "--tokens", "1", "--out", str(tmp_path)])
+    payload = bench.main(["--arch", "gfx950", "--tokens", "1", "--shapes", shape, "--out", str(tmp_path)])
     assert json.loads((tmp_path / "moe_stages_instr.json").read_text()) == payload
     s1, s2 = payload["rows"]
-    assert (s1["stage"], s2["stage"]) == (1, 2) and s1["kernel"].startswith("moe_gemm1_a16w4_swiglu_oai")
+    assert (s1["stage"], s2["stage"]) == (1, 2) and s1["kernel"].startswith(f"moe_gemm1_a16w4_{act}")
     assert all(r["wg_working"] == r["wg_launched"] > 0 for r in (s1, s2))
     assert s1["instr_per_mfma"] <= s2["instr_per_mfma"]
 
