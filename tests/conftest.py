@@ -11,6 +11,11 @@ tracked itself. An access anywhere else, past a tensor's end included, fails the
 the test that made it. Strict mode also fails a launch in which two workgroups store different
 bytes to one address (flyquant.emu.store_races). A test that must see the loose mode opts out
 with ``@pytest.mark.loose_memory("why")``.
+
+The emulator completes every load at once, so it cannot see a missing s_waitcnt: instead every
+kernel a test compiles through ``toolchain.compile_only`` (each family's compile tests and the
+benches' resource rows) has its final ISA checked by tests/isa_waits.py (fixture
+``isa_waits_checked``), and a missing or too loose wait fails that test.
 """
 
 import contextlib
@@ -22,6 +27,9 @@ import torch
 from flydsl.compiler.jit_function import JitFunction
 
 import flyquant.emu as emu
+from flyquant import toolchain
+
+import isa_waits
 
 DEFAULT_EMU_ARCH = "gfx950"  # the default compile target; tests pick their arch with toolchain.target
 
@@ -134,6 +142,27 @@ def strict_launch_memory(request, monkeypatch):
         return
     with emu.strict_memory(), _launch_arguments_tracked(monkeypatch):
         yield
+
+
+def _waits_checked(compile_only):
+    @functools.wraps(compile_only)
+    def checked(*args, **kwargs):
+        reports = compile_only(*args, **kwargs)
+        for rep in reports:
+            found = isa_waits.violations(rep.isa)
+            assert not found, f"{rep.name} ({rep.arch}): missing s_waitcnt\n" + "\n".join(found)
+        return reports
+
+    return checked
+
+
+@pytest.fixture(autouse=True, scope="session")
+def isa_waits_checked():
+    """toolchain.compile_only checks each compiled ISA for missing waits (module docstring)."""
+    original = toolchain.compile_only
+    toolchain.compile_only = _waits_checked(original)
+    yield
+    toolchain.compile_only = original
 
 
 @pytest.fixture
