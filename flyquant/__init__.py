@@ -1,9 +1,10 @@
 """flyquant: FlyDSL kernels for MX-format Mixture-of-Experts on AMD Instinct GPUs.
 
-MXFP8 quantize (1x32, 32x1, dual, 3D per expert), the MXFP8 grouped GEMMs of MoE training
-(flyquant.training wraps them in an autograd op) and the A16W4 MoE stage-1 and stage-2 GEMMs for gfx942
-(MI300X) and gfx950 (MI355X), each dispatched by a selector to a kernel or the PyTorch
-reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
+MXFP8 quantize (1x32, 32x1, dual, 3D per expert), MXFP4 quantize (rowwise, columnwise, dual, 3D
+experts; aiter's a4w4/a16w4 layouts), the MXFP8 grouped GEMMs of MoE training (flyquant.training
+wraps them in an autograd op) and the A16W4 MoE layer (moe_sorting, the stage-1 and stage-2 GEMMs,
+fused_moe) for gfx942 (MI300X) and gfx950 (MI355X), each dispatched by a selector to a kernel or
+the PyTorch reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
 from . import emu, nn, reference, training

@@ -2,9 +2,9 @@
 reference. The kernel-backed ops are ``torch.library`` custom ops with fake implementations, so
 ``torch.compile`` traces them without graph breaks.
 
-Here: the MXFP8 and MXFP4 quantize ops, the pure-PyTorch ops, and explain() and warmup(), which
-cover every op. The A16W4 MoE ops live in flyquant/api_moe.py (re-exported here), the MXFP8
-grouped GEMMs in flyquant/grouped_mm.py.
+Here: the MXFP8 and MXFP4 quantize ops, the pure-PyTorch ops, explain(), which covers every op,
+and warmup() (the MoE stages and the MXFP8 quantize ops a model will run). The A16W4 MoE ops live
+in flyquant/api_moe.py (re-exported here), the MXFP8 grouped GEMMs in flyquant/grouped_mm.py.
 """
 
 from __future__ import annotations

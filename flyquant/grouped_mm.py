@@ -1,7 +1,8 @@
 """The MXFP8 grouped GEMMs of MoE training, public API: ``torch.library`` custom ops with fakes
-(so ``torch.compile(fullgraph=True)`` traces them), each dispatched by the selector to a FlyDSL
-kernel (once one is registered in ``select.GROUPED_MM_KERNELS``) or to the reference
-(``flyquant.reference_grouped_mm``, which states the numerics).
+(so ``torch.compile(fullgraph=True)`` traces them), each dispatched by the selector to its FlyDSL
+kernel on gfx942 and gfx950 (kernels/mxfp8_grouped_mm.py, the launcher
+``select.GROUPED_MM_KERNELS`` names) or to the reference (``flyquant.reference_grouped_mm``, which
+states the numerics).
 
 offs' values are checked where the host holds them: always on the reference path (it reads
 offs to slice its groups: a host synchronisation on a GPU), on the kernel path only for CPU

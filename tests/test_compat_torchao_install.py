@@ -179,8 +179,8 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     MXFP8TrainingOpConfig()) (its default recipe, KernelPreference.AUTO: on CPU without install()
     torchao asserts that SM100 kernels are missing), one SGD step. After install() every
     torch._grouped_mm on the wrapped weights runs flyquant.training.mxfp8_grouped_mm: the
-    quantize casts as emulated gfx950 kernels, the grouped GEMMs as the selector plans them (the
-    reference until a kernel is registered), counted here. The same step with torchao's EMULATED
+    quantize casts and the grouped GEMMs as emulated gfx950 kernels (the reference grouped GEMMs
+    are counted: they never run). The same step with torchao's EMULATED
     recipe (to_mx, dequantize, bf16 torch._grouped_mm; install() passes it through) is the
     yardstick.
 
@@ -194,7 +194,7 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
     recipe; B_t's gradients unquantized, so token groups of any size) and
     pad_token_groups_for_grouped_mm, both on groups that are not multiples of 32."""
     out = run("""
-        os.environ["FLYQUANT_BACKEND"] = "auto"  # kernels where registered, else the reference
+        os.environ["FLYQUANT_BACKEND"] = "auto"  # the kernels where they take the shape, else the reference
         import copy
         from flyquant.compat import torchao as compat
         out["installed"] = compat.install()
