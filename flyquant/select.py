@@ -304,11 +304,17 @@ def plan_mxfp4_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
         return reference_plan(op, target, too_large)
     config = dataclasses.asdict(dual.plan_dual(shape, target.arch, x.dtype))
     name = f"mxfp4_dual_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
-    split = ("a workgroup per 256 x 256 elements, its 4 waves walking tiles of 32 rows x 64 columns: "
-             + ("a lane per row block (16-byte loads)" if shape[1] % 32 else
-                "whole-line loads through LDS, a lane per row block")
-             + ", its elements transposed through LDS, a lane per column block; both outputs' data "
-             "stored as whole lines through LDS")
+    if dual.in_registers(shape[1], target.arch, x.dtype):
+        split = ("a workgroup per 256 rows x 128-byte column tiles, a wave per tile: each lane loads 32 rows x "
+                 "16 bytes (whole lines) and quantizes its columns' blocks in registers; the rows' blocks come "
+                 "from the same registers, each split over the lanes that hold it, their data stored as whole "
+                 "lines through LDS")
+    else:
+        split = ("a workgroup per 256 x 256 elements, its 4 waves walking tiles of 32 rows x 64 columns: "
+                 + ("a lane per row block (16-byte loads)" if shape[1] % 32 else
+                    "whole-line loads through LDS, a lane per row block")
+                 + ", its elements transposed through LDS, a lane per column block; both outputs' data "
+                 "stored as whole lines through LDS")
     conversion = _mxfp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, split, conversion)
 

@@ -299,6 +299,10 @@ def test_dual_api():
     assert_same(got[1], reference.mxfp4_quantize(x, 0, "even"), "dual api cols")
     plan = fq.explain(fq.mxfp4_quantize_dual, x, "rceil")
     assert plan.backend == "flydsl" and plan.kernel == "mxfp4_dual_rceil_fp16_gfx950_tail"
+    assert any("transposed through LDS" in r for r in plan.reasons)
+    # K % 32 == 0 takes the register kernel (in_registers), and explain says so
+    lined = fq.explain(fq.mxfp4_quantize_dual, x[..., :64].contiguous(), "rceil")
+    assert any("in registers" in r for r in lined.reasons) and not any("transposed" in r for r in lined.reasons)
     with pytest.raises(ValueError, match="scaling_mode"):
         fq.mxfp4_quantize_dual(x, "ceil")
     with pytest.raises(ValueError, match="x must be contiguous"):
