@@ -202,9 +202,10 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     device): torchao's options of the same names (module docstring). a_quantized: (data, scales)
     of A pre-quantized 1x32 (module docstring; needs wgrad_with_hp).
     """
+    wgrad_with_hp = validate.flag(wgrad_with_hp, "wgrad_with_hp")
+    pad = validate.flag(pad_token_groups_for_grouped_mm, "pad_token_groups_for_grouped_mm")
     a_data = a_scale = None
     if a_quantized is not None:
         a_data, a_scale = _check_quantized(A, a_quantized, wgrad_with_hp)
     _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
-    return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, bool(wgrad_with_hp),
-                                 bool(pad_token_groups_for_grouped_mm), a_data, a_scale)
+    return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad, a_data, a_scale)

@@ -35,6 +35,11 @@ def test_training_op_bad_inputs(reference_backend):
         training.mxfp8_grouped_mm(A, B_t, offs(32, 64), scaling_mode="even")
     with pytest.raises(TypeError, match="A must have dtype"):
         training.mxfp8_grouped_mm(A.to(E4M3), B_t, offs(32, 64))
+    # the recipe's options are bools: "no" or 0 would have passed a truth test as the other choice
+    with pytest.raises(ValueError, match="wgrad_with_hp must be a bool, got 'no'"):
+        training.mxfp8_grouped_mm(A, B_t, offs(32, 64), wgrad_with_hp="no")
+    with pytest.raises(ValueError, match="pad_token_groups_for_grouped_mm must be a bool, got 1"):
+        training.mxfp8_grouped_mm(A, B_t, offs(32, 64), pad_token_groups_for_grouped_mm=1)
     # backward: 32x1 blocks may not straddle groups
     A.requires_grad_()
     out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
