@@ -245,7 +245,8 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
     the weights padded as the shuffles require), with `activation` given the stage 1 before it
     (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
-    dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran."""
+    dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran (per token
+    count the moe_sorting, stage 1 and stage 2 plans, then the quantize ones)."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts
     model_dim, inter_dim, experts, topk = map(validate.integer, (model_dim, inter_dim, experts, topk))
@@ -278,7 +279,9 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
         a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
         block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
-        sorted_ = moe_sorting(ids, torch.ones(t, topk, device=device), experts, block_m)
+        ones = torch.ones(t, topk, device=device)
+        plans.append(select.plan_moe_sorting(ids, ones, experts, block_m, None))
+        sorted_ = moe_sorting(ids, ones, experts, block_m)
         if activation is not None:
             x = torch.zeros(t, model_dim, dtype=torch.bfloat16, device=device)
             plans.append(select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, stage1_bias, activation))

@@ -139,7 +139,7 @@ def test_warmup_runs_the_kernels_a_model_uses():
 
     with emu.record() as launches:
         plans = fq.warmup(model_dim=48, inter_dim=224, experts=4, topk=2, tokens=(1, 3), quantize_shapes=[(32, 64)])
-    assert [p.op for p in plans] == ["moe_gemm2_a16w4"] * 2 + ["mxfp8_quantize"] * 2 + ["mxfp8_quantize_dual"]
+    assert [p.op for p in plans] == ["moe_sorting", "moe_gemm2_a16w4"] * 2 + ["mxfp8_quantize"] * 2 + ["mxfp8_quantize_dual"]
     assert all(p.backend == "flydsl" for p in plans)
     kernels = [rec.stats.kernel for rec in launches]
     assert sum(k.startswith("moe_gemm2_a16w4") for k in kernels) == 2
@@ -200,7 +200,7 @@ def test_warmup_takes_numpy_integers_as_ints(monkeypatch):
     want = fq.warmup(**sizes, tokens=(1, 3), quantize_shapes=[(32, 64)], activation="silu")
     as_numpy = {k: np.int32(v) for k, v in sizes.items()}
     got = fq.warmup(**as_numpy, tokens=np.array([1, 3]), quantize_shapes=np.array([[32, 64]]), activation="silu")
-    assert got == want and len(want) == 7
+    assert got == want and len(want) == 9
 
 def test_warmup_checks_sizes_and_modes_before_running_anything():
     # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op
