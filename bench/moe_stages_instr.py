@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=common.positive_ints, default="1,4,16", help="comma-separated token counts")
     ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias (gptoss)")
     ap.add_argument("--shapes", type=common.csv_list, default=["gptoss"], help=f"comma-separated, of {sorted(SHAPES)}")
-    ap.add_argument("--out", default="results", help="output directory")
+    ap.add_argument("--out", default="bench-results", help="output directory")
     args = ap.parse_args(argv)
     for name in args.shapes:  # else a KeyError traceback once the sweep reached it
         if name not in SHAPES:
