@@ -176,9 +176,11 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         elif ctx.needs_input_grad[1] and ctx.wgrad_with_hp:  # torchao's recipe: A[g]^T @ grad_out[g] unquantized
             if a_quantized:  # A's values: the pre-quantized ones
                 A = reference.mxfp8_dequantize(*a_quantized).to(ctx.a_dtype)
+            # torch._grouped_mm wants its out_dtype to be its operands' (an FP16/FP32 A with a BF16 grad_out
+            # promotes to FP32) and 16-byte strides (a column-major A's row stride is M elements)
             dtype = torch.promote_types(A.dtype, grad_out.dtype)
-            grad_b_t = torch._grouped_mm(A.t().to(dtype), grad_out.to(dtype), offs=offs,
-                                         out_dtype=out_dtype).to(B_t.dtype)
+            grad_b_t = torch._grouped_mm(A.to(dtype).contiguous().t(), grad_out.to(dtype), offs=offs,
+                                         out_dtype=dtype).to(B_t.dtype)
         elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
             validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
                                  "quantizes them in 32x1 blocks for B_t's gradient)")

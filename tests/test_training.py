@@ -252,6 +252,23 @@ def test_training_op_rows_past_the_last_group(reference_backend):
     assert (A.grad[96:] == 0).all() and A.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_training_op_wgrad_with_hp_any_a(reference_backend, dtype):
+    """wgrad_with_hp with an FP16/FP32 A (the default BF16 out_dtype: torch._grouped_mm's operands
+    promote to FP32, its out_dtype must follow) given column-major with M = 33 (its row stride, 33
+    elements, is no multiple of 16 bytes): B_t's gradient is A[g]^T @ grad_out[g]; the backward
+    raised torch._grouped_mm's errors."""
+    A, W, G, ends = _training_case(m=33, ends=(5, 5, 33))
+    A = A.to(dtype).t().contiguous().t().requires_grad_()
+    B_t = W.transpose(1, 2).detach().requires_grad_()
+    training.mxfp8_grouped_mm(A, B_t, ends, wgrad_with_hp=True).backward(G)
+    assert A.grad.dtype == dtype and B_t.grad.dtype == W.dtype
+    for g, (lo, hi) in enumerate(groups(ends)):
+        a64, g64 = A[lo:hi].detach().double(), G[lo:hi].double()
+        exact, s = a64.T @ g64, a64.T.abs() @ g64.abs()
+        assert_within(B_t.grad[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+
+
 @pytest.mark.parametrize("options", [{}, PAD, HP], ids=["default", "padded", "wgrad_with_hp"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_training_op_compiles_fullgraph(reference_backend, backend, options):
