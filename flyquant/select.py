@@ -337,9 +337,14 @@ def _moe_config_values(config: dict, source: str, inter_dim: int) -> None:
 
 def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
     """tile_m, or the largest smaller tile that divides the caller's block_m (none: tile_m, and the
-    launcher names the violation)."""
+    launcher names the violation). A tile_m FLYQUANT_CONFIG forces is not replaced: an EnvError
+    (a forced tile_m of 64 ran 16-row tiles under a caller's block_m of 16, silently)."""
     if block_m % tile_m == 0:
         return tile_m
+    if "tile_m" in config_overrides():
+        raise env.EnvError(f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}: tile_m = {tile_m} does not divide the "
+                           f"caller's block_m = {block_m} (the rows of a sorted block, one expert's): sort with a "
+                           "multiple of it, or leave tile_m to the selector")
     fitting = [m for m in tile_ms if block_m % m == 0 and m <= tile_m]
     return max(fitting) if fitting else tile_m
 
