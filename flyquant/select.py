@@ -106,7 +106,13 @@ def resolve_target(device: torch.device) -> Target:
     if backend == "reference":
         return Target(device.type, None, "FLYQUANT_BACKEND=reference")
     if device.type == "cuda" and torch.version.hip:
-        arch = forced_arch or _rocm_arch_of(device.index if device.index is not None else torch.cuda.current_device())
+        arch = _rocm_arch_of(device.index if device.index is not None else torch.cuda.current_device())
+        if forced_arch is not None and forced_arch != arch:
+            # code compiled for FLYQUANT_ARCH was launched on the device's other arch (the reason
+            # even named the device as FLYQUANT_ARCH's): a code object runs on its own arch only
+            raise env.error("FLYQUANT_ARCH", env.raw("FLYQUANT_ARCH"),
+                            f"the arch of ROCm device {device}, {arch}, or unset (kernels compiled for one arch "
+                            "do not run on another)")
         if arch in ARCHS:
             return Target("rocm", arch, f"ROCm device {device} is {arch}")
         return _refuse(backend, Target("rocm", None, f"{arch} has no flyquant kernels (they target {sorted(ARCHS)})"))
