@@ -106,7 +106,13 @@ def resolve_target(device: torch.device) -> Target:
     if backend == "reference":
         return Target(device.type, None, "FLYQUANT_BACKEND=reference")
     if device.type == "cuda" and torch.version.hip:
-        arch = forced_arch or _rocm_arch_of(device.index if device.index is not None else torch.cuda.current_device())
+        arch = _rocm_arch_of(device.index if device.index is not None else torch.cuda.current_device())
+        if forced_arch is not None and forced_arch != arch:
+            # code compiled for FLYQUANT_ARCH was launched on the device's other arch (the reason
+            # even named the device as FLYQUANT_ARCH's): a code object runs on its own arch only
+            raise env.error("FLYQUANT_ARCH", env.raw("FLYQUANT_ARCH"),
+                            f"the arch of ROCm device {device}, {arch}, or unset (kernels compiled for one arch "
+                            "do not run on another)")
         if arch in ARCHS:
             return Target("rocm", arch, f"ROCm device {device} is {arch}")
         return _refuse(backend, Target("rocm", None, f"{arch} has no flyquant kernels (they target {sorted(ARCHS)})"))
@@ -337,9 +343,14 @@ def _moe_config_values(config: dict, source: str, inter_dim: int) -> None:
 
 def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
     """tile_m, or the largest smaller tile that divides the caller's block_m (none: tile_m, and the
-    launcher names the violation)."""
+    launcher names the violation). A tile_m FLYQUANT_CONFIG forces is not replaced: an EnvError
+    (a forced tile_m of 64 ran 16-row tiles under a caller's block_m of 16, silently)."""
     if block_m % tile_m == 0:
         return tile_m
+    if "tile_m" in config_overrides():
+        raise env.EnvError(f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}: tile_m = {tile_m} does not divide the "
+                           f"caller's block_m = {block_m} (the rows of a sorted block, one expert's): sort with a "
+                           "multiple of it, or leave tile_m to the selector")
     fitting = [m for m in tile_ms if block_m % m == 0 and m <= tile_m]
     return max(fitting) if fitting else tile_m
 

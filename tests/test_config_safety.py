@@ -130,6 +130,26 @@ def test_config_values_that_fit_no_wave_split_are_refused_when_planning(monkeypa
     with pytest.raises(env.EnvError, match=re.escape(f"FLYQUANT_CONFIG={raw!r}: tile ") + ".*no wave split fits"):
         plan()
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_forced_tile_m_not_dividing_block_m_is_refused(monkeypatch, stage):
+    """A tile_m FLYQUANT_CONFIG forces that does not divide the caller's block_m (a stage op called
+    with its own sort): the plan ran the largest tile dividing block_m instead (64 forced, 16-row
+    tiles run), the variable silently ignored. One that divides it is kept."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    x = torch.empty(1, dtype=torch.bfloat16).expand(16 if stage == 2 else 4, 2880)
+    w = torch.empty(1, dtype=torch.uint8).expand(128, 6144 if stage == 1 else 3072, 1536)
+    plan = (lambda bm: select.plan_moe_gemm1_a16w4(x, w, 4, bm, 2880, 2880, False, "swiglu_oai")) if stage == 1 else \
+        (lambda bm: select.plan_moe_gemm2_a16w4(x, w, 4, bm, 2880, 2880, torch.bfloat16, False))
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_m": 64}')
+    assert plan(128).config["tile_m"] == 64
+    for block_m in (16, 32, 96):
+        with pytest.raises(env.EnvError, match=re.escape("FLYQUANT_CONFIG='{\"tile_m\": 64}': tile_m = 64 does not "
+                                                         f"divide the caller's block_m = {block_m}")):
+            plan(block_m)
+    monkeypatch.delenv("FLYQUANT_CONFIG")
+    assert plan(16).config["tile_m"] == 16  # the selector's own tile: fitted to block_m, as before
+
+
 # --- FLYQUANT_TUNING ---------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from flyquant import select, tuning
+from flyquant import env, select, tuning
 
 
 @pytest.fixture
@@ -63,6 +63,23 @@ def test_rocm_arch_detection(monkeypatch):
     assert select.resolve_target(torch.device("cuda", 0)) == select.Target("rocm", "gfx942", "ROCm device cuda:0 is gfx942")
     t = select.resolve_target(torch.device("cuda", 1))
     assert t.arch is None and "gfx90a has no flyquant kernels" in t.reason
+
+
+def test_forced_arch_must_be_the_rocm_devices(monkeypatch):
+    """FLYQUANT_ARCH other than the ROCm device's arch: kernels were compiled for FLYQUANT_ARCH and
+    launched on the device (a gfx942 code object on a gfx950 or gfx90a), the plan saying "ROCm
+    device cuda:0 is gfx950"; now an EnvError naming the variable, its value and the device's arch."""
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(select, "_rocm_arch_of", lambda index: {0: "gfx942", 1: "gfx90a"}[index])
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    assert select.resolve_target(torch.device("cuda", 0)).arch == "gfx942"  # the device's own: kept
+    for index, arch in ((0, "gfx950"), (1, "gfx942")):
+        monkeypatch.setenv("FLYQUANT_ARCH", arch)
+        with pytest.raises(env.EnvError, match=f"FLYQUANT_ARCH='{arch}': expected the arch of ROCm device "
+                                               f"cuda:{index}, {('gfx942', 'gfx90a')[index]}, or unset"):
+            select.resolve_target(torch.device("cuda", index))
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")  # nothing compiled: the device's arch unread
+    assert select.resolve_target(torch.device("cuda", 0)).arch is None
 
 
 @pytest.mark.parametrize("var, value", [("FLYQUANT_BACKEND", "cuda"), ("FLYQUANT_ARCH", "gfx1100")])
