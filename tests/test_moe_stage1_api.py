@@ -157,7 +157,7 @@ def test_warmup_runs_stage1_before_stage2():
     with emu.record() as launches:
         plans = fq.warmup(model_dim=64, inter_dim=224, experts=4, topk=2, tokens=(1, 3), activation="swiglu_oai",
                           stage1_bias=True)
-    assert [p.op for p in plans] == ["moe_gemm1_a16w4", "moe_gemm2_a16w4"] * 2
+    assert [p.op for p in plans] == ["moe_sorting", "moe_gemm1_a16w4", "moe_gemm2_a16w4"] * 2
     assert all(p.backend == "flydsl" for p in plans)
     kernels = [rec.stats.kernel for rec in launches if rec.stats.kernel.startswith("moe_gemm")]
     assert [k[:9] for k in kernels] == ["moe_gemm1", "moe_gemm2"] * 2
