@@ -33,6 +33,8 @@ import re
 CAP = 64  # more operations after a load than any wait count encodes: any wait retires it
 LDS_WRITES = ("lds", "writes")  # pseudo-register: an LDS write in flight
 LDS_DMA = ("lds", "dma")  # pseudo-register: a vector load into LDS in flight
+# the counter each memory_kind counts on: vmcnt, or lgkmcnt for LDS (in order) and scalar loads (not)
+COUNTER = {"vm_load": "vm", "vm": "vm", "lds_dma": "vm", "ds_read": "ds", "ds_write": "ds", "smem": "smem"}
 _REG = re.compile(r"(?<![\w.])([vsa])(?:(\d+)|\[(\d+):(\d+)\])(?!\w)")
 _BRANCH = re.compile(r"^s_(c?branch)\w*$")
 
@@ -140,7 +142,7 @@ def _step(state: dict, ins, found: list | None) -> dict:
     state = {r: e for r, e in state.items() if r not in bad}
     if kind is None:
         return state
-    counter = {"vm_load": "vm", "vm": "vm", "lds_dma": "vm", "ds_read": "ds", "ds_write": "ds", "smem": "smem"}[kind]
+    counter = COUNTER[kind]
     state = {r: (c, min(n + 1, CAP)) if c == counter else (c, n) for r, (c, n) in state.items()}
     for reg in dest:
         state[reg] = (counter, 0)

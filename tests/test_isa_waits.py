@@ -7,12 +7,9 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
-from flyquant import toolchain
-from flyquant.kernels import _a16w4_common as K
-
-from isa_waits import memory_kind, violations, wait_counts
+from isa_waits import CAP, COUNTER, memory_kind, violations, wait_counts
+from test_moe_gemm1_kernel import compile_stage1
 from test_mxfp8_kernels import compile_dual
 
 
@@ -96,26 +93,11 @@ def test_lds_writes_are_complete_before_a_barrier():
     assert violations(body(code.format(wait="")))
 
 
-def _stage1_isa(arch: str) -> str:
-    """The GPT-OSS stage-1 kernel at 16x128: its software-pipelined waits are placed by hand."""
-    n_kt = K.k_iterations(2880)
-    wn, wk = K.default_layout(16, 128, n_kt, 1, 2, pair=True)
-    cfg = K.Gemm2Config(arch=arch, out_dtype=torch.bfloat16, tile_m=16, tile_n=128, k_batch=1, wn=wn, wk=wk,
-                        model_dim=2 * 2880, inter_dim=2880, w_n=2 * 3072, w_k=3072, a_stride=3072, topk=4,
-                        block_m=16, apply_weights=False, bias_dtype=torch.bfloat16, stage=1,
-                        activation="swiglu_oai", out_stride=2880)
-    from flyquant.kernels._a16w4_main_loop import build_moe_gemm2_a16w4
-    (rep,) = toolchain.compile_only(arch, build_moe_gemm2_a16w4(cfg), *([0] * 11), 2 * 3072, 1, 64, 128, 4, 1,
-                                    0, 1, stream=0)
-    return rep.isa
-
-
 def _repeats_a_wait(lines: list[str], i: int) -> bool:
     """Whether the s_waitcnt at lines[i] only repeats an earlier one of its straight-line code: one
     at least as strict on each counter it waits on, with no operation of that counter between."""
     vm, lgkm = wait_counts(lines[i].strip().partition(" ")[2])
-    need = {"vm": vm, "lgkm": lgkm}
-    need = {c: n for c, n in need.items() if n < 64}
+    need = {c: n for c, n in (("vm", vm), ("lgkm", lgkm)) if n < CAP}
     for line in reversed(lines[:i]):
         text = line.split(";")[0].strip()
         if not need or text.endswith(":") or text.startswith("s_cbranch") or text.startswith("s_branch"):
@@ -126,7 +108,7 @@ def _repeats_a_wait(lines: list[str], i: int) -> bool:
             need = {c: n for c, n in need.items() if earlier[c] > n}
             continue
         kind = memory_kind(mnemonic, operands) if mnemonic else None
-        if kind and ({"vm": "vm", "vm_load": "vm", "lds_dma": "vm"}.get(kind, "lgkm") in need):
+        if kind and ("vm" if COUNTER[kind] == "vm" else "lgkm") in need:
             return False
     return not need
 
@@ -139,7 +121,8 @@ def test_every_wait_of_a_real_kernel_is_seen(arch, kernel):
     (LLVM places its waits tight; ours are the pipelined ones of stage 1's main loop and the
     one-wait-for-all of _mx_ir.wait_loads, which can repeat a wait LLVM placed). The MXFP8 dual
     column kernel has LDS stores, a barrier and scalar loads; stage 1 the software pipeline."""
-    isa = compile_dual(arch, "bf16")[0].isa if kernel == "mxfp8_dual" else _stage1_isa(arch)
+    # GPT-OSS stage 1 at 16x128: its software-pipelined waits are placed by hand
+    isa = (compile_dual(arch, "bf16")[0] if kernel == "mxfp8_dual" else compile_stage1(arch, "gptoss", 16, 128)).isa
     assert violations(isa) == []
     lines = isa.split("\n")
     waits = [i for i, line in enumerate(lines) if line.strip().startswith("s_waitcnt")]

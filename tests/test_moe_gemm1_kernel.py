@@ -288,11 +288,9 @@ COMPILE_CASES = [("gptoss", 16, 64), ("gptoss", 16, 128), ("gptoss", 32, 256), (
                  ("deepseek", 16, 64), ("qwen3", 16, 128)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("shape,tile_m,tile_n", COMPILE_CASES)
-def test_compiles_without_spills(arch, shape, tile_m, tile_n):
-    """Model shapes (STAGE1_SHAPES; GPT-OSS with hidden 2880 padded to K 3072 and inter 2880 to
-    2 x 3072 rows, swiglu_oai and a bf16 bias; routing weights at stage 2)."""
+def compile_stage1(arch: str, shape: str, tile_m: int, tile_n: int):
+    """The compile report of stage 1 on a model shape (STAGE1_SHAPES) at tile_m x tile_n, the
+    default waves."""
     md, idim, half, w_k, experts, topk, activation, bias_dtype = STAGE1_SHAPES[shape]
     n_kt = K.k_iterations(md)
     waves = K.default_waves(tile_m, tile_n, n_kt, 1, pair=True)
@@ -303,6 +301,16 @@ def test_compiles_without_spills(arch, shape, tile_m, tile_n):
                         activation=activation, out_stride=idim)
     (rep,) = toolchain.compile_only(arch, K.build_moe_gemm2_a16w4(cfg), *([0] * 11), 2 * half, 1, 64, experts, 4, 1,
                                     0, 1, stream=0)
+    return rep
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape,tile_m,tile_n", COMPILE_CASES)
+def test_compiles_without_spills(arch, shape, tile_m, tile_n):
+    """Model shapes (STAGE1_SHAPES; GPT-OSS with hidden 2880 padded to K 3072 and inter 2880 to
+    2 x 3072 rows, swiglu_oai and a bf16 bias; routing weights at stage 2)."""
+    activation = STAGE1_SHAPES[shape][6]
+    rep = compile_stage1(arch, shape, tile_m, tile_n)
     assert rep.spills == 0
     assert rep.workgroups_per_cu() >= 2, (rep.vgprs, rep.agprs, rep.lds_bytes)
     assert re.search(r"^\s+v_exp_f32_e(32|64)\b", rep.isa, re.M) and re.search(r"^\s+v_rcp_f32_e(32|64)\b", rep.isa, re.M)
