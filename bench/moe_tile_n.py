@@ -563,7 +563,7 @@ def main(argv=None) -> dict:
             path = args.out / f"tuning_{arch}.json"
             table = merge_tuning(path, tuning_table([r for r in rows if r["arch"] == arch], SHAPES))
             path = common.write_json(path, table)
-            print(f"tuning table: {path} (use with FLYQUANT_TUNING={path})")
+            print(f"tuning table: {path} (use with FLYQUANT_TUNING={path.resolve()})")
     json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png", [r for r in peer_rows if r.get("status") == "ok"])
     print(f"\nwrote {json_path} and {png_path}")

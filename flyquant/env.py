@@ -17,7 +17,7 @@ VARIABLES = {
     "FLYQUANT_BACKEND": "auto|reference|flydsl: where calls run (flyquant.select)",
     "FLYQUANT_ARCH": "gfx942|gfx950: the arch kernels are compiled for",
     "FLYQUANT_CONFIG": 'a JSON object of MoE configuration fields, e.g. {"tile_n": 128, "waves": 2}',
-    "FLYQUANT_TUNING": "the path of a JSON tuning table written by bench/moe_tile_n.py",
+    "FLYQUANT_TUNING": "an absolute path: a JSON tuning table written by bench/moe_tile_n.py",
     "FLYQUANT_EMU": "gfx942|gfx950: enable flyquant.emu when it is imported",
     "FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS": "a positive integer: instructions after which a wave is taken to never end",
     "FLYQUANT_CACHE_DIR": "an absolute path: flyquant's cache, a directory owned by you and writable only by you",
@@ -53,14 +53,12 @@ def choice(name: str, choices, default: str | None = None) -> str | None:
 
 
 def positive_int(name: str, default: int) -> int:
-    """A positive decimal integer, or `default` when unset."""
+    """A positive integer in ASCII decimal digits, or `default` when unset (int() alone would also
+    take "+5", "5_000" and non-ASCII digits)."""
     value = raw(name)
     if value is None:
         return default
-    try:
-        number = int(value, 10)
-    except ValueError:
-        number = 0
+    number = int(value) if value.isascii() and value.isdigit() else 0
     if number <= 0:
         raise error(name, value, "a positive integer")
     return number

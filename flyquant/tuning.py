@@ -126,10 +126,9 @@ def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
 def tuning_table() -> dict[tuple, dict]:
     """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
     whole table is checked when it is first read (and again when the file changes)."""
-    path = env.raw("FLYQUANT_TUNING")
+    path = env.absolute_path("FLYQUANT_TUNING")
     if path is None:
         return {}
-    path = os.path.expanduser(path)
     try:
         mtime = os.path.getmtime(path)
     except OSError as exc:

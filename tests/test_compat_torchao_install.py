@@ -421,7 +421,8 @@ def test_emulated_grouped_mm_passes_torchaos_scale_mode_enum_through():
 def test_grouped_mm_bad_input_is_torchaos_assertion_error():
     """torchao's _to_mxfp8_then_scaled_grouped_mm asserts on bad input (AssertionError: input_act
     must be 2D, out_dtype must be bfloat16 or float32, ...); after install() the same calls raised
-    flyquant's plain ValueError / TypeError, which callers catching AssertionError missed."""
+    flyquant's plain ValueError / TypeError, which callers catching AssertionError missed. A recipe
+    flag that is not a bool is refused the same way."""
     out = run("""
         from flyquant.compat import torchao as compat
         compat.install()
@@ -432,10 +433,11 @@ def test_grouped_mm_bad_input_is_torchaos_assertion_error():
         out["errors"] = []
         for args, kw in (((A.view(2, 32, 32), B_t, offs), {}), ((A, B_t[0], offs), {}), ((A, B_t[:, :16], offs), {}),
                          ((A, B_t, offs), {"out_dtype": torch.float16}), ((A.int(), B_t, offs), {}),
-                         ((A, B_t, offs.long()), {})):
+                         ((A, B_t, offs.long()), {}), ((A, B_t, offs), {"wgrad_with_hp": "no"}),
+                         ((A, B_t, offs), {"pad_token_groups_for_grouped_mm": 1})):
             try:
                 mt._to_mxfp8_then_scaled_grouped_mm(*args, **kw)
             except AssertionError as exc:
                 out["errors"].append([isinstance(exc, ValueError), isinstance(exc, TypeError)])
     """)
-    assert out["errors"] == [[True, False]] * 3 + [[True, True]] * 3
+    assert out["errors"] == [[True, False]] * 3 + [[True, True]] * 3 + [[True, False]] * 2

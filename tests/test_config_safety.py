@@ -192,10 +192,16 @@ def test_bad_tuning_table_is_an_error_naming_it(tmp_path, monkeypatch, table, me
 
 def test_tuning_table_that_cannot_be_read(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYQUANT_TUNING", str(tmp_path / "missing.json"))
-    with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*missing.json': expected the path of a JSON tuning table .*No such file"):
+    with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*missing.json': expected an absolute path: a JSON tuning table .*No such file"):
         tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
     monkeypatch.setenv("FLYQUANT_TUNING", str(tmp_path))
     with pytest.raises(env.EnvError, match=r"reading it failed: .*Is a directory"):
+        tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
+    # a relative path would name a different file in every working directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tuning.json").write_text('{"entries": []}')
+    monkeypatch.setenv("FLYQUANT_TUNING", "tuning.json")
+    with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='tuning.json': expected an absolute path \(a JSON tuning table"):
         tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE)
 
 
@@ -212,7 +218,7 @@ def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, mo
 # --- FLYQUANT_EMU / FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS ----------------------------------------
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5", "1e6"])
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5", "1e6", "+5", "5_000", "\u0665"])
 def test_max_wave_instructions_must_be_a_positive_integer(monkeypatch, value):
     monkeypatch.setenv("FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS", value)
     with pytest.raises(env.EnvError, match=re.escape(f"FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS={value!r}: expected a positive integer")):

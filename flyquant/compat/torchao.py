@@ -266,6 +266,9 @@ def to_mxfp8_then_scaled_grouped_mm(A, B_t, offs=None, bias=None, out_dtype=torc
                         pad_token_groups_for_grouped_mm)
     if kernel_preference != KernelPreference.AUTO:
         _fail("kernel_preference must be AUTO or EMULATED", f"got {kernel_preference}")
+    with _as_torchao_errors():  # a recipe flag that is not a bool (torchao would take "no" as true)
+        wgrad_with_hp = validate.flag(wgrad_with_hp, "wgrad_with_hp")
+        validate.flag(pad_token_groups_for_grouped_mm, "pad_token_groups_for_grouped_mm")
     a_quantized = _mxtensor_parts(A, wgrad_with_hp) if isinstance(A, theirs.MXTensor) else None
     if offs is None:
         _fail("group_end_offsets must be provided for 2d-3d grouped mm")
