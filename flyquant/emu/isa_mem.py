@@ -230,6 +230,24 @@ def build_global(inst, ctx):
     return store
 
 
+def _atomic_lanes(w, inst, ctx, op, addrs, mask, data_row, ret_row):
+    """The dword atomic `op` of the lanes in `mask` at `addrs` (checked, 4-byte aligned), the old
+    values into ret_row when it is not None (global and buffer atomics alike)."""
+    lanes = np.flatnonzero(mask)
+    if not lanes.size:
+        return
+    mem = w.launch.memory
+    a = addrs[lanes]
+    mem.check(a, DWORD, None, write=True)
+    if np.count_nonzero(a & U64(3)):
+        raise ctx.error(inst, "misaligned atomic address")
+    idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
+    data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
+    old = _apply_atomic(mem.space(U32), idx, data, op)
+    if ret_row is not None:
+        w.v[ret_row, lanes] = old
+
+
 def _build_global_atomic(inst, ctx, address, index):
     name = inst.name
     op = _atomic_op(name)
@@ -241,18 +259,7 @@ def _build_global_atomic(inst, ctx, address, index):
     def atomic(w):
         mask = w.exec_mask
         addrs = address(w)
-        lanes = np.flatnonzero(mask)
-        if lanes.size:
-            mem = w.launch.memory
-            a = addrs[lanes]
-            mem.check(a, DWORD, None, write=True)
-            if np.count_nonzero(a & U64(3)):
-                raise ctx.error(inst, "misaligned atomic address")
-            idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
-            data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
-            old = _apply_atomic(mem.space(U32), idx, data, op)
-            if ret_row is not None:
-                w.v[ret_row, lanes] = old
+        _atomic_lanes(w, inst, ctx, op, addrs, mask, data_row, ret_row)
         w.launch.rec.global_access(index, addrs, mask, DWORD, True)
     return atomic
 
@@ -391,18 +398,7 @@ def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
         off = offsets(w)
         ok = (off + U64(DWORD) <= U64(num_records)) & w.exec_mask
         addrs = U64(base) + U64(soffset) + off
-        lanes = np.flatnonzero(ok)
-        if lanes.size:
-            mem = w.launch.memory
-            a = addrs[lanes]
-            mem.check(a, DWORD, None, write=True)
-            if np.count_nonzero(a & U64(3)):
-                raise ctx.error(inst, "misaligned atomic address")
-            idx = ((a - U64(mem.BASE)) >> U64(2)).astype(np.int64)
-            data = (w.v[data_row, lanes], w.v[data_row + 1, lanes]) if op == "cmpswap" else w.v[data_row, lanes]
-            old = _apply_atomic(mem.space(U32), idx, data, op)
-            if ret:
-                w.v[data_row, lanes] = old
+        _atomic_lanes(w, inst, ctx, op, addrs, ok, data_row, data_row if ret else None)
         if ret:  # lanes out of range return 0
             bad = w.exec_mask & ~ok
             w.v[data_row, bad] = 0
