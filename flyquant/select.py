@@ -229,9 +229,16 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
         e, n, k = w.shape
         if scale_block_k == 1:
+            from .kernels.mxfp8_quantize_3d import transposed_layout_direct
+
             rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
-            return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
-                               "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows",
+            why = ["w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows"]
+            if scale_layout and not transposed_layout_direct(e, k, scale_layout):
+                # the plan named the kernel writing the layout, and said so; the launcher runs the plain one
+                why.append(f"K = {k} does not fill whole {scale_layout} row tiles: plain scales from the kernel, laid "
+                           "out per expert afterwards by torch ops")
+                scale_layout = None
+            return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout, *why,
                                signed_zeros=signed_zeros)
         return _mxfp8_plan("mxfp8_quantize_3d", w.transpose(1, 2), "3d_t", scaling_mode, scale_layout,
                            "w is the transpose of a contiguous (E, K, N): the column kernel's 32x32 variant on "
