@@ -569,7 +569,7 @@ def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int) -> int:
 
 
 def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
-                     experts: int, signed_zeros: bool) -> Plan:
+                     experts: int, signed_zeros: bool, scale_layout=None) -> Plan:
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
@@ -587,14 +587,18 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     if fnuz:
         reasons += ("operands read as loaded (signed_zeros=False: no -0, NaN codes only in NaN-scale blocks)"
                     if not signed_zeros else "OCP -0 and NaN codes rewritten as FNUZ in registers",)
-    name = f"{op}_{_dtype_name(out_dtype)}_{target.arch}" + ("_pz" if fnuz and not signed_zeros else "")
+    from .kernels.mxfp8_grouped_mm import GroupedMMConfig
+
+    # the launched kernel's own name (it was f"{op}_{dtype}_{arch}", which no launched name starts with)
+    name = GroupedMMConfig(target.arch, out_dtype, n, k, experts, config["tile_m"], config["tile_n"],
+                           scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros).name
     return _kernel_plan(op, target, name, config, *reasons)
 
 
-def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True) -> Plan:
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True, scale_layout=None) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros)
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros, scale_layout)
 
 
 def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros=True) -> Plan:
