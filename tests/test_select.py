@@ -151,7 +151,7 @@ def test_moe_plan_carries_waves(monkeypatch):
     assert plan.config == {"tile_m": 16, "tile_n": 128, "k_batch": 3, "waves": 2}
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
     plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
-    assert plan.config["waves"] == 1 and "_1w_" in plan.kernel
+    assert plan.config["waves"] == 1 and "_w1x1_" in plan.kernel
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
