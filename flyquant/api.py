@@ -284,7 +284,8 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         sorted_ = moe_sorting(ids, ones, experts, block_m)
         if activation is not None:
             x = torch.zeros(t, model_dim, dtype=torch.bfloat16, device=device)
-            plans.append(select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, stage1_bias, activation))
+            plans.append(select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, stage1_bias, activation,
+                                                     stage1_weights))
             moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                             apply_weights=stage1_weights, out=a2, model_dim=model_dim, inter_dim=inter_dim)
         plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))

@@ -40,7 +40,8 @@ def _moe_gemm2_op(
 ) -> None:
     args = (a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids)
     reference_moe.check_moe_gemm2_memory(out, *args, bias)  # addresses: on real tensors, both backends
-    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None)
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out.dtype, bias is not None,
+                                       apply_weights)
     if plan.backend == "reference":
         reference_moe.moe_gemm2_a16w4(
             *args, topk, block_m, out=out, bias=bias, apply_weights=apply_weights, model_dim=model_dim,
@@ -133,7 +134,8 @@ def _moe_gemm1_op(
     validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
                                          sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
                                          num_valid_ids=num_valid_ids, bias=bias))
-    plan = select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
+    plan = select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation,
+                                       apply_weights, alpha, limit, _out_stride(out))
     kw = dict(bias=bias, activation=activation, alpha=alpha, limit=limit, apply_weights=apply_weights, out=out,
               model_dim=model_dim, inter_dim=inter_dim)
     if plan.backend == "reference":
@@ -421,7 +423,8 @@ def _explain_moe(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids
     if out is None:
         _check_out_dtype(out_dtype)
     dtype = out.dtype if out is not None else out_dtype
-    return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None)
+    return select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, bias is not None,
+                                       apply_weights)
 
 
 def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
@@ -431,7 +434,8 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     validate.flag(apply_weights, "apply_weights")
-    return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation)
+    return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation,
+                                       apply_weights, alpha, limit, None if out is None else _out_stride(out))
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
@@ -452,8 +456,10 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
     dtype = out.dtype if out is not None else out_dtype
     return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
-            select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation),
-            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None))
+            select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation,
+                                        apply_weights_at == "stage1", alpha, limit),
+            select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, dtype, b2 is not None,
+                                        apply_weights_at == "stage2"))
 
 
 def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
@@ -466,6 +472,11 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
                                        model_dim=model_dim, inter_dim=inter_dim)
     return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
+
+
+def _out_stride(out: torch.Tensor) -> int:
+    """The row stride of stage 1's a2 as its launcher writes it (a non-unit column stride: a contiguous copy)."""
+    return out.stride(0) if out.stride(1) == 1 else out.shape[1]
 
 
 EXPLAINERS = {moe_gemm2_a16w4: _explain_moe, moe_gemm1_a16w4: _explain_moe1, moe_sorting: _explain_sorting,

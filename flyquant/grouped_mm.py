@@ -38,7 +38,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None,
                    signed_zeros: bool = True) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros)
+    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros, scale_layout)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
                 (a, a_scale, b, b_scale, offs), out_dtype, signed_zeros, scale_layout=scale_layout)
 
@@ -95,13 +95,21 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
     return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
+def _check_host_offs(check_offs, offs, rows) -> None:
+    """offs' values where the host holds them, as both backends check them (explain planned calls that raise)."""
+    if offs.device.type == "cpu":
+        check_offs(offs, rows)
+
+
 def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None, signed_zeros=True):
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
-    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
+    _check_host_offs(ref.check_grouped_mm_offs, offs, a.shape[0])
+    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"), scale_layout)
 
 
 def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16, signed_zeros=True):
     ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
+    _check_host_offs(ref.check_grouped_mm_wgrad_offs, offs, x.shape[0])
     return select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 

@@ -229,9 +229,16 @@ def plan_mxfp8_quantize_3d(w: torch.Tensor, scaling_mode: str, scale_block_k: in
     if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
         e, n, k = w.shape
         if scale_block_k == 1:
+            from .kernels.mxfp8_quantize_3d import transposed_layout_direct
+
             rows = w.transpose(1, 2).reshape(e * k, n)  # a view: the row-major (E*K, N) matrix w is
-            return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout,
-                               "w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows",
+            why = ["w is the transpose of a contiguous (E, K, N): the 1x32 kernel on its (E*K, N) rows"]
+            if scale_layout and not transposed_layout_direct(e, k, scale_layout):
+                # the plan named the kernel writing the layout, and said so; the launcher runs the plain one
+                why.append(f"K = {k} does not fill whole {scale_layout} row tiles: plain scales from the kernel, laid "
+                           "out per expert afterwards by torch ops")
+                scale_layout = None
+            return _mxfp8_plan("mxfp8_quantize_3d", rows, "1x32", scaling_mode, scale_layout, *why,
                                signed_zeros=signed_zeros)
         return _mxfp8_plan("mxfp8_quantize_3d", w.transpose(1, 2), "3d_t", scaling_mode, scale_layout,
                            "w is the transpose of a contiguous (E, K, N): the column kernel's 32x32 variant on "
@@ -421,7 +428,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
     return config
 
 
-def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias) -> Plan:
+def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias, apply_weights=True) -> Plan:
     """The A16W4 stage-2 GEMM: tiles and split-K for this shape; block_m is the caller's sort."""
     op = "moe_gemm2_a16w4"
     target = _a16w4_target(op, a2, "a2", ("model_dim", model_dim), ("inter_dim", inter_dim))
@@ -429,13 +436,18 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
         return target
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
     config = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
-    name = (f"moe_gemm2_a16w4_{_dtype_name(out_dtype)}_{config['tile_m']}x{config['tile_n']}_kb{config['k_batch']}"
-            f"_{config['waves']}w{'_bias' if has_bias else ''}_{target.arch}")
+    from .kernels.moe_gemm2_a16w4 import planned_name
+
+    out_bytes = model_dim * torch.finfo(out_dtype).bits // 8
+    # the launched kernel's name (the plans' '<tiles>_<waves>w' named no launched kernel, nor the wave layout)
+    name = planned_name(2, target.arch, config, a2, topk, inter_dim, out_bytes, model_dim, inter_dim,
+                        out_dtype=out_dtype, apply_weights=bool(apply_weights), bias=has_bias)
     conversion = _fp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, conversion)
 
 
-def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation) -> Plan:
+def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation, apply_weights=False,
+                         alpha=1.702, limit=7.0, out_stride=None) -> Plan:
     """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K), then the tuning
     table, then FLYQUANT_CONFIG's tile_m / tile_n / waves (k_batch does not apply); block_m is the
     caller's sort."""
@@ -444,6 +456,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     if isinstance(target, Plan):
         return target
     from .kernels import moe_gemm1_a16w4 as k
+    from .kernels.moe_gemm2_a16w4 import planned_name
 
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
@@ -453,8 +466,9 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
     _wave_split_fits(config, k.k_iterations(model_dim), pair=True)
-    name = (f"moe_gemm1_a16w4_{activation}_{config['tile_m']}x{config['tile_n']}_{config['waves']}w"
-            f"{'_bias' if has_bias else ''}_{target.arch}")
+    out_bytes = topk * (inter_dim if out_stride is None else out_stride) * 2  # a2's rows of one token
+    name = planned_name(1, target.arch, config, x, 1, model_dim, out_bytes, model_dim, inter_dim,
+                        apply_weights=bool(apply_weights), bias=has_bias, activation=activation, alpha=alpha, limit=limit)
     conversion = _fp4_conversion(target.arch)
     return _kernel_plan(op, target, name, config, conversion,
                         "gate and up columns in one workgroup: the activation in registers (exp2/rcp), no split K")
@@ -562,7 +576,7 @@ def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int) -> int:
 
 
 def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
-                     experts: int, signed_zeros: bool) -> Plan:
+                     experts: int, signed_zeros: bool, scale_layout=None) -> Plan:
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
@@ -580,14 +594,18 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     if fnuz:
         reasons += ("operands read as loaded (signed_zeros=False: no -0, NaN codes only in NaN-scale blocks)"
                     if not signed_zeros else "OCP -0 and NaN codes rewritten as FNUZ in registers",)
-    name = f"{op}_{_dtype_name(out_dtype)}_{target.arch}" + ("_pz" if fnuz and not signed_zeros else "")
+    from .kernels.mxfp8_grouped_mm import GroupedMMConfig
+
+    # the launched kernel's own name (it was f"{op}_{dtype}_{arch}", which no launched name starts with)
+    name = GroupedMMConfig(target.arch, out_dtype, n, k, experts, config["tile_m"], config["tile_n"],
+                           scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros).name
     return _kernel_plan(op, target, name, config, *reasons)
 
 
-def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True) -> Plan:
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True, scale_layout=None) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros)
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros, scale_layout)
 
 
 def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros=True) -> Plan:

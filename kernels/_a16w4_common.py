@@ -168,21 +168,26 @@ class Gemm2Config:
 
     @property
     def name(self) -> str:
-        if self.stage == 1:
-            act = self.activation
-            if act == "swiglu_oai":
-                act += f"_a{self.alpha!r}_l{self.limit!r}".replace(".", "p").replace("-", "m")
-            opt = (("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
-                   + ("" if self.bias_dtype is None else "_bias"))
-            return (f"moe_gemm1_a16w4_{act}_{self.tile_m}x{self.tile_n}_w{self.wn}x{self.wk}{opt}"
-                    f"_i{self.model_dim // 2}_k{self.inter_dim}_{self.arch}")
-        out = "bf16" if self.out_dtype == torch.bfloat16 else "f32"
-        bias = "" if self.bias_dtype is None else "_bias"
-        wts = ("_w" if self.apply_weights else "") + ("_win" if self.windowed else "")
-        return (
-            f"moe_gemm2_a16w4_{out}_{self.tile_m}x{self.tile_n}_kb{self.k_batch}_w{self.wn}x{self.wk}{wts}{bias}"
-            f"_n{self.model_dim}_k{self.inter_dim}_{self.arch}"
-        )
+        return kernel_name(self.stage, self.arch, self.out_dtype, self.tile_m, self.tile_n, self.k_batch, self.wn,
+                           self.wk, self.model_dim, self.inter_dim, self.apply_weights, self.windowed,
+                           self.bias_dtype is not None, self.activation, self.alpha, self.limit)
+
+
+def kernel_name(stage: int, arch: str, out_dtype: torch.dtype, tile_m: int, tile_n: int, k_batch: int, wn: int, wk: int,
+                model_dim: int, inter_dim: int, apply_weights: bool, windowed: bool, bias: bool, activation: str = "",
+                alpha: float = 1.702, limit: float = 7.0) -> str:
+    """A compiled stage kernel's name (Gemm2Config's fields; stage 1: model_dim = 2 * its inter_dim, inter_dim =
+    its hidden size), also what flyquant.select's plans call it."""
+    if stage == 1:
+        act = activation
+        if act == "swiglu_oai":
+            act += f"_a{float(alpha)!r}_l{float(limit)!r}".replace(".", "p").replace("-", "m")
+        opt = ("_w" if apply_weights else "") + ("_win" if windowed else "") + ("_bias" if bias else "")
+        return f"moe_gemm1_a16w4_{act}_{tile_m}x{tile_n}_w{wn}x{wk}{opt}_i{model_dim // 2}_k{inter_dim}_{arch}"
+    out = "bf16" if out_dtype == torch.bfloat16 else "f32"
+    wts = ("_w" if apply_weights else "") + ("_win" if windowed else "")
+    return (f"moe_gemm2_a16w4_{out}_{tile_m}x{tile_n}_kb{k_batch}_w{wn}x{wk}{wts}{'_bias' if bias else ''}"
+            f"_n{model_dim}_k{inter_dim}_{arch}")
 
 
 # ---- small device helpers ----------------------------------------------------------------------

@@ -144,6 +144,13 @@ def quantize_3d(w: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scal
     return data, scales.view(torch.float8_e8m0fnu)
 
 
+def transposed_layout_direct(e: int, k: int, scale_layout) -> bool:
+    """Whether the 1x32 kernel writes a transposed 3D w's scale layout itself (_transposed_3d): K
+    fills whole layout row tiles (and there are rows)."""
+    row_tile = {None: 1, "tcgen05": mx.TCGEN05_TILE_ROWS, "mfma": mx.MFMA_ROW_PAD}[scale_layout]
+    return k % row_tile == 0 and e * k > 0
+
+
 def _transposed_3d(w, arch, scaling_mode, scale_layout, signed_zeros):
     """quantize_3d of w (E, N, K) with strides (N*K, 1, N), through the 1x32 kernel on the
     contiguous (E*K, N) matrix w.transpose(1, 2) is. Plain scales (E, N/32, K) are the transpose
@@ -158,8 +165,7 @@ def _transposed_3d(w, arch, scaling_mode, scale_layout, signed_zeros):
 
     e, n, k = w.shape
     rows = w.transpose(1, 2).reshape(e * k, n)  # a view: w's storage, row-major
-    row_tile = {None: 1, "tcgen05": mx.TCGEN05_TILE_ROWS, "mfma": mx.MFMA_ROW_PAD}[scale_layout]
-    direct = k % row_tile == 0 and e * k > 0
+    direct = transposed_layout_direct(e, k, scale_layout)
     data, scales = quantize_1x32(rows, arch=arch, scaling_mode=scaling_mode,
                                  scale_layout=scale_layout if direct else None, signed_zeros=signed_zeros)
     data = data.view(e, k, n).transpose(1, 2)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import flyquant as fq
+import flyquant.emu as emu
 from flyquant import layouts, reference, select, training
 from mx_fp64 import deq64, grouped64, groups  # the independent FP64 model
 from flyquant.formats import MX_BLOCK
@@ -246,7 +247,7 @@ def test_plans_and_explain(capsys):
     plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
     assert plan.backend == "flydsl" and plan.config["tile_m"] == 64 and "64 rows over 2 groups" in plan.reasons[-1]
     plan = fq.explain(fq.mxfp8_grouped_mm_wgrad, x, x_scale, y, y_scale, offs(32, 64))
-    assert plan.backend == "flydsl" and plan.kernel == "mxfp8_grouped_mm_wgrad_bf16_gfx950"
+    assert plan.backend == "flydsl" and plan.kernel == "mxfp8_grouped_mm_wgrad_gfx950_bf16_n32_k64_e2_128x128_w2x2"
     out = capsys.readouterr().out
     assert "mxfp8_grouped_mm: flydsl" in out and "mxfp8_grouped_mm_wgrad: flydsl" in out
 
@@ -335,6 +336,32 @@ def test_selected_backend_under_emulator(arch, monkeypatch):
         assert_within(got[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.float32), f"group {g}")
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_plans_name_the_launched_kernel_and_refuse_what_the_call_refuses(arch, monkeypatch):
+    """explain()'s plans are the launched kernels' names (they were '<op>_<dtype>_<arch>', a prefix of
+    none: the launched ones are '<op>_<arch>_<dtype>_n<N>_k<K>_e<E>_<tiles>_w2x2[_smfma][_pz]'), and offs
+    the host holds are checked by explain as by the call (explain planned a wgrad whose group of 7
+    rows the call refuses)."""
+    monkeypatch.setenv("FLYQUANT_ARCH", arch)
+    a, a_scale, b, b_scale = fwd_inputs(80, 48, 64, 2)
+    x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
+    mfma = (layouts.mfma_shuffle_scales(a_scale), torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale]))
+    calls = [(fq.mxfp8_grouped_mm, (a, a_scale, b, b_scale, offs(30, 80)), {}),
+             (fq.mxfp8_grouped_mm, (a, mfma[0], b, mfma[1], offs(0, 70)), dict(scale_layout="mfma", out_dtype=torch.float32)),
+             (fq.mxfp8_grouped_mm, (a, a_scale, b, b_scale, offs(30, 80)), dict(signed_zeros=False)),
+             (fq.mxfp8_grouped_mm_wgrad, (x, x_scale, y, y_scale, offs(32, 64)), dict(out_dtype=torch.float32))]
+    for fn, args, kw in calls:
+        plan = fq.explain(fn, *args, **kw)
+        with emu.record() as launches:
+            fn(*args, **kw)
+        assert [r.kernel for r in launches] == [plan.kernel], kw
+    for fn, args in ((fq.mxfp8_grouped_mm, (a, a_scale, b, b_scale, offs(70, 30))),
+                     (fq.mxfp8_grouped_mm_wgrad, (x, x_scale, y, y_scale, offs(7, 64)))):
+        for call in (fn, lambda *args: fq.explain(fn, *args)):
+            with pytest.raises(ValueError, match="offs"):
+                call(*args)
+
+
 # ------------------------------------------------------------------------------------------------
 # The training op
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +409,8 @@ def test_kernel_hook(monkeypatch):
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
     a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
     plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
-    assert (plan.backend, plan.kernel, plan.arch) == ("flydsl", "mxfp8_grouped_mm_bf16_gfx942", "gfx942")
+    assert (plan.backend, plan.kernel, plan.arch) == ("flydsl", "mxfp8_grouped_mm_gfx942_bf16_n32_k64_e2_64x128_w2x2",
+                                                      "gfx942")
     got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64))
     assert torch.equal(got, reference.mxfp8_grouped_mm(a, a_scale, b, b_scale, offs(30, 64)))
     x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)

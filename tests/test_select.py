@@ -151,7 +151,7 @@ def test_moe_plan_carries_waves(monkeypatch):
     assert plan.config == {"tile_m": 16, "tile_n": 128, "k_batch": 3, "waves": 2}
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
     plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
-    assert plan.config["waves"] == 1 and "_1w_" in plan.kernel
+    assert plan.config["waves"] == 1 and "_w1x1_" in plan.kernel
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
@@ -175,6 +175,12 @@ def test_mxfp8_plans_name_the_launched_kernel(arch):
              (fq.mxfp8_quantize_3d, (w,), dict(scale_layout="mfma")),
              (fq.mxfp8_quantize_3d, (w.transpose(1, 2).contiguous().transpose(1, 2),), dict(scale_block_k=32)),
              (fq.mxfp8_quantize_3d, (w.transpose(1, 2).contiguous().transpose(1, 2),), {}),
+             # K (96) filling no whole row tile of the layout: the plain 1x32 kernel, scales laid out after it
+             # (the plans named the layout kernel, "scales written in the mfma layout by the kernel")
+             (fq.mxfp8_quantize_3d, (w[:, :, :96].transpose(1, 2).contiguous().transpose(1, 2),),
+              dict(scale_layout="mfma")),
+             (fq.mxfp8_quantize_3d, (w[:, :, :96].transpose(1, 2).contiguous().transpose(1, 2),),
+              dict(scale_layout="tcgen05")),
              (fq.mxfp4_quantize, (x,), {}), (fq.mxfp4_quantize, (x, 0), {}),
              (fq.mxfp4_quantize, (x,), dict(scale_layout="mfma", shuffle="a4w4")), (fq.mxfp4_quantize_dual, (x,), {}),
              (fq.mxfp4_quantize_3d, (w,), dict(shuffle="a16w4", gate_up=True))]
