@@ -17,7 +17,7 @@ so, as flyquant.training feeds it on gfx942 (not in the default --layouts).
 
 Modelled mode (no AMD GPU): labelled "modelled, not timed". Per shape, arch and scale layout:
 - compile-only figures of the model-sized kernel (the tile the selector plans for the shape
-  and arch, select.grouped_mm_tiles, unless --tile-m / --tile-n; 2x2 waves):
+  and arch, select_grouped_mm.grouped_mm_tiles, unless --tile-m / --tile-n; 2x2 waves):
   VGPR/AGPR, LDS, spills, workgroups per CU;
 - what one workgroup executes, emulated. The grid is (M / tile_m) x (N / tile_n) workgroups and
   every one runs the same code over the same K; they differ only in the rows they mask: a tile
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package: the scripts run as files)
 
 import flyquant.emu as emu  # noqa: E402
-from flyquant import layouts, reference, select, toolchain  # noqa: E402
+from flyquant import layouts, reference, select_grouped_mm, toolchain  # noqa: E402
 from flyquant.kernels import mxfp8_grouped_mm as G  # noqa: E402
 
 MX_BLOCK = 32
@@ -157,7 +157,7 @@ def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: s
 
 def tiles(shape: Shape, arch: str, args) -> tuple[int, int]:
     """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm."""
-    tm, tn = select.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts)[0]
+    tm, tn = select_grouped_mm.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts)[0]
     return args.tile_m or tm, args.tile_n or tn
 
 
@@ -341,7 +341,7 @@ def wgrad_shape_arg(text: str) -> list[WgradShape]:
 
 def wgrad_tiles(args, arch: str, n: int, k: int, experts: int) -> tuple[int, int]:
     """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm_wgrad."""
-    tm, tn = select.grouped_mm_wgrad_tiles(arch, n, k, experts)[0]
+    tm, tn = select_grouped_mm.grouped_mm_wgrad_tiles(arch, n, k, experts)[0]
     return args.tile_m or tm, args.tile_n or tn
 
 
@@ -450,7 +450,7 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
         tm, tn = tiles(shape, arch, args)
         candidates.append((f"flyquant kernel ({layout}, {tm}x{tn})",
                            lambda i=inputs, lay=layout, tm=tm, tn=tn: launch(i, arch, lay, tm, tn)))
-    plan = select.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
+    plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
     candidates.append((f"fq.mxfp8_grouped_mm [{plan.backend}]", lambda: fq.mxfp8_grouped_mm(a, a_scale, b, b_scale,
                                                                                             offs)))
     a16, b16 = dequantized(a, a_scale), dequantized(b, b_scale)

@@ -1,7 +1,7 @@
 """The MXFP8 grouped GEMMs of MoE training, public API: ``torch.library`` custom ops with fakes
 (so ``torch.compile(fullgraph=True)`` traces them), each dispatched by the selector to its FlyDSL
 kernel on gfx942 and gfx950 (kernels/mxfp8_grouped_mm.py, the launcher
-``select.GROUPED_MM_KERNELS`` names) or to the reference (``flyquant.reference_grouped_mm``, which
+``select_grouped_mm.GROUPED_MM_KERNELS`` names) or to the reference (``flyquant.reference_grouped_mm``, which
 states the numerics).
 
 offs' values are checked where the host holds them: always on the reference path (it reads
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import reference_grouped_mm as ref
-from . import select, validate
+from . import select_grouped_mm, validate
 
 
 def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zeros, **options) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
         check_offs(offs, rows)
     out = torch.empty(out_shape, dtype=out_dtype, device=args[0].device)
     config = {k: v for k, v in plan.config.items() if k != "launcher"}
-    select.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, signed_zeros=signed_zeros, **options, **config)
+    select_grouped_mm.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, signed_zeros=signed_zeros, **options, **config)
     return out
 
 
@@ -38,7 +38,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None,
                    signed_zeros: bool = True) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros, scale_layout)
+    plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros, scale_layout)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
                 (a, a_scale, b, b_scale, offs), out_dtype, signed_zeros, scale_layout=scale_layout)
 
@@ -70,7 +70,7 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype, signed_zeros: bool = True) -> torch.Tensor:
-    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros)
+    plan = select_grouped_mm.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros)
     return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
                 (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype, signed_zeros)
 
@@ -104,13 +104,13 @@ def _check_host_offs(check_offs, offs, rows) -> None:
 def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None, signed_zeros=True):
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
     _check_host_offs(ref.check_grouped_mm_offs, offs, a.shape[0])
-    return select.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"), scale_layout)
+    return select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"), scale_layout)
 
 
 def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16, signed_zeros=True):
     ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
     _check_host_offs(ref.check_grouped_mm_wgrad_offs, offs, x.shape[0])
-    return select.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
+    return select_grouped_mm.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
 EXPLAINERS = {mxfp8_grouped_mm: explain_grouped_mm, mxfp8_grouped_mm_wgrad: explain_grouped_mm_wgrad}

@@ -190,6 +190,21 @@ def kernel_name(stage: int, arch: str, out_dtype: torch.dtype, tile_m: int, tile
             f"_n{model_dim}_k{inter_dim}_{arch}")
 
 
+def planned_name(stage: int, arch: str, config: dict, act: torch.Tensor, act_rows: int, width: int,
+                 out_token_bytes: int, model_dim: int, inter_dim: int, **name) -> str:
+    """The name of the stage kernel (1 or 2) its launcher compiles for a plan's config (tile_m, tile_n,
+    [k_batch,] waves): the wave layout and token windows computed as the launchers compute them from
+    the activations `act` (act_rows rows per token, `width` columns when copied) and out_token_bytes."""
+    n_kt = k_iterations(inter_dim if stage == 2 else model_dim)
+    wn, wk = default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"],
+                            pair=stage == 1)
+    row_stride, width = (act.stride(0), act.shape[1]) if act.stride(1) == 1 else (width, width)  # else copied
+    windowed = len(token_windows(act.shape[0] // act_rows, act_rows, width, row_stride, out_token_bytes)) > 1
+    dims = (model_dim, inter_dim) if stage == 2 else (2 * inter_dim, model_dim)
+    return kernel_name(stage, arch, name.pop("out_dtype", torch.bfloat16), config["tile_m"], config["tile_n"],
+                       config.get("k_batch", 1), wn, wk, *dims, windowed=windowed, **name)
+
+
 # ---- small device helpers ----------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and con
 from ._a16w4_common import (
     BIAS_DTYPES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
     WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
-    k_iterations, kernel_name, m_grid, m_tiling, token_windows,
+    k_iterations, m_grid, m_tiling, token_windows,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -153,17 +153,3 @@ def moe_gemm2_a16w4(
             )
     return out
 
-
-def planned_name(stage: int, arch: str, config: dict, act: torch.Tensor, act_rows: int, width: int,
-                 out_token_bytes: int, model_dim: int, inter_dim: int, **name) -> str:
-    """The name of the stage kernel (1 or 2) its launcher compiles for a plan's config (tile_m, tile_n,
-    [k_batch,] waves): the wave layout and token windows computed as the launchers compute them from
-    the activations `act` (act_rows rows per token, `width` columns when copied) and out_token_bytes."""
-    n_kt = k_iterations(inter_dim if stage == 2 else model_dim)
-    wn, wk = default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"],
-                            pair=stage == 1)
-    row_stride, width = (act.stride(0), act.shape[1]) if act.stride(1) == 1 else (width, width)  # else copied
-    windowed = len(token_windows(act.shape[0] // act_rows, act_rows, width, row_stride, out_token_bytes)) > 1
-    dims = (model_dim, inter_dim) if stage == 2 else (2 * inter_dim, model_dim)
-    return kernel_name(stage, arch, name.pop("out_dtype", torch.bfloat16), config["tile_m"], config["tile_n"],
-                       config.get("k_batch", 1), wn, wk, *dims, windowed=windowed, **name)

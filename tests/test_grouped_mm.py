@@ -20,7 +20,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import layouts, reference, select, training
+from flyquant import layouts, reference, select, select_grouped_mm, training
 from mx_fp64 import deq64, grouped64, groups  # the independent FP64 model
 from flyquant.formats import MX_BLOCK
 
@@ -261,7 +261,7 @@ def test_plans_and_explain(capsys):
     ("gfx950", 16640, 2048, 256, (64, 128)),  # 65 rows per group
 ])
 def test_forward_tiles(arch, m, n, experts, tiles):
-    assert select.grouped_mm_tiles(arch, m, n, experts)[0] == tiles
+    assert select_grouped_mm.grouped_mm_tiles(arch, m, n, experts)[0] == tiles
 
 
 @pytest.mark.parametrize("arch, n, k, experts, tiles", [
@@ -272,7 +272,7 @@ def test_forward_tiles(arch, m, n, experts, tiles):
     ("gfx942", 2048, 2048, 8, (128, 128)),
 ])
 def test_wgrad_tiles(arch, n, k, experts, tiles):
-    assert select.grouped_mm_wgrad_tiles(arch, n, k, experts)[0] == tiles
+    assert select_grouped_mm.grouped_mm_wgrad_tiles(arch, n, k, experts)[0] == tiles
 
 
 def test_explain_names_the_wide_tile():
@@ -318,7 +318,7 @@ def test_selected_backend_under_emulator(arch, monkeypatch):
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     m, n, k, ends = 80, 32, 96, offs(0, 17, 17, 70)
     a, a_scale, b, b_scale = fwd_inputs(m, n, k, 4)
-    plan = select.plan_mxfp8_grouped_mm(a, b, ends, torch.bfloat16)
+    plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, ends, torch.bfloat16)
     assert plan.where == "emulator" and plan.backend == "flydsl" and plan.arch == arch, plan
     got = fq.mxfp8_grouped_mm(a, a_scale, b, b_scale, ends)
     exact, s = grouped64(deq64(a, a_scale, -1), deq64(b, b_scale, -1), ends)
@@ -327,7 +327,7 @@ def test_selected_backend_under_emulator(arch, monkeypatch):
 
     x, x_scale, y, y_scale = wgrad_inputs(128, 16, 96)
     ends = offs(0, 64, 96, 96)
-    plan = select.plan_mxfp8_grouped_mm_wgrad(x, y, ends, torch.float32)
+    plan = select_grouped_mm.plan_mxfp8_grouped_mm_wgrad(x, y, ends, torch.float32)
     assert plan.where == "emulator" and plan.backend == "flydsl" and plan.arch == arch, plan
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, ends, torch.float32)
     x64, y64 = deq64(x.t(), x_scale, -1).t(), deq64(y.t(), y_scale, -1).t()
@@ -390,7 +390,7 @@ def test_explain_names_the_operands_promise(arch, monkeypatch):
 
 
 def test_kernel_hook(monkeypatch):
-    """A launcher registered in select.GROUPED_MM_KERNELS takes the op's inputs, an out of the
+    """A launcher registered in select_grouped_mm.GROUPED_MM_KERNELS takes the op's inputs, an out of the
     result's shape and dtype to write every element of, the arch, the operands' signed_zeros, the
     op's options and the plan's config; CPU offs are checked first. A stand-in launcher (the reference's values) takes the
     kernels' place, so this also covers the weight-gradient hook before its kernel exists."""
@@ -403,9 +403,9 @@ def test_kernel_hook(monkeypatch):
         else:
             out.copy_(reference.mxfp8_grouped_mm_wgrad(*inputs, out.dtype))
 
-    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm", "stand_in:launch")
-    monkeypatch.setitem(select.GROUPED_MM_KERNELS, "mxfp8_grouped_mm_wgrad", "stand_in:launch_wgrad")
-    monkeypatch.setattr(select, "grouped_mm_launcher", lambda plan: launch)
+    monkeypatch.setitem(select_grouped_mm.GROUPED_MM_KERNELS, "mxfp8_grouped_mm", "stand_in:launch")
+    monkeypatch.setitem(select_grouped_mm.GROUPED_MM_KERNELS, "mxfp8_grouped_mm_wgrad", "stand_in:launch_wgrad")
+    monkeypatch.setattr(select_grouped_mm, "grouped_mm_launcher", lambda plan: launch)
     monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
     a, a_scale, b, b_scale = fwd_inputs(64, 32, 64, 2)
     plan = fq.explain(fq.mxfp8_grouped_mm, a, a_scale, b, b_scale, offs(30, 64))
@@ -428,7 +428,7 @@ def test_launcher_lookup():
 
     plan = select.Plan("mxfp8_grouped_mm", "flydsl", "emulator", "gfx950", "k",
                        {"launcher": "mxfp8_quantize_2d:quantize_1x32"})
-    assert select.grouped_mm_launcher(plan) is mxfp8_quantize_2d.quantize_1x32
+    assert select_grouped_mm.grouped_mm_launcher(plan) is mxfp8_quantize_2d.quantize_1x32
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flyquant.emu as emu
-from flyquant import layouts, select, toolchain
+from flyquant import layouts, select_grouped_mm, toolchain
 from flyquant import reference as R
 from flyquant.kernels import mxfp8_grouped_mm as G
 from mx_fp64 import deq64, grouped64  # the FP64 model (E4M3 and E8M0 from their bit fields)
@@ -191,7 +191,7 @@ def test_compiles_without_spills(arch, scale_layout):
     128x256, either scale layout) and on the launcher's default 64x128: no spills; gfx942 also
     with signed_zeros=False operands, and at GPT-OSS's K 2880 (a partial last K step) in at most
     256 VGPRs: two workgroups per CU."""
-    tiles = {(64, 128), select.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
+    tiles = {(64, 128), select_grouped_mm.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
     assert len(tiles) == 2
     variants = [(5120, True)] + ([(5120, False), (2880, False)] if arch == "gfx942" else [])
     for (tile_m, tile_n), (k, signed) in ((t, v) for t in tiles for v in variants):
@@ -269,7 +269,7 @@ def test_wgrad_matches_the_mx_definition(arch, case):
     assert all(bool((out[g] == 0).all()) for g, size in enumerate(sizes) if size == 0)
 
 
-# gfx950's wide tiles (select.grouped_mm_wgrad_tiles): (M, N, K, group sizes, tile_n). K 320: a
+# gfx950's wide tiles (select_grouped_mm.grouped_mm_wgrad_tiles): (M, N, K, group sizes, tile_n). K 320: a
 # second n-tile of 64 (256) or 128 (192) columns; N 144: a second m-tile of 16 rows; N 128 and K
 # 256: no masks compiled
 WGRAD_WIDE_CASES = [
@@ -298,7 +298,7 @@ def test_wgrad_compiles_without_spills(arch):
     """A model-sized weight gradient (N 2048, K 5120, 8 groups) on the 128x128 tile and the
     selector's (gfx950: 128x256): no spills; 128x128 at most 256 VGPRs (two waves per SIMD; on
     gfx950 with the pipeline's two register sets), the wide tile at most 512 (one)."""
-    tiles = {(128, 128), select.grouped_mm_wgrad_tiles(arch, 2048, 5120, 8)[0]}
+    tiles = {(128, 128), select_grouped_mm.grouped_mm_wgrad_tiles(arch, 2048, 5120, 8)[0]}
     assert len(tiles) == (2 if arch == "gfx950" else 1)
     for tile_m, tile_n in tiles:
         cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=5120, experts=8, tile_m=tile_m,

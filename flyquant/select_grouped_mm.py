@@ -1,0 +1,116 @@
+"""The selector's plans for the MXFP8 grouped GEMMs (forward / dgrad and weight gradient):
+whether the kernel takes the shape, its tiles and why (flyquant.select holds the targets, the
+Plan and the other ops' plans)."""
+
+from __future__ import annotations
+
+import torch
+
+from .arch import arch_info
+from .select import Plan, _forced_reference, _kernel_plan, _kernel_target, reference_plan
+
+# The FlyDSL grouped-GEMM launchers, op -> "module:function" under flyquant.kernels, with the
+# signature launch(<the op's 5 tensors>, *, out, arch, [scale_layout,] **config), writing every
+# element of out.
+GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm",
+                                      "mxfp8_grouped_mm_wgrad": "mxfp8_grouped_mm:grouped_mm_wgrad"}
+GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
+GFX942_GROUPED_MM_MAX_K = 43648  # gfx942's forward reads 4 columns' scales at immediate offsets below 4096
+
+
+def _grouped_mm_unsupported(op: str, arch: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot take this shape (None: it can). Forward: a (m, k), b (E, n, k), out
+    (m, n); wgrad: x (m, k), y (m, n), out (E, n, k), its output columns k."""
+    cols = k if op == "mxfp8_grouped_mm_wgrad" else n
+    if cols % 16:
+        return f"the output's {cols} columns are not a multiple of 16 (the kernel's 16-column MFMA blocks)"
+    out_bytes = (n * k if op == "mxfp8_grouped_mm_wgrad" else m * n) * torch.finfo(out_dtype).bits // 8
+    if max(m * k, n * k, m * n, out_bytes) > GROUPED_MM_MAX_BUFFER:
+        return "a tensor (or one expert's part) spans 2 GiB or more (32-bit buffer offsets)"
+    if op == "mxfp8_grouped_mm" and arch == "gfx942" and k > GFX942_GROUPED_MM_MAX_K:
+        return f"K = {k} > {GFX942_GROUPED_MM_MAX_K} on gfx942 (scale offsets)"
+    return None
+
+
+def grouped_mm_tiles(arch: str, m: int, n: int, experts: int) -> tuple[tuple[int, int], tuple]:
+    """The forward / dgrad GEMM's (tile_m, tile_n) and why. tile_m 64 when the average group is
+    smaller than the 128-row tile (less masked work at group boundaries), else 128 (fewer loads per
+    MFMA). On gfx950 with tile_m 128, tile_n is the widest of 256 and 192 that divides N (no
+    masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 128 (or 64 x 96),
+    each fragment loaded feeding more MFMAs (bench/grouped_mm.py, torchao's grid: "mfma" scales
+    2.25-2.66 wave-instructions per MFMA instead of 2.8-3.4, row-major 2.6-2.9 instead of
+    3.1-3.7). They hold 300-380 VGPRs, so one workgroup (4 waves) per CU instead of two. Else 128."""
+    tile_m = 128 if m >= 128 * max(experts, 1) else 64
+    why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
+    tile_n = _wide_tile_n(arch, n, -(-m // tile_m)) if tile_m == 128 else 128
+    if tile_n != 128:
+        why.append(f"tile_n {tile_n}: gfx950, {tile_n} divides N = {n}, every CU a workgroup")
+    return (tile_m, tile_n), tuple(why)
+
+
+def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tuple[int, int], tuple]:
+    """The weight gradient's (tile_m, tile_n) over its (N, K) output per group, and why: 128 x 128,
+    or on gfx950 128 x 256 / 128 x 192 (the widest dividing K) when that still gives every CU a
+    workgroup: as the forward's wide tiles, each fragment loaded feeds 8/3 MFMAs instead of 2
+    (bench/grouped_mm.py --op wgrad, torchao's groups of 2080 rows: 2.84 instead of 3.55
+    wave-instructions per MFMA), with 376 VGPRs, so one workgroup per CU instead of two."""
+    tile_n = _wide_tile_n(arch, k, -(-n // 128) * experts)
+    why = [f"tile_n {tile_n}: gfx950, {tile_n} divides K = {k}, every CU a workgroup" if tile_n != 128 else "tile 128x128"]
+    return (128, tile_n), tuple(why)
+
+
+def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int) -> int:
+    """The grouped GEMMs' tile_n over `cols` output columns: on gfx950 the widest of 256 and 192
+    that divides them and still gives every CU a workgroup (the grid has tiles_per_column_tile
+    workgroups per column tile), else 128."""
+    if arch != "gfx950":
+        return 128
+    cus = arch_info(arch).compute_units
+    return next((t for t in (256, 192) if cols % t == 0 and tiles_per_column_tile * (cols // t) >= cus), 128)
+
+
+def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
+                     experts: int, signed_zeros: bool, scale_layout=None) -> Plan:
+    target = _kernel_target(op, device)
+    if isinstance(target, Plan):
+        return target
+    why = _grouped_mm_unsupported(op, target.arch, m, n, k, out_dtype)
+    if why:
+        _forced_reference(why)
+        return reference_plan(op, target, why)
+    config = {"launcher": GROUPED_MM_KERNELS[op]}
+    reasons = ()
+    if op == "mxfp8_grouped_mm":
+        (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts)
+    else:
+        (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
+    fnuz = arch_info(target.arch).fnuz_fp8
+    if fnuz:
+        reasons += ("operands read as loaded (signed_zeros=False: no -0, NaN codes only in NaN-scale blocks)"
+                    if not signed_zeros else "OCP -0 and NaN codes rewritten as FNUZ in registers",)
+    from .kernels.mxfp8_grouped_mm import GroupedMMConfig
+
+    # the launched kernel's own name
+    name = GroupedMMConfig(target.arch, out_dtype, n, k, experts, config["tile_m"], config["tile_n"],
+                           scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros).name
+    return _kernel_plan(op, target, name, config, *reasons)
+
+
+def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True, scale_layout=None) -> Plan:
+    """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
+    e, n, k = b.shape
+    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros, scale_layout)
+
+
+def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros=True) -> Plan:
+    """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
+    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype, x.shape[0], y.shape[1], x.shape[1],
+                            offs.shape[0], signed_zeros)
+
+
+def grouped_mm_launcher(plan: Plan):
+    """The launcher function a kernel plan of a grouped GEMM names."""
+    import importlib
+
+    module, function = plan.config["launcher"].split(":")
+    return getattr(importlib.import_module(f"flyquant.kernels.{module}"), function)
