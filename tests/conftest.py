@@ -12,6 +12,9 @@ the test that made it. Strict mode also fails a launch in which two workgroups s
 bytes to one address (flyquant.emu.store_races). A test that must see the loose mode opts out
 with ``@pytest.mark.loose_memory("why")``.
 
+Each test starts with the emulator's default compile target, DEFAULT_EMU_ARCH (fixture
+``default_emu_arch``), whatever arch an earlier test enabled.
+
 The emulator completes every load at once, so it cannot see a missing s_waitcnt: instead every
 kernel a test compiles through ``toolchain.compile_only`` (each family's compile tests and the
 benches' resource rows) has its final ISA checked by tests/isa_waits.py (fixture
@@ -131,6 +134,16 @@ def _launch_arguments_tracked(monkeypatch):
     for module, name in RAW_ADDRESS_LAUNCHERS:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, _raw_launcher_tracked(getattr(mod, name), memory))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def default_emu_arch():
+    """Each test starts on DEFAULT_EMU_ARCH: emu.enable(arch) (tests, the demo and the bench scripts
+    call it) changes the process-wide default target, so a test's outcome depended on which tests
+    ran before it."""
+    if emu.enabled() and emu.arch() != DEFAULT_EMU_ARCH:
+        emu.enable(DEFAULT_EMU_ARCH)
     yield
 
 

@@ -32,15 +32,6 @@ def load(name: str):
     return module
 
 
-@pytest.fixture
-def keep_emu_arch():
-    """The scripts call flyquant.emu.enable(arch) (it sets the default compile target): restore it."""
-    previous = emu.arch()
-    yield
-    if previous is not None:
-        emu.enable(previous)
-
-
 def read_outputs(out: Path, stem: str) -> dict:
     def no_nan(token):
         raise ValueError(f"{token} in JSON")
@@ -50,7 +41,7 @@ def read_outputs(out: Path, stem: str) -> dict:
     return payload
 
 
-def test_moe_bench_modelled(tmp_path, keep_emu_arch):
+def test_moe_bench_modelled(tmp_path):
     """upstream FlyDSL's small shape (model 256, inter 512, 8 experts, top-2) at 5 tokens, one
     config: 16 small workgroups to emulate."""
     bench = load("moe_tile_n")
@@ -67,7 +58,7 @@ def test_moe_bench_modelled(tmp_path, keep_emu_arch):
     assert row["coalescing_loads"] > 0 and row["upstream_instr_per_mfma"] == 14.96
 
 
-def test_moe_instructions_per_mfma_within_the_issue_budget(tmp_path, keep_emu_arch):
+def test_moe_instructions_per_mfma_within_the_issue_budget(tmp_path):
     """Issue 5's target, on upstream FlyDSL's small shape (the GPT-OSS-like one at 1 token: the
     next test, on the selector's config): executed wave-instructions per MFMA on gfx950 at most
     0.7x upstream's quoted figure for each tile it was quoted at, the very figures the bench
@@ -82,7 +73,7 @@ def test_moe_instructions_per_mfma_within_the_issue_budget(tmp_path, keep_emu_ar
         assert r["vs_upstream"] <= targets.PER_MFMA_TARGET, (r["tile_m"], r["tile_n"], r["instr_per_mfma"])
 
 
-def test_moe_bench_stage1_modelled(tmp_path, keep_emu_arch):
+def test_moe_bench_stage1_modelled(tmp_path):
     """--stage 1 on the small shape (silu, no bias) at 5 tokens, one config on each arch: the gate/up
     kernel runs (its own output file), stores a2 rows, no split K, 16-byte weight loads."""
     bench, targets = load("moe_tile_n"), load("moe_tile_n_report")  # targets: what the rows are held to
@@ -101,7 +92,7 @@ def test_moe_bench_stage1_modelled(tmp_path, keep_emu_arch):
         assert row["w_bytes_per_lane"] == targets.W_BYTES_PER_LANE and row["spills"] == 0
 
 
-def test_moe_one_token_selected_config_meets_every_modelled_target(tmp_path, keep_emu_arch):
+def test_moe_one_token_selected_config_meets_every_modelled_target(tmp_path):
     """GPT-OSS-like 3072^2 at 1 token, the selector's own config (tile 16x128 with split K, so that
     >= 256 workgroups stream weights): the issue's targets the bench checks on that row, including
     wave-instructions per MFMA <= 0.7x upstream's figure for the tile (10.24, no split K), hold on
@@ -116,7 +107,7 @@ def test_moe_one_token_selected_config_meets_every_modelled_target(tmp_path, kee
 
 
 @pytest.mark.parametrize("tokens", [1, 64], ids=["compact-grid", "direct-grid"])
-def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
+def test_moe_bench_estimate_is_exact_without_sampling(tokens):
     """With every m-tile emulated, idle + working parts recombine to the whole launch's counters.
     1 token: 2 pairs, the grid is sized by an upper bound (the kernel scans for tiles: the padded
     path); 64 tokens: 128 pairs fill every m-slot (direct: the gathered path)."""
@@ -145,7 +136,7 @@ def test_moe_bench_estimate_is_exact_without_sampling(tokens, keep_emu_arch):
         assert (est["memory"][name]["bytes"], est["memory"][name]["lines"]) == (m.bytes, m.lines), name
 
 
-def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
+def test_quantize_bench_modelled(tmp_path):
     """A 64x256 input (one 64-row tile, 8 blocks of 32 per row) quantized 1x32 and 32x1 (its data
     column-major), rceil: the kernels run, bit-exact, with their outputs placed as on a GPU."""
     bench = load("quantize")
@@ -160,7 +151,7 @@ def test_quantize_bench_modelled(tmp_path, keep_emu_arch):
         assert row["outputs_off_line"] == 0
 
 
-def test_quantize_bench_vs_peers_triton(tmp_path, keep_emu_arch):
+def test_quantize_bench_vs_peers_triton(tmp_path):
     """--vs torchao,aiter on a 128x256 input (torchao's dim1 cast needs multiples of 128), rceil,
     both arches: torchao's Triton dim0 (1x32) and dim1 (32x1) casts and aiter's downcast_to_mxfp,
     compiled for each arch by Triton and run under flyquant.emu on our rows' inputs, are
@@ -183,7 +174,7 @@ def test_quantize_bench_vs_peers_triton(tmp_path, keep_emu_arch):
         "torchao has no Triton 3D (per-expert) cast", "aiter has no 3D (per-expert) MXFP8 cast"}
 
 
-def test_quantize_bench_mxfp4_rows(tmp_path, keep_emu_arch):
+def test_quantize_bench_mxfp4_rows(tmp_path):
     """The MXFP4 kinds on a 64x256 input (a4w4 needs M % 16 and K % 64; 3D a16w4 N % 32 and
     K % 256), mode even, both arches: each kernel runs bit-exact vs flyquant.reference, beside our
     MXFP8 1x32 row on the same (flattened) shape, and the traffic against the minimum is the
@@ -242,7 +233,7 @@ def test_quantize_bench_reduced_mxfp4_shuffles_keep_the_full_waves():
     assert sh.LONG_WAVES_PER_CU == threshold
 
 
-def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
+def test_quantize_bench_vs_aiter_mxfp4(tmp_path):
     """--vs aiter on MXFP4 rows (64x256, both arches): aiter's Triton dynamic_mxfp4_quant, launched
     by its own wrapper, compiled for each arch and run under flyquant.emu, has our scales byte for
     byte; its data differs from flyquant.reference exactly on the elements that lie halfway
@@ -284,7 +275,7 @@ def test_quantize_bench_vs_aiter_mxfp4(tmp_path, keep_emu_arch):
 
 
 @pytest.mark.parametrize("stage", (1, 2))
-def test_moe_bench_vs_aiter_triton(tmp_path, keep_emu_arch, stage):
+def test_moe_bench_vs_aiter_triton(tmp_path, stage):
     """--vs aiter on upstream FlyDSL's small shape at 5 tokens (10 routing pairs over 8 experts),
     both arches: aiter's Triton MXFP4 MoE GEMM of the stage (its own config and alignment: every
     expert padded to BLOCK_SIZE_M) runs whole under flyquant.emu, every routed row within the
@@ -399,7 +390,7 @@ def test_bytes_in_flight_follows_vmcnt():
     assert common.bytes_in_flight_per_wave(isa.split("s_waitcnt vmcnt(0)")[1]) == 4 * 64
 
 
-def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch, keep_emu_arch):
+def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     """The hardware sweep's tuning table (written from timed rows; here two made-up timings)
     gives the selector the faster config for exactly that (arch, shape, tokens)."""
     from flyquant import select, tuning
@@ -447,7 +438,7 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch, keep_emu
     assert plan.config["tile_n"] == 64, plan  # the selector alone picks 256 here
 
 
-def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
+def test_moe_layer_bench_modelled(tmp_path):
     """bench/moe_layer.py on its smoke shape at 1 and 3 tokens: three launches per layer (sorting,
     stage 1, stage 2), the sorting kernel a small share of the layer (issue 16's target: < 5% at
     1 token), every launched GEMM workgroup storing at 1 token."""
@@ -467,7 +458,7 @@ def test_moe_layer_bench_modelled(tmp_path, keep_emu_arch):
     assert all(r["storing"] == r["workgroups"] for r in one[1:])
 
 
-def test_moe_layer_bench_vs_aiter_triton(tmp_path, keep_emu_arch):
+def test_moe_layer_bench_vs_aiter_triton(tmp_path):
     """--vs aiter on the smoke shape at 1 token (2 routing pairs over 4 experts), both arches:
     aiter's Triton layer (alignment's 4 launches, stage 1, stage 2) runs whole under flyquant.emu,
     every routed row and every token's top-k sum within the derived bound of float64 from x
@@ -492,7 +483,7 @@ def test_moe_layer_bench_vs_aiter_triton(tmp_path, keep_emu_arch):
 
 
 @pytest.mark.parametrize("shape,act", [("gptoss", "swiglu_oai"), ("qwen3", "silu")])
-def test_moe_stages_instr_bench(tmp_path, keep_emu_arch, shape, act):
+def test_moe_stages_instr_bench(tmp_path, shape, act):
     """bench/moe_stages_instr.py at 1 token on gfx950: both stages emulated, every workgroup works,
     and stage 1's wave-instructions per MFMA are no more than stage 2's (issue 15's target)."""
     bench = load("moe_stages_instr")
@@ -504,7 +495,7 @@ def test_moe_stages_instr_bench(tmp_path, keep_emu_arch, shape, act):
     assert s1["instr_per_mfma"] <= s2["instr_per_mfma"]
 
 
-def test_grouped_mm_bench_modelled(tmp_path, keep_emu_arch):
+def test_grouped_mm_bench_modelled(tmp_path):
     """bench/grouped_mm.py's smallest configuration: M 384, N 256, K 256, E = 2 (groups of 192
     rows, so the middle m-tile has a group boundary at its row 64), gfx950, "mfma" scales. The
     grid's counters, which the bench builds from one emulated workgroup per tile class, are those
@@ -541,7 +532,7 @@ def test_grouped_mm_bench_modelled(tmp_path, keep_emu_arch):
     assert row["verdict"] == ("met" if row["instr_per_mfma"] <= 3 and row["coalescing_loads"] >= 1 else "missed")
 
 
-def test_grouped_mm_bench_wgrad_modelled(tmp_path, keep_emu_arch):
+def test_grouped_mm_bench_wgrad_modelled(tmp_path):
     """bench/grouped_mm.py --op wgrad on N 128, K 256 and groups of 160, 0 and 256 rows: the whole
     launch (1 x 2 n/k-tiles x 3 groups) emulated. Every workgroup stores (the empty group's zeros);
     the MFMAs are one per 16x16 block pair of a wave (4 x 4 in a 128x128 tile of 2x2 waves) per
@@ -600,7 +591,7 @@ BAD_COMMAND_LINES = [
 
 @pytest.mark.parametrize("script, args, message", BAD_COMMAND_LINES,
                          ids=[f"{s}{'_'.join(a)}" for s, a, _ in BAD_COMMAND_LINES])
-def test_bad_command_lines_are_argparse_errors(script, args, message, tmp_path, capsys, keep_emu_arch):
+def test_bad_command_lines_are_argparse_errors(script, args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         load(script).main([*args, "--out", str(tmp_path)])
     assert info.value.code == 2
