@@ -439,7 +439,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
-    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=env.flag("FLYQUANT_DEBUG"))
     _check_moe_buf(topk_ids, moe_buf)
     return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
 
@@ -453,7 +453,7 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
                      expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
-    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=env.flag("FLYQUANT_DEBUG"))
     dtype = out.dtype if out is not None else out_dtype
     return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
             select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation,
@@ -467,7 +467,7 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
     """The two plans moe_stage2 runs: sorting, stage 2 (on the same block_m)."""
     _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
                                                                         inter_dim)
-    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=False)
+    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=env.flag("FLYQUANT_DEBUG"))
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *_unsorted(a2.device), topk, block_m, bias=bias,
                                        model_dim=model_dim, inter_dim=inter_dim)
     return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),

@@ -139,9 +139,19 @@ def test_out_of_range_ids_dropped_unless_debugging(monkeypatch):
     keep["weights"][1, 0] = 0.0  # the dropped pair contributes nothing
     want = run(keep, "silu", out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    args = (bad["x"], bad["w1"], bad["w1_scale"], bad["w2"], bad["w2_scale"], bad["weights"], bad["ids"])
+    kw = dict(b1=bad["b1"], b2=bad["b2"], expert_mask=bad["mask"], model_dim=MODEL_DIM, inter_dim=INTER_DIM)
+    assert len(fq.explain(fq.fused_moe, *args, **kw)) == 3  # explain reads no values either
     monkeypatch.setenv("FLYQUANT_DEBUG", "1")
     with pytest.raises(ValueError, match="topk_ids must lie in"):
         run(bad, "silu")
+    # explain refuses what the call refuses: the ids are read under FLYQUANT_DEBUG=1 (it planned them)
+    a2 = torch.zeros(6, INTER_DIM, dtype=torch.bfloat16)
+    sizes = dict(model_dim=MODEL_DIM, inter_dim=INTER_DIM)
+    for fn, fn_args, fn_kw in ((fq.fused_moe, args, kw), (fq.moe_sorting, (bad["ids"], bad["weights"], 4, 16), {}),
+                               (fq.moe_stage2, (a2, bad["ids"], bad["weights"], bad["w2"], bad["w2_scale"]), sizes)):
+        with pytest.raises(ValueError, match="topk_ids must lie in"):
+            fq.explain(fn, *fn_args, **fn_kw)
 
 
 def test_bad_input(monkeypatch):
