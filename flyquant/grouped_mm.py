@@ -25,9 +25,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
     (signed_zeros: the kernel's operand promise; the reference reads any operands)."""
     if plan.backend == "reference":
         return reference_fn(*args, out_dtype, **options)
-    rows, offs = args[0].shape[0], args[4]
-    if offs.device.type == "cpu":  # the host holds offs: checked as the reference does
-        check_offs(offs, rows)
+    _check_host_offs(check_offs, args[4], args[0].shape[0])
     out = torch.empty(out_shape, dtype=out_dtype, device=args[0].device)
     config = {k: v for k, v in plan.config.items() if k != "launcher"}
     select_grouped_mm.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, signed_zeros=signed_zeros, **options, **config)
@@ -96,7 +94,7 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
 
 
 def _check_host_offs(check_offs, offs, rows) -> None:
-    """offs' values where the host holds them, as both backends check them (explain planned calls that raise)."""
+    """offs' values where the host holds them, as the reference checks them (the kernel path and explain)."""
     if offs.device.type == "cpu":
         check_offs(offs, rows)
 

@@ -152,4 +152,3 @@ def moe_gemm2_a16w4(
                 0 if bias is None else bias.stride(0), n, rows, experts, grid_m, int(compact), t0, tokens, stream=stream,
             )
     return out
-
