@@ -26,6 +26,7 @@ class ArchInfo:
     hw_fp4_to_bf16: bool  # v_cvt_scalef32_pk_bf16_fp4 exists
     hw_f32_to_bf16: bool  # v_cvt_pk_bf16_f32 exists (else LLVM rounds in integer ops)
     buffer_pk_add_bf16: bool  # buffer_atomic_pk_add_bf16 exists (else only the global one)
+    ieee_minmax_f32: bool  # v_minimum3_f32 / v_maximum3_f32 exist (IEEE minimum / maximum: NaN in, NaN out)
     bf16_mfma: str  # the bf16 MFMA the GEMM feeds
     hbm_tb_per_s: float
 
@@ -45,6 +46,7 @@ ARCHS = {
         hw_fp4_to_bf16=False,
         hw_f32_to_bf16=False,
         buffer_pk_add_bf16=False,
+        ieee_minmax_f32=False,
         bf16_mfma="v_mfma_f32_16x16x16_bf16",
         hbm_tb_per_s=5.3,
     ),
@@ -57,6 +59,7 @@ ARCHS = {
         hw_fp4_to_bf16=True,
         hw_f32_to_bf16=True,
         buffer_pk_add_bf16=True,
+        ieee_minmax_f32=True,
         bf16_mfma="v_mfma_f32_16x16x32_bf16",
         hbm_tb_per_s=8.0,
     ),

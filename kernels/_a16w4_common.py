@@ -1,7 +1,7 @@
 """The A16W4 MoE kernels' shared pieces (both stages, kernels/_a16w4_main_loop.py documents the
 kernel): aiter's layout constants, the compile-time configuration and its wave split, small device
-helpers (buffer loads, the FP4 -> BF16 unpacks, ballots), stage 1's activations and the launch
-bounds both torch-facing launchers use."""
+helpers (buffer loads, the FP4 -> BF16 unpacks, ballots) and the launch bounds both torch-facing
+launchers use. Stage 1's epilogue is kernels/_a16w4_stage1_epilogue.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import flydsl.expr as fx
 from flydsl._mlir import ir
-from flydsl._mlir.dialects import arith, llvm
+from flydsl._mlir.dialects import llvm
 from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
@@ -49,9 +49,12 @@ TILE_MS = (16, 32, 64)
 TILE_NS = (64, 128, 256)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float32)
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")  # stage 1 (kernels/_a16w4_stage1_epilogue.py)
 LDS_REDUCE_BUDGET = 32 * 1024  # keeps 2 workgroups per CU on gfx942 (64 KiB LDS)
 MAX_ACC_PER_LANE = 64  # accumulator registers per lane (16x16 block = 4): more spill to AGPR copies
 MAX_WAVE_N = 128  # columns per wave: two 128-wide steps of B in flight = 64 VGPRs
+SPARSE_ROWS = 8  # stage 1: a tile with at most this many live rows takes the sparse epilogue
+SPARSE_SLOTS = SPARSE_ROWS + 1  # ... whose last LDS slot takes the writes of rows without a pair
 
 
 # gfx942 software unpack. FP4 magnitude code c (0..7) = 2^E(c) * (1 + f(c)/2):
@@ -163,8 +166,17 @@ class Gemm2Config:
         return -(-self.model_dim // self.tile_n)
 
     @property
+    def sparse_lds_bytes(self) -> int:
+        """Stage 1's sparse epilogue (kernels/_a16w4_stage1_epilogue.py): per wave along N, SPARSE_SLOTS
+        slots of its g and u (FP32) and of each slot's a2 row and weight; 0 (dense only) where it would
+        take the LDS past LDS_REDUCE_BUDGET."""
+        need = SPARSE_SLOTS * (4 * self.tile_n + 16 * self.wn)  # 16 bytes per slot's row: aligned waves
+        reduce = (self.wk - 1) * self.tile_m * self.tile_n * 4
+        return need if self.stage == 1 and reduce + need <= LDS_REDUCE_BUDGET else 0
+
+    @property
     def lds_bytes(self) -> int:
-        return (self.wk - 1) * self.tile_m * self.tile_n * 4
+        return (self.wk - 1) * self.tile_m * self.tile_n * 4 + self.sparse_lds_bytes
 
     @property
     def name(self) -> str:
@@ -342,81 +354,6 @@ def _vec_i32(words):
     return Vec.from_elements([_i32(w) for w in words], fx.Int32)
 
 
-# ---- stage-1 activations from the hardware exp2 and reciprocal (no device library) ----------
-
-LOG2E = 1.4426950408889634
-GELU_2C = 2 * 0.7978845608028654  # 1 + tanh(y) = 2 sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
-GELU_CUBIC = 0.044715
-F32_MAX = 3.4028234663852886e38
-ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
-
-
-def _pairs(f, xs):
-    """f on the 2-vectors (x0, x1), (x2, x3), .. of the lists in xs (the first one a list; the
-    others lists too, or 2-vector constants): FP32 multiplies and adds on 2-vectors are
-    v_pk_mul_f32 / v_pk_add_f32, one instruction per two elements."""
-    out = []
-    for j in range(0, len(xs[0]), 2):
-        v = Vec(f(*[Vec.from_elements(x[j:j + 2], fx.Float32) if isinstance(x, list) else x for x in xs]))
-        out += [fx.Float32(v[0]), fx.Float32(v[1])]
-    return out
-
-
-def _any_nonfinite_pair(accs):
-    """Whether an element of the 4 x f32 vectors `accs` ((g, u) blocks in turn) may be NaN or Inf:
-    one packed FMA t = g u + t per two elements (NaN in, NaN out; an Inf gives Inf or NaN, and so
-    may an overflow of finite values: a false alarm costs only the exact branch), then whether
-    t0 + t1 is not finite."""
-    t = Vec.filled(2, 0.0, fx.Float32)
-    for j in range(0, len(accs), 2):
-        g, u = Vec(accs[j]), Vec(accs[j + 1])
-        for h in range(2):
-            pair = lambda v: Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)  # noqa: E731
-            t = Vec(fx.math.fma(pair(g), pair(u), t))
-    s = fx.Float32(t[0]) + fx.Float32(t[1])
-    d = (s - s).ir_value()  # 0, or NaN when s is not finite
-    return fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, d, d))
-
-
-def _sigmoids(zs, scale: float):
-    """sigmoid(scale * z) per element of zs = 1 / (1 + 2^(z * (-scale log2 e))) by v_exp_f32 and
-    v_rcp_f32, the two constants folded into one multiply: +-inf give 1 / 0 exactly, NaN stays
-    NaN. The multiply and the add are packed."""
-    c = Vec.filled(2, -scale * LOG2E, fx.Float32)
-    one = Vec.filled(2, 1.0, fx.Float32)
-    e = [fx.Float32(rocdl.exp2(T.f32, z.ir_value())) for z in _pairs(lambda z: z * c, [zs])]
-    return [fx.Float32(rocdl.rcp(T.f32, d.ir_value())) for d in _pairs(lambda d: d + one, [e])]
-
-
-def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = False):
-    """act(g, u) in FP32 for the lists gs, us (flyquant.reference.moe_activation's formulas), the
-    multiplies and adds on element pairs. swiglu_oai: (u + 1) g s as fma(u, g s, g s) (one
-    rounding fewer than the formula's). Its clamps are v_med3_f32, which return another operand
-    for a NaN, so an unordered compare of (g, u) per element puts the NaN back, and +-inf clamp
-    as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
-    g's lower bound can be -FLT_MAX (a med3 with -inf is folded to a minnum, which adds a
-    canonicalizing v_max per element)."""
-    mul = lambda a, b: a * b  # noqa: E731
-    if kind == "silu":
-        return _pairs(mul, [_pairs(mul, [gs, _sigmoids(gs, 1.0)]), us])
-    if kind == "gelu":  # g (g^2 c + 1) = g + c g^3: one multiply-add
-        cubic, one = Vec.filled(2, GELU_CUBIC, fx.Float32), Vec.filled(2, 1.0, fx.Float32)
-        zs = _pairs(lambda g: g * (g * g * cubic + one), [gs])
-        return _pairs(mul, [_pairs(mul, [gs, _sigmoids(zs, GELU_2C)]), us])
-    if kind == "swiglu_oai":
-        lim = fx.Float32(limit).ir_value()
-        med3 = lambda x, lo: fx.Float32(rocdl.fmed3(T.f32, x.ir_value(), fx.Float32(lo).ir_value(), lim))  # noqa: E731
-        gc = [med3(g, -F32_MAX if finite else float("-inf")) for g in gs]
-        uc = [med3(u, -limit) for u in us]
-        gs_ = _pairs(mul, [gc, _sigmoids(gc, alpha)])
-        act = _pairs(lambda u, t: fx.math.fma(u, t, t), [uc, gs_])
-        if not finite:
-            nan = [fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, g.ir_value(), u.ir_value())) for g, u in zip(gs, us)]
-            act = [n.select(fx.Float32(float("nan")), a) for n, a in zip(nan, act)]
-        return act
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
-
-
 def bias_blocks(bias, bias_stride, expert, first, col_wave, kl, nb: int, pair: bool, row_elems: int, bias_bytes: int):
     """The expert's bias at lane (kl, .)'s 4 columns of each of the wave's nb 16-column blocks, as
     4 x f32 vectors (bf16 widened exactly); `first` false gives an empty buffer (loads read 0).
@@ -440,76 +377,6 @@ def bias_blocks(bias, bias_stride, expert, first, col_wave, kl, nb: int, pair: b
                     for i in range_constexpr(4)]
         blocks.append(Vec.from_elements(vals, fx.Float32).ir_value())
     return blocks
-
-
-def _bf16_words_not_nan(vals):
-    """bf16(v) of an even number of FP32 values none of which is NaN, two per dword (nearest even:
-    bits + 0x7FFF + bit 16, then the high halves by v_perm_b32). Without v_cvt_pk_bf16_f32
-    (gfx942) LLVM's conversion also quiets NaN: 5.5 instructions per element, this 2.5. +-Inf
-    stays +-Inf (its mantissa is 0, so the carry never reaches the exponent)."""
-    rounded = []
-    for v in vals:
-        b = v.bitcast(fx.Int32)
-        rounded.append(b + i32_bits(0x7FFF) + (b.shrui(fx.Int32(16)) & fx.Int32(1)))
-    return [_perm(rounded[i + 1], rounded[i], PERM_ODD_HALVES) for i in range(0, len(vals), 2)]
-
-
-def store_activation(accs, toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out, out_bytes,
-                     mb: int, nb: int, topk: int, n_cols: int, n_tail: bool, out_row_bytes: int, apply_weights: bool,
-                     act: str, alpha: float, limit: float, hw_bf16: bool):
-    """Stage 1's epilogue: a2[t * topk + slot, j] = bf16(act(g_j, u_j) (* w_r)) from registers (the
-    caller has added the bias to g and u).
-
-    The wave's nb 16-column blocks come in (gate, up) pairs (virtual blocks 2j, 2j + 1 of the
-    gate_up shuffle are gate rows and up rows 16j .. 16j + 15), so lane (kl, l16) holds g and u
-    of the same four output columns 16j + 4kl .. + 3 of token row l16: the activation needs no
-    exchange. Stores are 8 bytes (4 bf16) per lane and pair, through a buffer over a2; a row
-    without a pair and a pair past n_cols (2 inter_dim) get the OOB offset (the store is dropped).
-    swiglu_oai's clamps drop a NaN and its finite form is cheaper (_activation), so the words
-    take that form unless a packed FMA chain over every (g, u) of the wave meets a NaN or an
-    Inf: that rare branch puts NaN back per element and clamps Inf. The finite form's values are
-    not NaN (weights, which may be, aside), so without `hw_bf16` it rounds them to bf16 in fewer
-    integer ops (_bf16_words_not_nan)."""
-    gcol = col_wave.shrui(fx.Int32(1)) + kl * 4  # this lane's first output column of the wave's pair 0
-    n_pairs = nb // 2
-    wts = []
-    if apply_weights:
-        w_rsrc_rows = _rsrc(sorted_weights, ids_bytes)
-        wts = [_load(w_rsrc_rows, (row0 + m * MFMA_MN + l16) << 2, 0, 1).bitcast(fx.Float32) for m in range_constexpr(mb)]
-
-    def words(finite):
-        """The bf16 pairs of every (row block, pair): 2 dwords each, in (row block, pair) order."""
-        out_words = []
-        for m in range_constexpr(mb):
-            for p in range_constexpr(n_pairs):
-                g, u = Vec(accs[m * nb + 2 * p]), Vec(accs[m * nb + 2 * p + 1])
-                vals = _activation(act, [fx.Float32(g[i]) for i in range_constexpr(4)],
-                                   [fx.Float32(u[i]) for i in range_constexpr(4)], alpha, limit, finite)
-                if apply_weights:
-                    vals = [v * wts[m] for v in vals]
-                if finite and act == "swiglu_oai" and not (apply_weights or hw_bf16):
-                    out_words += _bf16_words_not_nan(vals)
-                else:
-                    packed = Vec(Vec.from_elements(vals, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32))
-                    out_words += [packed[0], packed[1]]
-        return out_words
-
-    if act == "swiglu_oai":
-        odd = _any_nonfinite_pair(accs)
-        packed = [fx.Int32(v) for v in mx.if_else(mx.wave_any(odd.ir_value()), lambda: words(False), lambda: words(True),
-                                                  types=[T.i32] * (2 * mb * n_pairs))]
-    else:
-        packed = words(True)
-    out_rsrc = _rsrc(out, out_bytes)
-    for m in range_constexpr(mb):
-        a2_row = toks[m] * topk + rids[m].shrui(fx.Int32(TOKEN_BITS))
-        row_off = live[m].select(a2_row * out_row_bytes + gcol * 2, fx.Int32(OOB))
-        for p in range_constexpr(n_pairs):
-            off = row_off
-            if n_tail:  # a pair past n_cols (wave-uniform): dropped
-                off = (col_wave + 2 * p * MFMA_MN < n_cols).select(row_off, fx.Int32(OOB))
-            w = 2 * (m * n_pairs + p)
-            mx.store(Vec.from_elements(packed[w:w + 2], fx.Int32), out_rsrc, off + p * MFMA_MN * 2)
 
 
 def m_grid(tokens: int, topk: int, experts: int, sorted_rows: int, tile_m: int) -> tuple[int, bool]:

@@ -2,7 +2,7 @@
 MXFP4 expert weights.
 Stage 1 (gate/up projection, activation fused) is the same builder and main loop with
 Gemm2Config.stage = 1: other A rows (x[token]), (gate, up) block pairs per wave and its own
-epilogue (_a16w4_common.store_activation; the launcher and STAGE1_DOC in kernels/moe_gemm1_a16w4.py). This
+epilogue (kernels/_a16w4_stage1_epilogue.py; the launcher and STAGE1_DOC in kernels/moe_gemm1_a16w4.py). This
 module is the kernel both stages launch; kernels/_a16w4_common.py holds its constants and helpers.
 
 Math. For every sorted row r that holds a routing pair (token t, top-k slot k) of expert e
@@ -116,9 +116,9 @@ from . import _mx_common as mx
 from ._a16w4_common import (
     A_BYTES_PER_LANE, K_CHUNK, K_STEP, KT, MFMA_MN, OOB, S_TILE_BYTES, TOKEN_BITS, TOKEN_MASK, W_PAST_END,
     W_TILE_BYTES, WAVE, Gemm2Config, _a_operands_sw, _ballot, _lanes_below, _load, _rsrc,
-    _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks,
-    store_activation, wave_fits,
+    _scalar_load, _scale_f32, _sw_tables, _udiv, _unpack_hw, _unpack_sw, _vec_i32, _zext, bias_blocks, wave_fits,
 )
+from ._a16w4_stage1_epilogue import bias_cols, stage1_epilogue
 
 # ---- kernel builder ----------------------------------------------------------------------------
 
@@ -157,7 +157,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     BUFFER_OUT = OUT_F32 or info.buffer_pk_add_bf16
     TAIL = INTER_DIM % KT != 0  # the last K iteration is partly past inter_dim
     N_TAIL = MODEL_DIM % TILE_N != 0  # the last n-tile is partly past model_dim
-    LDS_BYTES = cfg.lds_bytes
+    SPARSE_BYTES = cfg.sparse_lds_bytes  # stage 1's sparse epilogue (kernels/_a16w4_stage1_epilogue.py)
+    LDS_BYTES = cfg.lds_bytes - SPARSE_BYTES  # the wk reduction's
     OUT_ROW_BYTES = cfg.out_stride * 2  # stage 1: a2's row pitch
     LOG_WAVE, LOG_MFMA = WAVE.bit_length() - 1, MFMA_MN.bit_length() - 1
     LOG_TILE_M, LOG_WN = TILE_M.bit_length() - 1, WN.bit_length() - 1
@@ -475,9 +476,10 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         accs, _, _ = iterate(last, *unflat(list(results[n_acc:-3])), list(results[:n_acc]), False)
 
                     # ---- reduce the wk partial sums in LDS ---------------------------------------
-                    if const_expr(WK > 1):
-                        lds = fx.SharedAllocator().allocate(LDS_BYTES, alignment=16)
+                    if const_expr(LDS_BYTES + SPARSE_BYTES > 0):  # one allocation: the reduction's, then the sparse epilogue's
+                        lds = fx.SharedAllocator().allocate(LDS_BYTES + SPARSE_BYTES, alignment=16)
                         lds_base = fx.Int32(fx.ptrtoint(lds.peek().ptr))
+                    if const_expr(WK > 1):
                         p3 = ir.Type.parse("!llvm.ptr<3>")
 
                         def lds_ptr(group, i):
@@ -509,10 +511,12 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         return [(Vec(a) + Vec(bias_v[i % NB])).ir_value() for i, a in enumerate(accs)]
 
                     if const_expr(STAGE1):
+                        wave_lds = lds_base + (LDS_BYTES + wn_i * (SPARSE_BYTES // WN)) if const_expr(SPARSE_BYTES) else None
+                        b_cols = bias_cols(bias, bias_stride, expert, col_wave, W_N, BIAS_BYTES) if const_expr(HAS_BIAS) else None
                         if wk_i == 0:
-                            store_activation(with_bias(accs), toks, rids, live, row0, col_wave, kl, l16, sorted_weights, ids_bytes, out,
-                                             out_bytes, MB, NB, TOPK, MODEL_DIM, N_TAIL, OUT_ROW_BYTES, APPLY_W, ACT,
-                                             ALPHA, LIMIT, hw_bf16)
+                            stage1_epilogue(accs, with_bias, toks, rids, live, lane, col_wave, kl, l16, wave_lds, sorted_weights,
+                                            row0, ids_bytes, out, out_bytes, b_cols, MB, NB, TOPK, MODEL_DIM, N_TAIL,
+                                            OUT_ROW_BYTES, APPLY_W, ACT, ALPHA, LIMIT, hw_bf16, info.ieee_minmax_f32)
                     else:
                         if wk_i == 0:
                             accs = with_bias(accs)

@@ -8,8 +8,9 @@ w1 shuffled with gate_up=True is, byte for byte, a plain shuffled (2P, K) matrix
 2j holds gate rows 16j.. and block 2j + 1 up rows 16j.. (its 32-row scale group j: gate half, up
 half), so the main loop is stage 2's on N = 2 * inter_dim (true), K = the hidden size; A's rows
 are x[token]; waves own whole (gate, up) block pairs, so the epilogue applies the activation in
-registers (_a16w4_common.store_activation) and stores bf16 to a2 (no atomics, no split K:
-k_batch is 1).
+registers and stores bf16 to a2 (no atomics, no split K: k_batch is 1). A tile with at most
+SPARSE_ROWS live rows (most tiles at small and medium token counts) first compacts its live rows
+through LDS, so the activation runs on them only (kernels/_a16w4_stage1_epilogue.py).
 sigmoid = 1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32 (1 ulp each on hardware): with the
 roundings of z * log2 e, of 1 + e and of the final products, the activation's relative error is
 at most (|z| + 8) * 2^-24 (z the sigmoid's argument; gelu adds 4 * 2^-24 * 2c(|g| + 0.044715|g|^3)
@@ -17,8 +18,8 @@ for computing z), plus 2^-126 * |g u| absolute where the hardware flushes a deno
 NaN and Inf propagate as in the reference's formulas. An x or a2 past one 32-bit buffer (2 GiB)
 runs as one launch per window of tokens (token_windows), as stage 2 does.
 
-The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1: store_activation);
-its constants and helpers kernels/_a16w4_common.py.
+The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1), its epilogue
+kernels/_a16w4_stage1_epilogue.py's, its constants and helpers kernels/_a16w4_common.py.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ import flydsl.expr as fx
 import pytest
 import torch
 
-from flyquant import layouts, reference, toolchain
+from flyquant import emu, layouts, reference, toolchain
 from flyquant.moe import moe_sorting
 from flyquant.reference import quantize_mxfp4
 from flyquant.kernels import moe_gemm1_a16w4 as K1
-from flyquant.kernels._a16w4_common import _bf16_words_not_nan
+from flyquant.kernels._a16w4_stage1_epilogue import _bf16_words_not_nan
 from flyquant.kernels import moe_gemm2_a16w4 as K
 
 from test_moe_gemm2_kernel import GFX950_ONLY, _routing
@@ -182,7 +182,7 @@ def test_nan_inf_propagate(arch):
 
 @functools.lru_cache(maxsize=None)
 def _bf16_pairs_kernel(arch):
-    """Y[i] = _a16w4_common._bf16_words_not_nan of (X[2i], X[2i + 1]): the finite path's rounding alone."""
+    """Y[i] = _a16w4_stage1_epilogue._bf16_words_not_nan of (X[2i], X[2i + 1]): the finite path's rounding alone."""
     @flyc.kernel
     def stage1_bf16_pairs(X: fx.Tensor, Y: fx.Tensor):
         i = fx.block_idx.x * 64 + fx.thread_idx.x
@@ -232,6 +232,68 @@ def test_finite_and_nan_paths_give_the_same_bits(arch):
     assert int(shared.sum()) >= 4
     assert torch.equal(finite[others].view(torch.int16), mixed[others].view(torch.int16))
     assert mixed[~others].isnan().all()
+
+
+def _routed(p, experts_of_tokens, block_m=32):
+    """p with top-1 routing to the given experts (weights as p's), sorted for block_m."""
+    ids = torch.tensor(experts_of_tokens, dtype=torch.int32)[:, None]
+    return dict(p, ids=ids, topk=1, block_m=block_m, sorting=moe_sorting(ids, p["weights"][:, :1], p["experts"], block_m))
+
+
+def _lds_writes(arch, p, activation):
+    """(a2, wave-instructions ds_write_b128 executed) of one stage-1 launch: the sparse epilogue's
+    LDS writes (the dense form and the main loop at these tiles write no LDS)."""
+    with emu.record() as rec:
+        got = run(arch, p, activation, tile_m=32, tile_n=64)
+    return got, rec[0].stats.by_opcode.get("ds_write_b128", 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_and_sparse_epilogues_give_the_same_bits(arch):
+    """A tile with more than SPARSE_ROWS live rows takes the dense epilogue, one with fewer the
+    sparse one (live rows compacted through LDS). The same (token, expert) rows computed by each
+    come out bit for bit equal, each within T of exact. Routing A: tokens 0-19 to expert
+    0 (20 rows: dense), 20-23 to expert 1 (sparse); routing B: tokens 0-5 to expert 0 (sparse),
+    6-23 to expert 1 (dense). Token 0's x holds a NaN (the dense form's exact branch); with
+    every token on one expert no tile is sparse and no LDS is written."""
+    base = make_problem(24, 1, 2, 256, 32, 32, 256, 32, seed=12, bias_dtype=torch.float32, skip_expert=None)
+    base["x"][0, 3] = float("nan")
+    for activation in K1.ACTIVATIONS:
+        outs = []
+        for experts in ([0] * 20 + [1] * 4, [0] * 6 + [1] * 18):
+            p = _routed(base, experts)
+            got, writes = _lds_writes(arch, p, activation)
+            assert writes > 0, activation  # one tile took the sparse form
+            ok = torch.ones(24, dtype=torch.bool)
+            ok[0] = False
+            exact, tol = exact_and_tolerance(p, activation, False)
+            assert ((got.double() - exact).abs()[ok] <= tol[ok]).all(), activation
+            outs.append(got)
+        a, b = outs
+        assert a[0].isnan().all() and b[0].isnan().all()
+        same = torch.tensor([1, 2, 3, 4, 5, 20, 21, 22, 23])  # the same expert in A and B
+        assert torch.equal(a[same].view(torch.int16), b[same].view(torch.int16)), activation
+        _, writes = _lds_writes(arch, _routed(base, [1] * 24), activation)
+        assert writes == 0, activation
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sparse_epilogue_ranks_rows_across_row_blocks(arch):
+    """A 32-row tile (two 16-row blocks) whose live rows are not the first ones: rows 0 and 16-18
+    live, the others padding (sorted arrays are the kernel's input; moe_sorting packs rows first,
+    token windows do not). The sparse form's slots follow the rows in order across the blocks:
+    every routed row lands at its own a2 row, within T of exact, and nothing else is written."""
+    p = make_problem(24, 1, 2, 256, 32, 32, 256, 32, seed=13, bias_dtype=torch.bfloat16, skip_expert=None)
+    p = _routed(p, [0] * 20 + [1] * 4)
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids = p["sorting"]
+    assert int(sorted_expert_ids[1]) == 1 and int(sorted_ids[36] & 0xFFFFFF) == 24  # tile 1: rows 32-35 live
+    order = torch.arange(sorted_ids.numel())
+    order[32:64] = torch.tensor([32] + list(range(36, 51)) + [33, 34, 35] + list(range(51, 64)))
+    p["sorting"] = (sorted_ids[order], sorted_weights[order], sorted_expert_ids, num_valid_ids)
+    for apply_weights in (False, True):
+        with emu.record() as rec:
+            check(arch, p, "swiglu_oai", apply_weights, tile_m=32, tile_n=64)
+        assert rec[0].stats.by_opcode.get("ds_write_b128", 0) > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
