@@ -7,6 +7,7 @@ checkpoint or fp32 as flyquant.nn stores it: --bias-dtype), DeepSeek-R1-like per
 full shape.
 
     python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --shapes gptoss,dsr1,qwen3 --out results
+    python bench/moe_stages_instr.py --same-tiles ...   # stage 2 on stage 1's tiles, no split K
 
 Modelled, not timed. The N of each stage is cut (stage 1: inter 128 -> N 256; stage 2: model_dim
 256) so a CPU emulates it in seconds: a working workgroup's work is the full shape's (same K, tiles,
@@ -39,7 +40,8 @@ STAGE1_INTER, STAGE2_MODEL = 128, 256  # the cut N of each stage (see the docstr
 BIAS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16", shape: str = "gptoss") -> list[dict]:
+def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16", shape: str = "gptoss",
+            same_tiles: bool = False) -> list[dict]:
     emu.enable(arch)
     from flyquant import layouts, reference, toolchain
     from flyquant.kernels import moe_gemm1_a16w4 as k1
@@ -54,7 +56,7 @@ def measure(arch: str, tokens: int, seed: int = 0, bias_dtype: str = "bf16", sha
     ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).int()
     wts = torch.rand(tokens, topk, generator=gen)
     tm1, tn1 = k1.choose_config1(tokens, topk, experts, hidden, inter, arch)
-    tm2, tn2, kb2 = k2.choose_config(tokens, topk, experts, hidden, inter, arch)
+    tm2, tn2, kb2 = (tm1, tn1, 1) if same_tiles else k2.choose_config(tokens, topk, experts, hidden, inter, arch)
 
     def bias(n):
         return torch.randn(experts, n, generator=gen).to(BIAS_DTYPES[bias_dtype]) if has_bias else None
@@ -91,13 +93,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=common.positive_ints, default="1,4,16", help="comma-separated token counts")
     ap.add_argument("--bias-dtype", default="bf16", choices=sorted(BIAS_DTYPES), help="both stages' bias (gptoss)")
     ap.add_argument("--shapes", type=common.csv_list, default=["gptoss"], help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--same-tiles", action="store_true",
+                    help="stage 2 on stage 1's tile_m x tile_n without split K (issue 15's like-for-like comparison)")
     ap.add_argument("--out", default="bench-results", help="output directory")
     args = ap.parse_args(argv)
     for name in args.shapes:  # else a KeyError traceback once the sweep reached it
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
     rows = [r for shape in args.shapes for arch in args.arch for t in args.tokens
-            for r in measure(arch, t, bias_dtype=args.bias_dtype, shape=shape)]
+            for r in measure(arch, t, bias_dtype=args.bias_dtype, shape=shape, same_tiles=args.same_tiles)]
     print(f"{'shape':7} {'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  "
           "(modelled, not timed)")
     for r in rows:

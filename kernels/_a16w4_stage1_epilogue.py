@@ -200,7 +200,7 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
     / wn bytes); bias_cols(c): the bias of the gate and up columns c, c + 1 of the wave (2-vectors
     of f32), or None. A live row's rank r among the tile's live rows is its slot: g of wave column
     j at slot r, word j, u at word W + j (W = the wave's nb / 2 * 16 output columns), and the
-    slot's a2 row and weight after the SPARSE_SLOTS slots. Iteration i, lane L reads slot
+    slot's a2 row (its byte offset) and weight after the SPARSE_SLOTS slots. Iteration i, lane L reads slot
     i * 128 / W + L / (W / 2) at columns c, c + 1 = 2 (L % (W / 2)): W <= 64, so c is the same
     in every iteration."""
     width = nb // 2 * MFMA_MN
@@ -210,6 +210,9 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
     info_dwords = 2 if apply_weights else 1
     if apply_weights:
         w_rsrc = _rsrc(sorted_weights, ids_bytes)
+    # every slot's a2 row offset starts past the buffer (lanes past the slots: the spare one), so a
+    # slot past the live rows stores nothing without a compare per iteration; live rows overwrite theirs
+    mx.lds_store(fx.Int32(OOB), (info + fx.min(lane, fx.Int32(SPARSE_ROWS)) * 16).ir_value())
     before = fx.Int32(0)
     for m in range_constexpr(mb):
         # live depends on the row (l16) only: the ballot holds each block's row mask once per kl
@@ -219,7 +222,7 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
         for p in range_constexpr(nb // 2):
             _lds_f32(accs[m * nb + 2 * p], at + p * 4 * MFMA_MN)
             _lds_f32(accs[m * nb + 2 * p + 1], at + (width + p * MFMA_MN) * 4)
-        words = [toks[m] * topk + rids[m].shrui(fx.Int32(TOKEN_BITS))]
+        words = [(toks[m] * topk + rids[m].shrui(fx.Int32(TOKEN_BITS))) * out_row_bytes]
         if apply_weights:
             words.append(_load(w_rsrc, (row0 + m * MFMA_MN + (lane & (MFMA_MN - 1))) << 2, 0, 1))
         mx.lds_store(Vec.from_elements(words, fx.Int32) if apply_weights else words[0], (info + slot * 16).ir_value())
@@ -246,14 +249,12 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
                 g, u = Vec(g + biases[0]), Vec(u + biases[1])
             vals = _activation(act, [fx.Float32(g[0]), fx.Float32(g[1])], [fx.Float32(u[0]), fx.Float32(u[1])],
                                alpha, limit, nan_clamps=nan_clamps)
-            a2_row = fx.Int32(Vec(row)[0] if apply_weights else row)
+            off = fx.Int32(Vec(row)[0] if apply_weights else row) + col_bytes  # past the buffer: dropped
             if apply_weights:
                 wt = fx.Int32(Vec(row)[1]).bitcast(fx.Float32)
                 vals = [v * wt for v in vals]
-            ok = s < before
             if n_tail:
-                ok = ok & col_ok
-            off = ok.select(a2_row * out_row_bytes + col_bytes, fx.Int32(OOB))
+                off = col_ok.select(off, fx.Int32(OOB))
             packed = Vec(Vec.from_elements(vals, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32))
             mx.store(packed[0], out_rsrc, off)
 
