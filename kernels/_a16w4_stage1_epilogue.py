@@ -83,7 +83,9 @@ def _sigmoids(zs, scale: float):
 def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = False, nan_clamps: bool = False):
     """act(g, u) in FP32 for the lists gs, us (flyquant.reference.moe_activation's formulas), the
     multiplies and adds on element pairs. swiglu_oai: (u + 1) g s as fma(u, g s, g s) (one
-    rounding fewer than the formula's). Its clamps are v_med3_f32, which return another operand
+    rounding fewer than the formula's), which is inf - inf = NaN for u < 0 where t = g s is infinite
+    and the formula gives an infinity: t is finite or NaN unless g = +inf passes the clamp (limit =
+    inf) or g = -inf has a sigmoid of 1 (alpha < 0), so those configurations take (u + 1) t. Its clamps are v_med3_f32, which return another operand
     for a NaN, so an unordered compare of (g, u) per element puts the NaN back, and +-inf clamp
     as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
     g's lower bound can be -FLT_MAX (a med3 with -inf is folded to a minnum, which adds a
@@ -99,15 +101,20 @@ def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = Fa
         return _pairs(mul, [_pairs(mul, [gs, _sigmoids(zs, GELU_2C)]), us])
     if kind == "swiglu_oai":
         lim = fx.Float32(limit).ir_value()
+        one = Vec.filled(2, 1.0, fx.Float32)
+        if limit == float("inf") or alpha < 0:  # t may be infinite (docstring)
+            gate_up = lambda u, t: (u + one) * t  # noqa: E731
+        else:
+            gate_up = lambda u, t: fx.math.fma(u, t, t)  # noqa: E731
         if nan_clamps:
             gc = [fx.Float32(arith.minimumf(g.ir_value(), lim)) for g in gs]
             uc = [fx.Float32(arith.maximumf(arith.minimumf(u.ir_value(), lim), fx.Float32(-limit).ir_value())) for u in us]
-            return _pairs(lambda u, t: fx.math.fma(u, t, t), [uc, _pairs(mul, [gc, _sigmoids(gc, alpha)])])
+            return _pairs(gate_up, [uc, _pairs(mul, [gc, _sigmoids(gc, alpha)])])
         med3 = lambda x, lo: fx.Float32(rocdl.fmed3(T.f32, x.ir_value(), fx.Float32(lo).ir_value(), lim))  # noqa: E731
         gc = [med3(g, -F32_MAX if finite else float("-inf")) for g in gs]
         uc = [med3(u, -limit) for u in us]
         gs_ = _pairs(mul, [gc, _sigmoids(gc, alpha)])
-        act = _pairs(lambda u, t: fx.math.fma(u, t, t), [uc, gs_])
+        act = _pairs(gate_up, [uc, gs_])
         if not finite:
             nan = [fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, g.ir_value(), u.ir_value())) for g, u in zip(gs, us)]
             act = [n.select(fx.Float32(float("nan")), a) for n, a in zip(nan, act)]

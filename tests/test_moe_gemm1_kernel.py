@@ -64,8 +64,9 @@ def make_problem(tokens, topk, experts, model_dim, inter_dim, half, w_k, block_m
                 sorting=moe_sorting(ids, weights, experts, block_m))
 
 
-def pair_exact_and_tolerance(p, t, e, w, activation):
-    """(e, T) of the module docstring for token t routed to expert e with weight w: (inter_dim,) float64."""
+def pair_exact_and_tolerance(p, t, e, w, activation, alpha=1.702, limit=7.0):
+    """(e, T) of the module docstring for token t routed to expert e with weight w: (inter_dim,) float64
+    (swiglu_oai with alpha and limit)."""
     md, idim, half = p["model_dim"], p["inter_dim"], p["half"]
     weight = reference.dequantize_mxfp4(p["packed"][e], p["scales"][e]).double()
     x = p["x"][t, :md].double()
@@ -75,12 +76,12 @@ def pair_exact_and_tolerance(p, t, e, w, activation):
     g, u = wg @ x + bg, wu @ x + bu
     dg = (md + 1) * U_F32 * (wg.abs() @ x.abs() + bg.abs())
     du = (md + 1) * U_F32 * (wu.abs() @ x.abs() + bu.abs())
-    a = reference.moe_activation(g, u, activation) * w
+    a = reference.moe_activation(g, u, activation, alpha, limit) * w
     prop = DERIV_G * (u.abs() + 1) * dg + (g.abs() + 1) * du + ACT_ERR * (g.abs() + 1) * (u.abs() + 1)
     return a, U_BF16 * a.abs() + (1 + U_BF16) * abs(w) * prop
 
 
-def exact_and_tolerance(p, activation, apply_weights):
+def exact_and_tolerance(p, activation, apply_weights, alpha=1.702, limit=7.0):
     """(e, T) of the module docstring, (T * topk, inter_dim) float64; rows without a pair: NaN, 0."""
     topk, tokens = p["topk"], p["x"].shape[0]
     exact = torch.full((tokens * topk, p["inter_dim"]), float("nan"), dtype=torch.float64)
@@ -88,7 +89,8 @@ def exact_and_tolerance(p, activation, apply_weights):
     for t in range(tokens):
         for s in range(topk):
             w = float(p["weights"][t, s]) if apply_weights else 1.0
-            exact[t * topk + s], tol[t * topk + s] = pair_exact_and_tolerance(p, t, int(p["ids"][t, s]), w, activation)
+            exact[t * topk + s], tol[t * topk + s] = pair_exact_and_tolerance(p, t, int(p["ids"][t, s]), w, activation,
+                                                                              alpha, limit)
     return exact, tol
 
 
@@ -178,6 +180,53 @@ def test_nan_inf_propagate(arch):
         exact, tol = exact_and_tolerance(p, activation, False)
         ok = fin & exact.isfinite()
         assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("alpha,limit,gate", [(1.702, float("inf"), float("inf")), (-1.0, 7.0, float("-inf"))],
+                         ids=["no-clamp-g-inf", "negative-alpha-g-minus-inf"])
+def test_swiglu_oai_infinite_gate_term_as_the_reference(arch, alpha, limit, gate):
+    """swiglu_oai's (u' + 1) t, t = g' sigmoid(alpha g'), with t infinite: g = +inf and limit = inf (no
+    clamp, allowed), or g = -inf and alpha < 0 (sigmoid 1). Computed as fma(u', t, t) = u' t + t that is
+    inf - inf = NaN for every u' < 0, where the reference's (u' + 1) t is an infinity (found by fuzz round
+    9). Gate columns 0-15 of both experts take a bias of `gate`, their up columns u < -1 (0-7) or about
+    -0.5 (8-15): the same infinities and NaN positions as the reference, in the dense form (expert 0's
+    10-row tile) and the sparse one (expert 1's 2-row tile)."""
+    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=14, bias_dtype=torch.float32, skip_expert=None)
+    p = _routed(p, [0] * 10 + [1] * 2, block_m=16)
+    p["bias"][:, :16] = gate
+    p["bias"][:, 32:40] = -40.0
+    p["bias"][:, 40:48] = -0.5
+    got = run(arch, p, "swiglu_oai", alpha=alpha, limit=limit).double()
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                    bias=p["bias"], activation="swiglu_oai", alpha=alpha, limit=limit).double()
+    assert ref[:, :8].isinf().all()  # (u' + 1) t with u' < -1: an infinity, never NaN
+    assert torch.equal(got.isnan(), ref.isnan())
+    inf = ref.isinf()
+    assert torch.equal(got[inf], ref[inf])
+    exact, tol = exact_and_tolerance(p, "swiglu_oai", False, alpha=alpha, limit=limit)
+    ok = ref.isfinite()
+    assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+@pytest.mark.xfail(strict=True, reason="gelu's tail: the reference's 1 + tanh(y) is exactly 0 for y < -9 (FP32 tanh "
+                   "rounds to -1), the kernel's 2 sigmoid(2y) stays nonzero to y ~ -44, so an infinite u gives the "
+                   "reference NaN (0 * inf) and the kernel +-inf (fuzz round 9); which formula is the contract is open")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gelu_tail_times_infinite_up_as_the_reference(arch):
+    """gelu with g about -7.5 (y = sqrt(2/pi) (g + 0.044715 g^3) about -21) and u = +inf (an infinite up
+    bias): the reference's 0.5 g (1 + tanh(y)) u is 0 * inf = NaN, the kernel's g sigmoid(2y) u is
+    -inf. Both epilogue forms (expert 0's 10-row tile dense, expert 1's 2-row tile sparse) agree with each
+    other; the NaN positions should be the reference's (test_nan_inf_propagate's contract)."""
+    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=15, bias_dtype=torch.float32, skip_expert=None)
+    p = _routed(p, [0] * 10 + [1] * 2, block_m=16)
+    p["x"][:, :256] *= 0.01  # g and u about their biases
+    p["bias"][:, :8] = -7.5
+    p["bias"][:, 32:40] = float("inf")
+    got = run(arch, p, "gelu").double()
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                    bias=p["bias"], activation="gelu").double()
+    assert torch.equal(got.isnan(), ref.isnan())
 
 
 @functools.lru_cache(maxsize=None)
