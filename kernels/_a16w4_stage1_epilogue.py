@@ -13,10 +13,11 @@ Two forms, chosen per wave at run time (stage1_epilogue):
   x top-4 over 128 experts: about one live row in a 16-row tile), and the dense form spent most
   of the epilogue on them. The form needs Gemm2Config.sparse_lds_bytes of LDS (about 9.5 KiB at
   tile_n 256); a config whose wk reduction leaves no room for it has the dense form only.
-Both forms compute the same FP32 operations per element in the same order, so a finite or
-infinite result has the same bits in either (tests/test_moe_gemm1_kernel.py). A NaN may differ in
-its sign and payload: on gfx950 the sparse form clamps with IEEE minimum / maximum, which return
-the NaN operand, where the dense form puts back a canonical NaN.
+Both forms compute the same FP32 operations per element in the same order, so a nonzero finite
+or infinite result has the same bits in either (tests/test_moe_gemm1_kernel.py). On gfx950 the
+sparse form clamps with IEEE minimum / maximum, which return a NaN operand and order -0 below +0,
+where the dense form puts back a canonical NaN and v_med3 does not order zeros: a NaN may differ
+in sign and payload, and a zero in sign (swiglu_oai with limit = 0).
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def _sigmoids(zs, scale: float):
 def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = False, nan_clamps: bool = False):
     """act(g, u) in FP32 for the lists gs, us (flyquant.reference.moe_activation's formulas), the
     multiplies and adds on element pairs. swiglu_oai: (u + 1) g s as fma(u, g s, g s) (one
-    rounding fewer than the formula's), which is inf - inf = NaN for u < 0 where t = g s is infinite
-    and the formula gives an infinity: t is finite or NaN unless g = +inf passes the clamp (limit =
-    inf) or g = -inf has a sigmoid of 1 (alpha < 0), so those configurations take (u + 1) t. Its clamps are v_med3_f32, which return another operand
-    for a NaN, so an unordered compare of (g, u) per element puts the NaN back, and +-inf clamp
-    as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
+    rounding fewer than the formula's), which is inf - inf = NaN for u < 0 where t = g s is
+    infinite and the formula gives an infinity: t is finite or NaN unless g = +inf passes the clamp
+    (limit = inf) or g = -inf has a sigmoid of 1 (alpha < 0), so those configurations take
+    (u + 1) t. Its clamps are v_med3_f32, which return another operand for a NaN, so an unordered
+    compare of (g, u) per element puts the NaN back, and +-inf clamp as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
     g's lower bound can be -FLT_MAX (a med3 with -inf is folded to a minnum, which adds a
     canonicalizing v_max per element); `nan_clamps` (gfx950): the clamps are IEEE minimum and
     maximum (v_minimum3_f32 / v_maximum3_f32), which return a NaN operand, so no compare is needed.

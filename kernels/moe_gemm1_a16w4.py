@@ -15,7 +15,10 @@ sigmoid = 1 / (1 + 2^(-z log2 e)) by v_exp_f32 and v_rcp_f32 (1 ulp each on hard
 roundings of z * log2 e, of 1 + e and of the final products, the activation's relative error is
 at most (|z| + 8) * 2^-24 (z the sigmoid's argument; gelu adds 4 * 2^-24 * 2c(|g| + 0.044715|g|^3)
 for computing z), plus 2^-126 * |g u| absolute where the hardware flushes a denormal sigmoid to 0.
-NaN and Inf propagate as in the reference's formulas. An x or a2 past one 32-bit buffer (2 GiB)
+NaN and Inf propagate as in the reference's formulas, but for one gelu tail: where torch's FP32
+1 + tanh(y) rounds to 0 (y below about -9, g below about -5) and u is infinite, the reference
+gives 0 * inf = NaN and the kernel, whose 2 sigmoid(2y) stays nonzero down to y of about -44,
+the infinity the exact formula gives. An x or a2 past one 32-bit buffer (2 GiB)
 runs as one launch per window of tokens (token_windows), as stage 2 does.
 
 The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1), its epilogue
