@@ -202,19 +202,27 @@ def kernel_name(stage: int, arch: str, out_dtype: torch.dtype, tile_m: int, tile
             f"_n{model_dim}_k{inter_dim}_{arch}")
 
 
+def launch_geometry(stage: int, act: torch.Tensor, act_rows: int, width: int, out_token_bytes: int, tile_m: int,
+                    tile_n: int, k_batch: int, waves: int, n_kt: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """(wn, wk, token windows) of a stage launch (1 or 2), one rule for the launchers and the plans: the
+    wave layout of the tiles, and the windows of the activations `act` (act_rows rows per token) as the
+    kernel reads them: act's own rows at unit column stride, else the launcher's contiguous copy of
+    `width` columns; out_token_bytes the output's bytes per token."""
+    wn, wk = default_layout(tile_m, tile_n, n_kt, k_batch, waves, pair=stage == 1)
+    row_stride, cols = (act.stride(0), act.shape[1]) if act.stride(1) == 1 else (width, width)
+    return wn, wk, token_windows(act.shape[0] // act_rows, act_rows, cols, row_stride, out_token_bytes)
+
+
 def planned_name(stage: int, arch: str, config: dict, act: torch.Tensor, act_rows: int, width: int,
                  out_token_bytes: int, model_dim: int, inter_dim: int, **name) -> str:
     """The name of the stage kernel (1 or 2) its launcher compiles for a plan's config (tile_m, tile_n,
-    [k_batch,] waves): the wave layout and token windows computed as the launchers compute them from
-    the activations `act` (act_rows rows per token, `width` columns when copied) and out_token_bytes."""
+    [k_batch,] waves), by the launchers' launch_geometry and kernel_name."""
+    tm, tn, kb = config["tile_m"], config["tile_n"], config.get("k_batch", 1)
     n_kt = k_iterations(inter_dim if stage == 2 else model_dim)
-    wn, wk = default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"],
-                            pair=stage == 1)
-    row_stride, width = (act.stride(0), act.shape[1]) if act.stride(1) == 1 else (width, width)  # else copied
-    windowed = len(token_windows(act.shape[0] // act_rows, act_rows, width, row_stride, out_token_bytes)) > 1
+    wn, wk, windows = launch_geometry(stage, act, act_rows, width, out_token_bytes, tm, tn, kb, config["waves"], n_kt)
     dims = (model_dim, inter_dim) if stage == 2 else (2 * inter_dim, model_dim)
-    return kernel_name(stage, arch, name.pop("out_dtype", torch.bfloat16), config["tile_m"], config["tile_n"],
-                       config.get("k_batch", 1), wn, wk, *dims, windowed=windowed, **name)
+    return kernel_name(stage, arch, name.pop("out_dtype", torch.bfloat16), tm, tn, kb, wn, wk, *dims,
+                       windowed=len(windows) > 1, **name)
 
 
 # ---- small device helpers ----------------------------------------------------------------------

@@ -13,8 +13,8 @@ from flyquant.arch import arch_info
 from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and config, one namespace for callers)
 from ._a16w4_common import (
     BIAS_DTYPES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
-    WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, default_layout, default_waves, Gemm2Config,
-    k_iterations, m_grid, m_tiling, token_windows,
+    WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, launch_geometry, default_waves, Gemm2Config,
+    k_iterations, m_grid, m_tiling,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -112,7 +112,6 @@ def moe_gemm2_a16w4(
             model_dim=model_dim, inter_dim=inter_dim, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, waves=waves)
         return result.copy_(out)
     out_elem = OUT_ELEM_BYTES[out_dtype if out is None else out.dtype]
-    windows = token_windows(tokens, topk, a2.shape[1], a2.stride(0), model_dim * out_elem)
     if rows > MAX_SORTED_ROWS:
         raise ValueError(f"len(sorted_ids) = {rows} must be at most {MAX_SORTED_ROWS} (32-bit byte offsets)")
 
@@ -126,7 +125,7 @@ def moe_gemm2_a16w4(
         waves = default_waves(tile_m, tile_n, n_kt, k_batch)
     if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
-    wn, wk = default_layout(tile_m, tile_n, n_kt, k_batch, waves)
+    wn, wk, windows = launch_geometry(2, a2, topk, inter_dim, model_dim * out_elem, tile_m, tile_n, k_batch, waves, n_kt)
 
     if out is None:
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)

@@ -356,7 +356,7 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     rows, stride, topk, block_m = 33000, 65536, 1, 16
     p = make_problem(1, topk, 4, 256, 32, 32, 256, block_m, seed=12, bias_dtype=torch.float32)
     p["x"] = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :256]
-    assert len(K1.token_windows(rows, 1, 256, stride, topk * stride * 2)) == 3
+    assert len(K.token_windows(rows, 1, 256, stride, topk * stride * 2)) == 3
     blocks = [(2, WINDOW_TOKENS[0]), (0, WINDOW_TOKENS[1]), (3, WINDOW_TOKENS[2])]
     p["sorting"] = window_sorting(p["x"], blocks, block_m, torch.Generator().manual_seed(12))
     out = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :32]
