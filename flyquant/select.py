@@ -383,6 +383,11 @@ def _a16w4_target(op: str, act: torch.Tensor, act_name: str, n: tuple[str, int],
     return target
 
 
+def _no_tokens(tokens: int) -> tuple[str, ...]:
+    """An A16W4 stage plan's note when there is nothing to compute: the launcher returns before launching."""
+    return ("no tokens: nothing is launched",) if tokens == 0 else ()
+
+
 def _fp4_conversion(arch: str) -> str:
     return "hardware FP4->BF16 conversion" if arch == "gfx950" else "software FP4 unpack"
 
@@ -442,8 +447,7 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
     # the launched kernel's own name, wave layout and token windows included
     name = planned_name(2, target.arch, config, a2, topk, inter_dim, out_bytes, model_dim, inter_dim,
                         out_dtype=out_dtype, apply_weights=bool(apply_weights), bias=has_bias)
-    conversion = _fp4_conversion(target.arch)
-    return _kernel_plan(op, target, name, config, conversion)
+    return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch), *_no_tokens(tokens))
 
 
 def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation, apply_weights=False,
@@ -469,9 +473,9 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     out_bytes = topk * (inter_dim if out_stride is None else out_stride) * 2  # a2's rows of one token
     name = planned_name(1, target.arch, config, x, 1, model_dim, out_bytes, model_dim, inter_dim,
                         apply_weights=bool(apply_weights), bias=has_bias, activation=activation, alpha=alpha, limit=limit)
-    conversion = _fp4_conversion(target.arch)
-    return _kernel_plan(op, target, name, config, conversion,
-                        "gate and up columns in one workgroup: the activation in registers (exp2/rcp), no split K")
+    return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch),
+                        "gate and up columns in one workgroup: the activation fused (exp2/rcp), no split K; a tile "
+                        "of at most 8 routed rows compacts them through LDS first", *_no_tokens(tokens))
 
 
 def plan_moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask) -> Plan:

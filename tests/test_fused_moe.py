@@ -329,6 +329,20 @@ def test_explain_prints_the_three_plans(monkeypatch, capsys):
         assert r.kernel == plan.kernel, (r.kernel, plan.kernel)
 
 
+def test_explain_of_no_tokens_says_the_stages_launch_nothing(monkeypatch):
+    """With no tokens fused_moe launches the sorting kernel only (each stage launcher returns before its
+    launch); explain said the stages ran their kernels. Their plans now say nothing is launched."""
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(4, 2, 4, None, True, seed=9)
+    args = (p["x"][:0], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"][:0], p["ids"][:0])
+    kw = dict(b1=p["b1"], b2=p["b2"], activation="swiglu_oai", model_dim=MODEL_DIM, inter_dim=INTER_DIM)
+    plans = fq.explain(fq.fused_moe, *args, **kw)
+    with emu.record() as launches:
+        out = fq.fused_moe(*args, **kw)
+    assert out.shape == (0, MODEL_DIM) and [r.kernel for r in launches] == [plans[0].kernel]
+    assert [any("nothing is launched" in r for r in plan.reasons) for plan in plans] == [False, True, True]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_stage_plans_name_the_launched_kernel(arch, monkeypatch):
     """explain()'s stage plans are the launched kernels' names. They were '<op>_<dtype>_<tiles>[_kb<k>]_<waves>w
