@@ -88,9 +88,9 @@ def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = Fa
     infinite and the formula gives an infinity: t is finite or NaN unless g = +inf passes the clamp
     (limit = inf) or g = -inf has a sigmoid of 1 (alpha < 0), so those configurations take
     (u + 1) t. Its clamps are v_med3_f32, which return another operand for a NaN, so an unordered
-    compare of (g, u) per element puts the NaN back, and +-inf clamp as torch's do; `finite`: the caller knows every g and u is finite, so neither is needed and
-    g's lower bound can be -FLT_MAX (a med3 with -inf is folded to a minnum, which adds a
-    canonicalizing v_max per element); `nan_clamps` (gfx950): the clamps are IEEE minimum and
+    compare of (g, u) per element puts the NaN back, and +-inf clamp as torch's do; `finite`: the
+    caller knows every g and u is finite, so neither is needed and g's lower bound can be -FLT_MAX
+    (a med3 with -inf is folded to a minnum, which adds a canonicalizing v_max per element); `nan_clamps` (gfx950): the clamps are IEEE minimum and
     maximum (v_minimum3_f32 / v_maximum3_f32), which return a NaN operand, so no compare is needed.
     """
     mul = lambda a, b: a * b  # noqa: E731
@@ -208,11 +208,13 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
     / wn bytes); bias_cols(c): the bias of the gate and up columns c, c + 1 of the wave (2-vectors
     of f32), or None. A live row's rank r among the tile's live rows is its slot: g of wave column
     j at slot r, word j, u at word W + j (W = the wave's nb / 2 * 16 output columns), and the
-    slot's a2 row (its byte offset) and weight after the SPARSE_SLOTS slots. Iteration i, lane L reads slot
-    i * 128 / W + L / (W / 2) at columns c, c + 1 = 2 (L % (W / 2)): W <= 64, so c is the same
-    in every iteration."""
+    slot's a2 row (its byte offset) and weight after the SPARSE_SLOTS slots. Iteration i, lane L
+    reads slot i * 128 / W + L / (W / 2) at columns c, c + 1 = 2 (L % (W / 2)): with W <= 128
+    (MAX_WAVE_N gives 64), c is the same in every iteration."""
     width = nb // 2 * MFMA_MN
     half = width // 2  # lanes per slot in an iteration
+    if half > WAVE:
+        raise ValueError(f"the sparse epilogue takes at most {2 * WAVE} output columns per wave, got {width}")
     slot_bytes = 8 * width
     info = wave_lds + SPARSE_SLOTS * slot_bytes
     info_dwords = 2 if apply_weights else 1
