@@ -30,8 +30,8 @@ from flydsl.expr.typing import Vector as Vec
 
 from . import _mx_common as mx
 from ._a16w4_common import (
-    ACTIVATIONS, MFMA_MN, OOB, PERM_ODD_HALVES, SPARSE_ROWS, SPARSE_SLOTS, TOKEN_BITS, WAVE, _ballot, _lanes_below,
-    _load, _perm, _rsrc, _zext,
+    ACTIVATIONS, MFMA_MN, OOB, PERM_ODD_HALVES, SPARSE_ROWS, SPARSE_SLOTS, TOKEN_BITS, WAVE, _ballot, _load,
+    _perm, _rsrc, _zext,
 )
 from ._mx_common import i32_bits
 
@@ -90,9 +90,9 @@ def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = Fa
     (u + 1) t. Its clamps are v_med3_f32, which return another operand for a NaN, so an unordered
     compare of (g, u) per element puts the NaN back, and +-inf clamp as torch's do; `finite`: the
     caller knows every g and u is finite, so neither is needed and g's lower bound can be -FLT_MAX
-    (a med3 with -inf is folded to a minnum, which adds a canonicalizing v_max per element); `nan_clamps` (gfx950): the clamps are IEEE minimum and
-    maximum (v_minimum3_f32 / v_maximum3_f32), which return a NaN operand, so no compare is needed.
-    """
+    (a med3 with -inf is folded to a minnum, which adds a canonicalizing v_max per element);
+    `nan_clamps` (gfx950): the clamps are IEEE minimum and maximum (v_minimum3_f32 /
+    v_maximum3_f32), which return a NaN operand, so no compare is needed."""
     mul = lambda a, b: a * b  # noqa: E731
     if kind == "silu":
         return _pairs(mul, [_pairs(mul, [gs, _sigmoids(gs, 1.0)]), us])
@@ -199,18 +199,19 @@ def _lds_f32(vec, addr):
     llvm.StoreOp(vec, mx.lds_ptr(addr.ir_value()), alignment=16)
 
 
-def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, wave_lds, sorted_weights, row0,
-                            ids_bytes, out, out_bytes, bias_cols, mb: int, nb: int, topk: int, n_cols: int,
-                            n_tail: bool, out_row_bytes: int, apply_weights: bool, act: str, alpha: float,
-                            limit: float, nan_clamps: bool):
-    """Stage 1's epilogue for a tile of at most SPARSE_ROWS live rows (module docstring). counts:
-    the live rows of each 16-row block (wave-uniform); wave_lds: this wave's LDS (sparse_lds_bytes
-    / wn bytes); bias_cols(c): the bias of the gate and up columns c, c + 1 of the wave (2-vectors
-    of f32), or None. A live row's rank r among the tile's live rows is its slot: g of wave column
-    j at slot r, word j, u at word W + j (W = the wave's nb / 2 * 16 output columns), and the
-    slot's a2 row (its byte offset) and weight after the SPARSE_SLOTS slots. Iteration i, lane L
-    reads slot i * 128 / W + L / (W / 2) at columns c, c + 1 = 2 (L % (W / 2)): with W <= 128
-    (MAX_WAVE_N gives 64), c is the same in every iteration."""
+def store_activation_sparse(accs, toks, rids, live, masks, counts, lane, col_wave, kl, l16, wave_lds,
+                            sorted_weights, row0, ids_bytes, out, out_bytes, bias_cols, mb: int, nb: int, topk: int,
+                            n_cols: int, n_tail: bool, out_row_bytes: int, apply_weights: bool, act: str,
+                            alpha: float, limit: float, nan_clamps: bool):
+    """Stage 1's epilogue for a tile of at most SPARSE_ROWS live rows (module docstring). masks,
+    counts: the live rows of each 16-row block (wave-uniform bit masks by l16, and their sizes);
+    wave_lds: this wave's LDS (sparse_lds_bytes / wn bytes); bias_cols(c): the bias of the gate and
+    up columns c, c + 1 of the wave (2-vectors of f32), or None. A live row's rank r among the
+    tile's live rows is its slot: g of wave column j at slot r, word j, u at word W + j (W = the
+    wave's nb / 2 * 16 output columns), and the slot's a2 row (its byte offset) and weight after the
+    SPARSE_SLOTS slots. Iteration i, lane L reads slot i * 128 / W + L / (W / 2) at columns c,
+    c + 1 = 2 (L % (W / 2)): with W <= 128 (MAX_WAVE_N gives 64), c is the same in every
+    iteration."""
     width = nb // 2 * MFMA_MN
     half = width // 2  # lanes per slot in an iteration
     if half > WAVE:
@@ -225,8 +226,7 @@ def store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, 
     mx.lds_store(fx.Int32(OOB), (info + fx.min(lane, fx.Int32(SPARSE_ROWS)) * 16).ir_value())
     before = fx.Int32(0)
     for m in range_constexpr(mb):
-        # live depends on the row (l16) only: the ballot holds each block's row mask once per kl
-        rank = before + _lanes_below(_ballot(live[m])) - kl * counts[m]
+        rank = fx.Int32(fx.math.ctpop(masks[m] & ((fx.Int32(1) << l16) - 1))) + before  # v_bfe, v_bcnt
         slot = live[m].select(rank, fx.Int32(SPARSE_ROWS))
         at = wave_lds + slot * slot_bytes + kl * 16
         for p in range_constexpr(nb // 2):
@@ -287,15 +287,17 @@ def stage1_epilogue(accs, with_bias, toks, rids, live, lane, col_wave, kl, l16, 
     if wave_lds is None:
         dense()
         return
-    counts = [fx.Int32(fx.math.ctpop(fx.Int32(_ballot(live[m])) & 0xFFFF)) for m in range_constexpr(mb)]
+    # live depends on the row (l16) only: the ballot's low 16 bits are the block's row mask
+    masks = [fx.Int32(_ballot(live[m])) & 0xFFFF for m in range_constexpr(mb)]
+    counts = [fx.Int32(fx.math.ctpop(mask)) for mask in masks]
     total = counts[0]
     for n in counts[1:]:
         total = total + n
 
     def sparse():
-        store_activation_sparse(accs, toks, rids, live, counts, lane, col_wave, kl, wave_lds, sorted_weights, row0,
-                                ids_bytes, out, out_bytes, bias_cols, mb, nb, topk, n_cols, n_tail, out_row_bytes,
-                                apply_weights, act, alpha, limit, nan_clamps)
+        store_activation_sparse(accs, toks, rids, live, masks, counts, lane, col_wave, kl, l16, wave_lds,
+                                sorted_weights, row0, ids_bytes, out, out_bytes, bias_cols, mb, nb, topk, n_cols,
+                                n_tail, out_row_bytes, apply_weights, act, alpha, limit, nan_clamps)
 
     mx.if_else((total <= SPARSE_ROWS).ir_value(), sparse, dense)
 
