@@ -97,6 +97,7 @@ def moe_gemm1_a16w4(
         validate.same_device("x", x, "out", out)
         if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
             raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+        validate.no_self_overlap(out, "out")
         validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
                                              sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
                                              num_valid_ids=num_valid_ids, bias=bias))

@@ -410,6 +410,17 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     assert (out[neighbours] == SENTINEL).all()
 
 
+def test_out_sharing_memory_with_itself_refused():
+    """An out whose rows share memory (expand()ed, row stride 0) was taken: every routed row stored
+    into the one row, which kept whichever came last (found by fuzz round 9b). The reference and
+    fused_moe refuse it; so does the launcher, naming out (stage 2's launcher does not check it)."""
+    p = make_problem(5, 2, 4, 224, 48, 64, 256, 16, seed=7)
+    for out in (torch.zeros(1, 48, dtype=torch.bfloat16).expand(10, 48),
+                torch.zeros(10 * 24 + 24, dtype=torch.bfloat16).as_strided((10, 48), (24, 1))):
+        with pytest.raises(ValueError, match="out must not have elements sharing memory"):
+            run("gfx950", p, out=out)
+
+
 def test_config_choice_and_bad_inputs():
     # GPT-OSS-120B at 1 token: 4 m-tiles; tile_n 64 over N = 2 * 2880 gives 4 x 90 = 360 >= 256
     # workgroups streaming weights (stage 2's N is half of that)
