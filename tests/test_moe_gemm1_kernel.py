@@ -410,6 +410,18 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     assert (out[neighbours] == SENTINEL).all()
 
 
+@pytest.mark.parametrize("kw", [dict(alpha="1.702"), dict(limit="7"), dict(alpha=True), dict(alpha=torch.tensor(1.702)),
+                                dict(limit=None)], ids=["alpha-str", "limit-str", "alpha-bool", "alpha-tensor", "limit-none"])
+def test_alpha_and_limit_must_be_real_numbers(kw):
+    """alpha and limit are real numbers (numpy's too), as the reference checks (check_moe_gemm1_call):
+    the launcher took float() of them, so "7", True and a tensor were accepted where the reference
+    refuses them, and None failed in float() naming no argument (found by fuzz round 9b)."""
+    p = make_problem(5, 2, 4, 224, 48, 64, 256, 16, seed=7)
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=f"{name} must be a real number"):
+        run("gfx950", p, "swiglu_oai", **kw)
+
+
 def test_out_sharing_memory_with_itself_refused():
     """An out whose rows share memory (expand()ed, row stride 0) was taken: every routed row stored
     into the one row, which kept whichever came last (found by fuzz round 9b). The reference and
