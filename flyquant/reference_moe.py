@@ -16,6 +16,8 @@ path only with FLYQUANT_DEBUG=1).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import layouts, validate
@@ -262,12 +264,17 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
     return model_dim, inter_dim
 
 
+FLT_MAX = 3.4028234663852886e38  # the largest finite FP32
+
+
 def check_swiglu_limit(activation: str, limit) -> None:
     """swiglu_oai's limit is >= 0 (+inf: no clamp). A negative or NaN limit has no meaning, and the
-    kernels' clamps (v_med3_f32) and torch.clamp would disagree on it: refused on both backends."""
-    if activation == "swiglu_oai" and not float(limit) >= 0:
-        raise ValueError(f"limit must be >= 0 for swiglu_oai (u is clamped to [-limit, limit], g to at most limit; "
-                         f"GPT-OSS: 7.0), got {limit!r}")
+    kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a finite one above FLT_MAX is
+    +inf in FP32 (torch.clamp refuses it, the kernels took it for a finite clamp): refused on both
+    backends."""
+    if activation == "swiglu_oai" and not (float(limit) >= 0 and (float(limit) <= FLT_MAX or float(limit) == math.inf)):
+        raise ValueError(f"limit must be >= 0 for swiglu_oai, at most FLT_MAX = {FLT_MAX!r} or inf (no clamp) (u is "
+                         f"clamped to [-limit, limit], g to at most limit; GPT-OSS: 7.0), got {limit!r}")
 
 
 def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk,

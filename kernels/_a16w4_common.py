@@ -193,7 +193,8 @@ def kernel_name(stage: int, arch: str, out_dtype: torch.dtype, tile_m: int, tile
     if stage == 1:
         act = activation
         if act == "swiglu_oai":
-            act += f"_a{float(alpha)!r}_l{float(limit)!r}".replace(".", "p").replace("-", "m")
+            # a symbol: '.' and '-' spelled out, an exponent's '+' dropped (repr puts it only after 'e')
+            act += f"_a{float(alpha)!r}_l{float(limit)!r}".replace(".", "p").replace("-", "m").replace("+", "")
         opt = ("_w" if apply_weights else "") + ("_win" if windowed else "") + ("_bias" if bias else "")
         return f"moe_gemm1_a16w4_{act}_{tile_m}x{tile_n}_w{wn}x{wk}{opt}_i{model_dim // 2}_k{inter_dim}_{arch}"
     out = "bf16" if out_dtype == torch.bfloat16 else "f32"

@@ -78,6 +78,8 @@ def moe_gemm1_a16w4(
     info = arch_info(arch)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    validate.real_number(alpha, "alpha")  # as the reference (float() takes "7", True, a tensor)
+    validate.real_number(limit, "limit")
     reference_moe.check_swiglu_limit(activation, limit)
     experts, w_n, w_k = check_inputs("x", x, "w1", w1, "w1_scale", w1_scale, sorted_ids, sorted_weights,
                                      sorted_expert_ids, num_valid_ids, topk, 4 * MFMA_MN,
@@ -97,6 +99,7 @@ def moe_gemm1_a16w4(
         validate.same_device("x", x, "out", out)
         if out.shape[0] != tokens * topk or out.shape[1] < inter_dim:
             raise ValueError(f"out must have shape (T * topk = {tokens * topk}, >= inter_dim = {inter_dim}), got {tuple(out.shape)}")
+        validate.no_self_overlap(out, "out")
         validate.no_overlap(out, "out", dict(x=x, w1=w1, w1_scale=w1_scale, sorted_ids=sorted_ids,
                                              sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
                                              num_valid_ids=num_valid_ids, bias=bias))

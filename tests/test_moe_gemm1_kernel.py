@@ -210,6 +210,45 @@ def test_swiglu_oai_infinite_gate_term_as_the_reference(arch, alpha, limit, gate
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("alpha,limit", [(1e30, 7.0), (1.702, 1e30), (-1.0, 3.4028234663852886e38)],
+                         ids=["alpha-1e30", "limit-1e30", "limit-f32-max"])
+def test_swiglu_oai_alpha_and_limit_with_an_exponent_compile(arch, alpha, limit):
+    """swiglu_oai's alpha and limit are in the kernel's name (one compile per value), which the
+    assembler takes as a symbol: a value whose repr has an exponent ("1e+30") put a '+' in it and
+    the compile failed in ld.lld with an unrelated directive error (found by fuzz round 9b). Such
+    values compile and give the reference's NaN positions and infinities, finite elements within T
+    (the dense form for expert 0's 10-row tile, the sparse one for expert 1's 2-row tile)."""
+    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=16, bias_dtype=torch.float32, skip_expert=None)
+    p = _routed(p, [0] * 10 + [1] * 2, block_m=16)
+    p["bias"][:, :4] = float("inf")
+    p["bias"][:, 32:36] = -40.0
+    got = run(arch, p, "swiglu_oai", alpha=alpha, limit=limit).double()
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                    bias=p["bias"], activation="swiglu_oai", alpha=alpha, limit=limit).double()
+    assert torch.equal(got.isnan(), ref.isnan())
+    inf = ref.isinf()
+    assert torch.equal(got[inf], ref[inf]) and torch.equal(inf, got.isinf())
+    exact, tol = exact_and_tolerance(p, "swiglu_oai", False, alpha=alpha, limit=limit)
+    ok = ref.isfinite() & exact.isfinite()
+    assert ((got - exact).abs()[ok] <= tol[ok]).all()
+
+
+@pytest.mark.parametrize("limit", [3.5e38, 1e300])
+def test_swiglu_oai_limit_past_fp32_refused(limit):
+    """A finite swiglu_oai limit above FLT_MAX is +inf in FP32: the kernel took it, clamped nothing,
+    but chose its fma form of (u' + 1) t for a finite limit, so g = +inf with u' < -1 gave NaN where
+    the no-clamp formula gives -inf, and the reference failed inside torch.clamp with "value cannot
+    be converted to type float without overflow" (found by fuzz round 9b). Both refuse it, naming
+    limit (inf itself is the way to say no clamp)."""
+    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=16, bias_dtype=torch.float32, skip_expert=None)
+    with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+        run("gfx950", p, "swiglu_oai", limit=limit)
+    with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
+        reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                  bias=p["bias"], activation="swiglu_oai", limit=limit)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_gelu_tail_times_infinite_up_is_the_exact_infinity(arch):
     """gelu with g about -7.5 (y = sqrt(2/pi) (g + 0.044715 g^3) about -21) and u = +inf (an infinite up
     bias): the reference's 0.5 g (1 + tanh(y)) u is 0 * inf = NaN (FP32 tanh(y) rounds to -1 below y ~
@@ -369,6 +408,29 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
             exact, tol = pair_exact_and_tolerance(p, t, e, 1.0, "swiglu_oai")
             assert ((out[t].double() - exact).abs() <= tol).all(), (t, e)
     assert (out[neighbours] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("kw", [dict(alpha="1.702"), dict(limit="7"), dict(alpha=True), dict(alpha=torch.tensor(1.702)),
+                                dict(limit=None)], ids=["alpha-str", "limit-str", "alpha-bool", "alpha-tensor", "limit-none"])
+def test_alpha_and_limit_must_be_real_numbers(kw):
+    """alpha and limit are real numbers (numpy's too), as the reference checks (check_moe_gemm1_call):
+    the launcher took float() of them, so "7", True and a tensor were accepted where the reference
+    refuses them, and None failed in float() naming no argument (found by fuzz round 9b)."""
+    p = make_problem(5, 2, 4, 224, 48, 64, 256, 16, seed=7)
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=f"{name} must be a real number"):
+        run("gfx950", p, "swiglu_oai", **kw)
+
+
+def test_out_sharing_memory_with_itself_refused():
+    """An out whose rows share memory (expand()ed, row stride 0) was taken: every routed row stored
+    into the one row, which kept whichever came last (found by fuzz round 9b). The reference and
+    fused_moe refuse it; so does the launcher, naming out (stage 2's launcher does not check it)."""
+    p = make_problem(5, 2, 4, 224, 48, 64, 256, 16, seed=7)
+    for out in (torch.zeros(1, 48, dtype=torch.bfloat16).expand(10, 48),
+                torch.zeros(10 * 24 + 24, dtype=torch.bfloat16).as_strided((10, 48), (24, 1))):
+        with pytest.raises(ValueError, match="out must not have elements sharing memory"):
+            run("gfx950", p, out=out)
 
 
 def test_config_choice_and_bad_inputs():
