@@ -21,7 +21,7 @@ import math
 import torch
 
 from . import layouts, validate
-from .formats import MX_BLOCK
+from .formats import F32_MAX, MX_BLOCK
 from .reference import SCALE_DTYPE, dequantize_mxfp4
 
 __all__ = [  # flyquant.reference gives these names too (its __getattr__)
@@ -264,16 +264,13 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
     return model_dim, inter_dim
 
 
-FLT_MAX = 3.4028234663852886e38  # the largest finite FP32
-
-
 def check_swiglu_limit(activation: str, limit) -> None:
     """swiglu_oai's limit is >= 0 (+inf: no clamp). A negative or NaN limit has no meaning, and the
     kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a finite one above FLT_MAX is
     +inf in FP32 (torch.clamp refuses it, the kernels took it for a finite clamp): refused on both
     backends."""
-    if activation == "swiglu_oai" and not (float(limit) >= 0 and (float(limit) <= FLT_MAX or float(limit) == math.inf)):
-        raise ValueError(f"limit must be >= 0 for swiglu_oai, at most FLT_MAX = {FLT_MAX!r} or inf (no clamp) (u is "
+    if activation == "swiglu_oai" and not (float(limit) >= 0 and (float(limit) <= F32_MAX or float(limit) == math.inf)):
+        raise ValueError(f"limit must be >= 0 for swiglu_oai, at most FLT_MAX = {F32_MAX!r} or inf (no clamp) (u is "
                          f"clamped to [-limit, limit], g to at most limit; GPT-OSS: 7.0), got {limit!r}")
 
 

@@ -95,9 +95,13 @@ def wave_fits(tile_m: int, tile_n: int, wn: int, wk: int, pair: bool = False) ->
     if pair and tile_n % (wn * 2 * MFMA_MN):
         return False
     acc = tile_m * wave_n // WAVE
-    lds = (wk - 1) * tile_m * tile_n * 4
     return (tile_n % (wn * MFMA_MN) == 0 and wave_n <= MAX_WAVE_N and acc <= MAX_ACC_PER_LANE
-            and lds <= LDS_REDUCE_BUDGET)
+            and reduce_lds_bytes(tile_m, tile_n, wk) <= LDS_REDUCE_BUDGET)
+
+
+def reduce_lds_bytes(tile_m: int, tile_n: int, wk: int) -> int:
+    """LDS of the wk reduction: the wk - 1 partial FP32 tiles the other K waves hand to wave 0."""
+    return (wk - 1) * tile_m * tile_n * 4
 
 
 def default_waves(tile_m: int, tile_n: int, n_kt: int, k_batch: int, pair: bool = False) -> int:
@@ -171,12 +175,15 @@ class Gemm2Config:
         slots of its g and u (FP32) and of each slot's a2 row and weight; 0 (dense only) where it would
         take the LDS past LDS_REDUCE_BUDGET."""
         need = SPARSE_SLOTS * (4 * self.tile_n + 16 * self.wn)  # 16 bytes per slot's row: aligned waves
-        reduce = (self.wk - 1) * self.tile_m * self.tile_n * 4
-        return need if self.stage == 1 and reduce + need <= LDS_REDUCE_BUDGET else 0
+        return need if self.stage == 1 and self.reduce_lds_bytes + need <= LDS_REDUCE_BUDGET else 0
+
+    @property
+    def reduce_lds_bytes(self) -> int:
+        return reduce_lds_bytes(self.tile_m, self.tile_n, self.wk)
 
     @property
     def lds_bytes(self) -> int:
-        return (self.wk - 1) * self.tile_m * self.tile_n * 4 + self.sparse_lds_bytes
+        return self.reduce_lds_bytes + self.sparse_lds_bytes
 
     @property
     def name(self) -> str:

@@ -157,8 +157,8 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     BUFFER_OUT = OUT_F32 or info.buffer_pk_add_bf16
     TAIL = INTER_DIM % KT != 0  # the last K iteration is partly past inter_dim
     N_TAIL = MODEL_DIM % TILE_N != 0  # the last n-tile is partly past model_dim
+    LDS_BYTES = cfg.reduce_lds_bytes  # the wk reduction's
     SPARSE_BYTES = cfg.sparse_lds_bytes  # stage 1's sparse epilogue (kernels/_a16w4_stage1_epilogue.py)
-    LDS_BYTES = cfg.lds_bytes - SPARSE_BYTES  # the wk reduction's
     OUT_ROW_BYTES = cfg.out_stride * 2  # stage 1: a2's row pitch
     LOG_WAVE, LOG_MFMA = WAVE.bit_length() - 1, MFMA_MN.bit_length() - 1
     LOG_TILE_M, LOG_WN = TILE_M.bit_length() - 1, WN.bit_length() - 1

@@ -28,6 +28,8 @@ from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
+from flyquant.formats import F32_MAX
+
 from . import _mx_common as mx
 from ._a16w4_common import (
     ACTIVATIONS, MFMA_MN, OOB, PERM_ODD_HALVES, SPARSE_ROWS, SPARSE_SLOTS, TOKEN_BITS, WAVE, _ballot, _load,
@@ -41,7 +43,6 @@ from ._mx_common import i32_bits
 LOG2E = 1.4426950408889634
 GELU_2C = 2 * 0.7978845608028654  # 1 + tanh(y) = 2 sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
 GELU_CUBIC = 0.044715
-F32_MAX = 3.4028234663852886e38
 
 
 def _pairs(f, xs):
@@ -110,13 +111,12 @@ def _activation(kind: str, gs, us, alpha: float, limit: float, finite: bool = Fa
         if nan_clamps:
             gc = [fx.Float32(arith.minimumf(g.ir_value(), lim)) for g in gs]
             uc = [fx.Float32(arith.maximumf(arith.minimumf(u.ir_value(), lim), fx.Float32(-limit).ir_value())) for u in us]
-            return _pairs(gate_up, [uc, _pairs(mul, [gc, _sigmoids(gc, alpha)])])
-        med3 = lambda x, lo: fx.Float32(rocdl.fmed3(T.f32, x.ir_value(), fx.Float32(lo).ir_value(), lim))  # noqa: E731
-        gc = [med3(g, -F32_MAX if finite else float("-inf")) for g in gs]
-        uc = [med3(u, -limit) for u in us]
-        gs_ = _pairs(mul, [gc, _sigmoids(gc, alpha)])
-        act = _pairs(gate_up, [uc, gs_])
-        if not finite:
+        else:
+            med3 = lambda x, lo: fx.Float32(rocdl.fmed3(T.f32, x.ir_value(), fx.Float32(lo).ir_value(), lim))  # noqa: E731
+            gc = [med3(g, -F32_MAX if finite else float("-inf")) for g in gs]
+            uc = [med3(u, -limit) for u in us]
+        act = _pairs(gate_up, [uc, _pairs(mul, [gc, _sigmoids(gc, alpha)])])
+        if not (finite or nan_clamps):
             nan = [fx.Boolean(arith.cmpf(arith.CmpFPredicate.UNO, g.ir_value(), u.ir_value())) for g, u in zip(gs, us)]
             act = [n.select(fx.Float32(float("nan")), a) for n, a in zip(nan, act)]
         return act
