@@ -19,7 +19,10 @@ NaN and Inf propagate as in the reference's formulas, but for one gelu tail: whe
 1 + tanh(y) rounds to 0 (y below about -9, g below about -5) and u is infinite, the reference
 gives 0 * inf = NaN and the kernel, whose 2 sigmoid(2y) stays nonzero down to y of about -44,
 the infinity the exact formula gives. An x or a2 past one 32-bit buffer (2 GiB)
-runs as one launch per window of tokens (token_windows), as stage 2 does.
+runs as one launch per window of tokens (token_windows), as stage 2 does. x and a2 rows may
+start at any even byte (an odd row stride in elements): the 16-byte x loads and the 4- or 8-byte
+a2 stores are then unaligned, which ROCm's unaligned buffer access serves (as the quantize
+kernels' loads; not verified on hardware); a2 has no atomics, so it needs no 4-byte alignment.
 
 The kernel is kernels/_a16w4_main_loop.py's (build_moe_gemm2_a16w4 with stage=1), its epilogue
 kernels/_a16w4_stage1_epilogue.py's, its constants and helpers kernels/_a16w4_common.py.
