@@ -243,10 +243,13 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
            stage1_weights: bool = False) -> list[Plan]:
     """Compile (into FlyDSL's disk cache) the kernels a model will use, by running each op once
     on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
-    the weights padded as the shuffles require), with `activation` given the stage 1 before it
-    (with a bias when stage1_bias, the routing weight when stage1_weights), and the 1x32, 32x1 and
-    dual MXFP8 quantize of every (M, K) in `quantize_shapes`. Returns the plans that ran (per token
-    count the moe_sorting, stage 1 and stage 2 plans, then the quantize ones)."""
+    the weights padded as the shuffles require; no bias, bf16 out), with `activation` given the
+    stage 1 before it (default alpha / limit; with a bf16 bias when stage1_bias, the routing weight
+    when stage1_weights), and the 1x32, 32x1 and dual MXFP8 quantize of every (M, K) in
+    `quantize_shapes`. Returns the plans that ran (per token count the moe_sorting, stage 1 and
+    stage 2 plans, then the quantize ones). A stage kernel is compiled per bias dtype (or none),
+    out dtype and alpha / limit: a stage 2 with a bias (GPT-OSS's b2) or a stage 1 with an fp32
+    bias (flyquant.nn.MoEExperts keeps b1 in fp32) still compiles on its first call."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts
     model_dim, inter_dim, experts, topk = map(validate.integer, (model_dim, inter_dim, experts, topk))

@@ -275,7 +275,8 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     contract and outputs): on the kernel path one launch with no host synchronisation, where
     ids outside [0, num_experts) are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference
     always does). moe_buf: a tensor zeroed in the same launch (the stage-2 output, as aiter's
-    moe_sorting zeroes moe_buf)."""
+    moe_sorting zeroes moe_buf) when it is contiguous, a whole number of 4-byte words and below
+    2 GiB; any other by moe_buf.zero_() first (on a GPU, a launch of its own)."""
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
                           check_ids=env.flag("FLYQUANT_DEBUG"))
     _check_moe_buf(topk_ids, moe_buf)
