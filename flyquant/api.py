@@ -239,17 +239,21 @@ moe_stage2 = api_moe.moe_stage2
 
 
 def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1,), quantize_shapes=(),
-           scaling_mode: str = "rceil", device=None, activation: Optional[str] = None, stage1_bias: bool = False,
-           stage1_weights: bool = False) -> list[Plan]:
+           scaling_mode: str = "rceil", device=None, activation: Optional[str] = None, stage1_bias=False,
+           stage1_weights: bool = False, stage2_bias=False, alpha: float = 1.702, limit: float = 7.0,
+           out_dtype: torch.dtype = torch.bfloat16, ids_dtype: torch.dtype = torch.int32) -> list[Plan]:
     """Compile (into FlyDSL's disk cache) the kernels a model will use, by running each op once
-    on zeros: the MoE stage 2 for every token count in `tokens` (true model_dim / inter_dim;
-    the weights padded as the shuffles require; no bias, bf16 out), with `activation` given the
-    stage 1 before it (default alpha / limit; with a bf16 bias when stage1_bias, the routing weight
-    when stage1_weights), and the 1x32, 32x1 and dual MXFP8 quantize of every (M, K) in
-    `quantize_shapes`. Returns the plans that ran (per token count the moe_sorting, stage 1 and
-    stage 2 plans, then the quantize ones). A stage kernel is compiled per bias dtype (or none),
-    out dtype and alpha / limit: a stage 2 with a bias (GPT-OSS's b2) or a stage 1 with an fp32
-    bias (flyquant.nn.MoEExperts keeps b1 in fp32) still compiles on its first call."""
+    on zeros: for every token count in `tokens`, fq.fused_moe when `activation` is given (sorting,
+    stage 1, stage 2), else fq.moe_stage2 (sorting, stage 2), on weights of the true model_dim /
+    inter_dim padded as the shuffles require; then the 1x32, 32x1 and dual MXFP8 quantize of every
+    (M, K) in `quantize_shapes`. Returns the plans that ran (per token count the sorting, stage 1
+    and stage 2 plans, then the quantize ones).
+
+    A kernel is compiled per configuration, so pass the model's: stage1_bias / stage2_bias False
+    (no bias), True (bf16) or the bias dtype (flyquant.nn.MoEExperts keeps b1 in fp32; GPT-OSS has
+    both biases); stage1_weights: the routing weight applied at stage 1 (fused_moe's
+    apply_weights_at="stage1"); alpha / limit: swiglu_oai's; out_dtype: the layer's output dtype;
+    ids_dtype: topk_ids' dtype (torch.topk gives int64). MoEExperts.warmup passes its own."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts
     model_dim, inter_dim, experts, topk = map(validate.integer, (model_dim, inter_dim, experts, topk))
@@ -260,10 +264,17 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     validate.scaling_mode(scaling_mode)
     if activation is not None and activation not in reference_moe.MOE_ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {reference_moe.MOE_ACTIVATIONS}, got {activation!r}")
-    # "no" warmed the bias variant; without an activation no stage 1 runs, so they were ignored
-    stage1_options = validate.flag(stage1_bias, "stage1_bias"), validate.flag(stage1_weights, "stage1_weights")
-    if any(stage1_options) and activation is None:
+    b1_dtype, b2_dtype = _warmup_bias(stage1_bias, "stage1_bias"), _warmup_bias(stage2_bias, "stage2_bias")
+    # without an activation no stage 1 runs, so these would be ignored
+    if (b1_dtype is not None or validate.flag(stage1_weights, "stage1_weights")) and activation is None:
         raise ValueError("stage1_bias / stage1_weights choose the stage-1 kernel warmed up: pass its activation too")
+    validate.real_number(alpha, "alpha")
+    validate.real_number(limit, "limit")
+    reference_moe.check_swiglu_limit(activation, limit)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
     # `device or ...` took device=0 (torch's accelerator 0) for the default
     device = validate.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
@@ -272,28 +283,27 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     w2 = torch.zeros(experts, w_n, w_k // 2, dtype=torch.uint8, device=device)
     scales = torch.full((experts, w_n, w_k // 32), 127, dtype=torch.uint8, device=device)
     w2_scale = layouts.shuffle_scale_a16w4(scales.view(torch.float8_e8m0fnu), experts)
+    b2 = None if b2_dtype is None else torch.zeros(experts, w_n, dtype=b2_dtype, device=device)
     if activation is not None:  # stage 1: K = model_dim padded to 256, gate and up halves of w_k rows
         k1 = -(-model_dim // 256) * 256
         w1 = torch.zeros(experts, 2 * w_k, k1 // 2, dtype=torch.uint8, device=device)
         s1 = torch.full((experts, 2 * w_k, k1 // 32), 127, dtype=torch.uint8, device=device)
         w1_scale = layouts.shuffle_scale_a16w4(s1.view(torch.float8_e8m0fnu), experts, gate_up=True)
-        b1 = torch.zeros(experts, 2 * w_k, dtype=torch.bfloat16, device=device) if stage1_bias else None
+        b1 = None if b1_dtype is None else torch.zeros(experts, 2 * w_k, dtype=b1_dtype, device=device)
+        layer = dict(b1=b1, b2=b2, activation=activation, alpha=alpha, limit=limit, out_dtype=out_dtype,
+                     apply_weights_at="stage1" if stage1_weights else "stage2", model_dim=model_dim, inter_dim=inter_dim)
     for t in tokens:
-        ids = (torch.arange(t * topk, device=device, dtype=torch.int32) % experts).view(t, topk)
-        a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
-        block_m = select.moe_block_m(t, topk, experts, model_dim, inter_dim, device)
-        ones = torch.ones(t, topk, device=device)
-        plans.append(select.plan_moe_sorting(ids, ones, experts, block_m, None))
-        sorted_ = moe_sorting(ids, ones, experts, block_m)
+        ids = (torch.arange(t * topk, device=device) % experts).view(t, topk).to(ids_dtype)
+        weights = torch.ones(t, topk, device=device)
         if activation is not None:
             x = torch.zeros(t, model_dim, dtype=torch.bfloat16, device=device)
-            plans.append(select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, stage1_bias, activation,
-                                                     stage1_weights))
-            moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
-                            apply_weights=stage1_weights, out=a2, model_dim=model_dim, inter_dim=inter_dim)
-        plans.append(select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, torch.bfloat16, False))
-        moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, model_dim=model_dim,
-                        inter_dim=inter_dim)
+            plans += api_moe._explain_fused_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, **layer)
+            fused_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, **layer)
+        else:
+            a2 = torch.zeros(t * topk, inter_dim, dtype=torch.bfloat16, device=device)
+            stage2 = dict(bias=b2, out_dtype=out_dtype, model_dim=model_dim, inter_dim=inter_dim)
+            plans += api_moe._explain_stage2(a2, ids, weights, w2, w2_scale, **stage2)
+            moe_stage2(a2, ids, weights, w2, w2_scale, **stage2)
     for m, k in quantize_shapes:
         x = torch.zeros(m, k, dtype=torch.bfloat16, device=device)
         for axis in (1, 0):
@@ -302,6 +312,16 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         plans.append(select.plan_mxfp8_quantize_dual(x, scaling_mode))
         mxfp8_quantize_dual(x, scaling_mode)
     return plans
+
+
+def _warmup_bias(value, name: str):
+    """warmup's stage1_bias / stage2_bias as the bias dtype to warm up: None (False: no bias), bf16
+    (True) or the floating dtype given."""
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    if isinstance(value, bool):
+        return torch.bfloat16 if value else None
+    raise ValueError(f"{name} must be a bool or a floating torch.dtype (the bias dtype), got {value!r}")
 
 
 def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:

@@ -182,3 +182,17 @@ def isa_waits_checked():
 def reference_backend(monkeypatch):
     """Every op on the pure-PyTorch reference (FLYQUANT_BACKEND=reference)."""
     monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+
+
+@pytest.fixture
+def moe_launcher_configs(monkeypatch):
+    """The configurations the MoE kernels' launchers are asked for while the test runs (sorting,
+    stage 1, stage 2), in order: each distinct one is a kernel compiled (or loaded from the disk
+    cache) once, so warming up a call means its configurations are among the warm-up's."""
+    from flyquant.kernels import moe_gemm1_a16w4, moe_gemm2_a16w4, moe_sorting
+
+    seen = []
+    for module in (moe_gemm1_a16w4, moe_gemm2_a16w4, moe_sorting):
+        build = module._cached_launcher
+        monkeypatch.setattr(module, "_cached_launcher", lambda cfg, build=build: seen.append(cfg) or build(cfg))
+    return seen

@@ -146,6 +146,37 @@ def test_warmup_runs_the_kernels_a_model_uses():
     assert any(k.startswith("mxfp8_1x32") for k in kernels) and any(k.startswith("mxfp8_dual") for k in kernels)
 
 
+def test_warmup_compiles_the_kernels_of_the_call_it_is_told(moe_launcher_configs):
+    """A fused_moe call as GPT-OSS through flyquant.nn makes it (swiglu_oai with its own alpha and
+    limit, an fp32 stage-1 bias, a bf16 stage-2 bias, torch.topk's int64 ids, an fp32 out) asks
+    for no kernel configuration that warmup, told those, did not compile. Warmup used to take
+    only a bf16 stage-1 bias, ran stage 2 without one and routed int32 ids: the first call then
+    compiled all three kernels (the control below)."""
+    sizes = dict(model_dim=64, inter_dim=96, experts=3, topk=2)
+    layer = dict(activation="swiglu_oai", alpha=1.5, limit=6.0, out_dtype=torch.float32)
+    plans = fq.warmup(**sizes, tokens=(3,), stage1_bias=torch.float32, stage2_bias=True, ids_dtype=torch.int64, **layer)
+    assert [p.op for p in plans] == ["moe_sorting", "moe_gemm1_a16w4", "moe_gemm2_a16w4"]
+    warmed = set(moe_launcher_configs)
+    moe_launcher_configs.clear()
+    fq.warmup(**sizes, tokens=(3,), stage1_bias=True, **{k: v for k, v in layer.items() if k != "out_dtype"})
+    old_style = set(moe_launcher_configs)
+    moe_launcher_configs.clear()
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randint(0, 256, (3, 2 * 256, 256 // 2), dtype=torch.uint8, generator=g)
+    s1 = fq.shuffle_scale_a16w4(torch.full((3, 2 * 256, 256 // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu), 3,
+                                gate_up=True)
+    w2 = torch.randint(0, 256, (3, 64, 256 // 2), dtype=torch.uint8, generator=g)
+    s2 = fq.shuffle_scale_a16w4(torch.full((3, 64, 256 // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu), 3)
+    weights, ids = torch.topk(torch.randn(3, 3, generator=g).softmax(-1), 2)  # as transformers' routers: int64 ids
+    out = fq.fused_moe(torch.randn(3, 64, generator=g).bfloat16(), w1, s1, w2, s2, weights, ids,
+                       b1=torch.randn(3, 512, generator=g), b2=torch.randn(3, 64, generator=g).bfloat16(),
+                       model_dim=64, inter_dim=96, **layer)
+    called = set(moe_launcher_configs)
+    assert ids.dtype == torch.int64 and out.dtype == torch.float32 and len(called) == 3
+    assert called <= warmed
+    assert not called & old_style  # what warmup compiled before it took these options
+
+
 def test_device_0_is_torchs_device_0():
     # device=0 (torch.device(0): accelerator 0) went through `device or "cpu"`: moe_block_m gave the
     # CPU's block size and warmup compiled and ran for the CPU, with no error
@@ -224,10 +255,15 @@ def test_warmup_checks_sizes_and_modes_before_running_anything():
     with emu.record() as launches, pytest.raises(ValueError, match=r"topk = 3 must be at most min\(experts = 2, 127\)"):
         fq.warmup(**dict(sizes, topk=3), tokens=(1,))
     assert launches == []
-    for options, match in ((dict(activation="silu", stage1_bias="no"), "stage1_bias must be a bool, got 'no'"),
+    for options, match in ((dict(activation="silu", stage1_bias="no"), "stage1_bias must be a bool or a floating torch.dtype"),
+                           (dict(stage2_bias=torch.int32), "stage2_bias must be a bool or a floating torch.dtype"),
+                           (dict(activation="swiglu_oai", limit=-1.0), "limit must be >= 0 for swiglu_oai"),
+                           (dict(activation="silu", alpha="1.7"), "alpha must be a real number"),
+                           (dict(activation="silu", out_dtype=torch.float16), "out_dtype must be one of"),
+                           (dict(ids_dtype=torch.int16), "ids_dtype must be torch.int32 or torch.int64"),
                            (dict(activation="silu", stage1_weights=1), "stage1_weights must be a bool, got 1"),
                            (dict(stage1_bias=True), "stage1_bias / stage1_weights choose the stage-1 kernel")):
-        with emu.record() as launches, pytest.raises(ValueError, match=match):
+        with emu.record() as launches, pytest.raises((ValueError, TypeError), match=match):
             fq.warmup(**sizes, tokens=(1,), **options)
         assert launches == []
 

@@ -121,6 +121,30 @@ def test_from_dense_matches_the_exact_moe_on_the_reference(monkeypatch):
     check_layer(torch.bfloat16, activation="silu", biases=False, seed=1)
 
 
+def test_warmup_compiles_what_forward_runs(moe_launcher_configs):
+    """MoEExperts.warmup runs forward on zeros, so a forward afterwards (GPT-OSS's layer: fp32 b1,
+    biases, swiglu_oai with its alpha / limit, int64 ids from torch.topk) asks for no kernel
+    configuration the warm-up did not compile; fq.warmup's defaults (no stage-2 bias, a bf16
+    stage-1 one, int32 ids) would have left all three for the first call."""
+    p = dense_layer(EXPERTS, MODEL, INTER, TOKENS, TOPK, seed=3)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation="swiglu_oai", alpha=1.5, limit=6.0)
+    m.warmup(TOPK, tokens=(TOKENS,), dtype=torch.float32)
+    warmed = set(moe_launcher_configs)
+    moe_launcher_configs.clear()
+    weights, ids = torch.topk(torch.randn(TOKENS, EXPERTS).softmax(-1), TOPK)
+    m(p["x"], ids, weights)
+    called = set(moe_launcher_configs)
+    assert len(called) == 3 and called <= warmed
+    moe_launcher_configs.clear()
+    fq.warmup(model_dim=MODEL + 16, inter_dim=INTER, experts=EXPERTS, topk=TOPK, tokens=(TOKENS,),
+              activation="swiglu_oai", stage1_bias=True, alpha=1.5, limit=6.0)  # model_dim padded to 32, as forward
+    assert not called & set(moe_launcher_configs)
+    with pytest.raises(ValueError, match=r"topk must be an int in \[1, experts = 8\]"):
+        m.warmup(9)
+    with pytest.raises(TypeError, match="tokens must be a sequence of token counts"):
+        m.warmup(TOPK, tokens=4)
+
+
 def test_from_mxfp4_takes_the_codes_as_given(monkeypatch):
     """Packed FP4 + scales from the same quantization give the same buffers as from_dense, bit for bit."""
     inter = 64  # model 96 and inter 64: multiples of 32, packable unpadded

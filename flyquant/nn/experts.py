@@ -233,6 +233,21 @@ class MoEExperts(torch.nn.Module):
             out = out[:, :self.model_dim]
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
+    def warmup(self, topk: int, tokens=(1,), dtype: torch.dtype = torch.bfloat16,
+               ids_dtype: torch.dtype = torch.int64) -> None:
+        """Compile the kernels forward will run, ahead of serving: forward once per token count in
+        `tokens` on zeros, routed top-`topk` (hidden states of `dtype`, which picks the output's
+        accumulation; topk_ids of `ids_dtype`, torch.topk's int64 by default). A kernel is compiled
+        per configuration, and forward is the one place that knows this layer's (its padded sizes,
+        bias dtypes, activation, alpha and limit)."""
+        counts, _ = api._warmup_lists(tokens, ())  # checked as fq.warmup checks its token counts
+        if not (validate.is_int(topk) and 0 < topk <= self.num_experts):
+            raise ValueError(f"topk must be an int in [1, experts = {self.num_experts}], got {topk!r}")
+        device = self.w1.device
+        for t in counts:
+            ids = (torch.arange(t * topk, device=device) % self.num_experts).view(t, topk).to(ids_dtype)
+            self.forward(torch.zeros(t, self.model_dim, dtype=dtype, device=device), ids, torch.ones(t, topk, device=device))
+
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() / .bfloat16() convert every floating buffer, the E8M0 scales included (into
         # floats no forward takes; fp16 cannot even hold their range) and the fp32 gate/up bias: the buffers
