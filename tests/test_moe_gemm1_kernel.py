@@ -445,6 +445,9 @@ def test_config_choice_and_bad_inputs():
         run("gfx950", dict(p, inter_dim=40))
     with pytest.raises(ValueError, match="bias must have shape"):
         run("gfx950", dict(p, bias=torch.zeros(2, 32)))
+    for block_m in (0, -16):  # 0: a ZeroDivisionError; -16 (a multiple of tile_m 16) ran
+        with pytest.raises(ValueError, match="block_m must be a positive int"):
+            run("gfx950", dict(p, block_m=block_m))
 
 
 # ---- compile checks at GPT-OSS-like shapes ------------------------------------------------------
