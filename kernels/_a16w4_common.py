@@ -462,7 +462,10 @@ def check_inputs(a_name: str, a, w_name: str, w, s_name: str, w_scale, sorted_id
 
 
 def check_sorted_lengths(sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, block_m: int) -> int:
-    """The sorted arrays' lengths agree (moe_sorting's for block_m). Returns R = len(sorted_ids)."""
+    """block_m is a positive int and the sorted arrays' lengths agree (moe_sorting's for block_m).
+    Returns R = len(sorted_ids)."""
+    if not validate.is_int(block_m) or block_m <= 0:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
     rows = sorted_ids.shape[0]
     validate.shape(sorted_weights, "sorted_weights", (rows,))
     if sorted_expert_ids.shape[0] < -(-rows // block_m):

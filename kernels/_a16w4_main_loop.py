@@ -57,8 +57,10 @@ sorted arrays, m-slot s scans the sorted ids (64 tiles per wave step: ballot + p
 first step straight-line, a loop only past 64 tiles in use) for the s-th m-tile whose first row
 holds a pair (pairs come first in every block, so such a tile is exactly one with work).
 Otherwise m-slot s is m-tile s. Either way a workgroup without work (no such tile, a tile past
-num_valid_ids[0], or a tile of padding rows) exits after a few scalar instructions;
-num_valid_ids is read on the device (a negative count is 0 rows, one past R is R).
+num_valid_ids[0], or a tile of padding rows) exits before any weight or activation load: after a
+few scalar loads and compares (20 to 26 wave-instructions), plus its scan when compact (a vector
+load, ballots and popcounts per 64 tiles); num_valid_ids is read on the device (a negative count
+is 0 rows, a count past R is R).
 
 Untrusted routing values (defined behaviour, never a read outside a tensor): a block whose expert
 id is outside [0, E) is dropped (its workgroups exit before building a weight buffer); a row whose
@@ -87,13 +89,15 @@ OOB (2 GiB - 16, so that masked lanes read 0): larger ones are computed in token
 tokens outside the window skipped), so sizes have no limit but the 2^24 tokens of the sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
-32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32;
-block_m a multiple of tile_m; k_batch * wk <= ceil(inter_dim / 256); one expert's weights below
-1 GiB; at most 2^30 - 1 sorted rows; out 4-byte aligned (bf16 pairs) and disjoint from every
-input. Not detectable: weights that were not shuffled (shuffle_weight_a16w4) give wrong values. Weight bytes beyond the true
-inter_dim are never read as data (masked in the last K step); columns beyond model_dim are not
-loaded. gfx942's software unpack is exact for scale codes 2..252 (scales 2^-125 .. 2^125); codes
-0, 1, 253, 254 give wrong values for nonzero elements there (zeros stay zero).
+32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32
+(stage 1: 64, gate and up halves of 32-row scale groups); block_m a positive multiple of tile_m;
+k_batch * wk <= ceil(inter_dim / 256); one expert's weights below 1 GiB; at most 2^30 - 1 sorted
+rows; out 4-byte aligned (bf16 pairs; stage 1's a2 has no atomics: any even byte) and disjoint
+from every input. Not detectable: weights that were not shuffled (shuffle_weight_a16w4) give
+wrong values. Weight bytes beyond the true inter_dim are never read as data (masked in the last K
+step); columns beyond model_dim are not loaded. gfx942's software unpack is exact for scale codes
+2..252 (scales 2^-125 .. 2^125); codes 0, 1, 253, 254 give wrong values for some nonzero elements
+there (zeros stay zero).
 """
 
 from __future__ import annotations

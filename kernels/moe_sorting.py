@@ -37,8 +37,9 @@ ranks in lane order inside a round, so equal keys keep ascending p. Round 0's id
 and the mask flags are loaded before phase 1 and kept in registers (at decode, one round, the
 kernel makes one round of dependent global loads, not three).
 
-Optional moe_buf (the stage-2 output, any dtype, contiguous): zeroed by extra workgroups of the
-same launch (workgroup 0 sorts), as aiter's moe_sorting zeroes moe_buf.
+Optional moe_buf (the stage-2 output, any dtype, contiguous, a whole number of 4-byte words below
+2 GiB; checked by the launcher): zeroed by extra workgroups of the same launch (workgroup 0
+sorts), as aiter's moe_sorting zeroes moe_buf.
 
 Constraints (checked by the launcher): 1 <= E <= MAX_EXPERTS (served count in SERVED_BITS
 bits), P <= MAX_PAIRS per launch (used blocks <= P + E stay below 2^(32 - SERVED_BITS)),

@@ -66,7 +66,9 @@ group for every chunk not masked; the pipeline reloads the last step rather than
 with, on gfx950's wide tiles with row-major scales, the +16 of a 32-byte chunk whose checked
 start is inside. The group loop indexes offs below E; any offs values (unsorted, negative, past M)
 keep every access inside the tensors (rows are clamped to [0, M)); with offs that are not
-non-decreasing, output rows outside every group are not written.
+non-decreasing, rows at or past offs[E - 1] are still written as 0, but a workgroup's count of
+its groups (which assumes sorted ends) may miss a group holding some of its rows: those rows are
+not written.
 
 Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
 32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.

@@ -386,6 +386,56 @@ def test_sparse_epilogue_ranks_rows_across_row_blocks(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tokens", [5, 40], ids=["sparse", "dense"])
+def test_untrusted_routing_values_are_dropped(arch, tokens):
+    """As stage 2 (tests/test_moe_safety.py), on both epilogues: rows in use whose slot is not below
+    topk and blocks whose expert id is outside [0, E) write nothing (their a2 rows keep the
+    sentinel) and read nothing outside the tensors (strict memory); num_valid_ids[0] negative is no
+    rows, past R is R."""
+    p = make_problem(tokens, 2, 4, 256, 32, 32, 256, 16, seed=3)
+    ids, sw, eids, nvalid = p["sorting"]
+
+    def launch(sorting):
+        return run(arch, dict(p, sorting=sorting), out=torch.full((tokens * 2, 32), SENTINEL, dtype=torch.bfloat16))
+
+    def without(good, rows):  # the a2 rows of these sorted rows left as the sentinel
+        out = good.clone()
+        for r in rows:
+            token, slot = int(ids[r]) & 0xFFFFFF, int(ids[r]) >> 24
+            if token < tokens:
+                out[token * 2 + slot] = SENTINEL
+        return out
+
+    good = launch(p["sorting"])
+    bad = ids.clone()
+    bad[0] = (2 << 24) | (bad[0] & 0xFFFFFF)  # slot == topk
+    bad[1] = (bad[1] & 0xFFFFFF) | (0x7F << 24)
+    bad[2] = (bad[2] & 0xFFFFFF) | -(1 << 31)  # the slot's sign bit
+    assert torch.equal(launch((bad, sw, eids, nvalid)), without(good, [0, 1, 2]))
+    bad = eids.clone()
+    bad[0], bad[1] = 4, -3  # blocks 0 and 1: rows 0..31
+    assert torch.equal(launch((ids, sw, bad, nvalid)), without(good, range(32)))
+    assert (launch((ids, sw, eids, torch.tensor([-16, tokens], dtype=torch.int32))) == SENTINEL).all()
+    assert torch.equal(launch((ids, sw, eids, torch.tensor([2**31 - 1, tokens], dtype=torch.int32))), good)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_x_and_a2_rows_at_odd_element_offsets(arch):
+    """x and a2 at an odd row stride and an odd element offset (rows starting at any even byte,
+    STAGE1_DOC): the same bits as contiguous ones, nothing written between the rows."""
+    tokens, md = 5, 256
+    p = make_problem(tokens, 2, 4, md, 32, 32, 256, 16, seed=5)
+    want = run(arch, p, out=torch.full((tokens * 2, 32), SENTINEL, dtype=torch.bfloat16))
+    x = torch.full((tokens * (md + 1) + 1,), float("nan"), dtype=torch.bfloat16)[1:].as_strided((tokens, md), (md + 1, 1))
+    x.copy_(p["x"][:, :md])
+    a2 = torch.full((tokens * 2 * 33 + 1,), SENTINEL, dtype=torch.bfloat16)
+    out = a2[1:].as_strided((tokens * 2, 32), (33, 1))
+    got = run(arch, dict(p, x=x), out=out)
+    assert got is out and torch.equal(got, want)
+    assert a2[0] == SENTINEL and (a2[1:][32::33] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     """x and a2 of 33000 rows at a 128 KiB row stride (4.3 GB of address space each, only the routed
     rows touched): one launch per window of tokens, each with x's and a2's base at the window
@@ -445,6 +495,9 @@ def test_config_choice_and_bad_inputs():
         run("gfx950", dict(p, inter_dim=40))
     with pytest.raises(ValueError, match="bias must have shape"):
         run("gfx950", dict(p, bias=torch.zeros(2, 32)))
+    for block_m in (0, -16):  # 0: a ZeroDivisionError; -16 (a multiple of tile_m 16) ran
+        with pytest.raises(ValueError, match="block_m must be a positive int"):
+            run("gfx950", dict(p, block_m=block_m))
 
 
 # ---- compile checks at GPT-OSS-like shapes ------------------------------------------------------

@@ -357,6 +357,9 @@ def test_bad_inputs_are_named():
         K.moe_gemm2_a16w4(p["a2"].float(), *args[1:], arch="gfx950", topk=2, block_m=16)
     with pytest.raises(ValueError, match="block_m"):
         K.moe_gemm2_a16w4(*args, arch="gfx950", topk=2, block_m=24)
+    for block_m in (0, -16):  # -16 is a multiple of tile_m 16: it ran, reading block 0's expert for every tile
+        with pytest.raises(ValueError, match="block_m must be a positive int"):
+            K.moe_gemm2_a16w4(*args, arch="gfx950", topk=2, block_m=block_m)
     with pytest.raises(ValueError, match="inter_dim"):
         K.moe_gemm2_a16w4(*args, arch="gfx950", topk=2, block_m=16, inter_dim=250)
     with pytest.raises(ValueError, match="k_batch"):

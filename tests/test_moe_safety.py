@@ -320,6 +320,17 @@ def test_negative_valid_row_count_means_no_rows(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_valid_row_count_past_the_sorted_rows_means_all_rows(arch):
+    """num_valid_ids[0] past R (up to 2^31 - 1) is R on the device, nothing past R read."""
+    p = make_problem(5, 2, 4, 64, 256, 16, seed=7)
+    ids, sw, eids, _ = p["sorting"]
+    whole = (ids, sw, eids, torch.tensor([ids.numel(), 5], dtype=torch.int32))
+    for count in (ids.numel() + 16, 2**31 - 1):
+        got = run_strict(arch, p, sorting=(ids, sw, eids, torch.tensor([count, 5], dtype=torch.int32)))
+        check(dict(p, sorting=whole), got, torch.zeros_like(got), torch.float32, 1, True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_partial_block_count_drops_the_partial_tile(arch):
     """num_valid_ids[0] not a multiple of block_m (moe_sorting never gives one; the reference and
     FLYQUANT_DEBUG refuse it): the device counts whole tiles below it, so the result is that of the

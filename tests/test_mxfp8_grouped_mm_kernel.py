@@ -167,11 +167,13 @@ def test_unsigned_zero_operands(arch, scale_layout):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_untrusted_offsets_stay_inside_the_tensors(arch):
     """offs that are not non-decreasing, negative or past M: no access outside the tensors (the
-    strict-memory fixture fails the launch otherwise); groups that are valid are still right."""
+    strict-memory fixture fails the launch otherwise), rows at or past offs[E - 1] written as 0;
+    groups that are valid are still right."""
     m, n, k = 48, 32, 128
     a, a_scale, b, b_scale, _ = make_problem(m, n, k, [16, 16, 16])
     for bad in ([40, 10, 1000], [-5, 30, 20], [48, 2**31 - 1, -(2**31)]):
-        run(arch, a, a_scale, b, b_scale, torch.tensor(bad, dtype=torch.int32), None)
+        out = run(arch, a, a_scale, b, b_scale, torch.tensor(bad, dtype=torch.int32), None)
+        assert (out[max(bad[-1], 0):] == 0).all()  # rows at or past offs[E - 1]: still 0
     offs = torch.tensor([20, 20, 48], dtype=torch.int32)
     out = run(arch, a, a_scale, b, b_scale, offs, None, torch.float32)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
