@@ -17,7 +17,7 @@ import torch
 
 from . import api_moe, layouts, reference, reference_moe, select, validate
 from .formats import MX_BLOCK
-from .moe import MAX_TOPK
+from .moe import ID_DTYPES, MAX_TOPK
 from .select import Plan
 
 # ---------------------------------------------------------------------------------------------
@@ -271,9 +271,8 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     validate.real_number(alpha, "alpha")
     validate.real_number(limit, "limit")
     reference_moe.check_swiglu_limit(activation, limit)
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be one of (bfloat16, float32), got {out_dtype!r}")
-    if ids_dtype not in (torch.int32, torch.int64):
+    api_moe._check_out_dtype(out_dtype)
+    if ids_dtype not in ID_DTYPES:
         raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
     # `device or ...` took device=0 (torch's accelerator 0) for the default
     device = validate.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
