@@ -174,6 +174,23 @@ def test_quantize_bench_vs_peers_triton(tmp_path):
         "torchao has no Triton 3D (per-expert) cast", "aiter has no 3D (per-expert) MXFP8 cast"}
 
 
+def test_quantize_bench_inputs_follow_seed(tmp_path, monkeypatch):
+    """--seed reaches the quantize bench's inputs (it was parsed and ignored); seed 0 keeps the inputs
+    the README's figures were measured on (seeded by kind and shape alone)."""
+    import zlib
+
+    bench = load("quantize")
+    case = bench.Case("1x32", (64, 256), "rceil")
+    old = torch.randn((64, 256), generator=torch.Generator().manual_seed(zlib.crc32(b"1x32/(64, 256)"))) * 30
+    assert torch.equal(bench.make_input(case, (64, 256), "cpu"), old.to(torch.bfloat16))
+    assert not torch.equal(bench.make_input(case, (64, 256), "cpu", 1), old.to(torch.bfloat16))
+    seeds, make_input = [], bench.make_input
+    monkeypatch.setattr(bench, "make_input", lambda *a: seeds.append(a[3]) or make_input(*a))
+    bench.main("--mode modelled --arch gfx950 --shapes 64x256 --kinds 1x32 --modes rceil --seed 3 --out".split()
+               + [str(tmp_path)])
+    assert seeds == [3]
+
+
 def test_quantize_bench_mxfp4_rows(tmp_path):
     """The MXFP4 kinds on a 64x256 input (a4w4 needs M % 16 and K % 64; 3D a16w4 N % 32 and
     K % 256), mode even, both arches: each kernel runs bit-exact vs flyquant.reference, beside our
