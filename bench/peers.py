@@ -209,6 +209,16 @@ def compare(peer, case, x: torch.Tensor, arch: str, which: str, ours: dict) -> l
     return rows
 
 
+def annotate_best(row: dict, peer_rows: list[dict]) -> None:
+    """Adds to one of our quantize rows the peer run with the fewest wave-instructions per element
+    on its case and arch (`best_peer`) and ours over that peer's (`vs_best_peer`)."""
+    ran = [p for p in peer_rows if p["case"] == row["case"] and p["arch"] == row["arch"] and p["status"] == "ok"]
+    if ran:
+        best = min(ran, key=lambda p: p["instr_per_element"])
+        row["best_peer"] = f"{best['peer']} {best['config']}"
+        row["vs_best_peer"] = row["instr_per_element"] / best["instr_per_element"]
+
+
 PEER_COLUMNS = [
     ("case", "case"),
     ("arch", "arch"),

@@ -121,20 +121,15 @@ def fp8_partner(kind: str, shape: tuple, mode: str) -> tuple:
     return "1x32", (math.prod(shape[:-1]), shape[-1]), FP8_MODE[mode]
 
 
-def annotate(row: dict, fp8_row: dict | None, peer_rows: list[dict]) -> None:
-    """Adds to an MXFP4 row our MXFP8 1x32 figure on the same shape and the best peer's."""
+def annotate(row: dict, fp8_row: dict | None) -> None:
+    """Adds to an MXFP4 row our MXFP8 1x32 figure on the same shape (the best peer's: peers.annotate_best)."""
     if fp8_row and fp8_row.get("status") == "ok":
         row["fp8_1x32_instr_per_element"] = fp8_row["instr_per_element"]
         row["vs_fp8_1x32"] = row["instr_per_element"] / fp8_row["instr_per_element"]
-    ran = [p for p in peer_rows if p["case"] == row["case"] and p["arch"] == row["arch"] and p["status"] == "ok"]
-    if ran:
-        best = min(ran, key=lambda p: p["instr_per_element"])
-        row["best_peer"] = f"{best['peer']} {best['config']}"
-        row["vs_best_peer"] = row["instr_per_element"] / best["instr_per_element"]
 
 
 def target_misses(row: dict) -> list[str]:
-    """Issue 14's targets this MXFP4 row misses (annotate first)."""
+    """Issue 14's targets this MXFP4 row misses (annotate and peers.annotate_best first)."""
     misses = []
     if row.get("vs_fp8_1x32") is not None and row["vs_fp8_1x32"] > 1:
         misses.append(f"wave-instructions per element {row['vs_fp8_1x32']:.3f}x our MXFP8 1x32 "
