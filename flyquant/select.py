@@ -460,7 +460,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     if isinstance(target, Plan):
         return target
     from .kernels import moe_gemm1_a16w4 as k
-    from .kernels._a16w4_common import planned_name
+    from .kernels._a16w4_common import SPARSE_ROWS, planned_name
 
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
@@ -475,7 +475,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
                         apply_weights=bool(apply_weights), bias=has_bias, activation=activation, alpha=alpha, limit=limit)
     return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch),
                         "gate and up columns in one workgroup: the activation fused (exp2/rcp), no split K; a tile "
-                        "of at most 8 routed rows compacts them through LDS first", *_no_tokens(tokens))
+                        f"of at most {SPARSE_ROWS} routed rows compacts them through LDS first", *_no_tokens(tokens))
 
 
 def plan_moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask) -> Plan:
