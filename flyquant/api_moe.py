@@ -310,7 +310,8 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
     order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only,
     in order (local ids). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
-    weight). out: (T, model_dim), overwritten; None: a new out_dtype tensor. model_dim / inter_dim:
+    weight). out: (T, model_dim), overwritten (not contiguous: the layer is computed into a
+    contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim / inter_dim:
     the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] / 2).
     Routing ids outside [0, num_experts) are dropped on the kernel path (checked only with
     FLYQUANT_DEBUG=1; the reference path always refuses them). fq.moe_routing gives topk_weights
@@ -323,12 +324,16 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
                      expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
     if out is None:
         out = torch.empty(tokens, model_dim, dtype=out_dtype, device=x.device)
-    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=out)
+    # stage 2 adds into a buffer moe_sorting zeroes in its launch: a contiguous one. Any other out
+    # takes the sum by one copy (given to the ops, it would be zeroed, copied in and copied back)
+    buf = out if out.is_contiguous() else torch.empty(tokens, model_dim, dtype=out.dtype, device=x.device)
+    sorted_ = moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=expert_mask, moe_buf=buf)
     moe_gemm1_a16w4(x, w1, w1_scale, *sorted_, topk=topk, block_m=block_m, bias=b1, activation=activation,
                     alpha=alpha, limit=limit, apply_weights=apply_weights_at == "stage1", out=a2,
                     model_dim=model_dim, inter_dim=inter_dim)
-    return moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=out, bias=b2,
-                           apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+    moe_gemm2_a16w4(a2, w2, w2_scale, *sorted_, topk=topk, block_m=block_m, out=buf, bias=b2,
+                    apply_weights=apply_weights_at == "stage2", model_dim=model_dim, inter_dim=inter_dim)
+    return out if buf is out else out.copy_(buf)
 
 
 def _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,

@@ -222,6 +222,39 @@ def test_a_given_out_is_checked_before_it_is_zeroed(backend, monkeypatch):
     assert torch.equal(out, fq.fused_moe(p["x"], *args, b1=p["b1"], b2=p["b2"], out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("view", ("column slice", "transpose"))
+def test_a_non_contiguous_out_costs_one_copy(view, monkeypatch):
+    # the layer goes into a contiguous buffer the sorting launch zeroes, then one copy into out;
+    # out itself went through moe_buf.zero_(), stage 2's out.contiguous() and its copy back (three
+    # more launches on a GPU). The columns of a wider buffer past out's are left as they were.
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, None, True, seed=11)
+    want = run(p, "silu", out_dtype=torch.float32)
+    if view == "column slice":
+        wide = torch.full((3, MODEL_DIM + 32), 7.0)
+        out = wide[:, :MODEL_DIM]
+    else:
+        wide = torch.full((MODEL_DIM, 3), 7.0)
+        out = wide.t()
+    writes = []
+    for name in ("zero_", "copy_", "contiguous", "clone"):
+        method = getattr(torch.Tensor, name)
+
+        def logged(self, *args, method=method, name=name, **kw):
+            if self.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr():
+                writes.append(name)
+            return method(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, logged)
+    got = run(p, "silu", out=out)
+    monkeypatch.undo()
+    assert writes == ["copy_"], writes
+    assert got is out and torch.equal(out, want)
+    if view == "column slice":
+        assert bool((wide[:, MODEL_DIM:] == 7).all())
+
+
 def test_a_config_refused_when_planning_leaves_out_as_given(monkeypatch):
     # FLYQUANT_CONFIG tiles and waves that fit no wave split of stage 1 (gate/up pairs of 64
     # columns over 4 waves; stage 2 takes them) are an EnvError when stage 1 plans, which came
