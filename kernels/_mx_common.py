@@ -380,10 +380,13 @@ def f16_scale_tops(pair, mode: str, max_pow2: int, rceil_mant: int, even_mant_bi
     FP32 bits have their low 13 bits zero, so the FP32 carry acts as carry >> 13 on p, and FP32's
     exponent field is FP16's plus 112: w = ((p + carry') >> 3) + ((112 - max_pow2) << 7) holds the
     code in bits 14:7; bits 6:0 are mantissa, which the conversions ignore. Three packed 16-bit
-    instructions (two for floor)."""
+    instructions, two where the carry is a multiple of 8 (floor's 0, MXFP4 even's 256): then
+    (p + carry) >> 3 = (p >> 3) + carry / 8, folded into the last add."""
     carry = scale_carry(mode, rceil_mant, even_mant_bits) >> (F32_MANT_BITS - F16_MANT_BITS)
-    t = pk(arith.shrui, pk(arith.addi, pair, splat16(carry)) if carry else pair, splat16(3))
-    return pk(arith.addi, t, splat16((F16_TO_F32_BIAS - max_pow2) << BF16_MANT_BITS))
+    bias = (F16_TO_F32_BIAS - max_pow2) << BF16_MANT_BITS
+    if carry % 8 == 0:
+        return pk(arith.addi, pk(arith.shrui, pair, splat16(3)), splat16(bias + carry // 8))
+    return pk(arith.addi, pk(arith.shrui, pk(arith.addi, pair, splat16(carry)), splat16(3)), splat16(bias))
 
 
 def f16_unusual(pair):
