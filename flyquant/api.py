@@ -315,12 +315,15 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
 
 def _warmup_bias(value, name: str):
     """warmup's stage1_bias / stage2_bias as the bias dtype to warm up: None (False: no bias), bf16
-    (True) or the floating dtype given."""
-    if isinstance(value, torch.dtype) and value.is_floating_point:
+    (True) or the dtype given (bf16, fp16 or fp32, as the MoE ops take biases)."""
+    # the bias dtypes the MoE ops take: float64 passed here and was refused by the op, naming its `bias`
+    # (with tokens=() not at all)
+    if isinstance(value, torch.dtype) and value in validate.HIGH_PRECISION_DTYPES:
         return value
     if isinstance(value, bool):
         return torch.bfloat16 if value else None
-    raise ValueError(f"{name} must be a bool or a floating torch.dtype (the bias dtype), got {value!r}")
+    raise ValueError(f"{name} must be a bool or a floating torch.dtype (the bias dtype: bfloat16, float16 or float32), "
+                     f"got {value!r}")
 
 
 def _warmup_lists(tokens, quantize_shapes) -> tuple[tuple, tuple]:

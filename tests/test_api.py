@@ -268,6 +268,21 @@ def test_warmup_checks_sizes_and_modes_before_running_anything():
         assert launches == []
 
 
+def test_warmup_refuses_bias_dtypes_the_moe_ops_do_not_take():
+    # stage1_bias / stage2_bias took any floating dtype: float64 (or an FP8 dtype) passed and was refused
+    # by the first op that ran, naming its `bias` / `b1`, and with tokens=() not at all
+    import flyquant.emu as emu
+
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1)
+    for options in (dict(stage2_bias=torch.float64), dict(activation="silu", stage1_bias=torch.float64),
+                    dict(activation="silu", stage2_bias=torch.float8_e4m3fn)):
+        name = "stage1_bias" if "stage1_bias" in options else "stage2_bias"
+        for tokens in ((1,), ()):
+            with emu.record() as launches, pytest.raises(ValueError, match=rf"{name} must be a bool or a floating torch.dtype"):
+                fq.warmup(**sizes, tokens=tokens, **options)
+            assert launches == []
+
+
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
 def test_moe_stage2_two_launches_no_host_sync(arch, monkeypatch):
     # Issue 16 part 4: moe_stage2 = the sorting kernel (which zeroes the output) + the GEMM adding

@@ -145,6 +145,26 @@ def test_warmup_compiles_what_forward_runs(moe_launcher_configs):
         m.warmup(TOPK, tokens=4)
 
 
+def test_warmup_checks_its_arguments_before_running():
+    """MoEExperts.warmup's topk, dtype and ids_dtype, checked before forward runs, as fq.warmup checks
+    them: a numpy topk was refused as out of range, topk 128 of 200 experts passed (refused by
+    moe_sorting, naming topk_ids.shape[1]; with tokens=() not at all), and a dtype / ids_dtype that
+    forward does not take was refused naming forward's hidden_states / topk_ids."""
+    import numpy as np
+
+    u8 = torch.uint8
+    m = MoEExperts.from_mxfp4(torch.zeros(200, 64, 16, dtype=u8), torch.full((200, 64, 1), 127, dtype=u8),
+                              torch.zeros(200, 32, 16, dtype=u8), torch.full((200, 32, 1), 127, dtype=u8), activation="silu")
+    for tokens in ((1,), ()):
+        with pytest.raises(ValueError, match=r"topk must be an int in \[1, 127 \(experts = 200\)\], got 128"):
+            m.warmup(128, tokens=tokens)
+    m.warmup(np.int64(2), tokens=())  # an int (no token counts: nothing runs)
+    with pytest.raises(TypeError, match="ids_dtype must be torch.int32 or torch.int64"):
+        m.warmup(2, ids_dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype must be the hidden states' floating dtype"):
+        m.warmup(2, dtype=torch.int32)
+
+
 def test_from_mxfp4_takes_the_codes_as_given(monkeypatch):
     """Packed FP4 + scales from the same quantization give the same buffers as from_dense, bit for bit."""
     inter = 64  # model 96 and inter 64: multiples of 32, packable unpadded

@@ -21,6 +21,7 @@ import torch
 
 from .. import api, api_moe, layouts, reference_moe, validate
 from ..formats import MX_BLOCK
+from ..moe import ID_DTYPES, MAX_TOPK
 
 K_ALIGN = 256  # w1's K: shuffle_scale_a16w4 takes K / 32 in tiles of 8 columns
 P_ALIGN = 256  # the gate/up halves and w2's K (stage 2 reduces over P in the same 256-wide tiles)
@@ -241,8 +242,18 @@ class MoEExperts(torch.nn.Module):
         per configuration, and forward is the one place that knows this layer's (its padded sizes,
         bias dtypes, activation, alpha and limit)."""
         counts, _ = api._warmup_lists(tokens, ())  # checked as fq.warmup checks its token counts
-        if not (validate.is_int(topk) and 0 < topk <= self.num_experts):
-            raise ValueError(f"topk must be an int in [1, experts = {self.num_experts}], got {topk!r}")
+        # numpy integers as fq.warmup takes them (np.int64(2) was refused as out of range), and at most
+        # MAX_TOPK (128 of 200 experts passed and was refused by moe_sorting, naming topk_ids.shape[1])
+        n, most = validate.integer(topk), min(self.num_experts, MAX_TOPK)
+        if n is None or not 0 < n <= most:
+            bound = f"experts = {self.num_experts}" if most == self.num_experts else f"{MAX_TOPK} (experts = {self.num_experts})"
+            raise ValueError(f"topk must be an int in [1, {bound}], got {topk!r}")
+        topk = n
+        # named here (forward named its hidden_states / topk_ids)
+        if dtype not in FLOAT_WEIGHTS:
+            raise TypeError(f"dtype must be the hidden states' floating dtype, one of {FLOAT_WEIGHTS}, got {dtype!r}")
+        if ids_dtype not in ID_DTYPES:
+            raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
         device = self.w1.device
         for t in counts:
             ids = (torch.arange(t * topk, device=device) % self.num_experts).view(t, topk).to(ids_dtype)
