@@ -316,8 +316,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
 def _warmup_bias(value, name: str):
     """warmup's stage1_bias / stage2_bias as the bias dtype to warm up: None (False: no bias), bf16
     (True) or the dtype given (bf16, fp16 or fp32, as the MoE ops take biases)."""
-    # the bias dtypes the MoE ops take: float64 passed here and was refused by the op, naming its `bias`
-    # (with tokens=() not at all)
+    # the MoE ops' bias dtypes, checked here: with tokens=() no op runs to refuse another
     if isinstance(value, torch.dtype) and value in validate.HIGH_PRECISION_DTYPES:
         return value
     if isinstance(value, bool):

@@ -242,14 +242,13 @@ class MoEExperts(torch.nn.Module):
         per configuration, and forward is the one place that knows this layer's (its padded sizes,
         bias dtypes, activation, alpha and limit)."""
         counts, _ = api._warmup_lists(tokens, ())  # checked as fq.warmup checks its token counts
-        # numpy integers as fq.warmup takes them (np.int64(2) was refused as out of range), and at most
-        # MAX_TOPK (128 of 200 experts passed and was refused by moe_sorting, naming topk_ids.shape[1])
+        # as fq.warmup takes topk (numpy ints too), at most moe_sorting's MAX_TOPK
         n, most = validate.integer(topk), min(self.num_experts, MAX_TOPK)
         if n is None or not 0 < n <= most:
             bound = f"experts = {self.num_experts}" if most == self.num_experts else f"{MAX_TOPK} (experts = {self.num_experts})"
             raise ValueError(f"topk must be an int in [1, {bound}], got {topk!r}")
         topk = n
-        # named here (forward named its hidden_states / topk_ids)
+        # named as this method's arguments (forward would name its hidden_states / topk_ids)
         if dtype not in FLOAT_WEIGHTS:
             raise TypeError(f"dtype must be the hidden states' floating dtype, one of {FLOAT_WEIGHTS}, got {dtype!r}")
         if ids_dtype not in ID_DTYPES:
