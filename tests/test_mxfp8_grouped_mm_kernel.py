@@ -127,6 +127,26 @@ def test_special_codes(arch, scale_layout):
     check(out, ref, mag, k, torch.float32)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scale_products_at_the_edge_of_fp32(arch):
+    """Scale codes whose exponents sum to 127 (254 x 127): exact on both arches. Past it (254 x
+    130) the result 2^123 is finite; gfx950 gives it, gfx942's FP32 scale product is +inf and so
+    is its sum (the module docstring's limit)."""
+    m, n, k = 32, 16, 64
+    a = torch.full((m, k), 0x08, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 2^-6 each
+    b = torch.full((1, n, k), 0x08, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    offs = torch.tensor([m], dtype=torch.int32)
+    for ca, cb in ((254, 127), (1, 253), (254, 130)):
+        a_scale = torch.full((m, k // 32), ca, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        b_scale = torch.full((1, n, k // 32), cb, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        out = run(arch, a, a_scale, b, b_scale, offs, None, torch.float32)
+        exact = k * 2.0**-12 * 2.0 ** (ca + cb - 254)
+        if arch == "gfx942" and ca + cb - 254 > 127:
+            assert torch.isinf(out).all() and (out > 0).all()
+        else:
+            assert (out == exact).all(), (ca, cb, float(out[0, 0]), exact)
+
+
 def _unsigned_zero_operands(m, n, k, sizes, seed):
     """A forward problem quantized with signed_zeros=False (the reference's: no -0 byte), with
     many elements that round to zero from below and a NaN block in each operand."""
