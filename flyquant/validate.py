@@ -121,8 +121,8 @@ def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: st
     contiguous(x, name)
     axis = -1 if axis != 0 else 0
     if axis == 0 and (scale_layout_ is not None or shuffle is not None):
-        raise ValueError(f"scale_layout={scale_layout_!r} / shuffle={shuffle!r} are rowwise only (axis=-1); "
-                         "the columnwise quantize returns plain outputs")
+        given = ", ".join(f"{k}={v!r}" for k, v in (("scale_layout", scale_layout_), ("shuffle", shuffle)) if v is not None)
+        raise ValueError(f"{given}: rowwise only (axis=-1); the columnwise quantize returns plain outputs")
     if shuffle == "a4w4":
         m = math.prod(x.shape[:-1])
         if m % A4W4_ROW_MULTIPLE or x.shape[-1] % A4W4_K_MULTIPLE:

@@ -152,7 +152,7 @@ def test_a4w4_shuffle_is_aiters(arch):
     assert plan.kernel.endswith(f"_{arch}_a4w4_k64_padded_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
     for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
                        ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
-                       ((x, 0), "rowwise only")):
+                       ((x, 0), "^shuffle='a4w4': rowwise only")):
         with pytest.raises(ValueError, match=match):
             fq.mxfp4_quantize(*bad, shuffle="a4w4")
     with pytest.raises(ValueError, match="shuffle must be one of"):

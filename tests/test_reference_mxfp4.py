@@ -223,7 +223,7 @@ def test_dequantize_matches_aiters_decode():
     (lambda: R.mxfp4_quantize(torch.zeros(4, 64), shuffle="a16w4"), ValueError, "shuffle must be one of"),
     (lambda: R.mxfp4_quantize(torch.zeros(4, 64), shuffle="a4w4"), ValueError, r"M \(rows, leading dims flattened\) = 4"),
     (lambda: R.mxfp4_quantize(torch.zeros(16, 96), shuffle="a4w4"), ValueError, "K = 96 a multiple of 64"),
-    (lambda: R.mxfp4_quantize(torch.zeros(64, 64), 0, scale_layout="mfma"), ValueError, "rowwise only"),
+    (lambda: R.mxfp4_quantize(torch.zeros(64, 64), 0, scale_layout="mfma"), ValueError, "^scale_layout='mfma': rowwise only"),
     (lambda: R.quantize_mxfp4(torch.zeros(4, 64), "ceil"), ValueError, "scaling_mode must be one of"),
     (lambda: R.dequantize_mxfp4(torch.zeros(4, 32, dtype=U8), torch.zeros(4, 3, dtype=torch.float8_e8m0fnu)),
      ValueError, "scales must have shape"),
