@@ -54,10 +54,8 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
   FNUZ: rewritten to +0 in registers, three bit operations per dword) and NaN (0x7F/0xFF, +-240 in
   FNUZ: a wave-uniform check per step, and a rare branch that rewrites them to FNUZ's NaN). Each
   block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
-  FMAs); the final sum is multiplied by 4 (the two halvings). The scale product is an FP32 value:
-  where the two codes' exponents sum past 127 it is +inf, and the block's terms inf or NaN even
-  where they, and the result, are finite (gfx950's scaled MFMA has no such product); below
-  -149 it is 0. Quantized data has scales near 2^0; the tests pin both sides of the edge. The step's scales are converted
+  FMAs); the final sum is multiplied by 4 (the two halvings). sa * sb is FP32: codes whose
+  exponents sum past 127 make it inf (a finite result becomes inf or NaN; gfx950 has no product). The step's scales are converted
   to f32 once per workgroup into LDS ([row][block] for A: a lane reads its row's four at once;
   [block][column] for B: its four output columns at once).
 
