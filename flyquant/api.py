@@ -272,8 +272,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     validate.real_number(limit, "limit")
     reference_moe.check_swiglu_limit(activation, limit)
     api_moe._check_out_dtype(out_dtype)
-    if ids_dtype not in ID_DTYPES:
-        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
+    _check_ids_dtype(ids_dtype)
     # `device or ...` took device=0 (torch's accelerator 0) for the default
     device = validate.device(device if device is not None else ("cuda" if select.rocm_device_present() else "cpu"))
     plans = []
@@ -292,8 +291,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         layer = dict(b1=b1, b2=b2, activation=activation, alpha=alpha, limit=limit, out_dtype=out_dtype,
                      apply_weights_at="stage1" if stage1_weights else "stage2", model_dim=model_dim, inter_dim=inter_dim)
     for t in tokens:
-        ids = (torch.arange(t * topk, device=device) % experts).view(t, topk).to(ids_dtype)
-        weights = torch.ones(t, topk, device=device)
+        ids, weights = _warmup_routing(t, topk, experts, ids_dtype, device)
         if activation is not None:
             x = torch.zeros(t, model_dim, dtype=torch.bfloat16, device=device)
             plans += api_moe._explain_fused_moe(x, w1, w1_scale, w2, w2_scale, weights, ids, **layer)
@@ -311,6 +309,18 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
         plans.append(select.plan_mxfp8_quantize_dual(x, scaling_mode))
         mxfp8_quantize_dual(x, scaling_mode)
     return plans
+
+
+def _check_ids_dtype(ids_dtype) -> None:
+    """A warm-up's ids_dtype (fq.warmup, MoEExperts.warmup): one the routing ids may have."""
+    if ids_dtype not in ID_DTYPES:
+        raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
+
+
+def _warmup_routing(tokens: int, topk: int, experts: int, ids_dtype, device):
+    """A warm-up's routing: (topk_ids of ids_dtype cycling through the experts, unit weights)."""
+    ids = (torch.arange(tokens * topk, device=device) % experts).view(tokens, topk).to(ids_dtype)
+    return ids, torch.ones(tokens, topk, device=device)
 
 
 def _warmup_bias(value, name: str):

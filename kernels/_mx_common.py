@@ -385,8 +385,9 @@ def f16_scale_tops(pair, mode: str, max_pow2: int, rceil_mant: int, even_mant_bi
     carry = scale_carry(mode, rceil_mant, even_mant_bits) >> (F32_MANT_BITS - F16_MANT_BITS)
     bias = (F16_TO_F32_BIAS - max_pow2) << BF16_MANT_BITS
     if carry % 8 == 0:
-        return pk(arith.addi, pk(arith.shrui, pair, splat16(3)), splat16(bias + carry // 8))
-    return pk(arith.addi, pk(arith.shrui, pk(arith.addi, pair, splat16(carry)), splat16(3)), splat16(bias))
+        bias, carry = bias + carry // 8, 0
+    t = pk(arith.shrui, pk(arith.addi, pair, splat16(carry)) if carry else pair, splat16(3))
+    return pk(arith.addi, t, splat16(bias))
 
 
 def f16_unusual(pair):

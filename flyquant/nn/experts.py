@@ -21,7 +21,7 @@ import torch
 
 from .. import api, api_moe, layouts, reference_moe, validate
 from ..formats import MX_BLOCK
-from ..moe import ID_DTYPES, MAX_TOPK
+from ..moe import MAX_TOPK
 
 K_ALIGN = 256  # w1's K: shuffle_scale_a16w4 takes K / 32 in tiles of 8 columns
 P_ALIGN = 256  # the gate/up halves and w2's K (stage 2 reduces over P in the same 256-wide tiles)
@@ -251,12 +251,11 @@ class MoEExperts(torch.nn.Module):
         # named as this method's arguments (forward would name its hidden_states / topk_ids)
         if dtype not in FLOAT_WEIGHTS:
             raise TypeError(f"dtype must be the hidden states' floating dtype, one of {FLOAT_WEIGHTS}, got {dtype!r}")
-        if ids_dtype not in ID_DTYPES:
-            raise TypeError(f"ids_dtype must be torch.int32 or torch.int64 (topk_ids' dtype), got {ids_dtype!r}")
+        api._check_ids_dtype(ids_dtype)
         device = self.w1.device
         for t in counts:
-            ids = (torch.arange(t * topk, device=device) % self.num_experts).view(t, topk).to(ids_dtype)
-            self.forward(torch.zeros(t, self.model_dim, dtype=dtype, device=device), ids, torch.ones(t, topk, device=device))
+            ids, weights = api._warmup_routing(t, topk, self.num_experts, ids_dtype, device)
+            self.forward(torch.zeros(t, self.model_dim, dtype=dtype, device=device), ids, weights)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() / .bfloat16() convert every floating buffer, the E8M0 scales included (into
