@@ -26,8 +26,9 @@ wave's tiles in pairs, an odd last one alone): the lane's two blocks'
 amaxes end the reduce-scatter packed in one dword (_mx_common.halves_pair), so the scale rule
 (BF16: one v_pk_sub_u16, _mxfp4_common.scale_pair), the rare-path test and the gather of the
 conversion scales (top halves, one dword) are done once for both, and the packed codes are the
-code line's two bytes. A wave takes 8 tiles (512 blocks, as mxfp8_quantize_2d's 4 of 128), so its
-setup is spread as thinly.
+code line's two bytes (plain scales: such steps run only where both tiles lie inside x, so the
+second tile's 4 KiB is its loads' scalar offset, which the range check does not see). A wave
+takes 8 tiles (512 blocks, as mxfp8_quantize_2d's 4 of 128), so its setup is spread as thinly.
 K % 32 != 0 (tail): block g of the grid reads row g / nkb at (g % nkb) * 32 elements, so a load
 instruction still reads 1 KiB of x, contiguous but for the pieces wholly past a row's end (not
 read: offset out of range); a wave holding a partial piece masks its missing elements (a
@@ -53,7 +54,8 @@ steps take two tiles on gfx950 with 16-bit x (a16w4 and a4w4), one elsewhere (a4
 its (row, kb) per tile). A row tile is padded to whole waves of steps; one-tile steps run only
 its real tiles, and where K % 128 == 64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's
 last step drops the pairs past the row's end (loads and codes out of range, data stores past
-the wave's data buffer, which ends with the row tile's).
+the wave's data buffer, which ends with the row tile's); a two-tile last step whose second tile
+holds none of the row's blocks runs its first tile alone (nkb % 8 of 1 to 4).
 """
 
 from __future__ import annotations
@@ -180,13 +182,14 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         """x, or out of range (the access dropped) where the wave-uniform flag is false (None: always x)."""
         return x if flag is None else mx.select(flag, x, mx.OOB)
 
-    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0, keep=None):
+    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0, keep=None, inside=False):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
         x by sh.a16w4_source_row for gate_up; placed: tile_in, extra, and keep, a ragged step's
         wave-uniform flags of the tile's two pairs (a pair past the row's end is not read)); with the
-        elements present in each (tail, else None)."""
+        elements present in each (tail, else None); inside: the tile lies inside x (plain: du's bytes
+        then go in the scalar offset, which the range check does not see, instead of a VALU add)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
             col, piece = lane[1:3]
@@ -211,7 +214,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
-            return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block + i * LOAD_BYTES))) for i in range(loads)], None
+            so = du * in_block if inside else 0
+            return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block - so + i * LOAD_BYTES), soffset=so))
+                    for i in range(loads)], None
         if tile_in is None:
             row, kb = first
             if shuffle == "a16w4_gate_up":
@@ -229,7 +234,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block + extra), soffset=mul(row_bytes, r) if r else 0))
                 for p, d_kb, r in places], None
 
-    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True, placed=None):
+    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True, placed=None, inside=False):
         """Units t0 .. t0 + 64 n - 1 (t0 wave-uniform), as n tiles of 64 (two: 16-bit x on gfx950,
         pair_tiles): register k of lane (col, piece) is piece `piece` of unit t0 + lane unit +
         lined_units(k), so each load reads whole lines and each data store 256 (FP32: 128)
@@ -241,7 +246,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         offset from the grid's): the first tile's x byte offset, its code offset's tile part (out of
         range past the end) and, for a ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
         neither read nor its code stored, its data stores fall past the caller's buffer), for (row,
-        kb) and their arithmetic; the second tile 4 blocks on in the same row tile (constant offsets)."""
+        kb) and their arithmetic; the second tile 4 blocks on in the same row tile (constant offsets).
+        inside: every tile lies inside x (lined_loads)."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
@@ -252,7 +258,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             firsts = [tile_first(t, shape, first) if shuffle else None for t in t0s]
             tile_ins = keeps = [None] * n
         nb = sizes[0]
-        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0, kp)
+        loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0, kp,
+                              inside)
                   for j, (f, ti, kp) in enumerate(zip(firsts, tile_ins, keeps))]
         words = [w for w, _ in loaded]
         mx.wait_loads()
@@ -366,7 +373,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         def step(t):
             t0s = [mx.opaque_sgpr(t), mx.opaque_sgpr(add(t, WAVE))]
             if pair_tiles:
-                both = lined_tiles(t0s[0], 2, *args, store_code=False)
+                both = lined_tiles(t0s[0], 2, *args, store_code=False, inside=True)
             else:
                 codes = [lined_tiles(t, 1, *args, store_code=False) for t in t0s]
                 both = mx.perm(codes[1], codes[0], 0x0C040C00)  # the codes in bytes 0 and 2
@@ -445,7 +452,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 ends = mx.umin(nb, mul(add(row, 16), shape[0]))
                 bufs = (bufs[0], mx.buffer(q, zero, mul(mx.to_i64(ends), OUT_BLOCK_BYTES)), bufs[2])
 
-            def step(t, last=False):
+            def step(t, rest=None, n=nt):
                 t0 = mx.opaque_sgpr(t)  # addresses from it each step (LLVM's strength reduction gave more VALU)
                 d = sub(t0, t_first)  # a multiple of 64 nt
                 kb_d = lshr(d, 4)  # the step's first block, from the wave's
@@ -456,10 +463,9 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 else:  # "mfma", one tile: the 8-block column tile changes every other step
                     codes = mx.select(inside, mx.scale_offset(scale_layout, row, add(kb, kb_d), shape[5]), mx.OOB)
                 keeps = None
-                if last:  # the blocks from the step's first to the row's end: pair q (blocks 2q, 2q + 1) kept below
-                    rest = sub(shape[0], add(kb, kb_d))
-                    keeps = [[mx.cmp_ult(2 * q, rest) if q else None for q in (2 * j, 2 * j + 1)] for j in range(nt)]
-                lined_tiles(t0, nt, bufs, lanes, shape, sizes, n1_args,
+                if rest is not None:  # last step: blocks left to the row's end; pair q (2q, 2q + 1) kept below
+                    keeps = [[mx.cmp_ult(2 * q, rest) if q else None for q in (2 * j, 2 * j + 1)] for j in range(n)]
+                lined_tiles(t0, n, bufs, lanes, shape, sizes, n1_args,
                             placed=(add(x0, mul(d, in_block // 16)), codes, keeps))
 
             tiles = val(tiles_per_wave)
@@ -468,7 +474,12 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
                 mx.for_range(sub(end, nt * WAVE), step, t_first, nt * WAVE)
-                step(sub(end, nt * WAVE), last=True)
+                t_last = sub(end, nt * WAVE)
+                rest = sub(shape[0], add(kb, lshr(sub(t_last, t_first), 4)))
+                if nt == 2:  # a last step whose second tile holds none of the row's blocks runs its first alone
+                    mx.if_else(mx.cmp_ult(4, rest), lambda: step(t_last, rest), lambda: step(t_last, rest, 1))
+                else:
+                    step(t_last, rest)
             else:
                 mx.for_range(end, step, t_first, nt * WAVE)
         elif code_lines(arch, dtype, shuffle, scale_layout):

@@ -462,7 +462,9 @@ def test_compile_lined(arch, dtype):
     """The rowwise kernel with a block over lanes (K % 32 == 0): no scratch; per lane and tile
     (tile_copies of it) one 16-byte load per piece (4 or 8), a 4-byte (FP32: 2-byte) data store
     per piece; the codes one byte each or two tiles' in one 2-byte store (test_code_lines); the
-    block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP."""
+    block's amax and operand exchanged with gfx950's permlane swaps or gfx942's DPP; gfx950 16-bit:
+    the two-tile steps run only where both tiles lie inside x, so the second tile's 4 KiB is the
+    scalar offset of its loads (no VALU add for their address)."""
     r = _compile(arch, dtype, "floor", False)
     print(f"{r.name}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, spills {r.spills}")
     n = tile_copies(arch, dtype) * (8 if dtype == "fp32" else 4)
@@ -473,6 +475,8 @@ def test_compile_lined(arch, dtype):
     assert r.count("buffer_store_dwordx4") == 0
     assert (r.count("v_permlane32_swap_b32_e32") > 0) == (arch == "gfx950")
     assert (r.isa.count("quad_perm") == 1) == (arch == "gfx950")  # gfx950: DPP only for the code lines (distance 1)
+    pair_steps = arch == "gfx950" and dtype != "fp32"
+    assert len(re.findall(r"buffer_load_dwordx4 .*, s\d+ offen", r.isa)) == (4 if pair_steps else 0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -204,6 +204,23 @@ def test_a4w4_tile_orders(arch, dtype, mode):
             assert plan.config["tiles_per_wave"] == 8
 
 
+def test_a4w4_last_step_runs_only_real_tiles():
+    """gfx950 16-bit a4w4: a row tile's last two-tile step whose second tile holds none of the
+    row's blocks (nkb % 8 of 1 to 4) runs its first tile alone, so the conversions executed are
+    those of the real tiles, ceil(nkb / 4) a row tile (16 wave-instructions each), not of
+    2 ceil(nkb / 8). nkb 90 and 12: one tile fewer a row tile; nkb 14: the last step's second tile
+    holds 2 blocks and runs. 64 rows: the launch's waves are the row tiles' (3 a row tile at nkb 90,
+    in 3 workgroups of 4; 1 at nkb 12 and 14), none past the end."""
+    emu.enable("gfx950")
+    for m, k in ((64, 2880), (64, 384), (64, 448)):
+        x = random_rows(m, k, torch.bfloat16, seed=k)
+        with emu.record() as launches:
+            got = fq.mxfp4_quantize(x, shuffle="a4w4")
+        assert_same(got, reference.mxfp4_quantize(x, -1, "floor", None, "a4w4"), f"a4w4 {m}x{k}")
+        tiles = m // 16 * -(-k // 32 // 4)
+        assert launches[0].stats.by_opcode["v_cvt_scalef32_pk_fp4_bf16"] == 16 * tiles, (m, k)
+
+
 def test_long_waves_only_where_the_launch_stays_wide():
     """_mxfp4_shuffles.row_tiles lengthens a wave to the row tile's largest divisor from 32 down to
     9 only while the launch keeps 4 waves per CU (gfx950: 256 CUs, 1024 waves); otherwise waves of
