@@ -182,13 +182,13 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         """x, or out of range (the access dropped) where the wave-uniform flag is false (None: always x)."""
         return x if flag is None else mx.select(flag, x, mx.OOB)
 
-    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0, keep=None, inside=False):
+    def lined_loads(t0, du, rx, lane, shape, first, n1_args, sizes, tile_in=None, extra=0, keep=None, within_x=False):
         """The registers' 16-byte pieces (4, FP32 8) of the tile at unit t0 + du (du an int: a
         constant offset from t0's addresses) as dwords (shuffles: lined_units; `lane[0]`
         the lane's byte offset in a tile (shuffles: in a row tile pair), first: tile_first's, the row of
         x by sh.a16w4_source_row for gate_up; placed: tile_in, extra, and keep, a ragged step's
         wave-uniform flags of the tile's two pairs (a pair past the row's end is not read)); with the
-        elements present in each (tail, else None); inside: the tile lies inside x (plain: du's bytes
+        elements present in each (tail, else None); within_x: the tile lies inside x (plain: du's bytes
         then go in the scalar offset, which the range check does not see, instead of a VALU add)."""
         nkb, row_bytes, k, magic, shift, dims = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
@@ -214,7 +214,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             return groups, valids
         if not shuffle:
             v_in = add(lane[0], mul(t0, in_block))
-            so = du * in_block if inside else 0
+            so = du * in_block if within_x else 0
             return [mx.dwords_of(mx.load(rx, add(v_in, du * in_block - so + i * LOAD_BYTES), soffset=so))
                     for i in range(loads)], None
         if tile_in is None:
@@ -234,7 +234,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block + extra), soffset=mul(row_bytes, r) if r else 0))
                 for p, d_kb, r in places], None
 
-    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True, placed=None, inside=False):
+    def lined_tiles(t0, n, bufs, lane, shape, sizes, n1_args, first=None, store_code=True, placed=None, within_x=False):
         """Units t0 .. t0 + 64 n - 1 (t0 wave-uniform), as n tiles of 64 (two: 16-bit x on gfx950,
         pair_tiles): register k of lane (col, piece) is piece `piece` of unit t0 + lane unit +
         lined_units(k), so each load reads whole lines and each data store 256 (FP32: 128)
@@ -247,7 +247,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         range past the end) and, for a ragged step, per tile its two pairs' flags (kept: None, always; a pair past the row's end is
         neither read nor its code stored, its data stores fall past the caller's buffer), for (row,
         kb) and their arithmetic; the second tile 4 blocks on in the same row tile (constant offsets).
-        inside: every tile lies inside x (lined_loads)."""
+        within_x: every tile lies inside x (lined_loads)."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
         nkb, row_bytes, k, magic, shift, dims = shape
@@ -259,7 +259,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             tile_ins = keeps = [None] * n
         nb = sizes[0]
         loaded = [lined_loads(t0, WAVE * j, rx, lane[2:], shape, f, n1_args, sizes, ti, 4 * in_block * j if placed else 0, kp,
-                              inside)
+                              within_x)
                   for j, (f, ti, kp) in enumerate(zip(firsts, tile_ins, keeps))]
         words = [w for w, _ in loaded]
         mx.wait_loads()
@@ -373,7 +373,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         def step(t):
             t0s = [mx.opaque_sgpr(t), mx.opaque_sgpr(add(t, WAVE))]
             if pair_tiles:
-                both = lined_tiles(t0s[0], 2, *args, store_code=False, inside=True)
+                both = lined_tiles(t0s[0], 2, *args, store_code=False, within_x=True)
             else:
                 codes = [lined_tiles(t, 1, *args, store_code=False) for t in t0s]
                 both = mx.perm(codes[1], codes[0], 0x0C040C00)  # the codes in bytes 0 and 2
@@ -473,8 +473,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                 tiles = mx.umin(tiles, sub(sh.emit_row_tiles(shape[0], pair_tiles, ragged, padded)[0], lshr(kb, 2)))
             end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
-                mx.for_range(sub(end, nt * WAVE), step, t_first, nt * WAVE)
                 t_last = sub(end, nt * WAVE)
+                mx.for_range(t_last, step, t_first, nt * WAVE)
                 rest = sub(shape[0], add(kb, lshr(sub(t_last, t_first), 4)))
                 if nt == 2:  # a last step whose second tile holds none of the row's blocks runs its first alone
                     mx.if_else(mx.cmp_ult(4, rest), lambda: step(t_last, rest), lambda: step(t_last, rest, 1))
