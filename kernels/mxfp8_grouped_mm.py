@@ -97,6 +97,7 @@ from . import _mx_common as mx
 from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _scalar_load, _zext
 from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_operands, _pair
 
+LAG = 2
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
 
 
@@ -365,7 +366,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
 
             return sa, sb
 
-        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, valid=K_STEP // BLOCK):
+        def fp8_step(s, accs, o, b_rsrc, bs_rsrc, lo, hi, valid=K_STEP // BLOCK, fenced=True):
             """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
             block pair from 0, added to the accumulator times sa * sb (packed math). `valid`: the
             step's blocks below it are read; a compile-time count loads only those, a run-time one
@@ -374,13 +375,14 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             ao, bo = o
             sd = _uniform(s * K_STEP + D_BASE)
             # wgrad: block j through the scalar offset (with its run-time pitch LLVM would keep base + 32 j
-            # in a VGPR per row block and block instead of the instruction's immediate)
-            sdj = [_uniform(sd + j * BLOCK) if const_expr(WGRAD) else sd for j in range_constexpr(blocks)]
-
-            def at(base, j):
-                o = base if const_expr(WGRAD) else base + j * BLOCK
-                return o if isinstance(valid, int) else (fx.Int32(j) < valid).select(o, fx.Int32(OOB))
-
+            # in a VGPR per row block and block instead of the instruction's immediate). A block at or
+            # past a run-time `valid` (the weight gradient's last step) re-reads block 0, inside the
+            # group, and fp8_scales masks both its scales (code 0, 2^-127: their product, 2^-254, is 0
+            # in FP32); masking its loads per lane instead held ~30 more VGPRs
+            sdj = [_uniform(sd + j * BLOCK if isinstance(valid, int) or j == 0 else
+                            (fx.Int32(j) < valid).select(sd + j * BLOCK, sd)) if const_expr(WGRAD) else sd
+                   for j in range_constexpr(blocks)]
+            at = (lambda base, j: base) if const_expr(WGRAD) else (lambda base, j: base + j * BLOCK)  # noqa: E731
             av = [[_load(a_rsrc, at(ao[mb], j), sdj[j], 2) for j in range_constexpr(blocks)] for mb in range_constexpr(MB)]
             bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, valid)
@@ -390,23 +392,30 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
             b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
             accs = list(accs)
-            for j in range_constexpr(blocks):
-                # all of the block's MFMAs first: their results are read a block's worth of MFMAs later
-                parts = [Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[i % NB][j], a_ops[i // NB][j], zero4]))
-                         for i in range_constexpr(MB * NB)]
-                sbj = [sb(nb, j) for nb in range_constexpr(NB)]
-                for mb in range_constexpr(MB):
-                    sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
-                    for nb in range_constexpr(NB):
-                        i = mb * NB + nb
-                        acc = Vec(accs[i])
-                        halves = [fx.math.fma(_pair(parts[i], h), _pair(sbj[nb], h) * sa2, _pair(acc, h)) for h in range_constexpr(2)]
-                        accs[i] = _cat(*halves, ty=fx.Float32)
-                if const_expr(blocks == 2 and j == 0):
-                    # a two-block partial step (K % 128 == 64: GPT-OSS's 2880): LLVM otherwise issues both
-                    # blocks' MFMAs before scaling either, 264-268 VGPRs on the 128x128 +0 tile (one
-                    # workgroup per CU; with this, 252-256 and two); one or three blocks: no gain found
-                    rocdl.sched_barrier(0)
+            # (block, column block, row block) in issue order; each MFMA's result is scaled and added LAG
+            # MFMAs later (read sooner, it costs hazard s_nops), a column block's scales read as its first
+            # MFMA issues (a column block at a time: fewer live VGPRs than a block's at once)
+            order = [(j, nb, mb) for j in range_constexpr(blocks) for nb in range_constexpr(NB) for mb in range_constexpr(MB)]
+            parts, sbs = {}, {}
+
+            def scale_add(j, nb, mb):
+                sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
+                p, acc = parts.pop((j, nb, mb)), Vec(accs[mb * NB + nb])
+                prods = [_pair(sbs[j, nb], h) * sa2 for h in range_constexpr(2)]  # both before their use: no s_nop
+                halves = [fx.math.fma(_pair(p, h), prods[h], _pair(acc, h)) for h in range_constexpr(2)]
+                accs[mb * NB + nb] = _cat(*halves, ty=fx.Float32)
+
+            for t in range_constexpr(len(order)):
+                j, nb, mb = order[t]
+                if const_expr(mb == 0):
+                    sbs[j, nb] = sb(nb, j)
+                parts[j, nb, mb] = Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[nb][j], a_ops[mb][j], zero4]))
+                if const_expr(t >= LAG):
+                    scale_add(*order[t - LAG])
+                if const_expr(fenced):
+                    rocdl.sched_barrier(0)  # the order above, not LLVM's: it hoists the MFMAs
+            for t in range_constexpr(max(0, len(order) - LAG), len(order)):
+                scale_add(*order[t])
             return accs
 
         def scaled_pipeline(o, b_rsrc, bs_rsrc, steps):
@@ -498,13 +507,22 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                     rocdl.s_waitcnt(vmcnt=0)
                     # the parity: the "mfma" scales' byte select (forward only: a compile-time count)
                     accs = scaled_compute(accs, last[:MB + NB], last[MB + NB:], steps % 2 if const_expr(SCALE_MFMA) else 0)
+            elif const_expr(WGRAD and not SIGNED_ZEROS):
+                # one loop over every step, its blocks past the group masked. Registers (N 2048, K 5120):
+                # 216 VGPRs this way, 272 with a separate last step; with the -0 rewrite (below) 260 and 253
+                o = fp8_offsets(a_row, b_row)
+                chunks = steps * (K_STEP // BLOCK) + tail
+                for s, state in range(0, (chunks + 3).shrui(fx.Int32(2)), 1, init=accs):
+                    s = fx.Int32(s)
+                    res = yield fp8_step(s, list(state), o, b_rsrc, bs_rsrc, lo, hi, fx.min(chunks - s * 4, fx.Int32(4)))
+                accs = list(res)
             else:
                 o = fp8_offsets(a_row, b_row)
                 for s, state in range(0, steps, 1, init=accs):
                     res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi)
                 accs = list(res)
-                if tail > 0:
-                    accs = fp8_step(fx.Int32(steps), accs, o, b_rsrc, bs_rsrc, lo, hi, tail)
+                if tail > 0:  # unfenced: there LLVM hoists the MFMAs across the fences and spills
+                    accs = fp8_step(fx.Int32(steps), accs, o, b_rsrc, bs_rsrc, lo, hi, tail, fenced=False)
             return accs
 
         if const_expr(WGRAD):
