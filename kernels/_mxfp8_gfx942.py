@@ -1,9 +1,11 @@
 """gfx942 pieces of the MXFP8 grouped GEMM (kernels/mxfp8_grouped_mm.py), which has no MX MFMA:
-E8M0 scales as f32, OCP E4M3 dwords made FNUZ-safe for the FP8 MFMA, packed-math operands."""
+E8M0 scales as f32, OCP E4M3 dwords made FNUZ-safe for the FP8 MFMA, a step's FP8 MFMAs and their
+scaled sums; and the vector joins both arches use."""
 
 from __future__ import annotations
 
 import flydsl.expr as fx
+from flydsl.expr import const_expr, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
@@ -55,3 +57,46 @@ def _pair(v, h):
     """Elements 2h, 2h + 1 of a 4-vector of f32 (a packed-math operand)."""
     v = v if isinstance(v, list) else Vec(v)
     return Vec.from_elements([v[2 * h], v[2 * h + 1]], fx.Float32)
+
+
+def _cat(x, y, ty=fx.Int32):
+    """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
+    x, y = Vec(x), Vec(y)
+    return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
+
+
+LAG = 2  # MFMAs issued between one and the VALU reading its result: fewer, and hazard s_nops wait
+
+
+def scaled_sums(accs, a_ops, b_ops, sa, sb, blocks: int, fenced: bool):
+    """accs[mb * NB + nb] (4 f32) plus, for each 32-wide block j < blocks of the step, row block
+    mb's times column block nb's FP8 operands (one v_mfma_f32_16x16x32_fp8_fp8 from 0) times
+    sa[mb][j] * sb(nb, j) (packed FP32). Issue order: block, column block, row block; each MFMA's
+    result is scaled and added LAG MFMAs later, a column block's scales read (sb) as its first
+    MFMA issues. `fenced`: the order kept with scheduling barriers (LLVM's own issues every MFMA
+    of a block first and reads the first result too soon)."""
+    MB, NB = len(a_ops), len(b_ops)
+    zero4 = Vec.filled(4, 0.0, fx.Float32).ir_value()
+    accs = list(accs)
+    order = [(j, nb, mb) for j in range_constexpr(blocks) for nb in range_constexpr(NB) for mb in range_constexpr(MB)]
+    parts, sbs = {}, {}
+
+    def scale_add(j, nb, mb):
+        sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
+        p, acc = parts.pop((j, nb, mb)), Vec(accs[mb * NB + nb])
+        prods = [_pair(sbs[j, nb], h) * sa2 for h in range_constexpr(2)]  # both before their FMAs: no s_nop
+        halves = [fx.math.fma(_pair(p, h), prods[h], _pair(acc, h)) for h in range_constexpr(2)]
+        accs[mb * NB + nb] = _cat(*halves, ty=fx.Float32)
+
+    for t in range_constexpr(len(order)):
+        j, nb, mb = order[t]
+        if const_expr(mb == 0):
+            sbs[j, nb] = sb(nb, j)
+        parts[j, nb, mb] = Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[nb][j], a_ops[mb][j], zero4]))
+        if const_expr(t >= LAG):
+            scale_add(*order[t - LAG])
+        if const_expr(fenced):
+            rocdl.sched_barrier(0)
+    for t in range_constexpr(max(0, len(order) - LAG), len(order)):
+        scale_add(*order[t])
+    return accs

@@ -61,11 +61,12 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
 
 Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
-every buffer's end (loads read 0, stores are dropped); only the K step sits in the unchecked scalar
-offset and it stays below K (wgrad: the step's first row of M, the gfx942 block's too, inside the
-group for every chunk not masked; the pipeline reloads the last step rather than read past it),
-with, on gfx950's wide tiles with row-major scales, the +16 of a 32-byte chunk whose checked
-start is inside. The group loop indexes offs below E; any offs values (unsorted, negative, past M)
+every buffer's end (loads read 0, stores are dropped; gfx942's weight gradient re-reads its step's
+first chunk for a chunk past the group, with both of that chunk's scales masked); only the K step
+sits in the unchecked scalar offset and it stays below K (wgrad: the step's first row of M, the
+gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather
+than read past it), with, on gfx950's wide tiles with row-major scales, the +16 of a 32-byte
+chunk whose checked start is inside. The group loop indexes offs below E; any offs values (unsorted, negative, past M)
 keep every access inside the tensors (rows are clamped to [0, M)); with offs that are not
 non-decreasing, rows at or past offs[E - 1] are still written as 0, but a workgroup's count of
 its groups (which assumes sorted ends) may miss a group holding some of its rows: those rows are
@@ -95,9 +96,8 @@ from flyquant.formats import MX_BLOCK as BLOCK
 
 from . import _mx_common as mx
 from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _scalar_load, _zext
-from ._mxfp8_gfx942 import _e8m0_f32, _fnuz_operands, _pair
+from ._mxfp8_gfx942 import _cat, _e8m0_f32, _fnuz_operands, scaled_sums
 
-LAG = 2
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
 
 
@@ -370,7 +370,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             """gfx942: per 32-wide block j of 128-wide step s, one v_mfma_f32_16x16x32_fp8_fp8 per
             block pair from 0, added to the accumulator times sa * sb (packed math). `valid`: the
             step's blocks below it are read; a compile-time count loads only those, a run-time one
-            (the weight gradient's last step) all four, the others masked."""
+            (the weight gradient's) all four, those at or past it as below. `fenced`: scaled_sums'."""
             blocks = valid if isinstance(valid, int) else K_STEP // BLOCK
             ao, bo = o
             sd = _uniform(s * K_STEP + D_BASE)
@@ -391,32 +391,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
             a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
             b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
-            accs = list(accs)
-            # (block, column block, row block) in issue order; each MFMA's result is scaled and added LAG
-            # MFMAs later (read sooner, it costs hazard s_nops), a column block's scales read as its first
-            # MFMA issues (a column block at a time: fewer live VGPRs than a block's at once)
-            order = [(j, nb, mb) for j in range_constexpr(blocks) for nb in range_constexpr(NB) for mb in range_constexpr(MB)]
-            parts, sbs = {}, {}
-
-            def scale_add(j, nb, mb):
-                sa2 = Vec.from_elements([sa[mb][j], sa[mb][j]], fx.Float32)
-                p, acc = parts.pop((j, nb, mb)), Vec(accs[mb * NB + nb])
-                prods = [_pair(sbs[j, nb], h) * sa2 for h in range_constexpr(2)]  # both before their use: no s_nop
-                halves = [fx.math.fma(_pair(p, h), prods[h], _pair(acc, h)) for h in range_constexpr(2)]
-                accs[mb * NB + nb] = _cat(*halves, ty=fx.Float32)
-
-            for t in range_constexpr(len(order)):
-                j, nb, mb = order[t]
-                if const_expr(mb == 0):
-                    sbs[j, nb] = sb(nb, j)
-                parts[j, nb, mb] = Vec(rocdl.mfma_f32_16x16x32_fp8_fp8(T.vec(4, T.f32), [b_ops[nb][j], a_ops[mb][j], zero4]))
-                if const_expr(t >= LAG):
-                    scale_add(*order[t - LAG])
-                if const_expr(fenced):
-                    rocdl.sched_barrier(0)  # the order above, not LLVM's: it hoists the MFMAs
-            for t in range_constexpr(max(0, len(order) - LAG), len(order)):
-                scale_add(*order[t])
-            return accs
+            return scaled_sums(accs, a_ops, b_ops, sa, sb, blocks, fenced)
 
         def scaled_pipeline(o, b_rsrc, bs_rsrc, steps):
             """gfx950: the sums of full steps [0, steps), steps >= 1: compile-time (the forward's K)
@@ -521,7 +496,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 for s, state in range(0, steps, 1, init=accs):
                     res = yield fp8_step(fx.Int32(s), list(state), o, b_rsrc, bs_rsrc, lo, hi)
                 accs = list(res)
-                if tail > 0:  # unfenced: there LLVM hoists the MFMAs across the fences and spills
+                if tail > 0:  # unfenced: here LLVM moved the MFMAs across the fences (wgrad: 358 VGPRs, 253 not)
                     accs = fp8_step(fx.Int32(steps), accs, o, b_rsrc, bs_rsrc, lo, hi, tail, fenced=False)
             return accs
 
@@ -560,12 +535,6 @@ def _uniform(x):
     """x (wave-uniform) in an SGPR: a buffer's scalar offset must be one (LLVM would otherwise loop
     over the lanes' values, a waterfall per load)."""
     return fx.Int32(rocdl.readfirstlane(T.i32, fx.Int32(x).ir_value()))
-
-
-def _cat(x, y, ty=fx.Int32):
-    """Two vectors -> one (a 32-byte MFMA operand from two 16-byte loads; 2 + 2 f32 halves)."""
-    x, y = Vec(x), Vec(y)
-    return Vec.from_elements([x[i] for i in range(len(x))] + [y[i] for i in range(len(y))], ty).ir_value()
 
 
 @functools.lru_cache(maxsize=None)
