@@ -66,11 +66,11 @@ first chunk for a chunk past the group, with both of that chunk's scales masked)
 sits in the unchecked scalar offset and it stays below K (wgrad: the step's first row of M, the
 gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather
 than read past it), with, on gfx950's wide tiles with row-major scales, the +16 of a 32-byte
-chunk whose checked start is inside. The group loop indexes offs below E; any offs values (unsorted, negative, past M)
-keep every access inside the tensors (rows are clamped to [0, M)); with offs that are not
-non-decreasing, rows at or past offs[E - 1] are still written as 0, but a workgroup's count of
-its groups (which assumes sorted ends) may miss a group holding some of its rows: those rows are
-not written.
+chunk whose checked start is inside. The group loop indexes offs below E; any offs values
+(unsorted, negative, past M) keep every access inside the tensors (rows are clamped to [0, M));
+with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as 0, but a
+workgroup's count of its groups (which assumes sorted ends) may miss a group holding some of its
+rows: those rows are not written.
 
 Constraints (the selector sends other shapes to the reference, with the reason): K a multiple of
 32, N a multiple of 16, every tensor (each expert's weights) below 2 GiB, on gfx942 K <= 43648.
@@ -378,7 +378,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             # in a VGPR per row block and block instead of the instruction's immediate). A block at or
             # past a run-time `valid` (the weight gradient's last step) re-reads block 0, inside the
             # group, and fp8_scales masks both its scales (code 0, 2^-127: their product, 2^-254, is 0
-            # in FP32); masking its loads per lane instead held ~30 more VGPRs
+            # in FP32); masking its loads per lane instead held 14 more VGPRs (+0 operands, K 5120)
             sdj = [_uniform(sd + j * BLOCK if isinstance(valid, int) or j == 0 else
                             (fx.Int32(j) < valid).select(sd + j * BLOCK, sd)) if const_expr(WGRAD) else sd
                    for j in range_constexpr(blocks)]
