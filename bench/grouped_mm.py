@@ -155,9 +155,9 @@ def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: s
     return tuple(emu.aligned(t) for t in (a, a_scale, b, b_scale, offs.to(device)))
 
 
-def tiles(shape: Shape, arch: str, args) -> tuple[int, int]:
+def tiles(shape: Shape, arch: str, layout: str, args) -> tuple[int, int]:
     """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm."""
-    tm, tn = select_grouped_mm.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts)[0]
+    tm, tn = select_grouped_mm.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts, LAYOUTS[layout])[0]
     return args.tile_m or tm, args.tile_n or tn
 
 
@@ -447,7 +447,7 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
     for layout in layouts_:
         inputs = plain if layout == "plain" else make_inputs(shape.m, shape.n, shape.k, shape.experts, shape.ends(),
                                                              layout, args.seed, "cuda")
-        tm, tn = tiles(shape, arch, args)
+        tm, tn = tiles(shape, arch, layout, args)
         candidates.append((f"flyquant kernel ({layout}, {tm}x{tn})",
                            lambda i=inputs, lay=layout, tm=tm, tn=tn: launch(i, arch, lay, tm, tn)))
     plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
@@ -575,7 +575,7 @@ def main(argv=None) -> dict:
                 continue
             for layout in args.layouts:
                 try:
-                    row = model_shape(shape, arch, layout, *tiles(shape, arch, args), args.seed)
+                    row = model_shape(shape, arch, layout, *tiles(shape, arch, layout, args), args.seed)
                     row["target_misses"] = target_misses(row)
                     row["verdict"] = "missed" if row["target_misses"] else "met"
                 except Exception as exc:  # a failed compile or launch: reported, the other shapes go on

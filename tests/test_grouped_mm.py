@@ -255,8 +255,10 @@ def test_plans_and_explain(capsys):
 @pytest.mark.parametrize("arch, m, n, experts, tiles", [
     ("gfx950", 16640, 2048, 8, (128, 256)),  # torchao's grid: 130 x 8 workgroups (either scale layout)
     ("gfx942", 16640, 2048, 8, (128, 128)),
-    ("gfx950", 16640, 2880, 8, (128, 192)),  # GPT-OSS: 256 would mask 192 columns
-    ("gfx950", 16640, 2080, 8, (128, 128)),  # neither 256 nor 192 divides N
+    ("gfx950", 16640, 2880, 8, (128, 320)),  # GPT-OSS: 256 would mask 192 columns
+    ("gfx950", 16640, 2880, 1, (128, 192)),  # one expert, row-major scales: not 320 (the selector's docstring)
+    ("gfx950", 16640, 2880, 2, (128, 320)),
+    ("gfx950", 16640, 2080, 8, (128, 128)),  # none of 256, 320 and 192 divides N
     ("gfx950", 2048, 2048, 8, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
     ("gfx950", 16640, 2048, 256, (64, 128)),  # 65 rows per group
 ])
@@ -264,11 +266,18 @@ def test_forward_tiles(arch, m, n, experts, tiles):
     assert select_grouped_mm.grouped_mm_tiles(arch, m, n, experts)[0] == tiles
 
 
+def test_one_expert_takes_320_with_mfma_scales():
+    tiles, why = select_grouped_mm.grouped_mm_tiles("gfx950", 16640, 2880, 1, "mfma")
+    assert tiles == (128, 320) and not any("not 320" in w for w in why)
+    assert any("not 320" in w for w in select_grouped_mm.grouped_mm_tiles("gfx950", 16640, 2880, 1)[1])
+
+
 @pytest.mark.parametrize("arch, n, k, experts, tiles", [
     ("gfx950", 2048, 2048, 8, (128, 256)),  # torchao's grid: 16 x 8 x 8 workgroups
     ("gfx950", 2048, 2048, 1, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
-    ("gfx950", 2880, 2880, 32, (128, 192)),  # GPT-OSS: 256 does not divide K
-    ("gfx950", 2048, 2080, 8, (128, 128)),  # neither 256 nor 192 divides K
+    ("gfx950", 2880, 2880, 32, (128, 320)),  # GPT-OSS: 256 does not divide K
+    ("gfx950", 2880, 2880, 1, (128, 192)),  # 23 x 9 tiles of 320: fewer than the 256 CUs
+    ("gfx950", 2048, 2080, 8, (128, 128)),  # none of 256, 320 and 192 divides K
     ("gfx942", 2048, 2048, 8, (128, 128)),
 ])
 def test_wgrad_tiles(arch, n, k, experts, tiles):

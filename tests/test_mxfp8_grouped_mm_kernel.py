@@ -86,12 +86,12 @@ def test_matches_the_mx_definition(arch, scale_layout, case):
 
 
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
-@pytest.mark.parametrize("tile_n", [256, 192])
-def test_wide_tiles_on_gfx950(scale_layout, tile_n):
-    """The 128x256 and 128x192 tiles (2 x 2 waves of 64 x 128 / 64 x 96) the selector picks on
-    gfx950 with "mfma" scales: two n-tiles, the second partial (32 / 96 columns); group boundaries
-    inside the m-tiles; K % 128 = 64."""
-    a, a_scale, b, b_scale, offs = make_problem(200, 288, 320, [64, 66, 0, 60])
+@pytest.mark.parametrize("tile_n, n", [(256, 288), (320, 352), (192, 288)])
+def test_wide_tiles_on_gfx950(scale_layout, tile_n, n):
+    """The 128x256, 128x320 and 128x192 tiles (2 x 2 waves of 64 x 128 / 64 x 160 / 64 x 96) the
+    selector picks on gfx950: two n-tiles, the second partial (32 / 32 / 96 columns); group
+    boundaries inside the m-tiles; K % 128 = 64."""
+    a, a_scale, b, b_scale, offs = make_problem(200, n, 320, [64, 66, 0, 60])
     out = run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_n=tile_n)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     check(out, ref, mag, 320, torch.bfloat16)
@@ -292,10 +292,11 @@ def test_wgrad_matches_the_mx_definition(arch, case):
 
 
 # gfx950's wide tiles (select_grouped_mm.grouped_mm_wgrad_tiles): (M, N, K, group sizes, tile_n). K 320: a
-# second n-tile of 64 (256) or 128 (192) columns; N 144: a second m-tile of 16 rows; N 128 and K
-# 256: no masks compiled
+# second n-tile of 64 (256) or 128 (192) columns, K 352 of 32 (320); N 144: a second m-tile of 16
+# rows; N 128 and K 256: no masks compiled
 WGRAD_WIDE_CASES = [
     (608, 144, 320, [96, 0, 160, 352], 256),
+    (608, 144, 352, [96, 0, 160, 352], 320),
     (608, 144, 320, [96, 0, 160, 352], 192),
     (2080, 128, 256, [2080], 256),
 ]
@@ -329,6 +330,22 @@ def test_wgrad_compiles_without_spills(arch):
         assert rep.spills == 0 and rep.vgprs <= (256 if tile_n == 128 else 512)
         mfma = "v_mfma_scale_f32_16x16x128_f8f6f4" if arch == "gfx950" else "v_mfma_f32_16x16x32_fp8_fp8"
         assert rep.count(mfma) > 0
+
+
+def test_gpt_oss_tiles_compile_without_spills():
+    """GPT-OSS's shapes on gfx950 (N and K 2880, 8 experts) take the 128x320 tile, the widest:
+    forward with either scale layout and the weight gradient compile without spills (at most 512
+    VGPRs: one wave per SIMD)."""
+    forward = [(G.GroupedMMConfig(arch="gfx950", out_dtype=torch.bfloat16, n=2880, k=2880, experts=8, tile_m=128,
+                                  tile_n=select_grouped_mm.grouped_mm_tiles("gfx950", 16640, 2880, 8, layout)[0][1],
+                                  scale_layout=layout), (16640, 1, 1)) for layout in LAYOUTS]
+    wgrad = (G.GroupedMMConfig(arch="gfx950", out_dtype=torch.bfloat16, n=2880, k=2880, experts=8, tile_m=128,
+                               tile_n=select_grouped_mm.grouped_mm_wgrad_tiles("gfx950", 2880, 2880, 8)[0][1],
+                               wgrad=True), (16640, 0, 23))
+    for cfg, args in forward + [wgrad]:
+        assert cfg.tile_n == 320
+        (rep,) = toolchain.compile_only("gfx950", G.build_grouped_mm(cfg), *([0] * 6), *args, stream=0)
+        assert rep.spills == 0 and rep.vgprs <= 512 and rep.count("v_mfma_scale_f32_16x16x128_f8f6f4") > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
