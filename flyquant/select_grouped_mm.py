@@ -15,7 +15,7 @@ from .select import Plan, _forced_reference, _kernel_plan, _kernel_target, refer
 GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm",
                                       "mxfp8_grouped_mm_wgrad": "mxfp8_grouped_mm:grouped_mm_wgrad"}
 GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
-WIDE_TILE_N = (256, 320, 192)  # gfx950's wide tiles, in order of preference (grouped_mm_tiles)
+WIDE_TILE_N = (320, 256, 192)  # gfx950's wide tiles, in order of preference (grouped_mm_tiles)
 GFX942_GROUPED_MM_MAX_K = 43648  # gfx942's forward reads 4 columns' scales at immediate offsets below 4096
 
 
@@ -36,14 +36,14 @@ def _grouped_mm_unsupported(op: str, arch: str, m: int, n: int, k: int, out_dtyp
 def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None) -> tuple[tuple[int, int], tuple]:
     """The forward / dgrad GEMM's (tile_m, tile_n) and why. tile_m 64 when the average group is
     smaller than the 128-row tile (less masked work at group boundaries), else 128 (fewer loads per
-    MFMA). On gfx950 with tile_m 128, tile_n is the first of 256, 320 and 192 that divides N (no
-    masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 128 (64 x 160,
+    MFMA). On gfx950 with tile_m 128, tile_n is the first of 320, 256 and 192 that divides N (no
+    masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 160 (64 x 128,
     64 x 96), each fragment loaded feeding more MFMAs (bench/grouped_mm.py, torchao's grid: "mfma"
-    scales 2.24-2.66 wave-instructions per MFMA instead of 2.8-3.4 on 128x128; GPT-OSS's N 2880
-    and 5760 on 128x320 2.21-2.43 instead of 2.52-2.80 on 128x192). They hold 300-470 VGPRs, so
-    one workgroup (4 waves) per CU instead of two. Not 320 for a single expert with row-major
-    scales: at K 2048 and 4096 LLVM then holds 492 VGPRs and shuffles accumulators through AGPRs
-    (3.5-3.7 per MFMA, 3.2 on 128x192). Else 128."""
+    scales 2.14-2.66 wave-instructions per MFMA instead of 2.8-3.4 on 128x128; at N 5120 128x320
+    is 0.08-0.14 below 128x256, GPT-OSS's N 2880 and 5760 0.30-0.46 below 128x192). They hold
+    300-470 VGPRs, so one workgroup (4 waves) per CU instead of two. Not 320 for a single expert
+    with row-major scales: LLVM then holds 492 VGPRs and moves accumulators through AGPRs (N 5120
+    at K 2048-8192: 3.40-3.73 per MFMA against 256's 2.51-2.93). Else 128."""
     tile_m = 128 if m >= 128 * max(experts, 1) else 64
     why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
     one_plain = experts == 1 and scale_layout is None
@@ -58,10 +58,10 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
 
 def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tuple[int, int], tuple]:
     """The weight gradient's (tile_m, tile_n) over its (N, K) output per group, and why: 128 x 128,
-    or on gfx950 128 x 256 / 320 / 192 (the first dividing K) when that still gives every CU a
+    or on gfx950 128 x 320 / 256 / 192 (the first dividing K) when that still gives every CU a
     workgroup: as the forward's wide tiles, each fragment loaded feeds more MFMAs (bench/grouped_mm.py
     --op wgrad, torchao's groups of 2080 rows: 2.84 instead of 3.55 wave-instructions per MFMA on
-    128x256; on one 128x320 tile of such groups 2.69 instead of 3.10 on 128x192), with
+    128x256; K 1280 in such groups 2.69 on 128x320, 2.85 on 128x256, 3.10 on 128x192), with
     376-448 VGPRs, so one workgroup per CU instead of two."""
     tile_n = _wide_tile_n(arch, k, -(-n // 128) * experts, WIDE_TILE_N)
     why = [f"tile_n {tile_n}: gfx950, {tile_n} divides K = {k}, every CU a workgroup" if tile_n != 128 else "tile 128x128"]

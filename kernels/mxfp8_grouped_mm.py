@@ -31,7 +31,7 @@ group's rows of M: grid (n-tiles, k-tiles, groups), the group's first row in the
 offsets, a run-time step count, and the last partial step's chunks past the group masked (an
 empty group's matrix is 0). Row-major scales only. gfx950: the forward's software pipeline (one
 helper) over the run-time count: its loop runs every step pair but the last, whose load after the
-last step is clamped to it. Tiles: 128x128, or on gfx950 128x256 / 128x320 / 128x192 where the
+last step is clamped to it. Tiles: 128x128, or on gfx950 128x320 / 128x256 / 128x192 where the
 selector finds them (select_grouped_mm.grouped_mm_wgrad_tiles).
 
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)

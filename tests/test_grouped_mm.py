@@ -258,6 +258,8 @@ def test_plans_and_explain(capsys):
     ("gfx950", 16640, 2880, 8, (128, 320)),  # GPT-OSS: 256 would mask 192 columns
     ("gfx950", 16640, 2880, 1, (128, 192)),  # one expert, row-major scales: not 320 (the selector's docstring)
     ("gfx950", 16640, 2880, 2, (128, 320)),
+    ("gfx950", 16640, 5120, 8, (128, 320)),  # 320 before 256 where both divide N
+    ("gfx950", 16640, 5120, 1, (128, 256)),
     ("gfx950", 16640, 2080, 8, (128, 128)),  # none of 256, 320 and 192 divides N
     ("gfx950", 2048, 2048, 8, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
     ("gfx950", 16640, 2048, 256, (64, 128)),  # 65 rows per group
@@ -277,6 +279,7 @@ def test_one_expert_takes_320_with_mfma_scales():
     ("gfx950", 2048, 2048, 1, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
     ("gfx950", 2880, 2880, 32, (128, 320)),  # GPT-OSS: 256 does not divide K
     ("gfx950", 2880, 2880, 1, (128, 192)),  # 23 x 9 tiles of 320: fewer than the 256 CUs
+    ("gfx950", 2048, 5120, 8, (128, 320)),
     ("gfx950", 2048, 2080, 8, (128, 128)),  # none of 256, 320 and 192 divides K
     ("gfx942", 2048, 2048, 8, (128, 128)),
 ])

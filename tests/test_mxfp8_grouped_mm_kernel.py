@@ -227,12 +227,14 @@ def test_compiles_without_spills(arch, scale_layout):
         assert rep.count(mfma) > 0
 
 
-@pytest.mark.parametrize("scale_layout, k, tile_n", [("mfma", 8192, 128), ("mfma", 2048, 256), (None, 2048, 256)])
+@pytest.mark.parametrize("scale_layout, k, tile_n", [("mfma", 8192, 128), ("mfma", 2048, 256), (None, 2048, 256),
+                                                     ("mfma", 2048, 320)])
 def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_n):
     """The issue's modelled target: at most 3 wave-instructions per MFMA, one 128-row tile over N
-    256 (bench/grouped_mm.py prints the grid's figure): "mfma" scales on the 128x128 tile at K
-    8192, and the selector's 128x256 tile at the grid's shortest K, 2048, with either scales."""
-    a, a_scale, b, b_scale, offs = make_problem(128, 256, k, [128])
+    256 (320 for the 128x320 tile; bench/grouped_mm.py prints the grid's figure): "mfma" scales on
+    the 128x128 tile at K 8192, and the selector's wide tiles at the grid's shortest K, 2048 (one
+    group: 128x320 only with "mfma" scales, select_grouped_mm.grouped_mm_tiles)."""
+    a, a_scale, b, b_scale, offs = make_problem(128, max(tile_n, 256), k, [128])
     with emu.record() as launches:
         run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_n=tile_n)
     stats = launches[-1].stats
@@ -319,7 +321,7 @@ def test_wgrad_wide_tiles_on_gfx950(case):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_wgrad_compiles_without_spills(arch):
     """A model-sized weight gradient (N 2048, K 5120, 8 groups) on the 128x128 tile and the
-    selector's (gfx950: 128x256): no spills; 128x128 at most 256 VGPRs (two waves per SIMD; on
+    selector's (gfx950: 128x320): no spills; 128x128 at most 256 VGPRs (two waves per SIMD; on
     gfx950 with the pipeline's two register sets), the wide tile at most 512 (one)."""
     tiles = {(128, 128), select_grouped_mm.grouped_mm_wgrad_tiles(arch, 2048, 5120, 8)[0]}
     assert len(tiles) == (2 if arch == "gfx950" else 1)
