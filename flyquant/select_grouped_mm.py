@@ -15,7 +15,8 @@ from .select import Plan, _forced_reference, _kernel_plan, _kernel_target, refer
 GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm",
                                       "mxfp8_grouped_mm_wgrad": "mxfp8_grouped_mm:grouped_mm_wgrad"}
 GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
-WIDE_TILE_N = (320, 256, 192)  # gfx950's wide tiles, in order of preference (grouped_mm_tiles)
+WIDE_TILE_N = (320, 256, 192)  # gfx950's 128-row wide tiles, in order of preference (grouped_mm_tiles)
+TALL_TILE_M = 192  # gfx950's 192x256 forward tile (grouped_mm_tiles)
 GFX942_GROUPED_MM_MAX_K = 43648  # gfx942's forward reads 4 columns' scales at immediate offsets below 4096
 
 
@@ -36,15 +37,22 @@ def _grouped_mm_unsupported(op: str, arch: str, m: int, n: int, k: int, out_dtyp
 def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None) -> tuple[tuple[int, int], tuple]:
     """The forward / dgrad GEMM's (tile_m, tile_n) and why. tile_m 64 when the average group is
     smaller than the 128-row tile (less masked work at group boundaries), else 128 (fewer loads per
-    MFMA). On gfx950 with tile_m 128, tile_n is the first of 320, 256 and 192 that divides N (no
-    masked columns) and still gives every CU a workgroup: 2 x 2 waves of 64 x 160 (64 x 128,
-    64 x 96), each fragment loaded feeding more MFMAs (bench/grouped_mm.py, torchao's grid: "mfma"
-    scales 2.14-2.66 wave-instructions per MFMA instead of 2.8-3.4 on 128x128; at N 5120 128x320
-    is 0.08-0.14 below 128x256, GPT-OSS's N 2880 and 5760 0.30-0.46 below 128x192). They hold
-    300-470 VGPRs, so one workgroup (4 waves) per CU instead of two. Not 320 for a single expert
-    with row-major scales: LLVM then holds 492 VGPRs and moves accumulators through AGPRs (N 5120
-    at K 2048-8192: 3.40-3.73 per MFMA against 256's 2.51-2.93). Else 128."""
-    tile_m = 128 if m >= 128 * max(experts, 1) else 64
+    MFMA). On gfx950 the wide tiles (2 x 2 waves; each fragment loaded feeds more MFMAs), each
+    only where its tile_n divides N (no masked columns) and the grid still gives every CU a
+    workgroup: 192x256 (waves of 96 x 128, 48 MFMAs per 28 loads and step) when the groups average
+    192 rows or more; else, with tile_m 128, the first of 320, 256 and 192 (64 x 160, 64 x 128,
+    64 x 96: 40, 32, 24 MFMAs per step). bench/grouped_mm.py --full: 192x256 is 0.17-0.41 wave-
+    instructions per MFMA below the 128-row tiles on every shape of torchao's grid and
+    DeepSeek-V3's ("mfma" scales 1.97-2.34, row-major 2.16-2.54); GPT-OSS's N 2880 and 5760 on
+    128x320 0.30-0.46 below 128x192. The wide tiles hold 300-490 VGPRs, one workgroup (4 waves)
+    per CU instead of two. Not 128x320 for a single expert with row-major scales: LLVM then holds
+    492 VGPRs and moves accumulators through AGPRs (N 5120 at K 2048-8192: 3.40-3.73 per MFMA
+    against 128x256's 2.51-2.93). Else 128."""
+    groups = max(experts, 1)
+    if _wide_tile_n(arch, n, -(-m // TALL_TILE_M), (256,)) == 256 and m >= TALL_TILE_M * groups:
+        return (TALL_TILE_M, 256), (f"tile 192x256: gfx950, groups of {m // groups} rows on average, 256 divides "
+                                    f"N = {n}, every CU a workgroup",)
+    tile_m = 128 if m >= 128 * groups else 64
     why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
     one_plain = experts == 1 and scale_layout is None
     widths = tuple(t for t in WIDE_TILE_N if t != 320) if one_plain else WIDE_TILE_N

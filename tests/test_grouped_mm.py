@@ -253,13 +253,15 @@ def test_plans_and_explain(capsys):
 
 
 @pytest.mark.parametrize("arch, m, n, experts, tiles", [
-    ("gfx950", 16640, 2048, 8, (128, 256)),  # torchao's grid: 130 x 8 workgroups (either scale layout)
+    ("gfx950", 16640, 2048, 8, (192, 256)),  # torchao's grid: 87 x 8 workgroups (either scale layout)
+    ("gfx950", 16640, 2048, 100, (128, 256)),  # groups of 166 rows on average: tile_m 128
     ("gfx942", 16640, 2048, 8, (128, 128)),
     ("gfx950", 16640, 2880, 8, (128, 320)),  # GPT-OSS: 256 would mask 192 columns
     ("gfx950", 16640, 2880, 1, (128, 192)),  # one expert, row-major scales: not 320 (the selector's docstring)
     ("gfx950", 16640, 2880, 2, (128, 320)),
-    ("gfx950", 16640, 5120, 8, (128, 320)),  # 320 before 256 where both divide N
-    ("gfx950", 16640, 5120, 1, (128, 256)),
+    ("gfx950", 16640, 5120, 100, (128, 320)),  # 320 before 256 where both divide N
+    ("gfx950", 16640, 5120, 1, (192, 256)),
+    ("gfx950", 4096, 2048, 8, (128, 256)),  # 22 x 8 tiles of 192x256: fewer than the 256 CUs; 32 x 8 of 128x256
     ("gfx950", 16640, 2080, 8, (128, 128)),  # none of 256, 320 and 192 divides N
     ("gfx950", 2048, 2048, 8, (128, 128)),  # 16 x 8 tiles of 256: fewer than the 256 CUs
     ("gfx950", 16640, 2048, 256, (64, 128)),  # 65 rows per group

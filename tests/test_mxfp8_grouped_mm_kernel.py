@@ -86,13 +86,14 @@ def test_matches_the_mx_definition(arch, scale_layout, case):
 
 
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
-@pytest.mark.parametrize("tile_n, n", [(256, 288), (320, 352), (192, 288)])
-def test_wide_tiles_on_gfx950(scale_layout, tile_n, n):
-    """The 128x256, 128x320 and 128x192 tiles (2 x 2 waves of 64 x 128 / 64 x 160 / 64 x 96) the
-    selector picks on gfx950: two n-tiles, the second partial (32 / 32 / 96 columns); group
-    boundaries inside the m-tiles; K % 128 = 64."""
+@pytest.mark.parametrize("tile_m, tile_n, n", [(128, 256, 288), (128, 320, 352), (128, 192, 288), (192, 256, 288)])
+def test_wide_tiles_on_gfx950(scale_layout, tile_m, tile_n, n):
+    """The 128x256, 128x320, 128x192 and 192x256 tiles (2 x 2 waves of 64 x 128 / 64 x 160 /
+    64 x 96 / 96 x 128) the selector picks on gfx950: two n-tiles, the second partial (32 / 32 /
+    96 / 32 columns); two m-tiles, the second partial (72 / 8 rows); group boundaries inside the
+    m-tiles; K % 128 = 64."""
     a, a_scale, b, b_scale, offs = make_problem(200, n, 320, [64, 66, 0, 60])
-    out = run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_n=tile_n)
+    out = run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     check(out, ref, mag, 320, torch.bfloat16)
     assert bool((out[190:] == 0).all())
@@ -210,7 +211,7 @@ def test_no_rows_is_an_empty_launch():
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 def test_compiles_without_spills(arch, scale_layout):
     """A model-sized forward (M 16640, N 2048, K 5120, 8 groups) on the selector's tile (gfx950:
-    128x256, either scale layout) and on the launcher's default 64x128: no spills; gfx942 also
+    192x256, either scale layout) and on the launcher's default 64x128: no spills; gfx942 also
     with signed_zeros=False operands, and at GPT-OSS's K 2880 (a partial last K step) in at most
     256 VGPRs: two workgroups per CU."""
     tiles = {(64, 128), select_grouped_mm.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
@@ -227,16 +228,17 @@ def test_compiles_without_spills(arch, scale_layout):
         assert rep.count(mfma) > 0
 
 
-@pytest.mark.parametrize("scale_layout, k, tile_n", [("mfma", 8192, 128), ("mfma", 2048, 256), (None, 2048, 256),
-                                                     ("mfma", 2048, 320)])
-def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_n):
-    """The issue's modelled target: at most 3 wave-instructions per MFMA, one 128-row tile over N
+@pytest.mark.parametrize("scale_layout, k, tile_m, tile_n", [("mfma", 8192, 128, 128), ("mfma", 2048, 128, 256),
+                                                             (None, 2048, 128, 256), ("mfma", 2048, 128, 320),
+                                                             ("mfma", 2048, 192, 256), (None, 2048, 192, 256)])
+def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_m, tile_n):
+    """The issue's modelled target: at most 3 wave-instructions per MFMA, one tile's rows over N
     256 (320 for the 128x320 tile; bench/grouped_mm.py prints the grid's figure): "mfma" scales on
     the 128x128 tile at K 8192, and the selector's wide tiles at the grid's shortest K, 2048 (one
     group: 128x320 only with "mfma" scales, select_grouped_mm.grouped_mm_tiles)."""
-    a, a_scale, b, b_scale, offs = make_problem(128, max(tile_n, 256), k, [128])
+    a, a_scale, b, b_scale, offs = make_problem(tile_m, max(tile_n, 256), k, [tile_m])
     with emu.record() as launches:
-        run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_n=tile_n)
+        run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n)
     stats = launches[-1].stats
     assert stats.wave_instructions / stats.by_class["mfma"] <= 3.0
 
