@@ -43,7 +43,7 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
     192 rows or more; else, with tile_m 128, the first of 320, 256 and 192 (64 x 160, 64 x 128,
     64 x 96: 40, 32, 24 MFMAs per step). bench/grouped_mm.py --full: 192x256 is 0.17-0.41 wave-
     instructions per MFMA below the 128-row tiles on every shape of torchao's grid and
-    DeepSeek-V3's ("mfma" scales 1.97-2.34, row-major 2.16-2.54); GPT-OSS's N 2880 and 5760 on
+    DeepSeek-V3's ("mfma" scales 1.96-2.34, row-major 2.16-2.54); GPT-OSS's N 2880 and 5760 on
     128x320 0.30-0.46 below 128x192. The wide tiles hold 300-490 VGPRs, one workgroup (4 waves)
     per CU instead of two. Not 128x320 for a single expert with row-major scales: LLVM then holds
     492 VGPRs and moves accumulators through AGPRs (N 5120 at K 2048-8192: 3.40-3.73 per MFMA
