@@ -15,7 +15,7 @@ from .select import Plan, _forced_reference, _kernel_plan, _kernel_target, refer
 GROUPED_MM_KERNELS: dict[str, str] = {"mxfp8_grouped_mm": "mxfp8_grouped_mm:grouped_mm",
                                       "mxfp8_grouped_mm_wgrad": "mxfp8_grouped_mm:grouped_mm_wgrad"}
 GROUPED_MM_MAX_BUFFER = (1 << 31) - 64  # one buffer resource per tensor (expert), 32-bit offsets
-WIDE_TILE_N = (320, 256, 192)  # gfx950's 128-row wide tiles, in order of preference (grouped_mm_tiles)
+WIDE_TILE_N = (320, 256, 192)  # gfx950's 128-row wide tiles, in order of preference (both GEMMs)
 TALL_TILE_M = 192  # gfx950's 192x256 forward tile (grouped_mm_tiles)
 GFX942_GROUPED_MM_MAX_K = 43648  # gfx942's forward reads 4 columns' scales at immediate offsets below 4096
 
@@ -54,13 +54,13 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
                                     f"N = {n}, every CU a workgroup",)
     tile_m = 128 if m >= 128 * groups else 64
     why = [f"tile_m {tile_m}: {m} rows over {experts} groups"]
-    one_plain = experts == 1 and scale_layout is None
-    widths = tuple(t for t in WIDE_TILE_N if t != 320) if one_plain else WIDE_TILE_N
-    tile_n = _wide_tile_n(arch, n, -(-m // tile_m), widths) if tile_m == 128 else 128
+    m_tiles = -(-m // tile_m)
+    tile_n = _wide_tile_n(arch, n, m_tiles, WIDE_TILE_N) if tile_m == 128 else 128
+    if tile_n == 320 and experts == 1 and scale_layout is None:
+        tile_n = _wide_tile_n(arch, n, m_tiles, tuple(t for t in WIDE_TILE_N if t != 320))
+        why.append("not 320: one expert with row-major scales (LLVM shuffles its accumulators through AGPRs)")
     if tile_n != 128:
         why.append(f"tile_n {tile_n}: gfx950, {tile_n} divides N = {n}, every CU a workgroup")
-    if one_plain and tile_n != _wide_tile_n(arch, n, -(-m // tile_m), WIDE_TILE_N) and tile_m == 128:
-        why.append("not 320: one expert with row-major scales (LLVM shuffles its accumulators through AGPRs)")
     return (tile_m, tile_n), tuple(why)
 
 
