@@ -507,10 +507,15 @@ def _fnuz4(values, mult, clamp):
     return rocdl.cvt_pk_fp8_f32(i32_t(), ys[2], ys[3], out, True)
 
 
-def unsign_zeros(d):
-    """E4M3 bytes with -0 (0x80) made +0: a byte keeps bit 7 only where its low 7 bits are not 0."""
+def unsign_zeros(d, fused: bool = False):
+    """E4M3 bytes with -0 (0x80) made +0: a byte keeps bit 7 only where its low 7 bits are not 0:
+    (d & (low + 0x7F7F7F7F)) | low, low = d & 0x7F7F7F7F. `fused`: the last two operations as one
+    v_and_or_b32 (_mx_ir.and_or: inline asm, its wait states checked in
+    tests/test_inline_asm_hazards.py for the kernels using it); else LLVM's
+    d & ((low + 0x7F7F7F7F) | 0x7F7F7F7F), one instruction more, low dead sooner."""
     low = band(d, 0x7F7F7F7F)
-    return bor(band(d, add(low, 0x7F7F7F7F)), low)
+    t = add(low, 0x7F7F7F7F)
+    return _mx_ir.and_or(d, t, low) if fused else bor(band(d, t), low)
 
 
 def convert4_16(spec: Spec, p0, p1, conv):

@@ -244,6 +244,13 @@ def bit_select(word, a, b):
     return llvm.inline_asm(i32_t(), [val(word), val(a), val(b)], "v_bfi_b32 $0, $1, $2, $3", "=v,v,v,v")
 
 
+def and_or(a, b, c):
+    """(a & b) | c, one v_and_or_b32 (inline asm: where c's known bits cover some of a's, LLVM
+    rewrites it as a & (b | const), an OR with a literal and an AND). LLVM inserts no wait states
+    around inline asm: tests/test_inline_asm_hazards.py checks the kernels using it."""
+    return llvm.inline_asm(i32_t(), [val(a), val(b), val(c)], "v_and_or_b32 $0, $1, $2, $3", "=v,v,v,v")
+
+
 def wave_any(pred):
     """True (i1, wave-uniform) when `pred` holds in any active lane."""
     return arith.cmpi(arith.CmpIPredicate.ne, rocdl.ballot(i64_t(), pred), arith.constant(i64_t(), 0))

@@ -20,10 +20,10 @@ def _e8m0_f32(e):
     return ((e << 23) | special.select(fx.Int32(1 << 22), fx.Int32(0))).bitcast(fx.Float32)
 
 
-def _fnuz_words(w):
-    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0; also returns a probe whose
-    bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
-    return fx.Int32(mx.unsign_zeros(w)), (w & 0x7F7F7F7F) + 0x01010101
+def _fnuz_words(w, fused: bool):
+    """An OCP E4M3 dword read as four FNUZ codes: -0 (0x80) -> +0 (mx.unsign_zeros, `fused`); also
+    returns a probe whose bit 7 of a byte is set where that byte is a NaN code (0x7F / 0xFF)."""
+    return fx.Int32(mx.unsign_zeros(w, fused)), (w & 0x7F7F7F7F) + 0x01010101
 
 
 def _fnuz_nans(w):
@@ -33,19 +33,19 @@ def _fnuz_nans(w):
     return (w & ~mask) | nan
 
 
-def _fnuz_operands(words, signed_zeros: bool):
+def _fnuz_operands(words, signed_zeros: bool, fused: bool):
     """The step's loaded OCP E4M3 dwords as FNUZ operands: -0 rewritten (_fnuz_words) and, when a
     probe finds a NaN code in the wave, NaN codes too (_fnuz_nans, a rare branch). signed_zeros
     False: the caller promises no -0 byte and NaN codes only in blocks whose scale is NaN (what
     flyquant's quantize ops write with signed_zeros=False), whose products the NaN scale makes NaN
-    anyway: the words are used as they are."""
+    anyway: the words are used as they are. `fused`: mx.unsign_zeros'."""
     words = [fx.Int32(w) for w in words]
     if not signed_zeros:
         return words
     probe = fx.Int32(0)
     flat = []
     for w in words:
-        fixed, p = _fnuz_words(w)
+        fixed, p = _fnuz_words(w, fused)
         probe = probe | p
         flat.append(fixed)
     has_nan = mx.wave_any(((probe & i32_bits(0x80808080)) != 0).ir_value())

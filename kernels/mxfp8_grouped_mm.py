@@ -387,7 +387,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             bv = [[_load(b_rsrc, at(bo[nb], j), sdj[j], 2) for j in range_constexpr(blocks)] for nb in range_constexpr(NB)]
             sa, sb = fp8_scales(s, lo, hi, bs_rsrc, blocks, valid)
             flat = _fnuz_operands([v[h] for v in [x for row in av + bv for x in row] for h in range_constexpr(2)],
-                                  SIGNED_ZEROS)
+                                  SIGNED_ZEROS, fused=not WGRAD)  # fused: the wgrad would hold 258 VGPRs, not 253
             ops = [Vec.from_elements(flat[2 * q:2 * q + 2], fx.Int32).bitcast(fx.Int64)[0] for q in range_constexpr(len(flat) // 2)]
             a_ops = [ops[mb * blocks:(mb + 1) * blocks] for mb in range_constexpr(MB)]
             b_ops = [ops[(MB + nb) * blocks:(MB + nb + 1) * blocks] for nb in range_constexpr(NB)]
