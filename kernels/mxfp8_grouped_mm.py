@@ -51,7 +51,8 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
 - gfx942 (no MX MFMA; FP8 is the FNUZ format there): v_mfma_f32_16x16x32_fp8_fp8 per 32-wide
   scale block, lane (c, r) supplying bytes 8c .. 8c + 7 of the block (an 8-byte load). OCP E4M3
   codes read as FNUZ are worth exactly half (exponent bias 8 instead of 7), except -0 (0x80, NaN in
-  FNUZ: rewritten to +0 in registers, three bit operations per dword) and NaN (0x7F/0xFF, +-240 in
+  FNUZ: rewritten to +0 in registers, three bit operations per dword in the forward, four in
+  the weight gradient: mx.unsign_zeros) and NaN (0x7F/0xFF, +-240 in
   FNUZ: a wave-uniform check per step, and a rare branch that rewrites them to FNUZ's NaN). Each
   block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
   FMAs); the final sum is multiplied by 4 (the two halvings). sa * sb is FP32: codes whose
