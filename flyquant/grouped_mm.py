@@ -25,7 +25,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
     (signed_zeros: the kernel's operand promise; the reference reads any operands)."""
     if plan.backend == "reference":
         return reference_fn(*args, out_dtype, **options)
-    _check_host_offs(check_offs, args[4], args[0].shape[0])
+    check_host_offs(check_offs, args[4], args[0].shape[0])
     out = torch.empty(out_shape, dtype=out_dtype, device=args[0].device)
     config = {k: v for k, v in plan.config.items() if k != "launcher"}
     select_grouped_mm.grouped_mm_launcher(plan)(*args, out=out, arch=plan.arch, signed_zeros=signed_zeros, **options, **config)
@@ -93,7 +93,7 @@ def mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat1
     return _grouped_mm_wgrad_op(x, x_scale, y, y_scale, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 
-def _check_host_offs(check_offs, offs, rows) -> None:
+def check_host_offs(check_offs, offs, rows) -> None:
     """offs' values where the host holds them, as the reference checks them (the kernel path and explain)."""
     if offs.device.type == "cpu":
         check_offs(offs, rows)
@@ -101,13 +101,13 @@ def _check_host_offs(check_offs, offs, rows) -> None:
 
 def explain_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, scale_layout=None, signed_zeros=True):
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
-    _check_host_offs(ref.check_grouped_mm_offs, offs, a.shape[0])
+    check_host_offs(ref.check_grouped_mm_offs, offs, a.shape[0])
     return select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"), scale_layout)
 
 
 def explain_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=torch.bfloat16, signed_zeros=True):
     ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
-    _check_host_offs(ref.check_grouped_mm_wgrad_offs, offs, x.shape[0])
+    check_host_offs(ref.check_grouped_mm_wgrad_offs, offs, x.shape[0])
     return select_grouped_mm.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, validate.flag(signed_zeros, "signed_zeros"))
 
 

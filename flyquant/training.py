@@ -47,7 +47,7 @@ import torch
 from . import api, grouped_mm, reference, select, validate
 from .arch import arch_info
 from .formats import MX_BLOCK
-from .reference_grouped_mm import OUT_DTYPES
+from .reference_grouped_mm import OUT_DTYPES, check_grouped_mm_offs
 
 # The forward and dgrad GEMMs' scales come from the quantize kernels in aiter's e8m0_shuffle
 # layout: the one the gfx950 kernel reads with the fewest instructions, and no re-layout pass.
@@ -210,4 +210,6 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     if a_quantized is not None:
         a_data, a_scale = _check_quantized(A, a_quantized, wgrad_with_hp)
     _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
+    if pad:  # the GEMMs see only the padded ends: the caller's are checked here
+        grouped_mm.check_host_offs(check_grouped_mm_offs, offs, A.shape[0])
     return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad, a_data, a_scale)

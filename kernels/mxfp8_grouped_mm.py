@@ -164,6 +164,12 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                          "the forward's K of 32")
     if WGRAD and SCALE_MFMA:
         raise ValueError(f"{cfg}: the weight-gradient GEMM reads row-major scales")
+    if SCALE_MFMA and (MB % 2 or NB % 2):
+        raise ValueError(f"{cfg}: \"mfma\" scales come a dword per pair of 16-row blocks: each wave's rows and "
+                         "columns must be a multiple of 32")
+    if not SCALED and (TILE_M * 4 % (WAVES * WAVE) or TILE_N * 4 % (WAVES * WAVE)):
+        raise ValueError(f"{cfg}: gfx942 stages a step's 4 scales per tile row and column one per thread: tile_m and "
+                         f"tile_n must be multiples of {WAVES * WAVE // 4}")
     if not SCALED and not WGRAD and 3 * KB + 3 >= 4096:
         raise ValueError(f"{cfg}: K = {K} too large for gfx942's scale offsets (immediate offsets < 4096)")
 
@@ -558,7 +564,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    bs_expert_bytes = b_scale.stride(0) if b_scale.dim() == 3 else n * b_scale.shape[1]
+    bs_expert_bytes = b_scale[0].numel() if b_scale.dim() == 3 else n * b_scale.shape[1]  # not stride(0): any if E = 1
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           scale_layout=scale_layout, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0

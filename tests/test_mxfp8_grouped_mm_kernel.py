@@ -201,6 +201,39 @@ def test_untrusted_offsets_stay_inside_the_tensors(arch):
     check(out, ref, mag, k, torch.float32)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+def test_one_expert_scales_with_any_stride_along_e(arch, scale_layout):
+    """E = 1: torch calls (1, N, K/32) scales contiguous whatever their stride along E (a size-1
+    dim's); the launcher once took that stride as an expert's scale bytes, and every column but
+    the first read scale code 0 (2^-127) from past the buffer it made."""
+    m, n, k = 64, 32, 128
+    a, a_scale, b, b_scale, offs = make_problem(m, n, k, [m])
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    if scale_layout == "mfma":
+        a_scale, b_scale = layouts.mfma_shuffle_scales(a_scale), layouts.mfma_shuffle_scales(b_scale[0])[None]
+    odd = b_scale[0].unsqueeze(1).transpose(0, 1)  # the same bytes, stride along E = a row's
+    assert odd.is_contiguous() and odd.stride(0) != odd[0].numel()
+    with toolchain.target(arch):
+        out = G.grouped_mm(a, a_scale, b, odd, offs, arch=arch, out_dtype=torch.float32, scale_layout=scale_layout)
+    check(out, ref, mag, k, torch.float32)
+
+
+@pytest.mark.parametrize("arch, scale_layout, tile, match", [
+    ("gfx950", "mfma", (32, 128), "multiple of 32"),  # 16 rows per wave: an odd number of row blocks
+    ("gfx950", "mfma", (64, 96), "multiple of 32"),  # 48 columns per wave
+    ("gfx942", None, (96, 128), "multiples of 64"),  # scale staging: A's entries end inside a thread chunk
+    ("gfx942", None, (64, 32), "multiples of 64"),
+])
+def test_tiles_the_kernel_cannot_take_are_refused(arch, scale_layout, tile, match):
+    """Tiles the selector never picks, forced on the launcher: a clear error at build time (they
+    once raised an IndexError while building, or raced in LDS at run time)."""
+    cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=128, k=128, experts=1, tile_m=tile[0],
+                            tile_n=tile[1], scale_layout=scale_layout)
+    with pytest.raises(ValueError, match=match):
+        G.build_grouped_mm(cfg)
+
+
 def test_no_rows_is_an_empty_launch():
     a, a_scale, b, b_scale, _ = make_problem(32, 32, 64, [32])
     out = run("gfx950", a[:0], a_scale[:0], b, b_scale, torch.tensor([0], dtype=torch.int32), None)

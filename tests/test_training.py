@@ -40,6 +40,10 @@ def test_training_op_bad_inputs(reference_backend):
         training.mxfp8_grouped_mm(A, B_t, offs(32, 64), wgrad_with_hp="no")
     with pytest.raises(ValueError, match="pad_token_groups_for_grouped_mm must be a bool, got 1"):
         training.mxfp8_grouped_mm(A, B_t, offs(32, 64), pad_token_groups_for_grouped_mm=1)
+    # padded groups: the caller's offs are checked before padding (the GEMMs see only the padded ends)
+    for bad, match in ((offs(64, 32), "non-decreasing"), (offs(32, 100), "at most M"), (offs(-5, 64), "non-decreasing")):
+        with pytest.raises(ValueError, match=match):
+            training.mxfp8_grouped_mm(A, B_t, bad, pad_token_groups_for_grouped_mm=True)
     # backward: 32x1 blocks may not straddle groups
     A.requires_grad_()
     out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
