@@ -28,7 +28,9 @@ requires the same), checked where the host holds offs (see flyquant.grouped_mm),
   the copies and the token rows are gathered back. Where the rows go is computed on offs' device
   (no host synchronisation), so the copies have the bound M + 31 E rows (rounded up to 32); the
   padding rows are zeros, which change no 1x32 or 32x1 block's scale, so every block of a
-  group's rows is quantized as torchao's padded recipe quantizes it.
+  group's rows is quantized as torchao's padded recipe quantizes it. The caller's offs are
+  checked (non-decreasing, last <= M) where the host holds them, except while torch.compile
+  traces.
 Gradients come back in A's and B_t's dtypes.
 
 Pre-quantized activations (torchao's MXTensor A, e.g. from its expert-parallel MXFP8 dispatch):
@@ -210,6 +212,6 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     if a_quantized is not None:
         a_data, a_scale = _check_quantized(A, a_quantized, wgrad_with_hp)
     _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
-    if pad:  # the GEMMs see only the padded ends: the caller's are checked here
+    if pad and not torch.compiler.is_compiling():  # the GEMMs see only the padded ends (not while tracing: values)
         grouped_mm.check_host_offs(check_grouped_mm_offs, offs, A.shape[0])
     return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad, a_data, a_scale)
