@@ -71,6 +71,12 @@ BAD_INPUTS = [
     (lambda: ONE_X32(torch.zeros(32, 32, dtype=torch.int32)), r"Input tensor must be float32 or bfloat16", "float16"),
     (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), scaling_mode="even"), r"scaling_mode must be one of", None),
     (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), offs=torch.tensor([64], dtype=torch.int32)), r"offs", None),
+    (lambda: ONE_X32(torch.zeros(64, 32, dtype=BF16), offs=torch.tensor([32, 64])), r"offs", "int32"),  # int64: a TypeError
+    (lambda: COL(torch.zeros(64, 32, dtype=BF16), offs=[32, 64]), r"offs", None),  # no tensor: a TypeError
+    (lambda: COL(torch.zeros(64, 32, dtype=BF16), blocked_scale_output="no"), r"blocked_scale_output must be a bool",
+     None),  # a truth test would take it as True
+    (lambda: THREE_D(torch.zeros(1, 32, 32, dtype=BF16), blocked_scale_output=1), r"blocked_scale_output must be a bool",
+     None),
     (lambda: COL(torch.zeros(40, 32, dtype=BF16)), r"M \(40\) must be a multiple of block_size \(32\)", None),
     (lambda: COL(torch.zeros(32, dtype=BF16)), r"input tensor must be 2D", None),
     (lambda: THREE_D(torch.zeros(1, 40, 32, dtype=BF16)), r"N must be divisible by block_size", "got N = 40"),

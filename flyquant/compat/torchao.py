@@ -48,13 +48,16 @@ def _fail(torchao_words: str, detail: str = "") -> None:
 
 @contextlib.contextmanager
 def _as_torchao_errors():
-    """Any ValueError of the native API below becomes a TorchaoInputError (same message)."""
+    """Any ValueError of the native API below becomes a TorchaoInputError, a TypeError a
+    TorchaoDtypeError (same message)."""
     try:
         yield
     except TorchaoInputError:
         raise
     except ValueError as exc:
         raise TorchaoInputError(str(exc)) from exc
+    except TypeError as exc:
+        raise TorchaoDtypeError(str(exc)) from exc
 
 
 def _check_input(x: torch.Tensor, ndim: int, block_size: int, allow_transposed_3d: bool = False) -> None:
@@ -106,8 +109,8 @@ def mxfp8_quantize_2d_32x1_flydsl(
     _check_input(x, 2, block_size)
     if x.shape[0] % MX_BLOCK:
         _fail(f"M ({x.shape[0]}) must be a multiple of block_size ({MX_BLOCK})")
-    layout = "tcgen05" if blocked_scale_output else None
     with _as_torchao_errors():
+        layout = "tcgen05" if validate.flag(blocked_scale_output, "blocked_scale_output") else None
         return api.mxfp8_quantize(x, axis=0, scaling_mode=_mode(scaling_mode), scale_layout=layout, offs=offs)
 
 
@@ -135,8 +138,8 @@ def mxfp8_quantize_3d_flydsl(
         _fail("N must be divisible by block_size", f"got N = {x.shape[1]}")
     if scale_block_dim2 == MX_BLOCK and x.shape[2] % MX_BLOCK:
         _fail(f"K ({x.shape[2]}) must be divisible by BLOCK_SIZE ({MX_BLOCK})")
-    layout = "tcgen05" if blocked_scale_output else None
     with _as_torchao_errors():
+        layout = "tcgen05" if validate.flag(blocked_scale_output, "blocked_scale_output") else None
         return api.mxfp8_quantize_3d(x, scaling_mode=_mode(scaling_mode), scale_block_k=scale_block_dim2,
                                      scale_layout=layout)
 
