@@ -84,6 +84,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     Rows in use (below num_valid_ids[0], token < T) whose slot is not below topk, and blocks whose
     expert id is outside [0, E), are dropped on the kernel path (nothing is read for them); with
     FLYQUANT_DEBUG=1 they raise a ValueError (a host synchronisation), as the reference always does.
+    A (token, slot) pair held by two rows in use raises likewise (the kernel may skip its rows).
     A negative num_valid_ids[0] means no rows. out must not overlap an input, and no input may
     require grad (the op has no backward). Weights that were not shuffled cannot be told from
     shuffled ones (a permutation of the same bytes): they give wrong values, no error.
@@ -135,7 +136,7 @@ def _moe_gemm1_op(
                                          sorted_weights=sorted_weights, sorted_expert_ids=sorted_expert_ids,
                                          num_valid_ids=num_valid_ids, bias=bias))
     plan = select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation,
-                                       apply_weights, alpha, limit, _out_stride(out))
+                                       apply_weights, alpha, limit, _out_row(out))
     kw = dict(bias=bias, activation=activation, alpha=alpha, limit=limit, apply_weights=apply_weights, out=out,
               model_dim=model_dim, inter_dim=inter_dim)
     if plan.backend == "reference":
@@ -168,7 +169,8 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     out: (T*topk, >= inter_dim) bf16, rows of routed pairs written, the others untouched; None: a
     zeroed (T*topk, inter_dim) tensor. model_dim / inter_dim: the true sizes when the weights are
     padded. Kernel path: one launch, no host synchronisation; rows with an out-of-range slot or
-    expert id are dropped (with FLYQUANT_DEBUG=1 they raise, as the reference always does).
+    expert id are dropped, rows repeating a (token, slot) pair may be skipped (with FLYQUANT_DEBUG=1
+    both raise, as the reference always does).
     """
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
@@ -441,7 +443,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     validate.flag(apply_weights, "apply_weights")
     return select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, bias is not None, activation,
-                                       apply_weights, alpha, limit, None if out is None else _out_stride(out))
+                                       apply_weights, alpha, limit, None if out is None else _out_row(out))
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
@@ -480,9 +482,9 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
             select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, bias is not None))
 
 
-def _out_stride(out: torch.Tensor) -> int:
-    """The row stride of stage 1's a2 as its launcher writes it (a non-unit column stride: a contiguous copy)."""
-    return out.stride(0) if out.stride(1) == 1 else out.shape[1]
+def _out_row(out: torch.Tensor) -> tuple[int, int]:
+    """(columns, row stride) of stage 1's a2 as its launcher writes it (a non-unit column stride: a contiguous copy)."""
+    return (out.shape[1], out.stride(0) if out.stride(1) == 1 else out.shape[1])
 
 
 EXPLAINERS = {moe_gemm2_a16w4: _explain_moe, moe_gemm1_a16w4: _explain_moe1, moe_sorting: _explain_sorting,

@@ -121,9 +121,10 @@ def check_moe_gemm2_memory(out, a2, w2, w2_scale, sorted_ids, sorted_weights, so
 def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens, experts) -> None:
     """The checks that read the sorted arrays (a host synchronisation on a GPU): num_valid_ids[0]
     counts whole blocks (or all rows; negative: none), and every row in use (below it, token < T)
-    has a slot below topk and lies in a block whose expert id is in [0, E). The device path drops
-    such rows and blocks instead (checked with FLYQUANT_DEBUG=1; the rows of a partial block may
-    be dropped too: the kernel counts whole tiles)."""
+    has a slot below topk, holds a (token, slot) pair no other row in use holds, and lies in a
+    block whose expert id is in [0, E). The device path checks with FLYQUANT_DEBUG=1; otherwise
+    it drops bad rows and blocks (the rows of a partial block too: the kernel counts whole tiles)
+    and may skip a repeated pair's rows (its grid holds T * topk rows in use)."""
     used = max(0, min(int(num_valid_ids[0]), sorted_ids.shape[0]))
     if used % block_m and used < sorted_ids.shape[0]:
         raise ValueError(f"num_valid_ids[0] = {int(num_valid_ids[0])} must be a multiple of block_m = {block_m} "
@@ -136,6 +137,15 @@ def check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, b
         row = int(bad.nonzero()[0])
         raise ValueError(f"sorted_ids[{row}] = {int(ids[row]):#x} has slot {int(slot[row])}: a row in use (below "
                          f"num_valid_ids[0], token < T = {tokens}) must have a slot in [0, topk = {topk})")
+    pairs, first = torch.unique(ids[live], return_inverse=True)
+    if pairs.numel() < int(live.sum()):
+        # the kernels size their grid for at most T * topk rows in use (kernels._a16w4_common.m_grid)
+        seen = torch.zeros(pairs.numel(), dtype=torch.bool)
+        for row, pair in zip(live.nonzero().flatten().tolist(), first.tolist()):
+            if seen[pair]:
+                raise ValueError(f"sorted_ids[{row}] = {int(ids[row]):#x} repeats a (token, slot) pair of an earlier "
+                                 "row in use: each routed pair is one row, as moe_sorting gives")
+            seen[pair] = True
     blocks = torch.unique(torch.arange(used)[live] // block_m)
     expert = sorted_expert_ids.to("cpu", torch.int64)[blocks]
     bad = (expert < 0) | (expert >= experts)

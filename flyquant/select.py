@@ -445,13 +445,13 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
 
     out_bytes = model_dim * torch.finfo(out_dtype).bits // 8
     # the launched kernel's own name, wave layout and token windows included
-    name = planned_name(2, target.arch, config, a2, topk, inter_dim, out_bytes, model_dim, inter_dim,
+    name = planned_name(2, target.arch, config, a2, topk, inter_dim, (1, out_bytes, out_bytes), model_dim, inter_dim,
                         out_dtype=out_dtype, apply_weights=bool(apply_weights), bias=has_bias)
     return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch), *_no_tokens(tokens))
 
 
 def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation, apply_weights=False,
-                         alpha=1.702, limit=7.0, out_stride=None) -> Plan:
+                         alpha=1.702, limit=7.0, out_row=None) -> Plan:
     """The A16W4 stage-1 GEMM (activation fused): tiles for this shape (no split K), then the tuning
     table, then FLYQUANT_CONFIG's tile_m / tile_n / waves (k_batch does not apply); block_m is the
     caller's sort."""
@@ -470,8 +470,8 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
     _wave_split_fits(config, k.k_iterations(model_dim), pair=True)
-    out_bytes = topk * (inter_dim if out_stride is None else out_stride) * 2  # a2's rows of one token
-    name = planned_name(1, target.arch, config, x, 1, model_dim, out_bytes, model_dim, inter_dim,
+    cols, stride = (inter_dim, inter_dim) if out_row is None else out_row  # a2's (columns, row stride)
+    name = planned_name(1, target.arch, config, x, 1, model_dim, (topk, 2 * cols, 2 * stride), model_dim, inter_dim,
                         apply_weights=bool(apply_weights), bias=has_bias, activation=activation, alpha=alpha, limit=limit)
     return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch),
                         "gate and up columns in one workgroup: the activation fused (exp2/rcp), no split K; a tile "

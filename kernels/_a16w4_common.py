@@ -210,24 +210,25 @@ def kernel_name(stage: int, arch: str, out_dtype: torch.dtype, tile_m: int, tile
             f"_n{model_dim}_k{inter_dim}_{arch}")
 
 
-def launch_geometry(stage: int, act: torch.Tensor, act_rows: int, width: int, out_token_bytes: int, tile_m: int,
-                    tile_n: int, k_batch: int, waves: int, n_kt: int) -> tuple[int, int, list[tuple[int, int]]]:
+def launch_geometry(stage: int, act: torch.Tensor, act_rows: int, width: int, out_span: tuple[int, int, int],
+                    tile_m: int, tile_n: int, k_batch: int, waves: int,
+                    n_kt: int) -> tuple[int, int, list[tuple[int, int]]]:
     """(wn, wk, token windows) of a stage launch (1 or 2), one rule for the launchers and the plans: the
     wave layout of the tiles, and the windows of the activations `act` (act_rows rows per token) as the
     kernel reads them: act's own rows at unit column stride, else the launcher's contiguous copy of
-    `width` columns; out_token_bytes the output's bytes per token."""
+    `width` columns; out_span the output's (rows per token, row bytes, pitch bytes) (token_windows)."""
     wn, wk = default_layout(tile_m, tile_n, n_kt, k_batch, waves, pair=stage == 1)
     row_stride, cols = (act.stride(0), act.shape[1]) if act.stride(1) == 1 else (width, width)
-    return wn, wk, token_windows(act.shape[0] // act_rows, act_rows, cols, row_stride, out_token_bytes)
+    return wn, wk, token_windows(act.shape[0] // act_rows, (act_rows, 2 * cols, 2 * row_stride), out_span)
 
 
 def planned_name(stage: int, arch: str, config: dict, act: torch.Tensor, act_rows: int, width: int,
-                 out_token_bytes: int, model_dim: int, inter_dim: int, **name) -> str:
+                 out_span: tuple[int, int, int], model_dim: int, inter_dim: int, **name) -> str:
     """The name of the stage kernel (1 or 2) its launcher compiles for a plan's config (tile_m, tile_n,
     [k_batch,] waves), by the launchers' launch_geometry and kernel_name."""
     tm, tn, kb = config["tile_m"], config["tile_n"], config.get("k_batch", 1)
     n_kt = k_iterations(inter_dim if stage == 2 else model_dim)
-    wn, wk, windows = launch_geometry(stage, act, act_rows, width, out_token_bytes, tm, tn, kb, config["waves"], n_kt)
+    wn, wk, windows = launch_geometry(stage, act, act_rows, width, out_span, tm, tn, kb, config["waves"], n_kt)
     dims = (model_dim, inter_dim) if stage == 2 else (2 * inter_dim, model_dim)
     return kernel_name(stage, arch, name.pop("out_dtype", torch.bfloat16), tm, tn, kb, wn, wk, *dims,
                        windowed=len(windows) > 1, **name)
@@ -416,22 +417,33 @@ OUT_ELEM_BYTES = {torch.bfloat16: 2, torch.float32: 4}
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
-def token_windows(tokens: int, a_rows: int, width: int, row_stride: int, out_token_bytes: int) -> list[tuple[int, int]]:
-    """(first token, tokens) of each launch: the whole batch when the activations (tokens * a_rows
-    rows of `width` bf16 at `row_stride` elements: a2 with a_rows = topk at stage 2, x with 1 at
-    stage 1) and the output (out_token_bytes per token) each fit one buffer of BUFFER_MAX_BYTES
-    (just under 2 GiB: buffer offsets are 32-bit and OOB must stay past the end), else windows of
-    as many tokens as fit, one launch each (every launch scans the same sorted rows and computes
-    those whose token is in its window)."""
-    if tokens == 0 or (((tokens * a_rows - 1) * row_stride + width) * 2 <= BUFFER_MAX_BYTES
-                       and tokens * out_token_bytes <= BUFFER_MAX_BYTES):
+def token_windows(tokens: int, *spans: tuple[int, int, int]) -> list[tuple[int, int]]:
+    """(first token, tokens) of each launch. Each span is a tensor's rows as a launch addresses them:
+    (rows per token, bytes of a row's data, row pitch in bytes): the activations (x at stage 1, a2
+    with topk rows at stage 2) and the output. The whole batch when every span's
+    (rows - 1) * pitch + row bytes fits one buffer of BUFFER_MAX_BYTES (just under 2 GiB: buffer
+    offsets are 32-bit and OOB must stay past the end), else windows of as many tokens as fit, one
+    launch each (every launch scans the same sorted rows and computes those whose token is in its
+    window)."""
+    def fits(rows: int, width: int, pitch: int) -> int:  # tokens whose rows fit one buffer
+        if pitch == 0:
+            return tokens if width <= BUFFER_MAX_BYTES else 0
+        return max(0, ((BUFFER_MAX_BYTES - width) // pitch + 1) // rows)
+
+    per = min(fits(*span) for span in spans)
+    if tokens == 0 or per >= tokens:
         return [(0, tokens)]
-    per = min(((BUFFER_MAX_BYTES // 2 - width) // row_stride + 1) // a_rows if row_stride else tokens,
-              BUFFER_MAX_BYTES // out_token_bytes)
     if per == 0:
-        raise ValueError(f"the activations' rows of one token ({a_rows} rows of stride {row_stride}) or its output "
-                         f"({out_token_bytes} bytes) span more than {BUFFER_MAX_BYTES} bytes, the range one buffer addresses")
+        raise ValueError("one token's rows of the activations or the output (rows, bytes, pitch: "
+                         f"{', '.join(map(str, spans))}) span more than {BUFFER_MAX_BYTES} bytes, the range one "
+                         "buffer addresses")
     return [(t0, min(per, tokens - t0)) for t0 in range(0, tokens, per)]
+
+
+def kernel_row_stride(stride: int) -> int:
+    """A bf16 row stride as the kernel multiplies it into 32-bit byte offsets: one past a buffer's
+    range is 0, since then no token window holds a second row (token_windows) and row 0's offset is 0."""
+    return stride if 2 * stride <= BUFFER_MAX_BYTES else 0
 
 
 def check_inputs(a_name: str, a, w_name: str, w, s_name: str, w_scale, sorted_ids, sorted_weights, sorted_expert_ids,

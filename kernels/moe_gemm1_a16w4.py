@@ -38,7 +38,7 @@ from flyquant.arch import arch_info
 from ._a16w4_common import (
     ACTIVATIONS, BIAS_DTYPES, K_CHUNK, MAX_SORTED_ROWS, MFMA_MN, TILE_MS, TILE_NS, WAVE_COUNTS,
     check_inputs, check_sorted_lengths, resolve_tiles, launch_geometry, default_waves, Gemm2Config, k_iterations, m_grid,
-    m_tiling,
+    m_tiling, kernel_row_stride,
 )
 from ._a16w4_main_loop import _cached_launcher
 
@@ -127,6 +127,7 @@ def moe_gemm1_a16w4(
     if out is None:
         out = torch.zeros(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     x_row_bytes, out_token_bytes = x.stride(0) * 2, topk * out.stride(0) * 2
+    out_span = (topk, out.shape[1] * 2, out.stride(0) * 2)  # a2's rows of one token (token_windows)
 
     auto_m, auto_n = choose_config1(tokens, topk, experts, model_dim, inter_dim, arch)
     tile_m, tile_n = resolve_tiles(block_m, tile_m, tile_n, auto_m, auto_n)
@@ -135,12 +136,12 @@ def moe_gemm1_a16w4(
         waves = default_waves(tile_m, tile_n, n_kt, 1, pair=True)
     if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
-    wn, wk, windows = launch_geometry(1, x, 1, model_dim, out_token_bytes, tile_m, tile_n, 1, waves, n_kt)
+    wn, wk, windows = launch_geometry(1, x, 1, model_dim, out_span, tile_m, tile_n, 1, waves, n_kt)
     cfg = Gemm2Config(
         arch=info.name, out_dtype=torch.bfloat16, tile_m=tile_m, tile_n=tile_n, k_batch=1, wn=wn, wk=wk,
-        model_dim=2 * inter_dim, inter_dim=model_dim, w_n=w_n, w_k=w_k, a_stride=x.stride(0), topk=topk,
+        model_dim=2 * inter_dim, inter_dim=model_dim, w_n=w_n, w_k=w_k, a_stride=kernel_row_stride(x.stride(0)), topk=topk,
         block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
-        stage=1, activation=activation, alpha=float(alpha), limit=float(limit), out_stride=out.stride(0),
+        stage=1, activation=activation, alpha=float(alpha), limit=float(limit), out_stride=kernel_row_stride(out.stride(0)),
         windowed=len(windows) > 1,
     )
     grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)

@@ -14,7 +14,7 @@ from ._a16w4_common import *  # noqa: F401,F403  (the kernel's constants and con
 from ._a16w4_common import (
     BIAS_DTYPES, K_CHUNK, KT, MAX_SORTED_ROWS, MFMA_MN, OUT_DTYPES, OUT_ELEM_BYTES,
     WAVE_COUNTS, check_inputs, check_sorted_lengths, resolve_tiles, launch_geometry, default_waves, Gemm2Config,
-    k_iterations, m_grid, m_tiling,
+    k_iterations, m_grid, m_tiling, kernel_row_stride,
 )
 from ._a16w4_main_loop import _cached_launcher, build_moe_gemm2_a16w4  # noqa: F401  (tests patch the former here)
 
@@ -125,13 +125,14 @@ def moe_gemm2_a16w4(
         waves = default_waves(tile_m, tile_n, n_kt, k_batch)
     if not validate.is_int(waves) or waves not in WAVE_COUNTS:
         raise ValueError(f"waves must be one of {WAVE_COUNTS}, got {waves!r}")
-    wn, wk, windows = launch_geometry(2, a2, topk, inter_dim, model_dim * out_elem, tile_m, tile_n, k_batch, waves, n_kt)
+    out_span = (1, model_dim * out_elem, model_dim * out_elem)  # out: one contiguous row per token
+    wn, wk, windows = launch_geometry(2, a2, topk, inter_dim, out_span, tile_m, tile_n, k_batch, waves, n_kt)
 
     if out is None:
         out = torch.zeros(tokens, model_dim, dtype=out_dtype, device=a2.device)
     cfg = Gemm2Config(
         arch=info.name, out_dtype=out.dtype, tile_m=tile_m, tile_n=tile_n, k_batch=k_batch, wn=wn, wk=wk,
-        model_dim=model_dim, inter_dim=inter_dim, w_n=w_n, w_k=w_k, a_stride=a2.stride(0), topk=topk,
+        model_dim=model_dim, inter_dim=inter_dim, w_n=w_n, w_k=w_k, a_stride=kernel_row_stride(a2.stride(0)), topk=topk,
         block_m=block_m, apply_weights=bool(apply_weights), bias_dtype=None if bias is None else bias.dtype,
         windowed=len(windows) > 1,
     )

@@ -445,7 +445,7 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
     rows, stride, topk, block_m = 33000, 65536, 1, 16
     p = make_problem(1, topk, 4, 256, 32, 32, 256, block_m, seed=12, bias_dtype=torch.float32)
     p["x"] = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :256]
-    assert len(K.token_windows(rows, 1, 256, stride, topk * stride * 2)) == 3
+    assert len(K.token_windows(rows, (1, 2 * 256, 2 * stride), (topk, 2 * 32, 2 * stride))) == 3
     blocks = [(2, WINDOW_TOKENS[0]), (0, WINDOW_TOKENS[1]), (3, WINDOW_TOKENS[2])]
     p["sorting"] = window_sorting(p["x"], blocks, block_m, torch.Generator().manual_seed(12))
     out = torch.empty(rows, stride, dtype=torch.bfloat16)[:, :32]
@@ -458,6 +458,23 @@ def test_x_and_a2_past_4_gib_run_in_token_windows(arch):
             exact, tol = pair_exact_and_tolerance(p, t, e, 1.0, "swiglu_oai")
             assert ((out[t].double() - exact).abs() <= tol).all(), (t, e)
     assert (out[neighbours] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_row_x_and_out_with_a_stride_past_one_buffer(arch):
+    """A one-token x and a one-row out whose row stride is 2^31 elements (a valid view: the next row is
+    never addressed) are computed: the launcher took out's bytes per token as topk * stride and refused
+    them as past one buffer (red-team finding), and a stride past 32 bits cannot be a kernel constant."""
+    p = make_problem(1, 1, 2, 256, 32, 32, 256, 16, seed=3)
+    x_store = torch.full((300,), float("nan"), dtype=torch.bfloat16)
+    x_store[:256] = p["x"][0]
+    p["x"] = x_store.as_strided((1, 256), (1 << 31, 1))
+    out_store = torch.full((40,), SENTINEL, dtype=torch.bfloat16)
+    out = out_store.as_strided((1, 32), (1 << 31, 1))
+    assert run(arch, p, "swiglu_oai", out=out) is out
+    exact, tol = pair_exact_and_tolerance(p, 0, int(p["ids"][0, 0]), 1.0, "swiglu_oai")
+    assert ((out[0].double() - exact).abs() <= tol).all()
+    assert (out_store[32:] == SENTINEL).all()
 
 
 @pytest.mark.parametrize("kw", [dict(alpha="1.702"), dict(limit="7"), dict(alpha=True), dict(alpha=torch.tensor(1.702)),

@@ -230,6 +230,18 @@ def test_adds_into_out_and_leaves_unrouted_rows_untouched(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_one_row_a2_with_a_stride_past_one_buffer(arch):
+    """One token, topk 1: a2's one row at a stride of 2^31 elements (the next row is never addressed) is
+    computed; a stride past 32 bits cannot be a kernel constant (kernel_row_stride)."""
+    p = make_problem(1, 1, 2, 128, 256, 16, seed=9, skip_expert=None)
+    store = torch.full((300,), float("nan"), dtype=torch.bfloat16)
+    store[:256] = p["a2"][0]
+    p["a2"] = store.as_strided((1, 256), (1 << 31, 1))
+    out0 = torch.zeros(1, 128, dtype=torch.bfloat16)
+    check(p, run_case(arch, p, out=out0.clone()), out0, torch.bfloat16, 1, True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_aiter_shuffled_inputs_give_the_same_result(arch):
     """Weights and scales laid out by aiter's own shuffle functions give bit-identical output."""
     aiter = oracles.aiter_shuffle()
