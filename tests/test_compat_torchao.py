@@ -65,6 +65,8 @@ _t = torch.zeros(2, 64, 64, dtype=BF16)
 # (call, torchao's words, our words after them or None): each bad input to a compat function.
 BAD_INPUTS = [
     (lambda: ONE_X32(torch.zeros(32, 32, dtype=BF16), block_size=16), r"Only block_size=32 is supported", "got 16"),
+    (lambda: COL(torch.zeros(32, 32, dtype=BF16), block_size=32.0), r"Only block_size=32 is supported",
+     "got 32.0"),  # accepted, while scale_block_dim2=32.0 was refused
     (lambda: ONE_X32(torch.zeros(4, 40, dtype=BF16)), r"K must be a multiple of 32", "got K = 40"),
     (lambda: ONE_X32(torch.zeros(64, 64, dtype=BF16).t()), r"Input tensor must be contiguous \(row-major\)",
      r"got strides \(1, 64\)"),
@@ -109,6 +111,7 @@ def test_bad_dtype_is_also_our_type_error():
     # not ints: were refused by the native API naming its scale_block_k
     ({"scale_block_dim2": 32.0}, "scale_block_dim2 must be 1 or 32 (got 32.0)"),
     ({"scale_block_dim2": True}, "scale_block_dim2 must be 1 or 32 (got True)"),
+    ({"scale_block_dim1": 32.0}, "scale_block_dim1 must be 32 (got 32.0)"),  # was accepted
 ])
 def test_3d_scale_blocks_are_torchaos_not_implemented_and_our_value_error(kwargs, words):
     with pytest.raises(NotImplementedError, match=words.replace("(", r"\(").replace(")", r"\)")) as caught:

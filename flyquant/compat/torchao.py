@@ -70,8 +70,8 @@ def _check_input(x: torch.Tensor, ndim: int, block_size: int, allow_transposed_3
         raise TorchaoDtypeError(f"Input tensor must be float32 or bfloat16 (flyquant also takes float16; got {x.dtype})")
     if not x.is_contiguous() and not (allow_transposed_3d and x.transpose(1, 2).is_contiguous()):
         _fail("Input tensor must be contiguous (row-major)", f"got strides {x.stride()} for shape {tuple(x.shape)}")
-    if block_size != MX_BLOCK:
-        _fail(f"Only block_size={MX_BLOCK} is supported", f"got {block_size}")
+    if not validate.is_int(block_size) or block_size != MX_BLOCK:  # an int, as scale_block_dim1/2
+        _fail(f"Only block_size={MX_BLOCK} is supported", f"got {block_size!r}")
 
 
 def _mode(scaling_mode):
@@ -126,10 +126,10 @@ def mxfp8_quantize_3d_flydsl(
     """(E, N, K) along N -> data stride (N*K, 1, N), scales (E, N/32, K) (or K/32 with
     scale_block_dim2=32), or torchao's blocked scales (E, rows * cols) with blocked_scale_output.
     x contiguous, or the transpose of a contiguous (E, K, N) tensor."""
-    if scale_block_dim1 != MX_BLOCK:
+    if not validate.is_int(scale_block_dim1) or scale_block_dim1 != MX_BLOCK:
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim1 must be {MX_BLOCK} (got {scale_block_dim1}).")
-    # an int: 32.0 or True got past `in` and the native API refused them, naming its scale_block_k
+    # ints, as block_size: 32.0 or True got past `in` and the native API refused them, naming its scale_block_k
     if not validate.is_int(scale_block_dim2) or scale_block_dim2 not in (1, MX_BLOCK):
         raise TorchaoUnsupportedError(
             f"mxfp8_quantize_3d_flydsl: scale_block_dim2 must be 1 or {MX_BLOCK} (got {scale_block_dim2}).")
