@@ -24,6 +24,7 @@ import torch
 import flyquant as fq
 from flyquant import layouts, reference
 from flyquant.nn import MoEExperts, from_gpt_oss_experts, patch_gpt_oss
+from flyquant.nn.experts import EXTRA_STATE_KEYS
 
 ARCHS = ("gfx950", "gfx942")
 U_BF16 = 2.0**-8
@@ -204,6 +205,8 @@ def test_a_state_dict_is_checked_like_the_constructor(monkeypatch):
     m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation="swiglu_oai")
     good = m.state_dict()
     key = next(k for k in good if k.endswith("_extra_state"))
+    saved = {k: getattr(m, k) for k in EXTRA_STATE_KEYS}  # the dict form, as flyquant saved it before the tensor
+    m.load_state_dict({**good, key: saved})
     for change, error, match in [(dict(model_dim=63.7), ValueError, "model_dim must be an int"),
                                  (dict(inter_dim=True), ValueError, "inter_dim must be an int"),
                                  (dict(model_dim=10 * MODEL), ValueError, "do not fit the padded weights"),
@@ -211,7 +214,7 @@ def test_a_state_dict_is_checked_like_the_constructor(monkeypatch):
                                  (dict(alpha="1.7"), TypeError, "alpha must be a real number"),
                                  (dict(activation="relu"), ValueError, "activation must be one of")]:
         with pytest.raises(error, match=match):
-            m.load_state_dict({**good, key: {**good[key], **change}})
+            m.load_state_dict({**good, key: {**saved, **change}})
     m.load_state_dict(good)  # and the module kept what it had
     assert (m.model_dim, m.activation, m.limit) == (MODEL, "swiglu_oai", 7.0)
 

@@ -11,6 +11,7 @@ import torch
 
 from flyquant import reference
 from flyquant.nn import MoEExperts, from_gpt_oss_experts, patch_gpt_oss
+from flyquant.nn.experts import EXTRA_STATE_KEYS
 
 from test_nn import BACKENDS, dense_layer, tiny_gpt_oss
 
@@ -181,9 +182,15 @@ def test_a_malformed_extra_state_is_named(monkeypatch):
     with pytest.raises(ValueError, match=f"_extra_state must have the keys {keys}, got \\['model_dim'\\]"):
         m.load_state_dict({**good, "_extra_state": {"model_dim": 64}})
     with pytest.raises(ValueError, match="_extra_state must have the keys"):
-        m.load_state_dict({**good, "_extra_state": {**good["_extra_state"], "bias": True}})
+        m.load_state_dict({**good, "_extra_state": {**{k: getattr(m, k) for k in EXTRA_STATE_KEYS}, "bias": True}})
     for bad in (None, 5):
-        with pytest.raises(TypeError, match=f"_extra_state must be a dict with keys {keys}, got {type(bad).__name__}"):
+        with pytest.raises(TypeError, match=f"_extra_state must be an int64 tensor or a dict with keys {keys}, "
+                                            f"got {type(bad).__name__}"):
+            m.load_state_dict({**good, "_extra_state": bad})
+    for bad, words in [(good["_extra_state"].float(), "int64 of shape \\(5,\\), got torch.float32"),
+                       (good["_extra_state"][:4], "int64 of shape \\(5,\\), got torch.int64 \\(4,\\)"),
+                       (good["_extra_state"].clone().index_fill_(0, torch.tensor([2]), 3), "activation index")]:
+        with pytest.raises(ValueError, match=words):
             m.load_state_dict({**good, "_extra_state": bad})
     m.load_state_dict(good)
 
@@ -330,8 +337,47 @@ def test_a_checkpoint_none_of_whose_experts_match_is_refused():
     was ignored, silently."""
     model, checkpoint = tiny_gpt_oss(seed=9)
     other_prefix = {k[len("model."):]: v for k, v in checkpoint.items()}
-    with pytest.raises(ValueError, match=r"checkpoint holds MXFP4 expert tensors \('layers.0.mlp.experts.gate_up_proj_"
+    with pytest.raises(ValueError, match=r"checkpoint holds GPT-OSS expert weights \('layers.0.mlp.experts.gate_up_proj_"
                                          r"blocks', ...\) but none under an experts path of the model "
                                          r"\('model.layers.0.mlp.experts', ...\)"):
         patch_gpt_oss(model, checkpoint=other_prefix)
     assert not any(isinstance(layer.mlp.experts, MoEExperts) for layer in model.model.layers)
+
+
+def test_a_state_dict_of_other_sizes_is_a_size_mismatch(monkeypatch):
+    """A state_dict whose padded weights have other shapes: torch's size mismatch, naming them. The
+    extra state's sizes were checked first against the module's own weights (red-team finding):
+    'model_dim = 64 ... do not fit the padded weights', listing the receiving module's shapes."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    small, large = dense_layer(4, 32, 32, 2, 1, seed=1), dense_layer(4, 64, 32, 2, 1, seed=2)
+    m = MoEExperts.from_dense(small["w1"], small["w2"])
+    with pytest.raises(RuntimeError, match=r"size mismatch for w2: copying a param with shape torch.Size\(\[4, 64, 128\]\)"):
+        m.load_state_dict(MoEExperts.from_dense(large["w1"], large["w2"]).state_dict())
+    assert m.model_dim == 32
+
+
+def _same_experts(a: MoEExperts, b: MoEExperts) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype != y.dtype or x.dtype.itemsize == 1
+               else torch.equal(x, y) for (_, x), (_, y) in zip(a.named_buffers(), b.named_buffers()))
+
+
+def test_a_checkpoint_without_biases_keeps_the_blocks_biases():
+    """A checkpoint holding a layer's MXFP4 tensors but not its biases: the patched experts had no
+    bias at all (every MoE output wrong, silently; red-team finding); now the block's own biases."""
+    model, checkpoint = tiny_gpt_oss(seed=10)
+    full = from_gpt_oss_experts({k: v for k, v in checkpoint.items() if k.startswith("model.layers.0.")}, model.config)
+    assert full.b1 is not None and full.b1.abs().max() > 0
+    patch_gpt_oss(model, checkpoint={k: v for k, v in checkpoint.items() if not k.endswith("_bias")})
+    got = model.model.layers[0].mlp.experts
+    assert got.b1 is not None and got.b2 is not None and _same_experts(got, full)
+
+
+def test_a_checkpoint_of_float_weights_is_taken():
+    """A checkpoint holding a layer's float weights (another model's state_dict) was ignored: the
+    block quantized its own weights instead, silently (red-team finding)."""
+    source, _ = tiny_gpt_oss(seed=11)
+    model, _ = tiny_gpt_oss(seed=12)
+    floats = {k: v for k, v in source.state_dict().items() if ".experts." in k}
+    patch_gpt_oss(model, checkpoint=floats)
+    for layer, src in zip(model.model.layers, source.model.layers):
+        assert _same_experts(layer.mlp.experts, from_gpt_oss_experts(src.mlp.experts, source.config))

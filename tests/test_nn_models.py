@@ -229,3 +229,19 @@ def test_a_patched_model_generates_and_round_trips(monkeypatch):
         other = patch_moe(tiny_qwen3_moe(seed=1))
         other.load_state_dict(model.state_dict())
         assert torch.equal(other(tokens).logits, model(tokens).logits)
+
+
+def test_a_patched_model_saves_with_save_pretrained(monkeypatch, tmp_path):
+    """save_pretrained (safetensors) stores tensors only: the experts' extra state was a dict, an
+    AttributeError inside huggingface_hub. Its file loads back into a patched model."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    model = patch_moe(tiny_qwen3_moe())
+    model.save_pretrained(tmp_path)
+    other = patch_moe(tiny_qwen3_moe(seed=1))
+    missing, unexpected = other.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert missing == [] and unexpected == [], (missing, unexpected)
+    tokens = torch.randint(0, QWEN["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(other(tokens).logits, model(tokens).logits)

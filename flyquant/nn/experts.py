@@ -31,6 +31,7 @@ INTER_CHUNK = 32  # stage 2 reduces over inter_dim in 32-column chunks (stage 1 
 SCALE_PAD_CODE = 0  # E8M0 code the floor quantize gives an all-zero block (2^-127); the padding FP4 codes are 0
 FP4_BLOCK_BYTES = MX_BLOCK // 2  # 16 packed bytes per 32-element block
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+EXTRA_STATE_KEYS = ("model_dim", "inter_dim", "activation", "alpha", "limit")  # get_extra_state's order
 FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 PACKED_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
@@ -286,18 +287,36 @@ class MoEExperts(torch.nn.Module):
                     raise TypeError(f"MoEExperts' {prefix + name} must hold codes ({', '.join(str(d)[6:] for d in codes)}), "
                                     f"got {given.dtype}")
                 state_dict[prefix + name] = given.view(own.dtype)
+        # weights of other shapes are torch's "size mismatch" (not loaded): the extra state's sizes, checked
+        # against the module's own weights, would raise first and name those
+        if any(isinstance(state_dict.get(prefix + n), torch.Tensor) and state_dict[prefix + n].shape != getattr(self, n).shape
+               for n in ("w1", "w2")) and prefix + "_extra_state" in state_dict:
+            state_dict[prefix + "_extra_state"] = self.get_extra_state()
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def get_extra_state(self) -> dict:
-        return dict(model_dim=self.model_dim, inter_dim=self.inter_dim, activation=self.activation,
-                    alpha=self.alpha, limit=self.limit)
+    def get_extra_state(self) -> torch.Tensor:
+        """The sizes and activation as one int64 tensor (safetensors and save_pretrained take tensors
+        only): model_dim, inter_dim, the activation's index in ACTIVATIONS, alpha's and limit's float64 bits."""
+        bits = torch.tensor([self.alpha, self.limit], dtype=torch.float64).view(torch.int64)
+        return torch.cat([torch.tensor([self.model_dim, self.inter_dim, ACTIVATIONS.index(self.activation)]), bits])
 
-    def set_extra_state(self, state: dict) -> None:
-        keys = set(self.get_extra_state())  # else a KeyError or "not subscriptable" naming no state
-        if not isinstance(state, Mapping):
-            raise TypeError(f"MoEExperts' _extra_state must be a dict with keys {sorted(keys)}, got {type(state).__name__}")
-        if set(state) != keys:
-            raise ValueError(f"MoEExperts' _extra_state must have the keys {sorted(keys)}, got {sorted(state)}")
+    def set_extra_state(self, state) -> None:
+        """get_extra_state's tensor, or the dict of EXTRA_STATE_KEYS that flyquant saved before it."""
+        keys = sorted(EXTRA_STATE_KEYS)
+        if isinstance(state, torch.Tensor):
+            if state.dtype != torch.int64 or tuple(state.shape) != (5,):
+                raise ValueError(f"MoEExperts' _extra_state tensor must be int64 of shape (5,), got {state.dtype} "
+                                 f"{tuple(state.shape)}")
+            sizes, bits = state[:3].tolist(), state[3:].cpu().view(torch.float64).tolist()
+            if not 0 <= sizes[2] < len(ACTIVATIONS):
+                raise ValueError(f"MoEExperts' _extra_state activation index must be in [0, {len(ACTIVATIONS)}), "
+                                 f"got {sizes[2]}")
+            state = dict(zip(EXTRA_STATE_KEYS, [sizes[0], sizes[1], ACTIVATIONS[sizes[2]], *bits]))
+        if not isinstance(state, Mapping):  # else a KeyError or "not subscriptable" naming no state
+            raise TypeError(f"MoEExperts' _extra_state must be an int64 tensor or a dict with keys {keys}, "
+                            f"got {type(state).__name__}")
+        if set(state) != set(keys):
+            raise ValueError(f"MoEExperts' _extra_state must have the keys {keys}, got {sorted(state)}")
         self._set_config(self.w1, self.w2, state["model_dim"], state["inter_dim"], state["activation"], state["alpha"],
                          state["limit"])
 

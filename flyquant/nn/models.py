@@ -23,6 +23,8 @@ from .experts import FLOAT_WEIGHTS, FP4_BLOCK_BYTES, SCALE_DTYPES, MoEExperts, r
 
 GPT_OSS_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
                    "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+GPT_OSS_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_blocks", "down_proj_blocks")  # a checkpoint's layer
+GPT_OSS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def _gpt_oss_tensors(experts) -> dict:
@@ -139,8 +141,9 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
     MoEExperts, in place, keeping each block's router; returns the model.
 
     checkpoint: optionally the checkpoint's tensors (a state_dict-like mapping with keys
-    '<block path>.experts.gate_up_proj_blocks' etc.): a block whose MXFP4 tensors it holds takes
-    them bit for bit; the others quantize their float weights with `scaling_mode`."""
+    '<block path>.experts.gate_up_proj_blocks' etc.): a block whose weights it holds takes them
+    (MXFP4 tensors bit for bit, float ones quantized with `scaling_mode`), with the biases it holds
+    and, where it holds none, the block's own; the other blocks quantize their own float weights."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     if checkpoint is not None and not isinstance(checkpoint, Mapping):
@@ -159,7 +162,7 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
         if checkpoint is not None:
             prefix = experts_path[name] + "."
             layer = {k: v for k, v in checkpoint.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-            if any(k.endswith("_blocks") for k in layer):
+            if any(k[len(prefix):] in GPT_OSS_WEIGHTS for k in layer):
                 source = layer
         sources.append(source)
         with torch.no_grad():
@@ -173,12 +176,19 @@ def patch_gpt_oss(model, checkpoint: Mapping | None = None, scaling_mode: str = 
             raise ValueError(f"{experts_path[name]}: the experts from {origin} have (E, hidden, inter) = "
                              f"{(new.num_experts, new.model_dim, new.inter_dim)}, the block (router, config) {want}")
         if isinstance(source, Mapping):
+            # biases it lacks are the block's (e.g. a checkpoint's MXFP4 tensors alone: they were dropped),
+            # taken once its sizes are known to be the block's
+            own = _gpt_oss_tensors(block.experts)
+            lacking = {prefix + b: own[b] for b in GPT_OSS_BIASES if b in own and prefix + b not in source}
+            if lacking:
+                with torch.no_grad():
+                    new = from_gpt_oss_experts({**lacking, **source}, config, scaling_mode=scaling_mode)
             alpha, limit = _swiglu_params(block.experts, config)  # the block's, checked (not assigned past the checks)
             new._set_config(new.w1, new.w2, new.model_dim, new.inter_dim, new.activation, alpha, limit)
         converted.append((block, new))
-    given = [k for k in (checkpoint or ()) if k.endswith(("gate_up_proj_blocks", "down_proj_blocks"))]
+    given = [k for k in (checkpoint or ()) if k.rsplit(".", 1)[-1] in GPT_OSS_WEIGHTS]
     if given and not any(isinstance(b, Mapping) for b in sources):  # e.g. keys of another prefix: all ignored
-        raise ValueError(f"checkpoint holds MXFP4 expert tensors ({given[0]!r}, ...) but none under an experts path "
+        raise ValueError(f"checkpoint holds GPT-OSS expert weights ({given[0]!r}, ...) but none under an experts path "
                          f"of the model ({experts_path[blocks[0][0]]!r}, ...): its key prefix does not match the model's")
     for block, new in converted:
         block.experts = new
