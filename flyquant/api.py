@@ -9,6 +9,7 @@ in flyquant/api_moe.py (re-exported here), the MXFP8 grouped GEMMs in flyquant/g
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Optional
@@ -396,8 +397,8 @@ def explain(fn, *args, **kwargs) -> Plan:
 
     planners.update(EXPLAINERS)
     planner = planners.get(fn)
+    name = getattr(fn, "__name__", repr(fn))
     if planner is None:
-        name = getattr(fn, "__name__", repr(fn))
         # only what is pure PyTorch: anything else (moe_stage2 before it had a planner, the training
         # op, the torchao compat functions, None) was said to be "a pure-PyTorch op with no kernel"
         if getattr(fn, "__module__", None) not in PURE_MODULES:
@@ -405,6 +406,16 @@ def explain(fn, *args, **kwargs) -> Plan:
             raise TypeError(f"explain takes one of flyquant's kernel-backed ops ({ops}) or a pure-PyTorch function "
                             f"of flyquant's {', '.join(PURE_MODULES)} modules; got {name} (for a function that calls "
                             "these ops, explain each op it calls)")
+    try:  # the planners' own signatures are private: a missing argument named _explain_sorting()
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check against
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"explain({name}, ...): the arguments do not fit {name}{signature}: {exc}") from None
+    if planner is None:
         plan = Plan(name, "reference", "tensor's device", reasons=(f"{name} is a pure-PyTorch op with no kernel",))
     else:
         plan = planner(*args, **kwargs)

@@ -341,3 +341,14 @@ def test_explain_plans_moe_stage2_and_refuses_what_it_cannot_plan(capsys, monkey
         with pytest.raises(TypeError, match="explain takes one of flyquant's kernel-backed ops .*moe_stage2"):
             fq.explain(fn, X)
     assert fq.explain(fq.moe_routing, torch.randn(2, 4), 2).backend == "reference"  # pure PyTorch: still planned
+
+
+@pytest.mark.parametrize("fn, args, words", [
+    (fq.moe_sorting, (), r"explain\(moe_sorting, ...\): the arguments do not fit moe_sorting\(topk_ids, .*missing a "
+                         r"required argument: 'topk_ids'"),  # was a TypeError naming the private _explain_sorting()
+    (fq.dequantize_mxfp4, (), r"dequantize_mxfp4\(packed, scales\): missing"),  # was planned, unchecked
+    (fq.mxfp8_quantize, (X, -1, "rceil", None, None, True, 5), "too many positional arguments"),
+])
+def test_explain_checks_the_arguments_against_the_op(fn, args, words):
+    with pytest.raises(TypeError, match=words):
+        fq.explain(fn, *args)
