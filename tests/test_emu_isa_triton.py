@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from types import SimpleNamespace
 
-from test_emu_isa import ARCHS, FULL, ZERO, _rsrc_sgprs, as_f32, f32, run
+from test_emu_isa import ARCHS, FULL, ZERO, as_f32, f32, run
+from test_emu_isa_memory import _rsrc_sgprs
 from tinygrad.renderer.amd.dsl import SDWA, VCC, s, src, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
