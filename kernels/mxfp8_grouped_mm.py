@@ -37,12 +37,13 @@ selector finds them (select_grouped_mm.grouped_mm_wgrad_tiles).
 MFMA orientation. The weights go in as the MFMA's A operand and the tokens as B, so lane (c, r)
 (c = lane / 16, r = lane % 16) ends up holding token row r of its block and the four consecutive
 output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous bytes.
-- gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 32
-  bytes of its row at k = 128 s + 32 c (two 16-byte loads; a row's 4 lanes read half of each
-  128-byte line per instruction, the other half with the next; the second's +16 in the vector
-  offset, or on the wide tiles with row-major scales (more than 8 row blocks per wave and a scale
-  byte per block and step), where a VGPR per block would spill, in the scalar offset) and that
-  block's E8M0 scale, which the hardware applies. Scales row-major: one byte load per row block
+- gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 16
+  bytes of its row at k = 128 s + 16 c and the 16 at 128 s + 64 + 16 c (two 16-byte loads: the
+  instruction's 8-bit operand layout, CK's mx_mfma_op test; a row's 4 lanes read 64 contiguous
+  bytes per instruction; the second's +64 in the vector offset, or on the wide tiles with row-major scales (more than 8 row blocks per wave and a scale
+  byte per block and step), where a VGPR per block would spill, in the scalar offset) and the
+  E8M0 scale of block c (k = 128 s + 32 c), which the hardware applies to that block, wherever
+  its bytes sit. Scales row-major: one byte load per row block
   and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with
   scale_layout="mfma"): one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
   by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
@@ -100,6 +101,7 @@ from ._a16w4_common import MFMA_MN, OOB, WAVE, _ballot, _load, _rsrc, _scalar_lo
 from ._mxfp8_gfx942 import _cat, _e8m0_f32, _fnuz_operands, scaled_sums
 
 K_STEP = 128  # K per main-loop step: one scaled MFMA (gfx950), four FP8 MFMAs (gfx942)
+HALF_STEP = K_STEP // 2  # gfx950: a lane's second 16 bytes of a step (the scaled MFMA's 8-bit operand layout)
 
 
 @dataclass(frozen=True)
@@ -282,9 +284,10 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             return row * AS_PITCH + kb_lo, lambda s: s * (K_STEP // BLOCK) + S_BASE
 
         def scaled_offsets(a_row, b_row):
-            """gfx950: lane (c, r)'s 32-byte chunk c of its rows' step, and where its scales are: plain,
-            one byte per row block; "mfma", one dword per pair of row blocks (rows r, r + 16)."""
-            data = [off(x, A_PITCH, c * BLOCK, A_MASKED) for x in a_row], [off(x, A_PITCH, c * BLOCK, N_TAIL) for x in b_row]
+            """gfx950: lane (c, r)'s first 16 bytes of its rows' step (16 c; the second 16 at + HALF_STEP),
+            and where its block c's scales are: plain, one byte per row block; "mfma", one dword per
+            pair of row blocks (rows r, r + 16)."""
+            data = [off(x, A_PITCH, c * 16, A_MASKED) for x in a_row], [off(x, A_PITCH, c * 16, N_TAIL) for x in b_row]
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
                 a_sc = [scale_src(rows[2 * p], c)[0] & ~3 for p in range_constexpr(MB // 2)]
                 b_sc = [scale_src(cols[2 * q] + r, c)[0] & ~3 for q in range_constexpr(NB // 2)]
@@ -293,9 +296,10 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 b_sc = [off(x, AS_PITCH, c, N_TAIL) for x in b_row]
             return data + (a_sc, b_sc)
 
-        def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True):
+        def scaled_load(s, o, b_rsrc, bs_rsrc, scales=True, hi_kept=None):
             """gfx950: issue the loads of 128-wide step s: per row block and column block the lane's
-            32 bytes (two 16-byte loads), and (`scales`) the scale bytes or dwords. A flat list."""
+            two 16 bytes (scaled_offsets), and (`scales`) the scale bytes or dwords. A flat list.
+            hi_kept (a partial step's): whether the lane's second 16 bytes are read (else OOB: 0)."""
             ao, bo, aso, bso = o
             sc = []
             if const_expr(scales and SCALE_MFMA):  # the dword of the step's pair (the parity is the MFMA's byte select)
@@ -307,11 +311,13 @@ def build_grouped_mm(cfg: GroupedMMConfig):
             # scales first: a wait for them (a copy at the loop's end) leaves the data in flight
             rocdl.sched_barrier(0)
             sd = _uniform(s * K_STEP + D_BASE)
-            if const_expr(MB + NB > 8 and not SCALE_MFMA):  # the second 16 bytes through the scalar offset (module doc)
-                sd16 = _uniform(sd + 16)
-                hi = lambda o: (o, sd16)  # noqa: E731
+            if const_expr(hi_kept is not None):
+                hi = lambda o: (hi_kept.select(o + HALF_STEP, fx.Int32(OOB)), sd)  # noqa: E731
+            elif const_expr(MB + NB > 8 and not SCALE_MFMA):  # the second 16 bytes through the scalar offset (module doc)
+                sd_hi = _uniform(sd + HALF_STEP)
+                hi = lambda o: (o, sd_hi)  # noqa: E731
             else:
-                hi = lambda o: (o + 16, sd)  # noqa: E731
+                hi = lambda o: (o + HALF_STEP, sd)  # noqa: E731
             av = [_cat(_load(a_rsrc, ao[mb], sd, 4), _load(a_rsrc, *hi(ao[mb]), 4)) for mb in range_constexpr(MB)]
             bv = [_cat(_load(b_rsrc, bo[nb], sd, 4), _load(b_rsrc, *hi(bo[nb]), 4)) for nb in range_constexpr(NB)]
             return av + bv + sc
@@ -483,9 +489,10 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 o = scaled_offsets(a_row, b_row)
                 if steps > 0:
                     accs = scaled_pipeline(o, b_rsrc, bs_rsrc, steps)
-                if tail > 0:  # the chunks past the tail masked
-                    t = tuple([(c < tail).select(x, fx.Int32(OOB)) for x in part] for part in o)
-                    last = scaled_load(fx.Int32(steps), t, b_rsrc, bs_rsrc)
+                if tail > 0:  # the bytes past the tail's 32 tail bytes masked: 16 c, 64 + 16 c; scales of blocks c
+                    keep = (c < tail * 2, c < tail * 2, c < tail, c < tail)
+                    t = tuple([k.select(x, fx.Int32(OOB)) for x in part] for k, part in zip(keep, o))
+                    last = scaled_load(fx.Int32(steps), t, b_rsrc, bs_rsrc, hi_kept=c + 4 < tail * 2)
                     rocdl.s_waitcnt(vmcnt=0)
                     # the parity: the "mfma" scales' byte select (forward only: a compile-time count)
                     accs = scaled_compute(accs, last[:MB + NB], last[MB + NB:], steps % 2 if const_expr(SCALE_MFMA) else 0)

@@ -2,12 +2,15 @@
 
 A FlyDSL kernel (tests/emu_kernels.py mfma_scale) issues one scaled MFMA on raw register words;
 the expected D is computed here from the documented layout, independently of the emulator:
-- A (M x K), M = 16 (K = 128) or 32 (K = 64): lane l holds row l % M, k = 32 * (l // M) + j for
-  j = 0..31; fp8/bf8 element j is byte j % 4 of register j // 4, fp4 element j the nibble
-  j % 2 (low first) of byte (j // 2) % 4 of register j // 8 (registers 4..7 unused). B likewise
-  with column l % M.
-- The scale of those 32 elements is byte `opsel` of lane l's scale word, an E8M0 code s:
-  2^(s - 127), s = 0xFF NaN. opsel is the intrinsic's opsel_a / opsel_b argument.
+- A (M x K), M = 16 (K = 128) or 32 (K = 64): lane l holds 32 elements j of row l % M, g = l // M.
+  fp4: k = 32 g + j, element j the nibble j % 2 (low first) of byte (j // 2) % 4 of register
+  j // 8 (registers 4..7 unused). fp8/bf8: byte j % 4 of register j // 4 is
+  k = (j // 16) K / 2 + 16 g + j % 16: registers 0-3 hold 16 k of the first half of K, 4-7 of
+  the second (composable_kernel's test/mx_mfma_op register maps, run on MI355X). B likewise with
+  column l % M.
+- K block b (k = 32 b .. 32 b + 31) of row r is scaled by byte `opsel` of lane b M + r's scale
+  word, an E8M0 code s: 2^(s - 127), s = 0xFF NaN (for fp8, not the lane holding the block's
+  bytes). opsel is the intrinsic's opsel_a / opsel_b argument.
 - D = (A scaled) (B scaled)^T + C; C/D register r of lane l is element
   (4 (l // 16) + r, l % 16) for 16x16 and (8 (r // 4) + 4 (l // 32) + r % 4, l % 32) for 32x32.
 Element values come from torch's float8_e4m3fn / float8_e5m2 and the E2M1 table below.
@@ -51,9 +54,12 @@ def _random_codes(rng, shape, fmt: int) -> np.ndarray:
 def _pack(codes: np.ndarray, fmt: int, rng) -> np.ndarray:
     """(M, K) element codes -> (8, 64) register words by the layout in the module doc."""
     m = codes.shape[0]
-    lane_elems = np.empty((LANES, BLOCK), np.int64)  # lane l: row l % m, block l // m
+    k, j = codes.shape[1], np.arange(BLOCK)
+    lane_elems = np.empty((LANES, BLOCK), np.int64)  # lane l: row l % m, group l // m
     for lane in range(LANES):
-        lane_elems[lane] = codes[lane % m, BLOCK * (lane // m): BLOCK * (lane // m + 1)]
+        g = lane // m
+        ks = BLOCK * g + j if fmt == FP4 else (j // 16) * (k // 2) + 16 * g + j % 16
+        lane_elems[lane] = codes[lane % m, ks]
     if fmt == FP4:
         data = (lane_elems[:, 0::2] | lane_elems[:, 1::2] << 4).astype(np.uint8)  # (64, 16) bytes
         garbage = rng.integers(0, 256, (LANES, 16), dtype=np.uint8)  # registers 4..7: not read

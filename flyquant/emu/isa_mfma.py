@@ -3,7 +3,10 @@
 A single-block v_mfma_<out>_<M>x<N>x<K>_<in> computes D = A (M x K) * B (K x N) + C (M x N) for
 the whole wave. Register layout (CDNA3/CDNA4 ISA guides, "Matrix fused-multiply-add"):
 - A: lane l holds E = M*K/64 consecutive K elements of row l % M, starting at k = E * (l // M),
-  packed little-endian in its source registers; B likewise with column l % N.
+  packed little-endian in its source registers; B likewise with column l % N. Except gfx950's
+  f8f6f4 MFMAs with 8-bit formats: each half of a lane's 8 registers holds 16 consecutive k of
+  its row's half of K, k = (j // 16) K / 2 + 16 (l // M) + j % 16 for element j
+  (composable_kernel's test/mx_mfma_op register maps, run on MI355X); FP4 keeps the rule above.
 - C/D, 16x16 (4 registers): register r of lane l is element (4 * (l // 16) + r, l % 16);
   32x32 (16 registers): register r of lane l is element (8 * (r // 4) + 4 * (l // 32) + r % 4, l % 32).
 MFMAs ignore EXEC. Products of the narrow inputs are exact in binary64; the K products and C are
@@ -18,10 +21,10 @@ the other MFMAs) and the multi-block MFMAs are rejected.
 gfx950's scaled forms v_mfma_scale_f32_{16x16x128,32x32x64}_f8f6f4 (AMD Instinct CDNA4 ISA
 reference guide, chapter "Matrix Arithmetic Instructions": V_MFMA_LD_SCALE_B32 and the scaled MFMA
 as one VOP3PX2 instruction) are the same product with every 32-element K block of every A row and
-B column multiplied by 2^(s - 127), s an E8M0 code (0xFF: NaN). Each lane holds exactly one such
-block (32 elements, the A/B layout above: row or column l % M, block l // M) and supplies its
-scale byte from its own scale VGPR (scale_src0 for A, scale_src1 for B): byte
-op_sel[0] + 2 op_sel_hi[0] of scale_src0 for A, op_sel[1] + 2 op_sel_hi[1] of scale_src1 for B,
+B column multiplied by 2^(s - 127), s an E8M0 code (0xFF: NaN). Block b of row or
+column r (k = 32 b .. 32 b + 31) takes its scale byte from lane b M + r's scale VGPR (scale_src0
+for A, scale_src1 for B), wherever its elements sit (FP4: that lane; FP8: lanes of two groups):
+byte op_sel[0] + 2 op_sel_hi[0] of scale_src0 for A, op_sel[1] + 2 op_sel_hi[1] of scale_src1 for B,
 the ld_scale word's modifiers (this is how LLVM encodes the intrinsic's opsel_a/opsel_b = byte
 0..3: tests llvm.amdgcn.mfma.scale.*.ll, MC/AMDGPU/mai-gfx950.s). The scaled elements are exact in
 binary64, so the product stays one exact sum rounded once. SGPR and constant scale operands are
@@ -93,15 +96,24 @@ def _acc_to_matrix(regs: np.ndarray, m: int) -> np.ndarray:
     return regs.reshape(4, 4, 2, 32).transpose(0, 2, 1, 3).reshape(32, 32)
 
 
-def operand_indices(first_row: int, elems: int, bits: int, rows: int) -> np.ndarray:
+def operand_indices(first_row: int, elems: int, bits: int, rows: int, halves: bool = False) -> np.ndarray:
     """(rows, K) positions of the A (or B) matrix elements in the register file viewed as one
     flat array of `bits`-wide elements (bits 4: nibble positions, low nibble first): lane l
-    holds its `elems` elements packed little-endian in registers first_row, first_row + 1, ..."""
+    holds its `elems` elements packed little-endian in registers first_row, first_row + 1, ...
+    `halves` (the f8f6f4 MFMAs' 8-bit formats): each half of a lane's registers holds 16
+    consecutive k of its row's half of K: element j of lane group g is k = (j // 16) K / 2 +
+    16 g + j % 16 (FP4 stays one run of 32)."""
     per_reg = 32 // bits
     j = np.arange(elems)
     lane = np.arange(LANES)[:, None]
-    pos = ((first_row + j // per_reg) * LANES + lane) * per_reg + j % per_reg  # (64, elems)
-    return _operand_matrix(pos, rows)
+    pos = _operand_matrix(((first_row + j // per_reg) * LANES + lane) * per_reg + j % per_reg, rows)
+    if not halves:
+        return pos
+    groups = LANES // rows
+    g, j = np.divmod(np.arange(groups * elems), elems)
+    out = np.empty_like(pos)
+    out[:, (j // 16) * (groups * elems // 2) + 16 * g + j % 16] = pos
+    return out
 
 
 def accumulator_indices(first_row: int, m: int) -> np.ndarray:
@@ -110,10 +122,10 @@ def accumulator_indices(first_row: int, m: int) -> np.ndarray:
     return _acc_to_matrix(np.arange(first_row * LANES, (first_row + regs) * LANES).reshape(regs, LANES), m)
 
 
-def _operand_reader(ctx, kind: str, bits: int, first_row: int, elems: int, rows: int):
+def _operand_reader(ctx, kind: str, bits: int, first_row: int, elems: int, rows: int, halves: bool = False):
     """Closure w -> (rows, K) float64 (int64 for i8) operand matrix: one gather of the element
-    codes from the register file, one table lookup of their values."""
-    idx = operand_indices(first_row, elems, bits, rows)
+    codes from the register file, one table lookup of their values (halves: operand_indices')."""
+    idx = operand_indices(first_row, elems, bits, rows, halves)
     if kind == "f32":
         return lambda w: w.vf.reshape(-1)[idx].astype(F64)
     table = element_table(ctx, kind)
@@ -128,7 +140,8 @@ def _operand_reader(ctx, kind: str, bits: int, first_row: int, elems: int, rows:
 
 def _block_scales(ctx, inst, which: int, rows: int):
     """Closure w -> (rows, K) float64 factors 2^(s - 127) of operand `which` (0 A, 1 B) of a
-    scaled MFMA: lane l's selected scale byte s covers row l % rows, K block l // rows."""
+    scaled MFMA: lane l's selected scale byte s covers row l % rows, K block l // rows (in k,
+    wherever operand_indices puts its elements)."""
     code = inst.src[3 + which]
     if code < D.VGPR_BASE:
         raise ctx.error(inst, "scaled MFMA scale operands other than VGPRs (the hardware reads their "
@@ -179,8 +192,9 @@ def build_mfma(inst, ctx):
     a_row = a_code - D.VGPR_BASE + (AGPR_BASE if f["acc"] & 1 else 0)
     b_row = b_code - D.VGPR_BASE + (AGPR_BASE if f["acc"] & 2 else 0)
     acc_base = AGPR_BASE if f["acc_cd"] else 0
-    get_a = _operand_reader(ctx, a_kind, a_bits, a_row, elems, m)
-    get_b = _operand_reader(ctx, b_kind, b_bits, b_row, elems, n)
+    f8 = intype == "f8f6f4"
+    get_a = _operand_reader(ctx, a_kind, a_bits, a_row, elems, m, f8 and a_bits == 8)
+    get_b = _operand_reader(ctx, b_kind, b_bits, b_row, elems, n, f8 and b_bits == 8)
     if scaled:
         if inst.neg or inst.neg_hi or inst.clamp:
             raise ctx.error(inst, "modifiers on v_mfma_ld_scale_b32 are not supported")
