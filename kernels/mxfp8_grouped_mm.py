@@ -40,11 +40,11 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
 - gfx950: v_mfma_scale_f32_16x16x128_f8f6f4 per 128-wide K step: lane (c, r) supplies the 16
   bytes of its row at k = 128 s + 16 c and the 16 at 128 s + 64 + 16 c (two 16-byte loads: the
   instruction's 8-bit operand layout, CK's mx_mfma_op test; a row's 4 lanes read 64 contiguous
-  bytes per instruction; the second's +64 in the vector offset, or on the wide tiles with row-major scales (more than 8 row blocks per wave and a scale
-  byte per block and step), where a VGPR per block would spill, in the scalar offset) and the
-  E8M0 scale of block c (k = 128 s + 32 c), which the hardware applies to that block, wherever
-  its bytes sit. Scales row-major: one byte load per row block
-  and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with
+  bytes per instruction; the second's +64 in the vector offset, or on the wide tiles with
+  row-major scales (more than 8 row blocks per wave and a scale byte per block and step), where a
+  VGPR per block would spill, in the scalar offset) and the E8M0 scale of block c
+  (k = 128 s + 32 c), which the hardware applies to that block wherever its bytes sit. Scales
+  row-major: one byte load per row block and step. Scales in aiter's e8m0_shuffle layout ("mfma", what the quantize ops write with
   scale_layout="mfma"): one dword per lane per pair of row blocks (rows r, r + 16) and pair of steps, the byte picked
   by the MFMA's op_sel, so the main loop walks step pairs. Software pipeline: a step's loads
   (scales first) are issued before the previous step's MFMAs, one wait per step; with the
@@ -489,7 +489,7 @@ def build_grouped_mm(cfg: GroupedMMConfig):
                 o = scaled_offsets(a_row, b_row)
                 if steps > 0:
                     accs = scaled_pipeline(o, b_rsrc, bs_rsrc, steps)
-                if tail > 0:  # the bytes past the tail's 32 tail bytes masked: 16 c, 64 + 16 c; scales of blocks c
+                if tail > 0:  # bytes at or past k = 32 tail masked (a lane's two halves apart), and blocks' scales
                     keep = (c < tail * 2, c < tail * 2, c < tail, c < tail)
                     t = tuple([k.select(x, fx.Int32(OOB)) for x in part] for k, part in zip(keep, o))
                     last = scaled_load(fx.Int32(steps), t, b_rsrc, bs_rsrc, hi_kept=c + 4 < tail * 2)
