@@ -565,6 +565,21 @@ def test_packed_u16_op_sel_halves_with_sgpr_and_partial_exec(opsel, opsel_hi):
         assert w.v[6, lane] == (lo | hi << 16 if lane < 40 else 0xDEADBEEF), lane
 
 
+def test_packed_inline_constant_is_half_of_a_32_bit_value():
+    # LLVM's getInlineEncodingV216: integer codes are sign-extended 32-bit values, float codes in an
+    # F16 operand the half pattern over zero high bits. op_sel_hi = 0 on the constant (LLVM's splat)
+    # repeats the low half; op_sel_hi = 1 reads the high half: 0 for 1 and 1.0, 0xFFFF for -1
+    cases = [(I.v_pk_add_u16, 1, 0b01, 0x00100020, 0x00110021), (I.v_pk_add_u16, 1, 0b11, 0x00100020, 0x00100021),
+             (I.v_pk_add_u16, -1, 0b11, 0x00100020, 0x000F001F), (I.v_pk_add_u16, 0, 0b11, 0x00100020, 0x00100020),
+             (I.v_pk_add_f16, 1.0, 0b01, 0x40003C00, 0x42004000), (I.v_pk_add_f16, 1.0, 0b11, 0x40003C00, 0x40004000)]
+    for op, const, opsel_hi, x, want in cases:
+        w, _ = run("gfx942", op(v[2], v[0], const, opsel_hi=opsel_hi), vgpr={0: x})
+        assert (w.v[2] == want).all(), (op, const, opsel_hi, hex(int(w.v[2, 0])))
+    # a float code in a 16-bit integer operand's high half (FP32 or BF16 pattern) is refused
+    with pytest.raises(EmuError, match="float inline constant in a 16-bit integer operand"):
+        run("gfx942", I.v_pk_add_u16(v[2], v[0], 1.0, opsel_hi=0b11), vgpr={0: 0})
+
+
 def test_packed_f16_neg_on_one_half_only():
     # neg = 0b01, neg_hi = 0b00: the low result is -S0.lo + S1.lo = -1.5 + 0.25 = -1.25 (0xBD00),
     # the high one S0.hi + S1.hi = 2 + 0.5 = 2.5 (0x4100)

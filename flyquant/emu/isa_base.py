@@ -363,6 +363,16 @@ def vsrc(ctx: Ctx, inst: D.Inst, i: int, kind: str, hi: int = 0, agpr: bool = Fa
     bits = _BITS[kind]
     float_kind = KINDS[kind][2]
     if code == D.SRC_LITERAL or is_inline(code):
+        if bits == 16 and hi and is_inline(code):
+            # A 16-bit operand's inline constant is a half of a 32-bit value (LLVM's
+            # getInlineEncodingV216 states the hardware's rule): integer codes sign-extended, float
+            # codes in an F16 operand the half pattern over zero high bits. So op_sel = 1 reads 0
+            # or 0xFFFF (not the constant again). Float codes in 16-bit integer operands (the
+            # FP32 pattern, or for BF16 operands the BF16 one) are not modelled here.
+            if code >= D.INLINE_FLOAT_FIRST and kind != "f16":
+                raise ctx.error(inst, "the high half of a float inline constant in a 16-bit integer operand is not modelled")
+            const = scalar_as(kind, 0xFFFF if D.INLINE_INT_MAX < code <= D.INLINE_NEG_MAX else 0)
+            return lambda w: const
         raw = sreader(ctx, inst, code, bits if bits != 16 else 16, float_kind)(None)
         if bits == 16 and hi and code == D.SRC_LITERAL:
             raw >>= 16
