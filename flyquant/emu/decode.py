@@ -143,7 +143,7 @@ GFX950_ONLY = frozenset({
     "v_smfmac_i32_32x32x64_i8", "v_smfmac_f32_16x16x128_bf8_bf8", "v_smfmac_f32_16x16x128_bf8_fp8",
     "v_smfmac_f32_16x16x128_fp8_bf8", "v_smfmac_f32_16x16x128_fp8_fp8", "v_smfmac_f32_32x32x64_bf8_bf8",
     "v_smfmac_f32_32x32x64_bf8_fp8", "v_smfmac_f32_32x32x64_fp8_bf8", "v_smfmac_f32_32x32x64_fp8_fp8",
-    "global_load_lds_dwordx3", "global_load_lds_dwordx4",
+    "global_load_lds_dwordx3", "global_load_lds_dwordx4", "buffer_atomic_pk_add_bf16",
 })
 GFX942_ONLY = frozenset({"v_mfma_f32_16x16x8_xf32", "v_mfma_f32_32x32x4_xf32"})
 
