@@ -49,6 +49,7 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
     """(mode, archs). auto = hardware with a ROCm GPU, else modelled. Hardware mode measures the
     GPU that is there, so its arch replaces --arch; modelled mode enables the emulator (which must
     happen before FlyDSL's runtime loads, hence here, first thing)."""
+    _refuse_forcing_env(archs)
     gpu = rocm_gpu()
     mode = ("hardware" if gpu else "modelled") if requested == "auto" else requested
     if mode == "hardware":
@@ -61,6 +62,19 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
         raise SystemExit("a ROCm GPU is present: the emulator stays off; use --mode hardware")
     emu.enable(archs[0])
     return mode, archs
+
+
+def _refuse_forcing_env(archs: list[str]) -> None:
+    """The selector obeys FLYQUANT_BACKEND and FLYQUANT_ARCH over the emulator's arch, so a run
+    under either would measure other kernels (or none) than its rows name."""
+    from flyquant import select
+
+    if select.forced_backend() == "reference":
+        raise SystemExit("FLYQUANT_BACKEND=reference: no kernel would run; unset it to bench the kernels")
+    forced = select.forced_arch()
+    if forced is not None and any(a != forced for a in archs):
+        raise SystemExit(f"FLYQUANT_ARCH={forced} compiles every kernel for {forced}, so rows for --arch "
+                         f"{','.join(archs)} would name the wrong arch; unset it (--arch chooses the arch)")
 
 
 def begin(args, title: str) -> tuple[str, list[str], str, dict[str, float]]:
@@ -521,6 +535,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "flydsl": getattr(flydsl, "__version__", "?"),
         "hip": torch.version.hip,
+        "FLYQUANT_BACKEND": env.raw("FLYQUANT_BACKEND"),
+        "FLYQUANT_ARCH": env.raw("FLYQUANT_ARCH"),
         "FLYQUANT_CONFIG": env.raw("FLYQUANT_CONFIG"),
         "FLYQUANT_TUNING": env.raw("FLYQUANT_TUNING"),
     }

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--shapes", type=common.csv_list, default=["gptoss120b"], help=f"of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", type=common.positive_ints, default=[1, 4, 16, 128, 1024])
+    parser.add_argument("--tokens", type=common.positive_ints, default=None,
+                        help="comma-separated token counts (default: 1,4,16,128,1024; --quick: 1,4)")
     parser.add_argument("--vs", type=common.csv_list, default=[], help=f"peers beside our layer: {','.join(PEERS)}")
     parser.add_argument("--max-workgroups", type=common.positive_int, default=MAX_WORKGROUPS,
                         help="--vs, modelled: working workgroups of the peer's wider stage emulated per layer")
@@ -136,8 +137,10 @@ def main(argv=None) -> int:
     for name in args.shapes:  # else a KeyError traceback when the sweep reached it
         if name not in SHAPES:
             parser.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
-    if args.quick:
-        args.tokens = [1, 4]
+    if args.tokens is None:
+        args.tokens = [1, 4] if args.quick else [1, 4, 16, 128, 1024]
+    elif args.quick:
+        parser.error("--quick chooses the token counts (1,4); give --tokens or --quick, not both")
     mode, archs = common.resolve_mode(args.mode, args.arch)
     rows, peer_rows = [], []
     for name in args.shapes:

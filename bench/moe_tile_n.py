@@ -345,11 +345,16 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
 
 
 def merge_tuning(path: Path, table: dict) -> dict:
-    """`table` plus the entries already in `path` for other ops (the other stage's sweep)."""
+    """`table` plus the entries already in `path` that it does not replace: other stages, arches,
+    shapes and token counts accumulate across sweeps; an (op, arch, shape) swept again takes the
+    new timing."""
     if not path.exists():
         return table
-    ops = {e["op"] for e in table["entries"]}
-    kept = [e for e in json.loads(path.read_text())["entries"] if e["op"] not in ops]
+
+    def key(e):
+        return e["op"], e["arch"], tuple(sorted(e["shape"].items()))
+    new = {key(e) for e in table["entries"]}
+    kept = [e for e in json.loads(path.read_text())["entries"] if key(e) not in new]
     return {"entries": kept + table["entries"]}
 
 

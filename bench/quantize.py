@@ -66,7 +66,8 @@ import peers  # noqa: E402
 import peers_aiter  # noqa: E402
 import peers_torchao  # noqa: E402
 import quantize_mxfp4 as fp4  # noqa: E402
-from quantize_report import HARDWARE_COLUMNS, MODELLED_COLUMNS, display, plot  # noqa: E402
+from quantize_report import (HARDWARE_COLUMNS, MODELLED_COLUMNS, TORCHAO_WAVE_INSTR, display, plot,  # noqa: E402
+                             print_torchao, torchao_json)
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
@@ -85,25 +86,6 @@ MAX_ELEMENTS = 1 << 22  # modelled mode: larger inputs are reduced (a few second
 QUICK_MAX_ELEMENTS = 1 << 20  # still above the torchao comparison shapes (<= 128 x 5120)
 REDUCE_STEP = 256  # reduced dimensions are multiples of this: the kernels' row tiles and scale layouts divide it
 
-# ---- torchao 0.18's FlyDSL kernels, from issue 4 (not measured by this script) --------------------
-TORCHAO_SOURCE = (
-    "torchao 0.18 FlyDSL kernels (flydsl <= 0.2.4), gfx950, bf16, inputs randn*30, executed on a CPU "
-    "emulator, one count per instruction a wave executes (issue 4)"
-)
-TORCHAO_WAVE_INSTR = {  # (kind, shape, mode) -> executed wave-instructions
-    ("1x32", (128, 4096), "rceil"): 32_128,
-    ("1x32", (128, 4096), "floor"): 51_200,
-    ("32x1", (128, 5120), "rceil"): 47_200,
-    ("32x1", (128, 5120), "floor"): 71_760,
-    ("3d", (4, 64, 1024), "rceil"): 18_528,
-    ("3d", (4, 64, 1024), "floor"): 28_352,
-}
-TORCHAO_NOTES = (
-    "on gfx942 their rceil does not assemble and floor writes FNUZ bytes (every data byte wrong)",
-    "a NaN inside a block is ignored by their max reduction (to_mx gives the block a NaN scale)",
-    "torchao PR 4357 measured +43% write traffic for a 32x1 kernel at 16384^2 on MI355X (read-modify-write) "
-    "before fixing it",
-)
 TARGETS = (
     "data loads and stores coalescing >= 0.95 (scale stores: reported, no target); no partially stored data lines",
     "load bytes in flight >= 32 KiB per CU for large shapes",
@@ -426,23 +408,6 @@ def time_case(case: Case, arch: str, args) -> list[dict]:
     return rows
 
 
-# ---- outputs (the table columns and the plot: quantize_report.py) ---------------------------------
-
-
-def print_torchao(file=sys.stdout) -> None:
-    print(f"\ntorchao, for comparison ({TORCHAO_SOURCE}):", file=file)
-    for (kind, shape, mode), v in TORCHAO_WAVE_INSTR.items():
-        n = math.prod(shape)
-        print(
-            f"  {kind} {'x'.join(map(str, shape))} {mode}: {v:,} wave-instructions ({v / n:.4f} per element)", file=file
-        )
-    for note in TORCHAO_NOTES:
-        print(f"  {note}", file=file)
-    print("targets (issue 4): " + "; ".join(TARGETS), file=file)
-    print("MXFP4 targets (issue 14): " + "; ".join(fp4.TARGETS), file=file)
-    print(f"--vs (issue 20): MXFP8 wave-instructions per element <= {PEER_TARGET}x the best peer run's", file=file)
-
-
 # ---- driver -------------------------------------------------------------------------------------
 
 
@@ -520,6 +485,9 @@ def parse_args(argv=None):
         if dtype not in DTYPES:
             ap.error(f"unknown dtype {dtype!r}: choose from {tuple(DTYPES)}")
     args.max_elements = args.max_elements or (QUICK_MAX_ELEMENTS if args.quick else MAX_ELEMENTS)
+    if not cases_for(args):  # e.g. --kinds 1x32 --modes even: "even" is an MXFP4 mode only
+        ap.error("no case to run: the --kinds, --modes and --shapes given select nothing (MXFP8 kinds take "
+                 f"{','.join(MODES)}; MXFP4 kinds {','.join(fp4.MODES)}; 3D kinds need 3D shapes)")
     return args
 
 
@@ -582,7 +550,9 @@ def main(argv=None) -> dict:
             "keys that differ from the full shape's are listed), totals scaled by elements; "
             "'WG emulated' = workgroups of that launch"
         )
-        print_torchao()
+        print_torchao([
+            "targets (issue 4): " + "; ".join(TARGETS), "MXFP4 targets (issue 14): " + "; ".join(fp4.TARGETS),
+            f"--vs (issue 20): MXFP8 wave-instructions per element <= {PEER_TARGET}x the best peer run's"])
         if args.vs:
             peers.print_rows(peer_rows)
     changed = common.warn_if_sources_changed(sources)
@@ -591,14 +561,7 @@ def main(argv=None) -> dict:
     payload = {"mode": mode, "label": label, "args": vars(args), "environment": environment, "rows": rows,
                "peers": peer_rows}
     if mode == "modelled":
-        payload["torchao"] = {
-            "source": TORCHAO_SOURCE,
-            "notes": TORCHAO_NOTES,
-            "targets": TARGETS,
-            "wave_instructions": [
-                {"kind": k, "shape": list(s), "mode": m, "value": v} for (k, s, m), v in TORCHAO_WAVE_INSTR.items()
-            ],
-        }
+        payload["torchao"] = torchao_json(TARGETS)
     json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png", peer_rows)
     print(f"\nwrote {json_path} and {png_path}")

@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from pathlib import Path
 
 import common
+
+# ---- torchao 0.18's FlyDSL kernels, from issue 4 (not measured by these scripts) --------------------
+TORCHAO_SOURCE = (
+    "torchao 0.18 FlyDSL kernels (flydsl <= 0.2.4), gfx950, bf16, inputs randn*30, executed on a CPU "
+    "emulator, one count per instruction a wave executes (issue 4)"
+)
+TORCHAO_WAVE_INSTR = {  # (kind, shape, mode) -> executed wave-instructions
+    ("1x32", (128, 4096), "rceil"): 32_128,
+    ("1x32", (128, 4096), "floor"): 51_200,
+    ("32x1", (128, 5120), "rceil"): 47_200,
+    ("32x1", (128, 5120), "floor"): 71_760,
+    ("3d", (4, 64, 1024), "rceil"): 18_528,
+    ("3d", (4, 64, 1024), "floor"): 28_352,
+}
+TORCHAO_NOTES = (
+    "on gfx942 their rceil does not assemble and floor writes FNUZ bytes (every data byte wrong)",
+    "a NaN inside a block is ignored by their max reduction (to_mx gives the block a NaN scale)",
+    "torchao PR 4357 measured +43% write traffic for a 32x1 kernel at 16384^2 on MI355X (read-modify-write) "
+    "before fixing it",
+)
+
+
+def print_torchao(target_lines: list[str], file=sys.stdout) -> None:
+    """torchao's figures and notes, then the targets they are measured against."""
+    print(f"\ntorchao, for comparison ({TORCHAO_SOURCE}):", file=file)
+    for (kind, shape, mode), v in TORCHAO_WAVE_INSTR.items():
+        n = math.prod(shape)
+        print(
+            f"  {kind} {'x'.join(map(str, shape))} {mode}: {v:,} wave-instructions ({v / n:.4f} per element)", file=file
+        )
+    for note in TORCHAO_NOTES:
+        print(f"  {note}", file=file)
+    for line in target_lines:
+        print(line, file=file)
+
+
+def torchao_json(targets) -> dict:
+    return {"source": TORCHAO_SOURCE, "notes": TORCHAO_NOTES, "targets": targets,
+            "wave_instructions": [{"kind": k, "shape": list(s), "mode": m, "value": v}
+                                  for (k, s, m), v in TORCHAO_WAVE_INSTR.items()]}
+
 
 MODELLED_COLUMNS = [
     ("case", "case"),

@@ -209,15 +209,22 @@ def check_mxfp8_training(x, w, offs) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gfx950", "gfx942"], default=None,
-                        help="emulated arch when there is no AMD GPU (default: gfx950)")
+                        help="emulated arch when there is no AMD GPU (default: FLYQUANT_ARCH, else gfx950)")
     args = parser.parse_args(argv)
+    if select.forced_backend() == "reference":
+        parser.error("FLYQUANT_BACKEND=reference: no kernel would run and the checks would compare the "
+                     "reference with itself; unset it")
 
     if select.rocm_device_present():
         device = torch.device("cuda")
         print(f"ROCm device found: running on {torch.cuda.get_device_name()} ({select.resolve_target(device).arch})")
         recording = contextlib.nullcontext([])
     else:
-        arch = args.arch or emu.arch() or "gfx950"
+        forced = select.forced_arch()  # the selector compiles for it over the emulator's arch
+        arch = args.arch or forced or emu.arch() or "gfx950"
+        if forced is not None and forced != arch:
+            parser.error(f"FLYQUANT_ARCH={forced} would compile every kernel for {forced}, not --arch {arch}; "
+                         "unset one of them")
         emu.enable(arch)
         device = torch.device("cpu")
         print(f"No AMD GPU: FlyDSL kernels compiled for {arch} run on the CPU under flyquant.emu")

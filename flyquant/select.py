@@ -62,12 +62,14 @@ class BackendError(RuntimeError):
     """A forced backend cannot run this call here."""
 
 
-def _env_backend() -> str:
+def forced_backend() -> str:
+    """FLYQUANT_BACKEND (checked): auto, reference or flydsl."""
     env.warn_unknown()  # a misspelt FLYQUANT_* variable would otherwise be ignored silently
     return env.choice("FLYQUANT_BACKEND", BACKENDS, "auto")
 
 
-def _env_arch() -> str | None:
+def forced_arch() -> str | None:
+    """FLYQUANT_ARCH (checked), None when unset: the compile target, over the emulator's."""
     return env.choice("FLYQUANT_ARCH", sorted(ARCHS))
 
 
@@ -101,13 +103,13 @@ class Target:
 
 def resolve_target(device: torch.device) -> Target:
     """Device + environment -> the arch to compile for (None: reference only) and why."""
-    backend = _env_backend()
-    forced_arch = _env_arch()
+    backend = forced_backend()
+    forced = forced_arch()
     if backend == "reference":
         return Target(device.type, None, "FLYQUANT_BACKEND=reference")
     if device.type == "cuda" and torch.version.hip:
         arch = _rocm_arch_of(device.index if device.index is not None else torch.cuda.current_device())
-        if forced_arch is not None and forced_arch != arch:
+        if forced is not None and forced != arch:
             # code compiled for FLYQUANT_ARCH was launched on the device's other arch (the reason
             # even named the device as FLYQUANT_ARCH's): a code object runs on its own arch only
             raise env.error("FLYQUANT_ARCH", env.raw("FLYQUANT_ARCH"),
@@ -119,7 +121,7 @@ def resolve_target(device: torch.device) -> Target:
     if device.type == "cpu":
         emu_arch = _emulator_arch()
         if emu_arch is not None:
-            arch = forced_arch or emu_arch
+            arch = forced or emu_arch
             return Target("emulator", arch, f"CPU tensor with flyquant.emu enabled: {arch} code runs emulated")
         if backend == "flydsl":
             if rocm_device_present():
@@ -127,12 +129,12 @@ def resolve_target(device: torch.device) -> Target:
                     "FLYQUANT_BACKEND=flydsl with CPU tensors while a ROCm device is present: move the "
                     "tensors to the GPU (the emulator never replaces a real device)"
                 )
-            if forced_arch is None:
+            if forced is None:
                 raise BackendError("FLYQUANT_BACKEND=flydsl on CPU tensors needs FLYQUANT_ARCH=gfx942|gfx950")
             from . import emu
 
-            emu.enable(forced_arch)
-            return Target("emulator", forced_arch, f"FLYQUANT_BACKEND=flydsl FLYQUANT_ARCH={forced_arch} on CPU")
+            emu.enable(forced)
+            return Target("emulator", forced, f"FLYQUANT_BACKEND=flydsl FLYQUANT_ARCH={forced} on CPU")
         return Target("cpu", None, "CPU tensor and flyquant.emu not enabled (flyquant.emu.enable(arch) runs kernels)")
     return _refuse(backend, Target(device.type, None, f"{device.type} device: flyquant kernels target AMD GPUs"))
 
@@ -148,7 +150,7 @@ def reference_plan(op: str, target: Target, *reasons: str) -> Plan:
 
 
 def _forced_reference(reason: str) -> None:
-    if _env_backend() == "flydsl":
+    if forced_backend() == "flydsl":
         raise BackendError(f"FLYQUANT_BACKEND=flydsl, but {reason}")
 
 

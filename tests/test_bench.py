@@ -293,6 +293,15 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     bench.common.write_json(path, table)
     assert tuning.tuned_config("moe_gemm1_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 64, "waves": 2}
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
+    # a stage-2 sweep of another shape keeps this one's entry; sweeping this one again replaces it
+    other = [dict(timed[1], shape="dsr1-i256")]
+    bench.common.write_json(path, bench.merge_tuning(path, bench.tuning_table(other, bench.SHAPES)))
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
+    again = [dict(timed[0], median_us=10.0)]
+    table = bench.merge_tuning(path, bench.tuning_table(again, bench.SHAPES))
+    assert len(table["entries"]) == 3
+    bench.common.write_json(path, table)
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 128
     x = torch.empty(1, dtype=torch.bfloat16).expand(4, 3072)
     w1 = torch.empty(1, dtype=torch.uint8).expand(shape.experts, 2 * 3072, 3072 // 2)
     emu.enable("gfx950")
@@ -459,6 +468,11 @@ BAD_COMMAND_LINES = [
     ("moe_stages_instr", ["--arch", "gfx90a"], "argument --arch: 'gfx90a': unsupported arch"),
     ("moe_stages_instr", ["--tokens", "1,x"], "argument --tokens: '1,x': invalid literal for int()"),
     ("moe_stages_instr", ["--tokens", "-1"], "argument --tokens: '-1': -1 is not a positive integer"),
+    # options that were accepted and then ignored or overridden
+    ("quantize", ["--kinds", "1x32", "--modes", "even"], "no case to run"),
+    ("moe_layer", ["--quick", "--tokens", "16"], "give --tokens or --quick, not both"),
+    ("grouped_mm", ["--op", "wgrad", "--shapes", "grid"], "--op wgrad takes --wgrad-shapes, not --shapes"),
+    ("grouped_mm", ["--op", "wgrad", "--mode", "hardware"], "--op wgrad: modelled mode only so far"),
 ]
 
 
@@ -469,3 +483,15 @@ def test_bad_command_lines_are_argparse_errors(script, args, message, tmp_path, 
         load(script).main([*args, "--out", str(tmp_path)])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("FLYQUANT_ARCH", "gfx942", "FLYQUANT_ARCH=gfx942 compiles every kernel for gfx942, so rows for --arch gfx950"),
+    ("FLYQUANT_BACKEND", "reference", "FLYQUANT_BACKEND=reference: no kernel would run"),
+])
+def test_forcing_variables_are_refused(variable, value, message, tmp_path, monkeypatch):
+    # the selector obeys them over the emulator's arch: rows labelled gfx950 held gfx942's counts
+    monkeypatch.setenv(variable, value)
+    with emu.record() as launches, pytest.raises(SystemExit, match=message):
+        load("quantize").main(["--mode", "modelled", "--arch", "gfx950", "--shapes", "64x64", "--out", str(tmp_path)])
+    assert launches == []

@@ -19,3 +19,16 @@ def test_demo_passes_its_checks(arch, capsys):
     assert "MXFP8 training step" in out and "-> within" in out
     assert "mxfp8_grouped_mm_" in out and "mxfp8_grouped_mm_wgrad_" in out
     assert "GPT-OSS swap (transformers' GptOssForCausalLM" in out  # transformers is in the test extra
+
+
+@pytest.mark.parametrize("variable, value, args, message", [
+    ("FLYQUANT_ARCH", "gfx942", ["--arch", "gfx950"], "FLYQUANT_ARCH=gfx942 would compile every kernel for gfx942"),
+    ("FLYQUANT_BACKEND", "reference", [], "FLYQUANT_BACKEND=reference: no kernel would run"),
+])
+def test_demo_refuses_variables_that_would_make_it_misreport(variable, value, args, message, monkeypatch, capsys):
+    # FLYQUANT_ARCH had the demo print "compiled for gfx950" over gfx942 launches; the reference
+    # backend had it compare the reference with itself and report every check passed
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as info:
+        demo.main(args)
+    assert info.value.code == 2 and message in capsys.readouterr().err
