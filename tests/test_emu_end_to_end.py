@@ -17,7 +17,6 @@ import torch
 import flyquant.emu as emu
 from flyquant import toolchain
 
-pytest.importorskip("flyquant.emu.interp", reason="the interpreter (flyquant/emu/interp.py) is not there yet")
 
 ARCHS = ("gfx942", "gfx950")
 F32_EPS = 2.0**-24  # unit roundoff of f32 (round to nearest)
