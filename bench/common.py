@@ -49,7 +49,7 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
     """(mode, archs). auto = hardware with a ROCm GPU, else modelled. Hardware mode measures the
     GPU that is there, so its arch replaces --arch; modelled mode enables the emulator (which must
     happen before FlyDSL's runtime loads, hence here, first thing)."""
-    _refuse_forcing_env(archs)
+    refuse_forcing_env(archs)
     gpu = rocm_gpu()
     mode = ("hardware" if gpu else "modelled") if requested == "auto" else requested
     if mode == "hardware":
@@ -64,7 +64,7 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
     return mode, archs
 
 
-def _refuse_forcing_env(archs: list[str]) -> None:
+def refuse_forcing_env(archs: list[str]) -> None:
     """The selector obeys FLYQUANT_BACKEND and FLYQUANT_ARCH over the emulator's arch, so a run
     under either would measure other kernels (or none) than its rows name."""
     from flyquant import select

@@ -101,6 +101,7 @@ def main(argv=None) -> dict:
     for name in args.shapes:  # else a KeyError traceback once the sweep reached it
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
+    common.refuse_forcing_env(args.arch)
     rows = [r for shape in args.shapes for arch in args.arch for t in args.tokens
             for r in measure(arch, t, bias_dtype=args.bias_dtype, shape=shape, same_tiles=args.same_tiles)]
     print(f"{'shape':7} {'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  "
