@@ -431,7 +431,7 @@ def parse_args(argv=None):
             ap.error(f"unknown scale layout {layout!r}: choose from {tuple(LAYOUTS)}")
     if args.op == "wgrad":
         ignored = [opt for opt, given in (("--shapes", args.shapes is not None), ("--full", args.full),
-                                          ("--layouts", args.layouts != ["plain", "mfma"])) if given]
+                                          ("--layouts", args.layouts != ap.get_default("layouts"))) if given]
         if ignored:
             ap.error(f"--op wgrad takes --wgrad-shapes, not {', '.join(ignored)}")
         if args.mode == "hardware":

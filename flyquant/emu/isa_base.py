@@ -371,7 +371,7 @@ def vsrc(ctx: Ctx, inst: D.Inst, i: int, kind: str, hi: int = 0, agpr: bool = Fa
             # FP32 pattern, or for BF16 operands the BF16 one) are not modelled here.
             if code >= D.INLINE_FLOAT_FIRST and kind != "f16":
                 raise ctx.error(inst, "the high half of a float inline constant in a 16-bit integer operand is not modelled")
-            const = scalar_as(kind, 0xFFFF if D.INLINE_INT_MAX < code <= D.INLINE_NEG_MAX else 0)
+            const = scalar_as(kind, _inline_value(code, 32) >> 16 if code < D.INLINE_FLOAT_FIRST else 0)
             return lambda w: const
         raw = sreader(ctx, inst, code, bits if bits != 16 else 16, float_kind)(None)
         if bits == 16 and hi and code == D.SRC_LITERAL:
