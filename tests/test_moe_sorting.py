@@ -28,12 +28,15 @@ def sorting_by_loop(topk_ids, topk_weights, num_experts, block_m, expert_mask=No
     return ids, weights, expert_ids, [row, tokens]
 
 
-def random_routing(tokens, topk, num_experts, seed, skew=False):
-    """Distinct experts per token (as a top-k router gives); skew: most tokens pick experts 0..topk-1."""
+def random_routing(tokens, topk, num_experts, seed, skew=False, repeats=False):
+    """Distinct experts per token (as a top-k router gives); skew: most tokens pick experts 0..topk-1;
+    repeats: every other token routes its last slot to its first slot's expert (slot order decides)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(tokens)])
     if skew:
         ids[: tokens * 3 // 4] = torch.arange(topk)
+    if repeats:
+        ids[::2, -1] = ids[::2, 0]
     weights = torch.rand(tokens, topk, generator=gen)
     return ids.to(torch.int32), weights
 
@@ -45,8 +48,10 @@ CASES = [(1, 1, 1, 16), (7, 2, 8, 4), (33, 4, 16, 32), (64, 4, 128, 16)]
 @pytest.mark.parametrize("tokens,topk,num_experts,block_m", CASES)
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_matches_loop_contract(tokens, topk, num_experts, block_m, skew, masked):
-    topk_ids, topk_weights = random_routing(tokens, topk, num_experts, seed=tokens + num_experts, skew=skew)
+@pytest.mark.parametrize("repeats", [False, True])
+def test_matches_loop_contract(tokens, topk, num_experts, block_m, skew, masked, repeats):
+    topk_ids, topk_weights = random_routing(tokens, topk, num_experts, seed=tokens + num_experts, skew=skew,
+                                            repeats=repeats)
     mask = None
     if masked:
         mask = torch.arange(num_experts) % 3 != 1  # serve two experts in three

@@ -58,12 +58,18 @@ def run_kernel(arch, ids, weights, experts, block_m, mask=None, moe_buf=None, wa
 
 
 def assert_identical(got, expected):
+    """Every element equal, weights on their bits (-0.0, subnormals), except that a NaN weight need
+    only be NaN: an FP16 NaN's FP32 payload is the converter's (torch's CPU conversion sets every
+    mantissa bit, the hardware's v_cvt_f32_f16 keeps the payload); test_weights_keep_their_bits
+    checks the bits the kernel moves unconverted."""
     names = ("sorted_ids", "sorted_weights", "sorted_expert_ids", "num_valid_ids")
     for name, g, e in zip(names, got, expected):
         assert g.dtype == e.dtype and g.shape == e.shape, (name, g.dtype, e.dtype, g.shape, e.shape)
-        if g.dtype == torch.float32:  # on the bits: -0.0, NaN payloads
+        both_nan = torch.zeros(g.shape, dtype=torch.bool)
+        if g.dtype == torch.float32:
+            both_nan = g.isnan() & e.isnan()
             g, e = g.view(torch.int32), e.view(torch.int32)
-        bad = (g != e).nonzero().flatten()
+        bad = ((g != e) & ~both_nan).nonzero().flatten()
         assert bad.numel() == 0, f"{name}: {bad.numel()} differ, first at {bad[:8].tolist()}: {g[bad[:8]].tolist()} vs {e[bad[:8]].tolist()}"
 
 
@@ -167,33 +173,82 @@ def test_input_dtypes(arch, id_dtype, weight_dtype, mask_dtype):
     ids, weights = routing(9, 4, 16, seed=11, skew=True)
     ids, weights = ids.to(id_dtype), weights.to(weight_dtype)
     weights[0, 0] = -0.0  # its bits must survive the f32 conversion
+    tiny = torch.finfo(weight_dtype).tiny
+    weights[1] = torch.tensor([tiny / 4, -tiny / 2, tiny / 8, tiny])  # subnormals: not flushed to zero
     mask = torch.zeros(16, dtype=mask_dtype)
     mask[::2] = 1
     mask[3] = 1
+    assert (mask[ids[1].long()] != 0).sum() >= 2  # some of the subnormal weights are kept
     got, _ = run_kernel(arch, ids, weights, 16, 32, mask)
     assert_identical(got, reference(ids, weights, 16, 32, mask))
 
 
+def weights_by_pair(got, tokens, topk):
+    """The sorted weights put back at their (token, slot) places, as FP32 (the padding rows left out)."""
+    rows = (got[0] & 0xFFFFFF) < tokens
+    out = torch.full((tokens, topk), 7.0)
+    out[(got[0][rows] & 0xFFFFFF).long(), (got[0][rows] >> 24).long()] = got[1][rows]
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_zeroes_moe_buf_in_the_same_launch(arch):
+def test_weights_keep_their_bits(arch):
+    """FP32 weights are moved, BF16 ones widened by a shift: NaN payloads and signs, -0.0 and
+    subnormals come out bit for bit; an FP16 NaN stays a NaN of its sign, the rest exact."""
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]], dtype=torch.int32)
+    f32_bits = torch.tensor([0x7FA00001, 0xFFC00123, 0x80000000, 0x00000001, 0x80400000, 0x3F800000]).to(torch.int32)
+    bf16_bits = torch.tensor([0x7F81, 0xFFC3, 0x8000, 0x0001, 0x8040, 0x3F80]).to(torch.int16)
+    for weights, bits in ((f32_bits.view(torch.float32), f32_bits), (bf16_bits.view(torch.bfloat16), bf16_bits.to(torch.int32) << 16)):
+        got, _ = run_kernel(arch, ids, weights.view(3, 2), 2, 4)
+        assert torch.equal(weights_by_pair(got, 3, 2).view(torch.int32).flatten(), bits)
+    f16 = torch.tensor([float("nan"), -float("nan"), -0.0, 2.0**-24, -(2.0**-20), 1.0], dtype=torch.float16)
+    got, _ = run_kernel(arch, ids, f16.view(3, 2), 2, 4)
+    w, nan = weights_by_pair(got, 3, 2).flatten(), f16.isnan()
+    assert torch.equal(w.isnan(), nan) and torch.equal(w.signbit(), f16.signbit())
+    assert torch.equal(w[~nan].view(torch.int32), f16[~nan].float().view(torch.int32))
+
+
+# a nonzero mask element whose low byte (and, for int64, low word) is zero still serves its expert
+WIDE_MASK_VALUES = [(torch.int16, 0x100), (torch.int16, -(2**15)), (torch.int32, 0x10000), (torch.int32, 1 << 24),
+                    (torch.int64, 1 << 32), (torch.int64, -(2**63))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mask_dtype,value", WIDE_MASK_VALUES, ids=[f"{d}-{v:#x}" for d, v in WIDE_MASK_VALUES])
+def test_mask_reads_whole_elements(arch, mask_dtype, value):
+    ids, weights = routing(9, 4, 16, seed=12, skew=True)
+    mask = torch.zeros(16, dtype=mask_dtype)
+    mask[::2] = value
+    mask[5] = 1
+    got, _ = run_kernel(arch, ids, weights, 16, 32, mask)
+    expected = reference(ids, weights, 16, 32, mask != 0)
+    assert expected[3][0] > 32  # the wide-valued experts hold pairs: dropping them would show
+    assert_identical(got, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("width", [2880, 2878])
+def test_zeroes_moe_buf_in_the_same_launch(arch, width):
     """moe_buf (a bf16 (T, 2880) stage-2 output, 4 zeroing workgroups of 8 KiB with a partial last
-    one) is zeroed up to its last byte and not one byte past it: it is the head of a larger
-    tensor whose tail must keep its canary."""
+    one; 2878 wide: 28780 bytes, so the last lane's 16-byte store holds 12 bytes of moe_buf) is
+    zeroed up to its last byte and not one byte past it: it is the head of a larger tensor whose
+    tail must keep its canary."""
     ids, weights = routing(5, 4, 8, seed=2)
-    big = torch.full((5 * 2880 + 64,), 3.0, dtype=torch.bfloat16)
-    moe_buf = big[: 5 * 2880].view(5, 2880)
+    big = torch.full((5 * width + 64,), 3.0, dtype=torch.bfloat16)
+    moe_buf = big[: 5 * width].view(5, width)
     got, launch = run_kernel(arch, ids, weights, 8, 16, moe_buf=moe_buf)
-    assert launch.stats.workgroups_launched == 1 + 4  # 28800 bytes in 8 KiB per workgroup
+    assert launch.stats.workgroups_launched == 1 + 4  # 28800 (28780) bytes in 8 KiB per workgroup
     assert_identical(got, reference(ids, weights, 8, 16))
     assert (moe_buf == 0).all()
-    assert (big[5 * 2880:] == 3.0).all()
+    assert (big[5 * width:] == 3.0).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_largest_launch(arch):
-    """MAX_PAIRS routed pairs would take long under the emulator; 2^16 (the issue's 64k) in one
-    launch of 8 waves, skewed so that one expert holds half the pairs."""
-    ids, weights = routing(16384, 4, 128, seed=7, skew=True)
+    """MAX_PAIRS routed pairs would take long under the emulator; over 2^16 (the issue's 64k) in
+    one launch of 8 waves, skewed so that one expert holds half the pairs; more than 2^16 tokens,
+    so a token index that lost its high bits (a 16-bit field) would show."""
+    ids, weights = routing(65600, 1, 128, seed=7, skew=True)
     got, launch = run_kernel(arch, ids, weights, 128, 32)
     assert launch.stats.waves_per_workgroup == 8
     assert_identical(got, reference(ids, weights, 128, 32))
