@@ -33,7 +33,7 @@ DERIV_G = 1.2  # |d act / d g| <= 1.2 (|u| + 1) (tests/test_reference_moe1.py)
 ACT_ERR = 2.0**-20
 
 
-def exact_moe(x, w1, b1, w2, b2, ids, weights, activation, u_out):
+def exact_moe(x, w1, b1, w2, b2, ids, weights, activation, u_out, alpha=1.702, limit=7.0):
     """(float64 exact MoE output, its bound) of the module docstring. x (T, M) as the kernels see it
     (bf16 values); w1 (E, 2I, M) gate rows then up rows, w2 (E, M, I) float64 dequantized weights."""
     x = x.double()
@@ -51,7 +51,7 @@ def exact_moe(x, w1, b1, w2, b2, ids, weights, activation, u_out):
             g, u = wg @ x[t] + bg, wu @ x[t] + bu
             dg = (model + 1) * U_F32 * (wg.abs() @ x[t].abs() + bg.abs())
             du = (model + 1) * U_F32 * (wu.abs() @ x[t].abs() + bu.abs())
-            a = reference.moe_activation(g, u, activation)
+            a = reference.moe_activation(g, u, activation, alpha, limit)
             prop = DERIV_G * (u.abs() + 1) * dg + (g.abs() + 1) * du + ACT_ERR * (g.abs() + 1) * (u.abs() + 1)
             t1 = U_BF16 * a.abs() + (1 + U_BF16) * prop
             out[t] += w * (w2[e] @ a + b2[e])
@@ -87,15 +87,18 @@ def dequantized(w, model_cols):
 MODEL, INTER, EXPERTS, TOKENS, TOPK = 80, 48, 8, 5, 2
 
 
-def check_layer(dtype, activation="swiglu_oai", biases=True, seed=0):
+def check_layer(dtype, activation="swiglu_oai", biases=True, seed=0, **swiglu):
+    """swiglu: alpha / limit, passed to the module and to the exact MoE (the defaults when absent)."""
     p = dense_layer(EXPERTS, MODEL, INTER, TOKENS, TOPK, seed, biases)
-    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation=activation)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation=activation, **swiglu)
     x = p["x"].to(dtype)
     got = m(x, p["ids"], p["weights"])
     assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:  # stage 2 wrote FP32: a BF16 output widened would fit the bound (a2's rounding dominates)
+        assert (got != got.bfloat16().float()).any()
     b1 = None if p["b1"] is None else p["b1"].float()
     exact, bound = exact_moe(x.to(torch.bfloat16), dequantized(p["w1"], MODEL), b1, dequantized(p["w2"], INTER), p["b2"],
-                             p["ids"], p["weights"], activation, U_F32 if dtype == torch.float32 else U_BF16)
+                             p["ids"], p["weights"], activation, U_F32 if dtype == torch.float32 else U_BF16, **swiglu)
     assert (bound < 0.05 * exact.abs().max()).all()
     err = (got.double() - exact).abs()
     assert bool((err <= bound).all()), f"worst excess {float((err - bound).max()):.3g}, max err {float(err.max()):.3g}"
@@ -114,12 +117,15 @@ def test_from_dense_matches_the_exact_moe_on_the_kernels(arch, monkeypatch):
     assert [r.kernel.split("_a16w4")[0].split("_e")[0] for r in layer] == ["moe_sorting", "moe_gemm1", "moe_gemm2"]
     assert all(r.kernel.endswith(arch) for r in layer)
     assert m.padded_dims == dict(K=256, P=256, N=96)
+    check_layer(torch.bfloat16, alpha=1.3, limit=1.0, seed=2)  # a tight clamp and another slope reach the kernel
 
 
 def test_from_dense_matches_the_exact_moe_on_the_reference(monkeypatch):
     monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
     check_layer(torch.float32)
     check_layer(torch.bfloat16, activation="silu", biases=False, seed=1)
+    check_layer(torch.float32, alpha=1.3, limit=1.0, seed=2)
+    check_layer(torch.float32, activation="gelu", seed=3)
 
 
 def test_warmup_compiles_what_forward_runs(moe_launcher_configs):
@@ -242,17 +248,18 @@ def test_bad_input():
 # (multiples of 32: the checkpoint's MXFP4 blocks; padded to K = P = 256 for the shuffles), 8 experts,
 # top-2, 2 heads of 32 (1 KV head), vocab 128, 6 tokens. Expert weights std 0.3 and biases std 0.5
 # (transformers' init, 0.02 and 0, would make the MoE a rounding error beside the residual and never
-# reach swiglu's clamp at 7).
+# reach swiglu's clamp). swiglu alpha 1.5 and limit 3 (GPT-OSS's: 1.702 and 7): a swap that dropped
+# the config's values for the defaults would move the clamped elements past the bound.
 OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
            num_key_value_heads=1, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
-           max_position_embeddings=64)
+           max_position_embeddings=64, swiglu_alpha=1.5, swiglu_limit=3.0)
 SEQ = 6
 # Logits: no bound is derived through attention and norms; instead the scale of error bf16 activations
 # bring: transformers' own logits moved by rounding each experts module's input to bf16 (d_bf16). The
 # kernels round twice as often (x and a2, 2^-9 relative each) plus FP32 sums, so about 2 d_bf16;
-# LOGIT_RATIO allows 2x more for how the two propagate through 2 layers. Measured: 1.44 d_bf16 on both
-# arches and the reference (0.0031 on logits of max 0.58); a wrong gate/up order or limit fails the
-# per-block bound first.
+# LOGIT_RATIO allows 2x more for how the two propagate through 2 layers. Measured: 0.94 d_bf16 on both
+# arches and the reference (0.0022; each block's error at most 0.28 of its bound); a wrong gate/up
+# order, alpha or limit fails the per-block bound first.
 LOGIT_RATIO = 4.0
 
 
@@ -313,7 +320,7 @@ def gpt_oss_exact(experts, x, ids, weights):
         w1 = torch.cat([gu[..., 0::2].transpose(1, 2), gu[..., 1::2].transpose(1, 2)], dim=1)  # gate rows, up rows
         b1 = torch.cat([bgu[:, 0::2], bgu[:, 1::2]], dim=1)
         ours, bound = exact_moe(x.to(torch.bfloat16), w1, b1, ex.down_proj.transpose(1, 2), ex.down_proj_bias,
-                                ids, weights, "swiglu_oai", U_F32)
+                                ids, weights, "swiglu_oai", U_F32, ex.alpha, ex.limit)
     return theirs, ours, bound
 
 
@@ -376,7 +383,7 @@ def test_checkpoint_tensors_equal_transformers_dequantization():
     patch_gpt_oss(model, checkpoint=checkpoint)
     for n, layer in enumerate(model.model.layers):
         m, t = layer.mlp.experts, theirs[n]
-        assert (m.alpha, m.limit, m.activation, m.model_dim, m.inter_dim) == (1.702, 7.0, "swiglu_oai", h, i)
+        assert (m.alpha, m.limit, m.activation, m.model_dim, m.inter_dim) == (1.5, 3.0, "swiglu_oai", h, i)
         w1, w2 = dequantized_module(m)
         p = m.padded_dims["P"]
         gate_up = t.gate_up_proj.detach()

@@ -313,7 +313,7 @@ def test_gpt_oss_swiglu_parameters_are_checked():
         patch_gpt_oss(model, checkpoint=checkpoint)
     model.model.layers[1].mlp.experts.limit = 6.5
     patch_gpt_oss(model, checkpoint=checkpoint)
-    assert model.model.layers[1].mlp.experts.limit == 6.5 and model.model.layers[0].mlp.experts.limit == 7.0
+    assert model.model.layers[1].mlp.experts.limit == 6.5 and model.model.layers[0].mlp.experts.limit == 3.0  # the config's
 
 
 def test_patch_gpt_oss_of_one_block_takes_its_checkpoint():
