@@ -261,16 +261,19 @@ def test_training_op_wgrad_with_hp_any_a(reference_backend, dtype):
     """wgrad_with_hp with an FP16/FP32 A (the default BF16 out_dtype: torch._grouped_mm's operands
     promote to FP32, its out_dtype must follow) given column-major with M = 33 (its row stride, 33
     elements, is no multiple of 16 bytes): B_t's gradient is A[g]^T @ grad_out[g]; the backward
-    raised torch._grouped_mm's errors."""
-    A, W, G, ends = _training_case(m=33, ends=(5, 5, 33))
-    A = A.to(dtype).t().contiguous().t().requires_grad_()
-    B_t = W.transpose(1, 2).detach().requires_grad_()
+    raised torch._grouped_mm's errors. A's values are not BF16 values and B_t is FP32, so the
+    gradient is held to the FP32 bound: A rounded to BF16 on the way would exceed it."""
+    _, W, G, ends = _training_case(m=33, ends=(5, 5, 33))
+    A = torch.randn(33, W.shape[2], generator=torch.Generator().manual_seed(9)).to(dtype)
+    assert not torch.equal(A.bfloat16().to(dtype), A)
+    A = A.t().contiguous().t().requires_grad_()
+    B_t = W.float().transpose(1, 2).detach().requires_grad_()
     training.mxfp8_grouped_mm(A, B_t, ends, wgrad_with_hp=True).backward(G)
-    assert A.grad.dtype == dtype and B_t.grad.dtype == W.dtype
+    assert A.grad.dtype == dtype and B_t.grad.dtype == torch.float32
     for g, (lo, hi) in enumerate(groups(ends)):
         a64, g64 = A[lo:hi].detach().double(), G[lo:hi].double()
         exact, s = a64.T @ g64, a64.T.abs() @ g64.abs()
-        assert_within(B_t.grad[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.bfloat16), f"wgrad {g}")
+        assert_within(B_t.grad[g], exact, fp32_bound(exact, s, max(hi - lo, 1), torch.float32), f"wgrad {g}")
 
 
 @pytest.mark.parametrize("options", [{}, PAD, HP], ids=["default", "padded", "wgrad_with_hp"])
