@@ -197,18 +197,33 @@ def test_mxfp4_quantize_3d(arch, data, mode, shuffle, gate_up):
 
 @st.composite
 def routings(draw):
-    """(topk_ids, topk_weights, experts, block_m, expert_mask) as routers and EP ranks give them."""
-    tokens = draw(st.sampled_from([0, 1, 2, 3, 5, 17, 40]))
+    """(topk_ids, topk_weights, experts, block_m, expert_mask) as routers and EP ranks give them,
+    with the dtypes the kernel reads itself: int64 ids whose high word is set (out of range), FP16
+    / BF16 weights with specials (subnormals, -0.0, NaN, Inf), integer masks whose nonzero values
+    have a zero low byte. 300 tokens of top-4 or more: over 1023 pairs, the multi-wave sort."""
+    tokens = draw(st.sampled_from([0, 1, 2, 3, 5, 17, 40, 300]))
     experts = draw(st.sampled_from([1, 2, 3, 8, 33]))
     topk = draw(st.integers(1, min(8, experts)))  # the contract: topk <= num_experts
     block_m = draw(st.sampled_from([1, 16, 32, 64]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     low, high = (-2, experts + 3) if draw(st.booleans()) else (0, experts)  # out-of-range ids sometimes
     ids = torch.randint(low, high, (tokens, topk), generator=g, dtype=draw(st.sampled_from([torch.int32, torch.int64])))
-    weights = torch.rand(tokens, topk, generator=g)
+    if ids.dtype == torch.int64 and ids.numel() and draw(st.booleans()):  # low word in range, high word set
+        ids.view(-1)[torch.randint(0, ids.numel(), (2,), generator=g)] += draw(st.sampled_from([1 << 32, -(1 << 40)]))
+    weight_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    weights = torch.rand(tokens, topk, generator=g).to(weight_dtype)
+    if weights.numel() and draw(st.booleans()):
+        tiny = torch.finfo(weight_dtype).tiny
+        specials = torch.tensor([tiny / 4, -tiny / 8, -0.0, float("nan"), float("inf"), -float("inf")], dtype=weight_dtype)
+        weights.view(-1)[torch.randint(0, weights.numel(), (4,), generator=g)] = specials[torch.randint(0, 6, (4,), generator=g)]
     if draw(st.booleans()) and tokens:  # a transposed view (column-major routing tensors)
         ids, weights = ids.t().contiguous().t(), weights.t().contiguous().t()
-    mask = (torch.rand(experts, generator=g) < 0.6).to(torch.int32) if draw(st.booleans()) else None
+    mask = None
+    if draw(st.booleans()):
+        mask_dtype, one = draw(st.sampled_from([(torch.int32, 1), (torch.bool, True), (torch.uint8, 1),
+                                                 (torch.int16, 0x100), (torch.int32, 0x10000), (torch.int64, 1 << 32)]))
+        mask = torch.zeros(experts, dtype=mask_dtype)
+        mask[torch.rand(experts, generator=g) < 0.6] = one
     return ids, weights, experts, block_m, mask
 
 
