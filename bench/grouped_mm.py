@@ -97,9 +97,9 @@ class Shape:
         return 2 * self.m * self.n * self.k
 
     def ends(self) -> list[int]:
-        """offs: E equal token groups (the last takes the remainder)."""
-        size = self.m // self.experts
-        return [size * (g + 1) for g in range(self.experts - 1)] + [self.m]
+        """offs: E token groups of near-equal sizes (they differ by at most one row; M < E leaves
+        some empty, spread among the others rather than all before the last)."""
+        return [self.m * (g + 1) // self.experts for g in range(self.experts)]
 
 
 def _model_shapes(model: str, hidden: int, inter: int) -> list[Shape]:

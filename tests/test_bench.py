@@ -414,6 +414,16 @@ def test_grouped_mm_bench_modelled(tmp_path):
     assert row["verdict"] == ("met" if row["instr_per_mfma"] <= 3 and row["coalescing_loads"] >= 1 else "missed")
 
 
+def test_grouped_mm_bench_groups_are_near_equal():
+    """E groups of sizes differing by at most one row, summing to M: with M < E the rows are not all
+    put in one group (the others empty), as they were in the last."""
+    shape = load("grouped_mm").Shape
+    for m, experts in ((5, 8), (100, 3), (16640, 8), (1, 1)):
+        ends = shape("t", m, 32, 32, experts).ends()
+        sizes = torch.tensor([0, *ends]).diff()
+        assert len(ends) == experts and ends[-1] == m and sizes.min() >= 0 and sizes.max() - sizes.min() <= 1
+
+
 def test_grouped_mm_bench_wgrad_modelled(tmp_path):
     """bench/grouped_mm.py --op wgrad on N 128, K 256 and groups of 160, 0 and 256 rows: the whole
     launch (1 x 2 n/k-tiles x 3 groups) emulated. Every workgroup stores (the empty group's zeros);
