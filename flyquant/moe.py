@@ -59,7 +59,9 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
       expert in ascending order, its pairs with tokens ascending (slot ascending for a repeated
       expert), id = (slot << 24) | token, then padding up to a multiple of block_m. Padding and
       unused rows hold (topk << 24) | T. An expert with no pairs takes no rows.
-    - sorted_weights float32 (R,): the pair's routing weight, 0 on padding and unused rows.
+    - sorted_weights float32 (R,): the pair's routing weight, 0 on padding and unused rows (FP32
+      weights bit for bit, BF16/FP16 ones widened exactly; an FP16 NaN stays a NaN of its sign,
+      its payload the converter's: torch's CPU conversion and the GPU's differ).
     - sorted_expert_ids int32 (ceil(R / block_m),): the expert of each block of block_m rows (the
       local id under expert_mask: masked-in experts renumbered 0, 1, ... in order), -1 past the
       last used block.
