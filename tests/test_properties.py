@@ -336,3 +336,72 @@ def test_mxfp4_weights_round_trip_or_refuse(data, mode, gate_up):
     assert torch.equal(layouts.unshuffle_weight_a16w4(sw, gate_up=gate_up), packed)
     back_scales = layouts.unshuffle_scale_a16w4(ss, shape[0], gate_up=gate_up)
     assert torch.equal(back_scales.view(torch.uint8), scales.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# MXFP8 grouped GEMMs: random token groups (empty ones, rows past the last), values with specials,
+# on the kernel path against tests/mx_fp64.py's float64 model within the kernel tests' bound
+# ------------------------------------------------------------------------------------------------
+
+GROUPED_N, GROUPED_K = 48, 96  # fixed: the kernels compile per (N, K, E); M and offs vary per example
+
+
+def mx_operand(draw, gen, rows, cols, axis):
+    """A random (rows, cols) BF16 tensor, magnitudes spread over 2^+-6 by row, sometimes with
+    zeros, NaN, Inf and a huge value, MX-quantized along `axis` by flyquant.reference (rceil)."""
+    x = torch.randn(rows, cols, generator=gen) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=gen).float())
+    if x.numel() and draw(st.booleans()):
+        specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e30])
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=gen)] = specials[torch.randint(0, 6, (3,), generator=gen)]
+    return fq.reference.mxfp8_quantize(x.bfloat16(), axis, "rceil")
+
+
+def token_groups(draw, experts, rows, step=1):
+    """offs: E non-decreasing group ends, multiples of `step`, the last <= rows (rows past it sometimes)."""
+    ends = sorted(draw(st.lists(st.integers(0, rows // step), min_size=experts, max_size=experts)))
+    return torch.tensor([end * step for end in ends], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**{**PROFILE, "max_examples": 12})
+@given(data=st.data(), experts=st.sampled_from([1, 3]), out_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       scale_layout=st.sampled_from([None, "mfma"]))
+def test_mxfp8_grouped_mm(arch, data, experts, out_dtype, scale_layout):
+    from test_mxfp8_grouped_mm_kernel import check, expected
+
+    from flyquant import layouts
+
+    m = data.draw(st.sampled_from([1, 31, 64, 65, 130, 200]))
+    offs = token_groups(data.draw, experts, m)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    a, a_scale = mx_operand(data.draw, gen, m, GROUPED_K, -1)
+    b, b_scale = mx_operand(data.draw, gen, experts * GROUPED_N, GROUPED_K, -1)
+    b, b_scale = b.view(experts, GROUPED_N, GROUPED_K), b_scale.view(experts, GROUPED_N, GROUPED_K // 32)
+    scales = (a_scale, b_scale) if scale_layout is None else (
+        layouts.mfma_shuffle_scales(a_scale), torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale]))
+    with backend("flydsl", arch), emu.record() as launches:
+        out = fq.mxfp8_grouped_mm(a, scales[0], b, scales[1], offs, out_dtype=out_dtype, scale_layout=scale_layout)
+    assert len(launches) == 1 and launches[0].kernel.startswith("mxfp8_grouped_mm_")
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    check(out, ref, mag, GROUPED_K, out_dtype)
+    assert bool((out[int(offs[-1]):] == 0).all())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(**{**PROFILE, "max_examples": 12})
+@given(data=st.data(), experts=st.sampled_from([1, 3]), out_dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_mxfp8_grouped_mm_wgrad(arch, data, experts, out_dtype):
+    from test_mxfp8_grouped_mm_kernel import check, expected_wgrad
+
+    m = data.draw(st.sampled_from([32, 96, 160, 288]))
+    offs = token_groups(data.draw, experts, m, step=32)  # the wgrad contract: groups of whole 32-row blocks
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    x, x_scale = mx_operand(data.draw, gen, m, GROUPED_K, 0)
+    y, y_scale = mx_operand(data.draw, gen, m, GROUPED_N, 0)
+    with backend("flydsl", arch), emu.record() as launches:
+        out = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype=out_dtype)
+    assert len(launches) == 1 and launches[0].kernel.startswith("mxfp8_grouped_mm_wgrad_")
+    ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+    check(out, ref, mag, m, out_dtype)
+    sizes = offs.diff(prepend=offs.new_zeros(1))
+    assert all(bool((out[g] == 0).all()) for g in range(experts) if sizes[g] == 0)
