@@ -99,8 +99,9 @@ def test_worked_block():
 # 2-byte alignment, a partial last block per row); a prime M with K one block; K = 40 with a
 # NaN in the partial block (padding nibbles stay 0); more rows than a tile; 35 blocks per row
 # over 5 tiles (a block over lanes: the last block's third piece partial, with the odd K's last
-# element, the fourth wholly past the row's end; rows at 2-byte alignment).
-TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33), (9, 1111)]
+# element, the fourth wholly past the row's end; rows at 2-byte alignment); K = 39 with a NaN in
+# the partial block (7 elements: the last dword of BF16 codes holds 7 of its 8 nibbles).
+TAIL_SHAPES = [(1, 1), (3, 17), (5, 67), (29, 32), (7, 40), (70, 33), (9, 1111), (4, 39)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -111,6 +112,8 @@ def test_tails(arch, dtype):
         x = random_rows(m, k, dtype, seed=i)
         if k == 40:
             x[1, 37], x[4, 2] = float("nan"), -float("inf")
+        if k == 39:
+            x[2, 36] = float("nan")
         got = k4.quantize_rows(x, arch=arch, scaling_mode=mode)
         assert_same(got, reference.mxfp4_quantize(x, -1, mode), f"{(m, k)} {mode}")
 
@@ -242,8 +245,8 @@ def test_cols(arch, mode, dtype):
 # last dword whole, both rows' elements; row 0 was given row 1's); a prime M and K (rows at 2-byte
 # alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group); 544 x
 # 136: tiles inside x (scalar row offsets) beside edge tiles in both directions, a NaN and an Inf
-# inside. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
-COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (2, 1), (37, 67), (40, 9), (33, 4), (544, 136)]
+# inside; M = 39 with a NaN in the 7-row partial block. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
+COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (2, 1), (37, 67), (40, 9), (33, 4), (544, 136), (39, 5)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -256,6 +259,8 @@ def test_cols_tails(arch, dtype):
             x[37, 2], x[3, 8] = float("nan"), float("inf")
         if (m, k) == (544, 136):
             x[300, 20], x[40, 70], x[530, 130] = float("nan"), float("-inf"), float("inf")
+        if (m, k) == (39, 5):
+            x[35, 2] = float("nan")
         got = kc.quantize_cols(x, arch=arch, scaling_mode=mode)
         assert_same(got, reference.mxfp4_quantize(x, 0, mode), f"cols {(m, k)} {mode}")
 
@@ -272,13 +277,16 @@ def test_dual(arch, mode, dtype):
     kernel, but for FP32 on gfx942: the whole-line loads): an odd row count with an odd block
     count (the tile's second block past the row's end), and whole tiles; 300 x 544 (workgroups of
     256 rows x 256 columns: the last row tile with 44 rows, the last column group with 1 of its 4
-    (FP32: 8) column tiles, the other waves' tiles past K), NaN and Inf in the second row tile's rows; and with a K tail over groups."""
+    (FP32: 8) column tiles, the other waves' tiles past K), NaN and Inf in the second row tile's rows; and with a K tail over groups;
+    39 x 71 (7 elements in the last block of a row and of a column) with NaN in both partial blocks."""
     emu.enable(arch)
     grouped = random_rows(300, 544, dtype, 13)
     grouped[260, 300], grouped[1, 540] = float("nan"), float("-inf")
+    partial = random_rows(39, 71, dtype, 15)
+    partial[35, 3], partial[2, 66] = float("nan"), float("inf")
     for x in (rows_tensor(dtype), random_rows(37, 75, dtype, 6), random_rows(1, 3221, dtype, 7),
               random_rows(2333, 1, dtype, 8), random_rows(67, 96, dtype, 11), random_rows(64, 128, dtype, 12),
-              grouped, random_rows(290, 301, dtype, 14)):
+              grouped, random_rows(290, 301, dtype, 14), partial):
         with emu.record() as launches:
             got = kd.quantize_dual(x, arch=arch, scaling_mode=mode)
         assert len(launches) == 1 and launches[0].kernel.startswith(f"mxfp4_dual_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}")
@@ -386,6 +394,39 @@ def test_rceil_is_an_amax_mantissa_threshold(exp_field):
     rule = (exp_field - 2 + (mant > c4.E2M1_RCEIL_MANT).to(torch.int32)).clamp(min=0)
     rule = torch.where(bits == c4.E2M1_RCEIL_TIE, 0, rule)
     assert torch.equal(rule, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rceil_exception_reaches_the_kernels(arch):
+    """FP32 blocks whose amax is 0x01400001 (rceil's one exception to its mantissa threshold: code
+    0, not 1) or its neighbours, negative too, alone in their block: rowwise, columnwise and dual
+    byte-identical to the reference, and the exception's scale code 0."""
+    tie = c4.E2M1_RCEIL_TIE
+    x = torch.zeros(64, 64)
+    # each alone in its row block and its column block
+    for row, col, bits, sign in ((0, 0, tie, 1), (33, 33, tie - 1, 1), (40, 10, tie + 1, 1), (63, 63, tie, -1)):
+        x[row, col] = sign * torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    rows, cols = reference.mxfp4_quantize(x, -1, "rceil"), reference.mxfp4_quantize(x, 0, "rceil")
+    assert rows[1].view(U8)[0, 0] == 0 and cols[1].view(U8)[0, 0] == 0  # the exception's code
+    assert_same(k4.quantize_rows(x, arch=arch, scaling_mode="rceil"), rows, "rows")
+    assert_same(kc.quantize_cols(x, arch=arch, scaling_mode="rceil"), cols, "cols")
+    dual = kd.quantize_dual(x, arch=arch, scaling_mode="rceil")
+    assert_same(dual[0], rows, "dual rows")
+    assert_same(dual[1], cols, "dual cols")
+
+
+def test_launch_size_limits():
+    """The kernels address x and their outputs with 32-bit offsets: each launcher's too_large names
+    the first (M, K) whose x, or whose packed data (16 bytes per block: 8x a BF16 K = 1 row), reaches
+    2 GiB, and takes the one below it."""
+    bf16 = torch.bfloat16
+    assert k4.too_large((2**27 - 1, 1), bf16) is None  # data 2^31 - 16 bytes, x 2^28
+    assert "data (2147483648 bytes)" in k4.too_large((2**27, 1), bf16)
+    assert kd.too_large((2**27 - 1, 1), bf16) is None
+    assert "data (2147483648 bytes)" in kd.too_large((2**27, 1), bf16)
+    assert kc.too_large((2**30 - 257, 1), bf16) is None  # x plus 256 rows: 2^31 - 2 bytes
+    assert "x plus 256 rows (2147483648 bytes)" in kc.too_large((2**30 - 256, 1), bf16)
+    assert "x (2147483648 bytes)" in k4.too_large((2**15, 2**15), bf16)
 
 
 def test_api_op_plan_and_errors():
