@@ -129,6 +129,22 @@ def test_special_codes(arch, scale_layout):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+@pytest.mark.parametrize("k", [64, 96, 160])
+def test_k_tail_reads_nothing_past_its_row(arch, scale_layout, k):
+    """K % 128 = 64 / 96 / 32: the last step's bytes past K are the next row's first bytes, which
+    hold NaN codes here (row 2 of a, expert row 2 of b); an over-read would show as NaN in rows 1
+    and columns 1 (finite data past K would not show: its scales are masked to ~2^-254)."""
+    a, a_scale, b, b_scale, offs = make_problem(4, 32, k, [4], seed=5)
+    a.view(torch.uint8)[2, :16] = 0x7F
+    b.view(torch.uint8)[0, 2, :16] = 0x7F
+    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32)
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    assert torch.isnan(ref[2]).all() and torch.isnan(ref[:, 2]).all() and torch.isfinite(ref[1, 1])
+    check(out, ref, mag, k, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_scale_products_at_the_edge_of_fp32(arch):
     """Scale codes whose exponents sum to 127 (254 x 127): exact on both arches. Past it (254 x
     130) the result 2^123 is finite; gfx950 gives it, gfx942's FP32 scale product is +inf and so
