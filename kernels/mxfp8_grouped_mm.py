@@ -561,8 +561,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
     """Launch the MXFP8 grouped GEMM for `arch` on the tensors' device (CPU: the emulator), on
     torch's current stream, without a host synchronisation. Returns out (M, N).
     scale_layout None: a_scale (M, K/32), b_scale (E, N, K/32); "mfma": a_scale aiter's
-    e8m0_shuffle of the (M, K/32) scales, b_scale that of each expert's (N, K/32) (3D, stacked),
-    or of the (E N, K/32) scales (2D; N a multiple of 32)."""
+    e8m0_shuffle of the (M, K/32) scales, b_scale that of each expert's (N, K/32), stacked."""
     info = arch_info(arch)
     m, k = a.shape
     experts, n, _ = b.shape
@@ -571,7 +570,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    bs_expert_bytes = b_scale[0].numel() if b_scale.dim() == 3 else n * b_scale.shape[1]  # not stride(0): any if E = 1
+    bs_expert_bytes = b_scale[0].numel()  # not stride(0): any if E = 1
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           scale_layout=scale_layout, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
