@@ -245,7 +245,8 @@ def test_cols(arch, mode, dtype):
 # last dword whole, both rows' elements; row 0 was given row 1's); a prime M and K (rows at 2-byte
 # alignment); M = 40 with a NaN in the partial row block; K = 4 (FP32: one column group); 544 x
 # 136: tiles inside x (scalar row offsets) beside edge tiles in both directions, a NaN and an Inf
-# inside; M = 39 with a NaN in the 7-row partial block. One mode per dtype (the modes differ only in the scale rule, which test_cols covers).
+# inside; M = 39 with a NaN in the 7-row partial block. One mode per dtype (the modes differ only
+# in the scale rule, which test_cols covers).
 COL_TAIL_SHAPES = [(1, 1), (1, 7), (3, 1), (2, 1), (37, 67), (40, 9), (33, 4), (544, 136), (39, 5)]
 
 
@@ -277,8 +278,9 @@ def test_dual(arch, mode, dtype):
     kernel, but for FP32 on gfx942: the whole-line loads): an odd row count with an odd block
     count (the tile's second block past the row's end), and whole tiles; 300 x 544 (workgroups of
     256 rows x 256 columns: the last row tile with 44 rows, the last column group with 1 of its 4
-    (FP32: 8) column tiles, the other waves' tiles past K), NaN and Inf in the second row tile's rows; and with a K tail over groups;
-    39 x 71 (7 elements in the last block of a row and of a column) with NaN in both partial blocks."""
+    (FP32: 8) column tiles, the other waves' tiles past K), NaN and Inf in the second row tile's
+    rows; and with a K tail over groups; 39 x 71 (7 elements in the last block of a row and of a
+    column) with NaN in both partial blocks."""
     emu.enable(arch)
     grouped = random_rows(300, 544, dtype, 13)
     grouped[260, 300], grouped[1, 540] = float("nan"), float("-inf")
