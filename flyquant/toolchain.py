@@ -6,8 +6,10 @@ Without ROCm we point ``ROCM_PATH`` at a directory whose ``ld.lld`` runs the LLD
 ``ziglang`` package (Debian's lld is too old for code object v6). Our kernels call no
 device-library math, so no ROCm bitcode is needed.
 
-A FlyDSL ``@flyc.jit`` function freezes its target at its first call, so kernel families build
-one jit function per arch (a cached builder) and call it inside ``target(arch)``.
+A FlyDSL ``@flyc.jit`` function freezes its target at its first call, and loads its code object
+once, on the device current at its first launch (hipModuleLoadData gives a module valid on that
+device only). So kernel families build one jit function per arch and device (``launcher_cache``)
+and call it inside ``target(arch, device)``, which makes the tensors' GPU the current device.
 
 FlyDSL takes its target and cache directory only from ``os.environ`` (its ``env`` options are
 re-read on every access; there is no per-call argument), so ``target`` sets them and holds
@@ -52,6 +54,8 @@ class CacheDirError(ToolchainError):
 launch_lock = threading.RLock()
 """Held for the whole of a ``target()`` block and by ``flyquant.emu.enable``: FlyDSL reads its
 target and cache directory from os.environ, which all threads share."""
+
+_launch_device: list[int | None] = [None]  # the GPU of the innermost target() block (launch_lock guards it)
 
 _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _CACHE_WHY = (
@@ -260,14 +264,17 @@ _kernel_dirs: dict[tuple, str] = {}  # (FLYQUANT_CACHE_DIR, HOME) -> kernel_cach
 
 
 @contextlib.contextmanager
-def target(arch: str):
-    """Compile (and launch) FlyDSL kernels for `arch` inside this block.
+def target(arch: str, device=None):
+    """Compile (and launch) FlyDSL kernels for `arch` inside this block, on `device` (a
+    torch.device: the tensors'; None or a CPU one, where flyquant.emu runs them, changes nothing).
 
     Holds ``launch_lock`` for the whole block (threads compile and launch one at a time; the
     lock is re-entrant, so blocks nest) and sets ``ARCH``, ``FLYDSL_GPU_ARCH``, ``ROCM_PATH`` and
     ``FLYDSL_RUNTIME_CACHE_DIR``, each restored (or removed) when the block ends. The cache is
     ``kernel_cache_dir()``, or a directory of the user's own in FLYDSL_RUNTIME_CACHE_DIR, checked
-    private the same way (CacheDirError otherwise)."""
+    private the same way (CacheDirError otherwise). A GPU `device` is the current device for the
+    block (torch.cuda.device: a model spread over GPUs, with transformers' device_map, calls us
+    on each while the current device stays cuda:0) and the key of ``launcher_cache``'s launchers."""
     arch_info(arch)
     with launch_lock:
         user_cache = os.environ.get("FLYDSL_RUNTIME_CACHE_DIR")
@@ -275,8 +282,41 @@ def target(arch: str):
             cache = str(private_dir(user_cache, source="FLYDSL_RUNTIME_CACHE_DIR", tree=True))
         else:
             cache = kernel_cache_dir()
-        with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache):
+        with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache), \
+                _on_device(device):
             yield
+
+
+@contextlib.contextmanager
+def _on_device(device):
+    """`device` current (torch.cuda.device) and launcher_cache's key inside the block, if a GPU."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    import torch
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    outer = _launch_device[0]
+    _launch_device[0] = index
+    try:
+        with torch.cuda.device(index):
+            yield
+    finally:
+        _launch_device[0] = outer
+
+
+def launcher_cache(build):
+    """``functools.lru_cache`` of a kernel family's launcher builder, one launcher per device:
+    FlyDSL loads a launcher's code object on the device current at its first launch, a module
+    valid there only, so each GPU needs launchers of its own. Inside ``target(arch, device)`` the
+    device is part of the key (outside one, and on the CPU, None)."""
+    cached = functools.lru_cache(maxsize=None)(lambda device, *args, **kwargs: build(*args, **kwargs))
+
+    @functools.wraps(build)
+    def launcher(*args, **kwargs):
+        return cached(_launch_device[0], *args, **kwargs)
+
+    return launcher
 
 
 @dataclass(frozen=True)
@@ -371,6 +411,7 @@ __all__ = [
     "compile_only",
     "kernel_cache_dir",
     "launch_lock",
+    "launcher_cache",
     "parse_isa",
     "private_dir",
     "private_file",

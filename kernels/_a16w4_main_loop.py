@@ -102,7 +102,6 @@ there (zeros stay zero).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -114,6 +113,7 @@ from flydsl.expr import const_expr, gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
+from flyquant import toolchain
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
@@ -601,6 +601,6 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
     return launch
 
 
-@functools.lru_cache(maxsize=None)
+@toolchain.launcher_cache
 def _cached_launcher(cfg: Gemm2Config):
     return build_moe_gemm2_a16w4(cfg)

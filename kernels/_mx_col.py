@@ -32,6 +32,8 @@ import sys
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
+from flyquant import toolchain
+
 from . import _mx_common as mx
 from . import _mx_col_rows
 from ._mx_col_rows import (LINE_BYTES, ROWS_PER_LANE, TILE_ROWS, _flush_rows, _row_blocks, _rows_32x32, rows_3d_t,
@@ -407,7 +409,7 @@ def build_col(arch: str, dtype: str, mode: str, kind: str, scale_layout=None, bl
     return launch
 
 
-_cached_col = functools.lru_cache(maxsize=None)(build_col)
+_cached_col = toolchain.launcher_cache(build_col)
 
 
 def _group_of(offs, r0, groups, steps):

@@ -148,7 +148,7 @@ def moe_gemm1_a16w4(
     if grid_m == 0:
         return out
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
-    with toolchain.target(info.name):
+    with toolchain.target(info.name, x.device):
         for t0, n in windows:
             # the window's x rows and a2 rows start at 64-bit host-computed addresses
             x_bytes = ((n - 1) * x.stride(0) + x.shape[1]) * 2

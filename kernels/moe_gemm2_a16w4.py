@@ -141,7 +141,7 @@ def moe_gemm2_a16w4(
         return out
     stream = torch.cuda.current_stream(a2.device) if a2.is_cuda else 0
     a2_row_bytes, out_row_bytes = a2.stride(0) * a2.element_size(), model_dim * out.element_size()
-    with toolchain.target(info.name):
+    with toolchain.target(info.name, a2.device):
         for t0, n in windows:
             # the window's a2 rows and out rows start at 64-bit host-computed addresses
             a2_bytes = ((n * topk - 1) * a2.stride(0) + a2.shape[1]) * a2.element_size()

@@ -50,7 +50,6 @@ to its tensor, so ids outside [0, E) touch nothing outside any allocation.
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 
@@ -484,7 +483,7 @@ def build_moe_sorting(spec: SortSpec):
     return launch
 
 
-_cached_launcher = functools.lru_cache(maxsize=None)(build_moe_sorting)
+_cached_launcher = toolchain.launcher_cache(build_moe_sorting)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -583,7 +582,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_m
     num_valid = out[3]
     mask_arg = num_valid if expert_mask is None else expert_mask.view(torch.uint8).view(-1) if expert_mask.dtype == torch.bool else expert_mask
     buf_arg = num_valid if moe_buf is None else moe_buf.view(-1).view(torch.uint8)
-    with toolchain.target(info.name):
+    with toolchain.target(info.name, topk_ids.device):
         _cached_launcher(spec)(
             topk_ids, topk_weights, mask_arg, *out, buf_arg, tokens, buf_bytes, 1 + zero_wgs,
             stream=mx.torch_stream(topk_ids),

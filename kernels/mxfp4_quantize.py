@@ -543,7 +543,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     return launch
 
 
-_cached_rows = functools.lru_cache(maxsize=None)(build_rows)
+_cached_rows = toolchain.launcher_cache(build_rows)
 
 
 def too_large(shape, dtype: torch.dtype) -> str | None:
@@ -584,7 +584,7 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
     cfg = plan_rows((m, k), arch, shuffle, TORCH_DTYPES[x.dtype])
-    with toolchain.target(arch):
+    with toolchain.target(arch, x.device):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0,
                               sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))

@@ -497,7 +497,7 @@ def build_cols(arch: str, dtype: str, mode: str, odd: bool, waves: int = MAX_WAV
     return dual_launch if dual else launch
 
 
-_cached_cols = functools.lru_cache(maxsize=None)(build_cols)
+_cached_cols = toolchain.launcher_cache(build_cols)
 
 
 def too_large(shape, dtype: torch.dtype) -> str | None:
@@ -527,7 +527,7 @@ def quantize_cols(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
     cfg = plan_cols((m, k), x.dtype, arch)
     magic, shift = mx.divide_magic(cfg.col_tiles)
     tiles = -(-nmb // TILE_ROW_BLOCKS) * cfg.col_tiles
-    with toolchain.target(arch):
+    with toolchain.target(arch, x.device):
         odd = x.element_size() == 2 and k % 2 == 1
         launch = _cached_cols(arch, TORCH_DTYPES[x.dtype], scaling_mode, odd, cfg.waves)
         launch(x, data, scales, m, k, nmb, k * x.element_size(), tiles, cfg.tiles_per_wave, cfg.col_tiles,

@@ -46,7 +46,6 @@ block."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 
@@ -311,7 +310,7 @@ def build_dual(arch: str, dtype: str, mode: str, tail: bool):
     return launch
 
 
-_cached_dual = functools.lru_cache(maxsize=None)(build_dual)
+_cached_dual = toolchain.launcher_cache(build_dual)
 
 
 def too_large(shape, dtype: torch.dtype) -> str | None:
@@ -343,13 +342,13 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
         return (d1, s1.view(e8)), (d0, s0.view(e8))
     cfg = plan_dual((m, k), arch, x.dtype)
     if in_registers(k, arch, x.dtype):
-        with toolchain.target(arch):
+        with toolchain.target(arch, x.device):
             dt = TORCH_DTYPES[x.dtype]
             launch = cols_kernel._cached_cols(arch, dt, scaling_mode, False, cols_kernel.dual_waves(x.element_size()), True)
             launch(x, d0, s0, d1, s1, m, k, nmb, nkb, k * x.element_size(), cfg.col_groups, cfg.row_groups,
                    stream=mx.torch_stream(x))
         return (d1, s1.view(e8)), (d0, s0.view(e8))
-    with toolchain.target(arch):
+    with toolchain.target(arch, x.device):
         launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0)
         launch(x, d1, s1, d0, s0, m, k, nkb, nmb, k * x.element_size(), x.numel() * x.element_size(),
                cfg.col_groups, cfg.row_groups, stream=mx.torch_stream(x))

@@ -80,7 +80,6 @@ Constraints (the selector sends other shapes to the reference, with the reason):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -551,7 +550,7 @@ def _uniform(x):
     return fx.Int32(rocdl.readfirstlane(T.i32, fx.Int32(x).ir_value()))
 
 
-@functools.lru_cache(maxsize=None)
+@toolchain.launcher_cache
 def _cached_launcher(cfg: GroupedMMConfig):
     return build_grouped_mm(cfg)
 
@@ -574,7 +573,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           scale_layout=scale_layout, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
-    with toolchain.target(info.name):
+    with toolchain.target(info.name, a.device):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
                               out.data_ptr(), m, bs_expert_bytes, -(-m // tile_m), stream=stream)
     return out
@@ -600,7 +599,7 @@ def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_d
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           wgrad=True, signed_zeros=signed_zeros)
     stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
-    with toolchain.target(info.name):
+    with toolchain.target(info.name, x.device):
         _cached_launcher(cfg)(y_t.data_ptr(), y_scale.data_ptr(), x_t.data_ptr(), x_scale.data_ptr(), offs.data_ptr(),
                               out.data_ptr(), m, 0, -(-n // tile_m), stream=stream)
     return out

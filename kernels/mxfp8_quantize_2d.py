@@ -310,7 +310,7 @@ def build_1x32(arch: str, dtype: str, mode: str, scale_layout=None, waves: int =
     return launch
 
 
-_cached_1x32 = functools.lru_cache(maxsize=None)(build_1x32)
+_cached_1x32 = toolchain.launcher_cache(build_1x32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
         raise ValueError(f"x has {m * nkb} blocks of 32; at most {MAX_LAUNCH_BYTES - 1} are supported")
     if m == 0:  # an empty batch: empty data, the layout's (all padding) scales
         return data, scales.view(torch.float8_e8m0fnu)
-    with toolchain.target(arch):
+    with toolchain.target(arch, x.device):
         for r0 in range(0, m, rows_per_launch):
             rows = min(rows_per_launch, m - r0)
             cfg = plan_1x32((rows, k), x.dtype, arch)

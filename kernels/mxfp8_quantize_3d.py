@@ -95,7 +95,7 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
     groups = offs.numel() if grouped else 0
     offs_arg = offs if grouped else torch.zeros(1, dtype=torch.int32, device=x.device)
     q1, s1 = rows_out if rows_out is not None else (offs_arg, offs_arg)  # dual: the 1x32 outputs
-    with toolchain.target(arch):
+    with toolchain.target(arch, x.device):
         launch(
             x, data.view(torch.uint8), scales, q1, s1, offs_arg, n, k, k * x.element_size(), cfg.tiles_per_wave,
             -(-k // width), n // MX_BLOCK, dims, expert_bytes, scales.numel(), groups, groups.bit_length(),

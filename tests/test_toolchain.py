@@ -1,6 +1,9 @@
-"""Compile-only: a small FlyDSL kernel builds for gfx942 and gfx950 on this CPU machine."""
+"""The toolchain: a small FlyDSL kernel builds for gfx942 and gfx950 on this CPU machine; kernel
+launchers are built per device and run on their tensors' one."""
 
+import contextlib
 import re
+import sys
 
 import pytest
 import torch
@@ -76,3 +79,97 @@ def test_occupancy_limits():
     # LDS: 64 KiB per CU on gfx942 fits two 32 KiB workgroups, gfx950's 160 KiB five.
     assert occupancy("gfx942", 32, 0, 32 * 1024, 1) == 2
     assert occupancy("gfx950", 32, 0, 32 * 1024, 1) == 5
+
+
+def test_launchers_are_built_per_gpu(monkeypatch):
+    """FlyDSL loads a launcher's code object on the device current at its first launch, a module
+    valid there only: launcher_cache builds one per GPU, keyed by the innermost target(arch,
+    device) block, which makes that GPU current (torch.cuda.device, recorded here: there is no GPU
+    on this machine). CPU tensors (flyquant.emu) and calls outside a block share one launcher."""
+    entered = []
+
+    @contextlib.contextmanager
+    def current(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", current)
+    built = []
+    launcher = toolchain.launcher_cache(lambda cfg, waves=1: built.append((cfg, waves)) or object())
+    with toolchain.target("gfx950", torch.device("cuda", 1)):
+        one = launcher("cfg", waves=2)
+        assert launcher("cfg", waves=2) is one
+        with toolchain.target("gfx950", torch.device("cuda", 0)):
+            zero = launcher("cfg", waves=2)
+        assert launcher("cfg", waves=2) is one  # the outer block's GPU again
+        other = launcher("cfg", waves=3)
+    with toolchain.target("gfx950", torch.device("cpu")):
+        cpu = launcher("cfg", waves=2)
+    assert launcher("cfg", waves=2) is cpu
+    assert len({id(one), id(zero), id(other), id(cpu)}) == 4
+    assert built == [("cfg", 2), ("cfg", 2), ("cfg", 3), ("cfg", 2)]
+    assert entered == [1, 0]
+
+
+def test_every_kernel_family_launches_on_its_tensors_device(monkeypatch):
+    """Each kernel family's launcher runs inside target(arch, the device of its tensors): one that
+    left the device out would launch a GPU's tensors on whichever GPU is current."""
+    from test_fused_moe import layer, run
+    from test_grouped_mm import fwd_inputs, offs, wgrad_inputs
+
+    import flyquant as fq
+
+    real, seen = toolchain.target, []
+
+    def recording(arch, device=None):
+        seen.append((sys._getframe(1).f_globals["__name__"].rsplit(".", 1)[-1], device))
+        return real(arch, device)
+
+    monkeypatch.setattr(toolchain, "target", recording)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    fq.mxfp8_quantize(x)
+    fq.mxfp8_quantize(x, axis=0)
+    fq.mxfp8_quantize_3d(x.view(2, 32, 64))
+    fq.mxfp4_quantize(x)
+    fq.mxfp4_quantize(x, axis=0)
+    fq.mxfp4_quantize_dual(x)
+    run(layer(4, 2, 4), "silu")
+    fq.mxfp8_grouped_mm(*fwd_inputs(64, 32, 64, 2), offs(32, 64))
+    fq.mxfp8_grouped_mm_wgrad(*wgrad_inputs(64, 32, 64), offs(32, 64))
+    families = {"mxfp8_quantize_2d", "mxfp8_quantize_3d", "mxfp4_quantize", "mxfp4_quantize_cols",
+                "mxfp4_quantize_dual", "moe_sorting", "moe_gemm1_a16w4", "moe_gemm2_a16w4", "mxfp8_grouped_mm"}
+    assert families <= {module for module, _ in seen}, seen
+    assert all(device == torch.device("cpu") for _, device in seen), seen
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_on_each_gpu_while_another_is_current(monkeypatch):
+    """On a machine with two or more MI300X/MI355X: with cuda:0 current, kernels launched for
+    tensors on cuda:1 run there (transformers' device_map spreads a model so), then on cuda:0 too,
+    each GPU with launchers of its own: quantize bit-exact with the reference, the MoE layer
+    within its bound, the grouped GEMM the same bits on both GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from test_fused_moe import exact_layer, layer, run
+    from test_grouped_mm import fwd_inputs, offs
+
+    import flyquant as fq
+    from flyquant import reference
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    torch.cuda.set_device(0)
+    x = torch.randn(256, 512).to(torch.bfloat16)
+    p = layer(16, 2, 4)
+    gemm = fwd_inputs(128, 64, 256, 2) + (offs(64, 128),)
+    products = []
+    for dev in ("cuda:1", "cuda:0"):
+        for got, want in zip(fq.mxfp8_quantize(x.to(dev)), reference.mxfp8_quantize(x, -1)):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), dev
+        for got, want in zip(fq.mxfp4_quantize(x.to(dev)), reference.mxfp4_quantize(x)):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), dev
+        moe = run({k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()}, "silu").cpu()
+        exact, bound = exact_layer(p, "silu", "stage2")
+        assert bool(((moe.double() - exact).abs() <= bound).all()), dev
+        products.append(fq.mxfp8_grouped_mm(*(t.to(dev) for t in gemm)).cpu())
+        assert torch.cuda.current_device() == 0
+    assert torch.equal(products[0].view(torch.int16), products[1].view(torch.int16))
