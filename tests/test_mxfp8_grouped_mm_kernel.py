@@ -145,6 +145,39 @@ def test_k_tail_reads_nothing_past_its_row(arch, scale_layout, k):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+def test_a_lone_nan_code_at_each_byte_of_a_dword(arch, scale_layout):
+    """gfx942 looks for NaN codes once per wave and step (a probe per dword, a rare branch): each
+    NaN here is the only one in its step, at byte k % 4 = 0, 1, 2, 3 of a's dwords (steps 0-3) and
+    of b's (steps 4-7), so a probe that misses one byte position leaves a finite +-240 (FNUZ's
+    reading of 0x7F / 0xFF) where the row or column must be NaN."""
+    a, a_scale, b, b_scale, offs = make_problem(64, 32, 1024, [64], seed=11)
+    for i in range(4):
+        a.view(torch.uint8)[5 + i, 128 * i + 16 + i] = 0x7F if i % 2 else 0xFF  # rows 5-8 NaN
+        b.view(torch.uint8)[0, 3 * i, 128 * (4 + i) + 44 + i] = 0xFF if i % 2 else 0x7F  # columns 0, 3, 6, 9
+    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32)
+    ref, mag = expected(a, a_scale, b, b_scale, offs)
+    assert torch.isnan(ref[5:9]).all() and torch.isnan(ref[:, 0:12:3]).all() and int(torch.isnan(ref).sum()) == 4 * 32 + 4 * 60
+    check(out, ref, mag, 1024, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
+def test_negative_codes_keep_their_sign(arch, scale_layout):
+    """Every byte 0x81 (-2^-9, the least negative subnormal) in one operand, 1.0 (0x38) in the
+    other, unit scales: each output is exactly -K 2^-9 (gfx942 rewrites only -0 (0x80), at any byte
+    of a dword)."""
+    m, n, k = 32, 16, 256
+    unit = lambda shape: torch.full(shape, 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # noqa: E731
+    offs = torch.tensor([m], dtype=torch.int32)
+    for a_code, b_code in ((0x81, 0x38), (0x38, 0x81)):
+        a = torch.full((m, k), a_code, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        b = torch.full((1, n, k), b_code, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        out = run(arch, a, unit((m, k // 32)), b, unit((1, n, k // 32)), offs, scale_layout, torch.float32)
+        assert (out == -k * 2.0**-9).all(), (hex(a_code), float(out[0, 0]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_scale_products_at_the_edge_of_fp32(arch):
     """Scale codes whose exponents sum to 127 (254 x 127): exact on both arches. Past it (254 x
     130) the result 2^123 is finite; gfx950 gives it, gfx942's FP32 scale product is +inf and so
@@ -417,6 +450,47 @@ def test_wgrad_special_codes(arch):
     ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
     assert torch.isnan(ref[0, 4]).all() and torch.isnan(ref[1, :, 9]).all() and torch.isfinite(ref[0, 7, 20])
     check(out, ref, mag, 64, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_lone_nan_codes_and_negative_codes(arch):
+    """The weight gradient's operands go through the same -0 and NaN handling on gfx942: one NaN
+    code per 128-row step at byte m % 4 = 0, 1, 2, 3 of y's dwords (steps 0-3) and of x's (4-7);
+    then every byte 0x81 (-2^-9) in y against 1.0 (0x38) in x, unit scales: exactly -M 2^-9."""
+    m, n, k = 1024, 16, 32
+    x, x_scale, y, y_scale, offs = make_wgrad_problem(m, n, k, [m], seed=17)
+    for i in range(4):
+        y.view(torch.uint8)[128 * i + 8 + i, 2 * i] = 0x7F if i % 2 else 0xFF  # out[0, 0:8:2, :] NaN
+        x.view(torch.uint8)[128 * (4 + i) + 20 + i, 3 * i + 1] = 0xFF if i % 2 else 0x7F  # out[0, :, 1:12:3] NaN
+    out = run_wgrad(arch, x, x_scale, y, y_scale, offs, torch.float32)
+    ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+    assert torch.isnan(ref[0, 0:8:2]).all() and torch.isnan(ref[0, :, 1:12:3]).all()
+    assert int(torch.isnan(ref).sum()) == 4 * 32 + 4 * 12
+    check(out, ref, mag, m, torch.float32)
+    unit = lambda t: torch.full_like(t.view(torch.uint8), 127).view(torch.float8_e8m0fnu)  # noqa: E731
+    x.view(torch.uint8).fill_(0x38)
+    y.view(torch.uint8).fill_(0x81)
+    out = run_wgrad(arch, x, unit(x_scale), y, unit(y_scale), offs, torch.float32)
+    assert (out == -m * 2.0**-9).all(), float(out[0, 0, 0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wgrad_masks_both_scales_of_a_block_past_its_group(arch):
+    """Group 0 ends after one 32-row block, so its step's blocks 1-3 lie in group 1. Group 1's data
+    is 0 and one operand's scales there are 2^123: if that operand's scale of such a block were not
+    masked, group 0's sums would gain a block times 2^123 x 2^-127 (the other's masked scale), while
+    group 1 stays 0 either way (its scale products 2^123 x 1 stay finite on gfx942)."""
+    m, n, k, sizes = 128, 16, 32, [32, 96]
+    for big in ("x", "y"):
+        x, x_scale, y, y_scale, offs = make_wgrad_problem(m, n, k, sizes, seed=19)
+        x.view(torch.uint8)[32:] = 0
+        y.view(torch.uint8)[32:] = 0
+        x_scale.view(torch.uint8)[:, 1:] = 250 if big == "x" else 127
+        y_scale.view(torch.uint8)[:, 1:] = 250 if big == "y" else 127
+        out = run_wgrad(arch, x, x_scale, y, y_scale, offs, torch.float32)
+        ref, mag = expected_wgrad(x, x_scale, y, y_scale, offs)
+        assert (ref[1] == 0).all() and (ref[0] != 0).any()
+        check(out, ref, mag, m, torch.float32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
