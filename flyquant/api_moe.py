@@ -380,15 +380,15 @@ def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
     """A given fused_moe out, checked before moe_sorting zeroes it (stage 2 checks it again, too
     late for a wrong out to be left as it was): stage 2's dtypes, (T, model_dim), x's device, and
     no memory shared with an input (out=x would zero x before stage 1 reads it: a wrong result,
-    no error), nor with itself; 4-byte aligned. The addresses are checked on real tensors only (not
-    while torch.compile traces)."""
+    no error; while torch.compile traces, as validate.no_overlap can tell it), nor with itself;
+    4-byte aligned (on real tensors only: no address while torch.compile traces)."""
     validate.tensor(out, "out", (torch.bfloat16, torch.float32), ndim=2)
     validate.same_device("x", x, "out", out)
     validate.shape(out, "out", (tokens, model_dim))
     validate.no_self_overlap(out, "out")
+    validate.no_overlap(out, "out", {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)})
     if not torch.compiler.is_compiling():
         reference_moe.check_out_aligned(out)
-        validate.no_overlap(out, "out", {name: t for name, t in inputs.items() if isinstance(t, torch.Tensor)})
 
 
 def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):

@@ -137,5 +137,10 @@ def tuning_table() -> dict[tuple, dict]:
 
 
 def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
-    """The tuning table's configuration for exactly this (op, arch, shape), or {}."""
-    return dict(tuning_table().get((op, arch, tuple(sorted(shape.items()))), {}))
+    """The tuning table's configuration for exactly this (op, arch, shape), or {}. Sorted by name
+    alone: torch.compile cannot sort symbolic sizes (a table entry makes it specialize on them)."""
+    table = tuning_table()
+    if not table:
+        return {}
+    items = sorted(shape.items(), key=lambda item: item[0])
+    return dict(table.get((op, arch, tuple((k, int(v)) for k, v in items)), {}))

@@ -251,10 +251,24 @@ def byte_extent(x: torch.Tensor) -> tuple[int, int] | None:
     return start, x.data_ptr() + (hi + 1) * x.element_size()
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor t is a view of (t itself if it is none's)."""
+    return t if t._base is None else t._base
+
+
 def no_overlap(out: torch.Tensor, out_name: str, inputs: dict) -> None:
     """The output `out` shares no memory with any input (name -> tensor or None), as torch's out=
     ops require: an input read after the output was written to would give a wrong result.
-    Conservative: byte ranges that interleave without sharing an element count as overlapping."""
+    Conservative: byte ranges that interleave without sharing an element count as overlapping.
+    While torch.compile traces there are no addresses (nor storage offsets): an input that is
+    `out`, or a view of the tensor `out` views, is refused whatever part it holds (memory shared
+    any other way is not seen there; fused_moe(out=x) under torch.compile returned zeros)."""
+    if torch.compiler.is_compiling():
+        for name, t in inputs.items():
+            if t is not None and t.numel() and out.numel() and (t is out or _root(t) is _root(out)):
+                raise ValueError(f"{out_name} must not share memory with the input {name} (under torch.compile a "
+                                 f"view of the same tensor counts as shared); pass a separate {out_name} tensor")
+        return
     span = byte_extent(out)
     if span is None:
         return
@@ -270,8 +284,15 @@ def no_self_overlap(out: torch.Tensor, name: str) -> None:
     strides that interleave): each would be written by several results, one of them kept. From
     the strides alone (no addresses: torch.compile traces it), conservatively: sorted by stride,
     each dim's stride is past the span of the smaller ones."""
+    dims = []  # (|stride|, size) in increasing stride, by insertion: torch.compile cannot sort symbolic strides
+    for size, stride in zip(out.shape, out.stride()):
+        if size > 1:
+            i = 0
+            while i < len(dims) and dims[i][0] <= abs(stride):
+                i += 1
+            dims.insert(i, (abs(stride), size))
     span = 0  # elements covered by the dims of smaller stride, minus one
-    for stride, size in sorted((abs(st), n) for n, st in zip(out.shape, out.stride()) if n > 1):
+    for stride, size in dims:
         if stride <= span:
             raise ValueError(f"{name} must not have elements sharing memory (an expand()ed or overlapping view), got "
                              f"strides {out.stride()} for shape {tuple(out.shape)}; pass a tensor of its own")

@@ -333,6 +333,39 @@ def test_torch_compile_traces_the_layer(monkeypatch):
 
 
 
+def test_torch_compile_traces_new_token_counts(monkeypatch):
+    """A second token count makes torch.compile trace with symbolic sizes and strides: the layer
+    checks sorted them (a "sort with non-constant keys" failure at the second batch size)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda p: run(p, "silu"), fullgraph=True, backend="eager")
+    for tokens in (3, 5, 6):
+        p = layer(tokens, 2, 4, seed=tokens)
+        assert torch.equal(compiled(p), run(p, "silu")), tokens
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the static graph, then the dynamic one
+
+
+def test_torch_compile_refuses_out_sharing_x(monkeypatch):
+    """fused_moe(out=x) zeroes out before stage 1 reads x: eager refuses it by address; under
+    torch.compile (no addresses) it returned zeros. Now refused there too, for x itself or a view
+    of it, by tensor identity (any view of x's tensor counts)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(4, 2, 4, seed=3)
+    x = torch.zeros(4, X_WIDTH, dtype=torch.bfloat16)
+    x[:, :MODEL_DIM] = p["x"][:, :MODEL_DIM]
+    for out_of in (lambda h: h[:, :MODEL_DIM], lambda h: h.view(4, X_WIDTH)[:, :MODEL_DIM]):
+        with pytest.raises(ValueError, match="out must not overlap the input x"):
+            run(dict(p, x=x), "silu", out=out_of(x))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda h, out_of=out_of: run(dict(p, x=h), "silu", out=out_of(h)), fullgraph=True,
+                                 backend="eager")
+        with pytest.raises(Exception, match="out must not share memory with the input x"):
+            compiled(x.clone())
+
+
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
 def test_torch_compile_with_inductor_runs_the_layer(backend, monkeypatch):
     """torch.compile's default backend (inductor) failed on the stage ops ("auto_functionalized_v2 was
