@@ -67,6 +67,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def join_codes(parts, stack: bool = True) -> torch.Tensor:
+    """torch.stack (or, stack=False, torch.cat) of one-byte tensors of one dtype (E8M0, FP8), as
+    uint8 views: under torch.autocast both ops promote their inputs' dtype, which fails for these
+    ("Unexpected floating ScalarType in at::autocast::prioritize")."""
+    joined = (torch.stack if stack else torch.cat)([_bytes(t) for t in parts])
+    return joined.view(parts[0].dtype)
+
+
 def _scale_matrix(s, name: str) -> None:
     """A 2D (rows, cols) matrix of E8M0 scales (or their bytes): a wider dtype's bytes were permuted
     as if each were a scale (bf16 (256, 4) came back as bf16 garbage), and a 1D or 3D tensor failed
@@ -112,7 +120,7 @@ def tcgen05_blocked_col_groups(scales: torch.Tensor, col_ends: torch.Tensor) -> 
             raise ValueError(f"scale column group [{start}, {end}) must be a multiple of {TCGEN05_TILE_COLS} wide")
         if end > start:
             parts.append(tcgen05_blocked(scales[:, start:end]))
-    return torch.cat(parts)
+    return join_codes(parts, stack=False)
 
 
 # (row tile, r_hi, r_lo, col tile, c_hi, c_lo) -> (row tile, col tile, c_lo, r_lo, c_hi, r_hi)

@@ -174,8 +174,8 @@ def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Op
         shape = _scale_shape_2d(*per_k_row.shape[1:], scale_layout, flat=scale_layout == "tcgen05")
         return scales.new_empty((0, *shape))
     if scale_layout == "tcgen05":
-        return torch.stack([layouts.tcgen05_blocked(s) for s in per_k_row])
-    return torch.stack([layouts.mfma_shuffle_scales(s) for s in per_k_row])
+        return layouts.join_codes([layouts.tcgen05_blocked(s) for s in per_k_row])
+    return layouts.join_codes([layouts.mfma_shuffle_scales(s) for s in per_k_row])
 
 
 def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None, signed_zeros=True):

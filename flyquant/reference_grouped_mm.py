@@ -67,7 +67,7 @@ def plain_scales(a, a_scale, b, b_scale, scale_layout):
     a_plain = layouts.mfma_unshuffle_scales(a_scale)[:m, :kb]
     if e == 0:
         return a_plain, b_scale.new_empty((0, n, kb))
-    return a_plain, torch.stack([layouts.mfma_unshuffle_scales(s)[:n, :kb] for s in b_scale])
+    return a_plain, layouts.join_codes([layouts.mfma_unshuffle_scales(s)[:n, :kb] for s in b_scale])
 
 
 def check_grouped_mm_offs(offs, rows: int) -> None:

@@ -125,6 +125,36 @@ def test_torch_compile_traces_without_graph_breaks(reference_backend):
     torch.testing.assert_close(moe(a2), fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m))
 
 
+def test_reference_layouts_under_autocast(reference_backend):
+    """Under torch.autocast, torch.stack / torch.cat promote their inputs' dtype and refuse E8M0
+    ("Unexpected floating ScalarType"): the reference's per-expert and per-group scale layouts and
+    the training op's reference GEMMs failed there. They join uint8 views (layouts.join_codes):
+    the same bytes as without autocast."""
+    from flyquant.training import mxfp8_grouped_mm
+
+    w = torch.randn(2, 64, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    calls = [lambda: fq.mxfp8_quantize_3d(w, scale_layout="mfma"),
+             lambda: fq.mxfp8_quantize_3d(w, scale_layout="tcgen05"),
+             lambda: fq.mxfp8_quantize(torch.cat([w, w]).reshape(256, 64), axis=0, scale_layout="tcgen05",
+                                       offs=torch.tensor([128, 256], dtype=torch.int32))]
+    for call in calls:
+        want = call()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = call()
+        assert all(torch.equal(g.view(torch.uint8), h.view(torch.uint8)) for g, h in zip(got, want))
+    A = torch.randn(64, 64, requires_grad=True)
+    B_t = torch.randn(2, 64, 64, requires_grad=True)
+    want = mxfp8_grouped_mm(A, B_t, offs)
+    want.sum().backward()
+    grads = A.grad.clone(), B_t.grad.clone()
+    A.grad = B_t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mxfp8_grouped_mm(A, B_t, offs)
+        got.sum().backward()
+    assert torch.equal(got, want) and torch.equal(A.grad, grads[0]) and torch.equal(B_t.grad, grads[1])
+
+
 def test_explain_prints_the_plan(capsys, reference_backend):
     plan = fq.explain(fq.mxfp8_quantize, X, axis=0)
     assert plan.backend == "reference" and "FLYQUANT_BACKEND=reference" in capsys.readouterr().out
