@@ -221,6 +221,7 @@ def _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim, inter_dim):
     """moe_stage2's own checks and sizes: (tokens, topk, experts, model_dim, inter_dim, block_m)."""
     validate.high_precision(a2, "a2", ndim=2)  # read below (its shape), before stage 2 checks it
     validate.tensor(topk_ids, "topk_ids", (torch.int32, torch.int64), ndim=2)
+    validate.same_device("a2", a2, "topk_ids", topk_ids)  # else moe_sorting names its moe_buf, internal here
     validate.tensor(w2, "w2", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     tokens, topk = topk_ids.shape
     experts = w2.shape[0]
@@ -398,6 +399,7 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
         raise ValueError(f"apply_weights_at must be one of {APPLY_WEIGHTS_AT}, got {apply_weights_at!r}")
     validate.tensor(x, "x", ndim=2)
     validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
+    validate.same_device("x", x, "topk_ids", topk_ids)  # else moe_sorting names its moe_buf, internal here
     validate.tensor(w1, "w1", ndim=3)
     validate.tensor(w2, "w2", ndim=3)
     if expert_mask is not None:  # its length is num_experts, read below

@@ -189,6 +189,12 @@ def test_bad_input(monkeypatch):
             fq.moe_stage2(*args)
     with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
         fq.moe_stage2(a2, p["ids"], p["weights"], p["w2"], p["w2_scale"], bias=[1.0])
+    # routing on another device than x / a2: the message named moe_buf, which the caller never passed
+    meta_ids, meta_weights = p["ids"].to("meta"), p["weights"].to("meta")
+    with pytest.raises(ValueError, match=r"topk_ids must be on the device of x \(cpu\), got meta"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], meta_weights, meta_ids)
+    with pytest.raises(ValueError, match=r"topk_ids must be on the device of a2 \(cpu\), got meta"):
+        fq.moe_stage2(a2, meta_ids, meta_weights, p["w2"], p["w2_scale"])
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
