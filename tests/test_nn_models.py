@@ -231,6 +231,24 @@ def test_a_patched_model_generates_and_round_trips(monkeypatch):
         assert torch.equal(other(tokens).logits, model(tokens).logits)
 
 
+def test_a_meta_skeleton_is_patched_and_loaded(monkeypatch):
+    """A model built on the meta device (to load a saved patched state_dict into, without
+    allocating the float experts) is patched: the activation probe ran on the meta weights
+    (Tensor.item() on a meta tensor). Loaded with assign=True, it gives the saved model's logits."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model = patch_moe(tiny_qwen3_moe())
+    config = Qwen3MoeConfig(**QWEN, attn_implementation="eager", experts_implementation="eager")
+    with torch.device("meta"):
+        skeleton = patch_moe(Qwen3MoeForCausalLM(config))
+    skeleton.load_state_dict(model.state_dict(), assign=True)
+    skeleton.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq  # a non-persistent buffer
+    tokens = torch.randint(0, QWEN["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(skeleton.eval()(tokens).logits, model(tokens).logits)
+
+
 def test_a_patched_model_saves_with_save_pretrained(monkeypatch, tmp_path):
     """save_pretrained (safetensors) stores tensors only: the experts' extra state was a dict, an
     AttributeError inside huggingface_hub. Its file loads back into a patched model."""

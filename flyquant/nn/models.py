@@ -215,7 +215,8 @@ def _gated_activation(experts) -> str:
     act = getattr(experts, "act_fn", None)
     if not callable(act):
         raise ValueError(f"{type(experts).__name__} has no act_fn: its gated activation is unknown")
-    x = ACTIVATION_PROBE.to(experts.gate_up_proj.device)
+    device = experts.gate_up_proj.device  # a meta skeleton's (built to load a state_dict into): probed on the CPU
+    x = ACTIVATION_PROBE.to("cpu" if device.type == "meta" else device)
     with torch.no_grad():
         y = act(x)
     for name, f in (("silu", F.silu), ("gelu", lambda v: F.gelu(v, approximate="tanh"))):
