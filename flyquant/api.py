@@ -56,7 +56,7 @@ def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
     signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC), for fq.mxfp8_grouped_mm(...,
     signed_zeros=False) on gfx942.
     """
-    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
+    axis = reference.check_mxfp8_2d(x, validate.as_int(axis), scaling_mode, scale_layout, offs)
     return _mxfp8_quantize_op(x, axis, scaling_mode, scale_layout, offs, validate.flag(signed_zeros, "signed_zeros"))
 
 
@@ -107,6 +107,7 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks). w is
     contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights).
     signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC)."""
+    scale_block_k = validate.as_int(scale_block_k)
     reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout, validate.flag(signed_zeros, "signed_zeros"))
 
@@ -154,7 +155,7 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     gives the scales as aiter's e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0;
     shuffle="a4w4" gives the data as aiter's shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's
     layout; M % 16 == 0 and K % 64 == 0)."""
-    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    axis = validate.mxfp4_quantize_args(x, validate.as_int(axis), scaling_mode, scale_layout, shuffle)
     return _mxfp4_quantize_op(x, axis, scaling_mode, scale_layout, shuffle)
 
 

@@ -89,6 +89,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
     require grad (the op has no backward). Weights that were not shuffled cannot be told from
     shuffled ones (a permutation of the same bytes): they give wrong values, no error.
     """
+    topk, block_m, model_dim, inter_dim = map(validate.as_int, (topk, block_m, model_dim, inter_dim))
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm2_call(
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
         bias=bias, model_dim=model_dim, inter_dim=inter_dim)
@@ -172,6 +173,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
     expert id are dropped, rows repeating a (token, slot) pair may be skipped (with FLYQUANT_DEBUG=1
     both raise, as the reference always does).
     """
+    topk, block_m, model_dim, inter_dim = map(validate.as_int, (topk, block_m, model_dim, inter_dim))
     model_dim, inter_dim, tokens = reference_moe.check_moe_gemm1_call(
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
@@ -190,7 +192,7 @@ def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim:
     """The block size the selector wants moe_sorting to use for this MoE shape (its tile_m)."""
     check_moe_sizes(tokens=tokens, topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
     device = validate.device(device if device is not None else "cpu")  # `device or` made device=0 the CPU
-    return select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, device)
+    return select.moe_block_m(*map(int, (tokens, topk, experts, model_dim, inter_dim)), device)
 
 
 def check_moe_sizes(**sizes) -> None:
@@ -280,6 +282,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     always does). moe_buf: a tensor zeroed in the same launch (the stage-2 output, as aiter's
     moe_sorting zeroes moe_buf) when it is contiguous, a whole number of 4-byte words and below
     2 GiB; any other by moe_buf.zero_() first (on a GPU, a launch of its own)."""
+    num_experts, block_m = validate.as_int(num_experts), validate.as_int(block_m)
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
                           check_ids=env.flag("FLYQUANT_DEBUG"))
     _check_moe_buf(topk_ids, moe_buf)
@@ -411,8 +414,8 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
     if w2.shape[0] != experts:
         raise ValueError(f"w2.shape[0] = {w2.shape[0]} must equal w1.shape[0] = {experts} (the experts held here)")
     num_experts = experts if expert_mask is None else expert_mask.shape[0]
-    model_dim = x.shape[1] if model_dim is None else model_dim
-    inter_dim = w1.shape[1] // 2 if inter_dim is None else inter_dim
+    model_dim = x.shape[1] if model_dim is None else validate.as_int(model_dim)
+    inter_dim = w1.shape[1] // 2 if inter_dim is None else validate.as_int(inter_dim)
     check_moe_sizes(topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)
     block_m = select.moe_block_m(tokens, topk, experts, model_dim, inter_dim, x.device)
     return tokens, topk, num_experts, model_dim, inter_dim, block_m

@@ -198,6 +198,7 @@ def unshuffle_weight_a4w4(x: torch.Tensor) -> torch.Tensor:
 
 def _a16w4_weight_dims(w: torch.Tensor, nlane: int, gate_up: bool, name: str):
     validate.tensor(w, name, (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
+    nlane = validate.as_int(nlane)
     if not validate.is_int(nlane) or nlane <= 0 or WAVE % nlane:  # not 16.0 (view() fails) or True (1)
         raise ValueError(f"nlane must divide the wave size {WAVE} (an int), got {nlane!r}")
     validate.flag(gate_up, "gate_up")  # a truth test took "no" or 0.0 for a layout
@@ -235,6 +236,7 @@ def unshuffle_weight_a16w4(w: torch.Tensor, nlane: int = 16, gate_up: bool = Fal
 
 def _a16w4_scale_dims(s: torch.Tensor, experts: int, gate_up: bool):
     validate.tensor(s, "s", (torch.float8_e8m0fnu, torch.uint8), ndim=(2, 3))
+    experts = validate.as_int(experts)
     if not validate.is_int(experts):  # 2.0 or True failed in view() naming no argument
         raise ValueError(f"experts must be an int, got {experts!r}")
     validate.flag(gate_up, "gate_up")
@@ -293,7 +295,7 @@ def gate_up_rows_from_interleaved(gate_up_proj: torch.Tensor, gate_up_bias: torc
     if two_inter % 2:
         raise ValueError(f"gate_up_proj.shape[2] = {two_inter} must be even (interleaved gate and up columns)")
     inter = two_inter // 2
-    pad = inter if inter_pad is None else inter_pad
+    pad = inter if inter_pad is None else validate.as_int(inter_pad)
     if not validate.is_int(pad) or pad < inter:
         raise ValueError(f"inter_pad must be an int >= inter = {inter}, got {inter_pad!r}")
     w = gate_up_proj.new_zeros(experts, 2, pad, hidden)

@@ -68,6 +68,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None):
     - num_valid_ids int32 (2,): [rows in use (a multiple of block_m), T].
     With expert_mask, pairs routed to masked-out experts are dropped (another rank serves them).
     """
+    num_experts, block_m = validate.as_int(num_experts), validate.as_int(block_m)
     check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
     tokens, topk = topk_ids.shape
     device = topk_ids.device
@@ -121,7 +122,7 @@ def moe_routing(router_logits, topk, renormalize=True, softmax_after_topk=False)
     moe_sorting take: `fused_moe(x, ..., *moe_routing(logits, topk))`.
     """
     validate.tensor(router_logits, "router_logits", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
-    experts = router_logits.shape[1]
+    experts, topk = router_logits.shape[1], validate.as_int(topk)
     if not validate.is_int(topk) or not 0 < topk <= min(experts, MAX_TOPK):
         raise ValueError(f"topk must be an int in [1, min(E = router_logits.shape[1] = {experts}, {MAX_TOPK})], got {topk!r}")
     # a truth test picked the convention: softmax_after_topk="no" routed GPT-OSS-style, no error

@@ -170,8 +170,8 @@ def _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_
 def moe_true_dims(a2, w2, model_dim=None, inter_dim=None) -> tuple[int, int]:
     """The true (model_dim, inter_dim): given, or the padded weights' N and a2's width."""
     _, n_pad, k_half = w2.shape
-    model_dim = n_pad if model_dim is None else model_dim
-    inter_dim = a2.shape[1] if inter_dim is None else inter_dim
+    model_dim = n_pad if model_dim is None else validate.as_int(model_dim)
+    inter_dim = a2.shape[1] if inter_dim is None else validate.as_int(inter_dim)
     if not 0 < model_dim <= n_pad:
         raise ValueError(f"model_dim = {model_dim} must be in [1, w2.shape[1] = {n_pad}]")
     if not 0 < inter_dim <= min(2 * k_half, a2.shape[1]):

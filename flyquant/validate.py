@@ -49,6 +49,12 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def as_int(value):
+    """A numpy integer as an int, anything else unchanged (the checks then name it): the public
+    ops take sizes and axes computed with numpy as the ints they are (a bool stays a bool)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
 def integer(value) -> int | None:
     """value as an int when it is an integer (numpy's too: operator.index), not a bool; else None."""
     if isinstance(value, bool):

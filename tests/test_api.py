@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flyquant as fq
+from flyquant import moe
 
 DESIGN_NAMES = [
     "mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_3d", "quantize_mxfp4", "mxfp4_quantize", "mxfp4_quantize_dual", "shuffle_weight_a16w4",
@@ -262,6 +263,39 @@ def test_warmup_takes_numpy_integers_as_ints(monkeypatch):
     as_numpy = {k: np.int32(v) for k, v in sizes.items()}
     got = fq.warmup(**as_numpy, tokens=np.array([1, 3]), quantize_shapes=np.array([[32, 64]]), activation="silu")
     assert got == want and len(want) == 9
+
+def test_ops_take_numpy_integers_as_ints():
+    """Sizes and axes computed with numpy (np.int64 from an array's arithmetic) were refused as
+    "must be an int" by the ops (red-team finding); each now gives what the same int gives, on the
+    kernels (emulated). Floats and bools stay refused."""
+    import numpy as np
+
+    i64 = np.int64
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    same = [(fq.mxfp8_quantize(x, axis=i64(0)), fq.mxfp8_quantize(x, axis=0)),
+            (fq.mxfp4_quantize(x, axis=np.int32(-1)), fq.mxfp4_quantize(x, axis=-1)),
+            (fq.mxfp8_quantize_3d(x.view(1, 64, 64), scale_block_k=i64(32)), fq.mxfp8_quantize_3d(x.view(1, 64, 64), scale_block_k=32))]
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    routing = fq.moe_routing(logits, 2)
+    same += [(fq.moe_routing(logits, i64(2)), routing),
+             (fq.moe_sorting(routing[1], routing[0], i64(8), i64(16)), fq.moe_sorting(routing[1], routing[0], 8, 16)),
+             (moe.moe_sorting(routing[1], routing[0], i64(8), i64(16)), moe.moe_sorting(routing[1], routing[0], 8, 16))]
+    a2, w2, s2, sorted_, topk, block_m = _moe_inputs()
+    same.append((fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=i64(topk), block_m=i64(block_m), model_dim=i64(64),
+                                    inter_dim=i64(256)),
+                 fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m)))
+    scales = torch.arange(2 * 32 * 8, dtype=torch.uint8).view(64, 8)
+    same.append((fq.shuffle_scale_a16w4(scales, i64(2)), fq.shuffle_scale_a16w4(scales, 2)))
+    for got, want in same:
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert fq.moe_block_m(i64(5), i64(2), i64(8), i64(256), i64(256)) == fq.moe_block_m(5, 2, 8, 256, 256)
+    for bad in (2.0, True, np.float64(2)):
+        with pytest.raises(ValueError, match="topk must be an int"):
+            fq.moe_routing(logits, bad)
+    with pytest.raises(ValueError, match="axis must be"):
+        fq.mxfp4_quantize(x, axis=np.bool_(False))
+
 
 def test_warmup_checks_sizes_and_modes_before_running_anything():
     # quantize_shapes off whole blocks, a bad scaling_mode or activation were refused only when their op
