@@ -287,6 +287,16 @@ def target(arch: str, device=None):
             yield
 
 
+def stream(tensor):
+    """The stream argument of a launch on `tensor`'s device: torch's current stream there (FlyDSL
+    reads its handle), or 0 on the CPU, where flyquant.emu runs the kernels."""
+    if tensor.device.type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(tensor.device)
+
+
 @contextlib.contextmanager
 def _on_device(device):
     """`device` current (torch.cuda.device) and launcher_cache's key inside the block, if a GPU."""

@@ -147,7 +147,7 @@ def moe_gemm1_a16w4(
     grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
     if grid_m == 0:
         return out
-    stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    stream = toolchain.stream(x)
     with toolchain.target(info.name, x.device):
         for t0, n in windows:
             # the window's x rows and a2 rows start at 64-bit host-computed addresses

@@ -139,7 +139,7 @@ def moe_gemm2_a16w4(
     grid_m, compact = m_grid(tokens, topk, experts, rows, tile_m)
     if grid_m == 0:
         return out
-    stream = torch.cuda.current_stream(a2.device) if a2.is_cuda else 0
+    stream = toolchain.stream(a2)
     a2_row_bytes, out_row_bytes = a2.stride(0) * a2.element_size(), model_dim * out.element_size()
     with toolchain.target(info.name, a2.device):
         for t0, n in windows:

@@ -585,6 +585,6 @@ def moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_m
     with toolchain.target(info.name, topk_ids.device):
         _cached_launcher(spec)(
             topk_ids, topk_weights, mask_arg, *out, buf_arg, tokens, buf_bytes, 1 + zero_wgs,
-            stream=mx.torch_stream(topk_ids),
+            stream=toolchain.stream(topk_ids),
         )
     return out

@@ -532,5 +532,5 @@ def quantize_cols(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
         launch = _cached_cols(arch, TORCH_DTYPES[x.dtype], scaling_mode, odd, cfg.waves)
         launch(x, data, scales, m, k, nmb, k * x.element_size(), tiles, cfg.tiles_per_wave, cfg.col_tiles,
                mx.i32_bits(magic), shift,
-               cfg.workgroups, stream=mx.torch_stream(x))
+               cfg.workgroups, stream=toolchain.stream(x))
     return data, scales.view(torch.float8_e8m0fnu)

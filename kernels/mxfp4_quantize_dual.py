@@ -346,10 +346,10 @@ def quantize_dual(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor"):
             dt = TORCH_DTYPES[x.dtype]
             launch = cols_kernel._cached_cols(arch, dt, scaling_mode, False, cols_kernel.dual_waves(x.element_size()), True)
             launch(x, d0, s0, d1, s1, m, k, nmb, nkb, k * x.element_size(), cfg.col_groups, cfg.row_groups,
-                   stream=mx.torch_stream(x))
+                   stream=toolchain.stream(x))
         return (d1, s1.view(e8)), (d0, s0.view(e8))
     with toolchain.target(arch, x.device):
         launch = _cached_dual(arch, TORCH_DTYPES[x.dtype], scaling_mode, k % MX_BLOCK != 0)
         launch(x, d1, s1, d0, s0, m, k, nkb, nmb, k * x.element_size(), x.numel() * x.element_size(),
-               cfg.col_groups, cfg.row_groups, stream=mx.torch_stream(x))
+               cfg.col_groups, cfg.row_groups, stream=toolchain.stream(x))
     return (d1, s1.view(e8)), (d0, s0.view(e8))

@@ -572,7 +572,7 @@ def grouped_mm(a, a_scale, b, b_scale, offs, *, arch: str, out=None, out_dtype=t
     bs_expert_bytes = b_scale[0].numel()  # not stride(0): any if E = 1
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           scale_layout=scale_layout, signed_zeros=signed_zeros)
-    stream = torch.cuda.current_stream(a.device) if a.is_cuda else 0
+    stream = toolchain.stream(a)
     with toolchain.target(info.name, a.device):
         _cached_launcher(cfg)(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
                               out.data_ptr(), m, bs_expert_bytes, -(-m // tile_m), stream=stream)
@@ -598,7 +598,7 @@ def grouped_mm_wgrad(x, x_scale, y, y_scale, offs, *, arch: str, out=None, out_d
     x_scale, y_scale, offs = x_scale.contiguous(), y_scale.contiguous(), offs.contiguous()
     cfg = GroupedMMConfig(arch=info.name, out_dtype=out.dtype, n=n, k=k, experts=experts, tile_m=tile_m, tile_n=tile_n,
                           wgrad=True, signed_zeros=signed_zeros)
-    stream = torch.cuda.current_stream(x.device) if x.is_cuda else 0
+    stream = toolchain.stream(x)
     with toolchain.target(info.name, x.device):
         _cached_launcher(cfg)(y_t.data_ptr(), y_scale.data_ptr(), x_t.data_ptr(), x_scale.data_ptr(), offs.data_ptr(),
                               out.data_ptr(), m, 0, -(-n // tile_m), stream=stream)

@@ -99,7 +99,7 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
         launch(
             x, data.view(torch.uint8), scales, q1, s1, offs_arg, n, k, k * x.element_size(), cfg.tiles_per_wave,
             -(-k // width), n // MX_BLOCK, dims, expert_bytes, scales.numel(), groups, groups.bit_length(),
-            *cfg.grid, stream=mx.torch_stream(x),
+            *cfg.grid, stream=toolchain.stream(x),
         )
 
 
