@@ -214,10 +214,10 @@ def _(w, scaling_mode, shuffle, gate_up):
 
 
 def mxfp4_quantize_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
-    """MXFP4-quantize expert weights w (E, N, K) along K in one launch: (uint8 (E, N, ceil(K/32) *
-    16), float8_e8m0fnu (E, N, ceil(K/32))); shuffle="a16w4" writes them directly in the layouts
-    of shuffle_weight_a16w4(., 16, gate_up) / shuffle_scale_a16w4(., E, gate_up) (N % 32 == 0,
-    K % 256 == 0)."""
+    """MXFP4-quantize expert weights w (E, N, K) along K in one launch (from 2 GiB on, one per
+    chunk of whole experts): (uint8 (E, N, ceil(K/32) * 16), float8_e8m0fnu (E, N, ceil(K/32)));
+    shuffle="a16w4" writes them directly in the layouts of shuffle_weight_a16w4(., 16, gate_up) /
+    shuffle_scale_a16w4(., E, gate_up) (N % 32 == 0, K % 256 == 0)."""
     reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
     return _mxfp4_quantize_3d_op(w, scaling_mode, shuffle, gate_up)
 

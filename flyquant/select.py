@@ -269,8 +269,11 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
     from .kernels import mxfp4_quantize_cols as cols
 
     shape = (math.prod(x.shape[:-1]), x.shape[-1])
-    kernel = rows if axis == -1 else cols
-    too_large = kernel.too_large(shape, x.dtype)
+    if axis == -1:  # larger tensors in row chunks of whole experts / layout tiles
+        align = rows.chunk_rows(shuffle, scale_layout, x.shape[1] if op == "mxfp4_quantize_3d" else None)
+        too_large = rows.too_large(shape, x.dtype, align)
+    else:
+        too_large = cols.too_large(shape, x.dtype)
     if too_large:
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
@@ -295,6 +298,11 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
             split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
         if scale_layout:
             split += "; scales stored in aiter's e8m0_shuffle layout (zero padding)"
+        chunk = rows.rows_per_launch(shape, x.dtype, align)
+        if chunk < shape[0]:
+            split += (f"; {-(-shape[0] // chunk)} launches of up to {chunk} rows"
+                      + (" (whole experts)" if shuffle and op == "mxfp4_quantize_3d" else "")
+                      + ": one launch's buffers stay below 2 GiB (32-bit offsets)")
     else:
         config = dataclasses.asdict(cols.plan_cols(shape, x.dtype, target.arch))
         odd = x.element_size() == 2 and shape[1] % 2

@@ -178,14 +178,6 @@ def wave_split(tiles: int, max_waves: int, max_tiles_per_wave: int) -> tuple[int
     return waves, tpw, -(-tiles // (waves * tpw))
 
 
-def torch_stream(x):
-    """FlyDSL stream argument for launches on x's device: torch's current stream (0 on CPU,
-    where flyquant.emu runs the kernels)."""
-    if x.device.type == "cpu":
-        return fx.Stream(0)
-    return fx.Stream(torch.cuda.current_stream(x.device).cuda_stream)
-
-
 def scale_layout_shape(rows: int, cols: int, scale_layout) -> tuple[int, int]:
     """Padded (rows, cols) of a scale matrix in a layout (flyquant.layouts)."""
     if scale_layout == "tcgen05":
@@ -197,6 +189,16 @@ def scale_layout_shape(rows: int, cols: int, scale_layout) -> tuple[int, int]:
 
 def layout_dims(scale_layout, padded_cols: int) -> int:
     return padded_cols // (TCGEN05_TILE_COLS if scale_layout == "tcgen05" else MFMA_COL_PAD)
+
+
+def rows_per_launch(m: int, row_bytes: int, align: int) -> int:
+    """Rows of an (M, .) tensor one launch takes (a multiple of `align`: whole layout tiles or
+    experts), each buffer below MAX_LAUNCH_BYTES (32-bit byte offsets); row_bytes: the largest of
+    a row's buffers. A ValueError when `align` rows do not fit."""
+    rows = (MAX_LAUNCH_BYTES - 1) // row_bytes // align * align
+    if rows == 0:
+        raise ValueError(f"{align} row(s) of {row_bytes} bytes are too large for one launch ({MAX_LAUNCH_BYTES} bytes)")
+    return min(m, rows)
 
 
 def scale_tensor(shape, padded: bool, device) -> torch.Tensor:

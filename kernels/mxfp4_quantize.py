@@ -70,7 +70,7 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl._mlir.dialects import arith
 
-from flyquant import toolchain
+from flyquant import toolchain, validate
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
@@ -546,13 +546,31 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
 _cached_rows = toolchain.launcher_cache(build_rows)
 
 
-def too_large(shape, dtype: torch.dtype) -> str | None:
-    """Why one launch cannot take an (M, K) tensor (32-bit buffer offsets), or None."""
-    m, k = shape
-    x_bytes = m * k * torch.empty((), dtype=dtype).element_size()
-    out_bytes = m * -(-k // MX_BLOCK) * OUT_BLOCK_BYTES
-    if max(x_bytes, out_bytes) >= mx.MAX_LAUNCH_BYTES:
-        return f"x ({x_bytes} bytes) or its data ({out_bytes} bytes) reaches 2 GiB (32-bit buffer offsets)"
+def chunk_rows(shuffle, scale_layout, rows_per_expert) -> int:
+    """Rows a launch's chunk of a larger tensor is a multiple of, so that each chunk's outputs are
+    a contiguous part of the whole's: whole experts (a16w4), the "mfma" scales' 256-row padding,
+    a4w4's 16-row tiles."""
+    if shuffle in ("a16w4", "a16w4_gate_up"):
+        return rows_per_expert
+    return mx.MFMA_ROW_PAD if scale_layout else validate.A4W4_ROW_MULTIPLE if shuffle else 1
+
+
+def _row_bytes(k: int, dtype: torch.dtype) -> int:
+    """The largest of a row's buffers: x's, or its data's (a partial block is stored whole)."""
+    return max(k * torch.empty((), dtype=dtype).element_size(), -(-k // MX_BLOCK) * OUT_BLOCK_BYTES, 1)
+
+
+def rows_per_launch(shape, dtype: torch.dtype, align: int) -> int:
+    """Rows of an (M, K) tensor one launch takes (a multiple of align, or all of them)."""
+    return mx.rows_per_launch(shape[0], _row_bytes(shape[1], dtype), align)
+
+
+def too_large(shape, dtype: torch.dtype, align: int = 1) -> str | None:
+    """Why the kernel cannot take an (M, K) tensor: not even `align` rows (chunk_rows) fit one
+    launch's 32-bit buffer offsets; None when it can (larger tensors go in row chunks)."""
+    row_bytes = _row_bytes(shape[1], dtype)
+    if align * row_bytes >= mx.MAX_LAUNCH_BYTES:
+        return f"{align} row(s) of x or of its data ({row_bytes} bytes each) reach 2 GiB (32-bit buffer offsets)"
     return None
 
 
@@ -565,10 +583,12 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
     gate_up) and shuffle_scale_a16w4(scales, E, gate_up) (N % 32 == 0, K % 256 == 0); "a4w4":
     the data's bytes are those of aiter's shuffle_weight(data, layout=(16, 16)) (M % 16 == 0, K %
     64 == 0). scale_layout "mfma": the scales are aiter's e8m0_shuffle of them, (ceil(M/256) *
-    256, ceil(nkb/8) * 8) with zero padding. Inputs are validated by the caller (flyquant.api /
-    reference checks)."""
+    256, ceil(nkb/8) * 8) with zero padding. A tensor whose buffers reach 2 GiB is quantized in
+    row chunks of chunk_rows' multiple, one launch each. Inputs are validated by the caller
+    (flyquant.api / reference checks)."""
     m, k = x.shape
-    reason = too_large(x.shape, x.dtype)
+    align = chunk_rows(shuffle, scale_layout, rows_per_expert)
+    reason = too_large(x.shape, x.dtype, align)
     if reason:
         raise ValueError(reason)
     nkb = -(-k // MX_BLOCK)
@@ -578,6 +598,22 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
         scales = mx.scale_tensor((prows, pcols), True, x.device)
     if m * nkb == 0:
         return data, scales.view(torch.float8_e8m0fnu)
+    step = rows_per_launch(x.shape, x.dtype, align)
+    for r0 in range(0, m, step):
+        rows = min(step, m - r0)
+        # each chunk's outputs are the whole's rows from r0 (layouts: whole 256-row tiles)
+        s_rows = mx.scale_layout_shape(rows, nkb, scale_layout)[0]
+        _launch_rows(x[r0:r0 + rows], data[r0:r0 + rows], scales[r0:r0 + s_rows], arch=arch, scaling_mode=scaling_mode,
+                     shuffle=shuffle, rows_per_expert=rows_per_expert, scale_layout=scale_layout)
+    return data, scales.view(torch.float8_e8m0fnu)
+
+
+def _launch_rows(x, data, scales, *, arch, scaling_mode, shuffle, rows_per_expert, scale_layout):
+    """One launch of the rowwise kernel on (M, K) x into its outputs (scales: (M, nkb), or the
+    layout's padded (rows, cols), zero filled)."""
+    m, k = x.shape
+    nkb = -(-k // MX_BLOCK)
+    prows, pcols = scales.shape
     tail = k % MX_BLOCK != 0
     magic, shift = mx.divide_magic(sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16)[0] if shuffle else nkb)
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
@@ -591,5 +627,4 @@ def quantize_rows(x: torch.Tensor, *, arch: str, scaling_mode: str = "floor", sh
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,
-               stream=mx.torch_stream(x))
-    return data, scales.view(torch.float8_e8m0fnu)
+               stream=toolchain.stream(x))

@@ -319,7 +319,6 @@ _cached_1x32 = toolchain.launcher_cache(build_1x32)
 
 # One launch addresses its tensors with 32-bit byte offsets (mx.MAX_LAUNCH_BYTES): larger
 # tensors are quantized in row chunks, each launch on views (the layouts' tiles stay whole).
-MAX_LAUNCH_BYTES = mx.MAX_LAUNCH_BYTES
 LAYOUT_ROW_ALIGN = 256  # rows per chunk boundary: a multiple of both layouts' row tiles
 
 
@@ -350,12 +349,12 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
     scales = mx.scale_tensor((prows, pcols), (prows, pcols) != (m, nkb), x.device)
     dtype = TORCH_DTYPES[x.dtype]
     q, s = data.view(torch.uint8), scales
-    rows_per_launch = _rows_per_launch(m, k * x.element_size(), LAYOUT_ROW_ALIGN if scale_layout else 1)
+    rows_per_launch = mx.rows_per_launch(m, k * x.element_size(), LAYOUT_ROW_ALIGN if scale_layout else 1)
     magic, shift = mx.divide_magic(nkb)
     magic = mx.i32_bits(magic)
     dims = mx.layout_dims(scale_layout, pcols) if scale_layout else 0
-    if m * nkb >= MAX_LAUNCH_BYTES:
-        raise ValueError(f"x has {m * nkb} blocks of 32; at most {MAX_LAUNCH_BYTES - 1} are supported")
+    if m * nkb >= mx.MAX_LAUNCH_BYTES:
+        raise ValueError(f"x has {m * nkb} blocks of 32; at most {mx.MAX_LAUNCH_BYTES - 1} are supported")
     if m == 0:  # an empty batch: empty data, the layout's (all padding) scales
         return data, scales.view(torch.float8_e8m0fnu)
     with toolchain.target(arch, x.device):
@@ -367,16 +366,9 @@ def quantize_1x32(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", sc
             s_arg, blk_base = (s[r0 : r0 + rows], 0) if scale_layout is None else (s, r0 * nkb)
             launch(
                 x[r0 : r0 + rows], q[r0 : r0 + rows], s_arg, rows * nkb, cfg.tiles_per_wave,
-                blk_base, nkb, magic, shift, dims, s.numel(), cfg.workgroups, stream=mx.torch_stream(x),
+                blk_base, nkb, magic, shift, dims, s.numel(), cfg.workgroups, stream=toolchain.stream(x),
             )
     return data, scales.view(torch.float8_e8m0fnu)
-
-
-def _rows_per_launch(m: int, row_bytes: int, align: int) -> int:
-    rows = max(1, (MAX_LAUNCH_BYTES - 1) // row_bytes) // align * align
-    if rows == 0:
-        raise ValueError(f"a row of {row_bytes} bytes is too large for one launch ({MAX_LAUNCH_BYTES} bytes)")
-    return min(m, rows)
 
 
 def quantize_32x1(x: torch.Tensor, *, arch: str, scaling_mode: str = "rceil", scale_layout=None, offs=None,

@@ -418,17 +418,49 @@ def test_rceil_exception_reaches_the_kernels(arch):
 
 
 def test_launch_size_limits():
-    """The kernels address x and their outputs with 32-bit offsets: each launcher's too_large names
-    the first (M, K) whose x, or whose packed data (16 bytes per block: 8x a BF16 K = 1 row), reaches
-    2 GiB, and takes the one below it."""
+    """The kernels address x and their outputs with 32-bit offsets: the columnwise and dual
+    launchers' too_large names the first (M, K) whose x, or whose packed data (16 bytes per block:
+    8x a BF16 K = 1 row), reaches 2 GiB, and takes the one below it; the rowwise launcher takes
+    larger tensors in row chunks, and refuses only where one chunk's multiple of rows (1, 256 for
+    the "mfma" scales, N for a16w4's experts) reaches 2 GiB."""
     bf16 = torch.bfloat16
-    assert k4.too_large((2**27 - 1, 1), bf16) is None  # data 2^31 - 16 bytes, x 2^28
-    assert "data (2147483648 bytes)" in k4.too_large((2**27, 1), bf16)
     assert kd.too_large((2**27 - 1, 1), bf16) is None
     assert "data (2147483648 bytes)" in kd.too_large((2**27, 1), bf16)
     assert kc.too_large((2**30 - 257, 1), bf16) is None  # x plus 256 rows: 2^31 - 2 bytes
     assert "x plus 256 rows (2147483648 bytes)" in kc.too_large((2**30 - 256, 1), bf16)
-    assert "x (2147483648 bytes)" in k4.too_large((2**15, 2**15), bf16)
+    assert k4.too_large((2**27, 1), bf16) is None and k4.too_large((2**15, 2**15), bf16) is None  # row chunks
+    assert k4.rows_per_launch((2**27, 1), bf16, 1) == 2**27 - 1  # data rows of 16 bytes
+    assert k4.too_large((1, 2**30 - 1), bf16) is None
+    assert "1 row(s) of x or of its data (2147483648 bytes each)" in k4.too_large((1, 2**30), bf16)
+    assert k4.too_large((512, 2**22 - 32), bf16, 256) is None
+    assert "256 row(s)" in k4.too_large((512, 2**22), bf16, 256)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_in_chunks(arch, monkeypatch):
+    """The rowwise kernel takes a tensor of 2 GiB or more in row chunks, one launch each on views
+    of x and of the outputs (the "mfma" scales: chunks of whole 256-row tiles; a16w4: whole
+    experts). A 40 KiB limit splits (600, 70) FP32 (a K tail; 280-byte rows) into 146-row chunks,
+    (512, 64) BF16 with the "mfma" scales into 2 x 256 rows (with them a4w4's data too), and three
+    (64, 256) BF16 experts with the a16w4 gate_up shuffle into one expert a launch; the bytes are
+    the reference's."""
+    monkeypatch.setattr(k4.mx, "MAX_LAUNCH_BYTES", 40 * 1024)
+    emu.enable(arch)
+    x = random_rows(600, 70, torch.float32, seed=41)
+    x[300, :70] = float("nan")
+    y = random_rows(512, 64, torch.bfloat16, seed=42)
+    w = random_rows(3 * 64, 256, torch.bfloat16, seed=43).reshape(3, 64, 256)
+    cases = [(lambda: fq.mxfp4_quantize(x, scaling_mode="rceil"), reference.mxfp4_quantize(x, -1, "rceil"), 5),
+             (lambda: fq.mxfp4_quantize_3d(w, "floor", "a16w4", True),
+              reference.mxfp4_quantize_3d(w, "floor", "a16w4", True), 3)]
+    cases += [(lambda s=s: fq.mxfp4_quantize(y, scaling_mode="even", scale_layout="mfma", shuffle=s),
+               reference.mxfp4_quantize(y, -1, "even", "mfma", s), 2) for s in (None, "a4w4")]
+    for run, want, count in cases:
+        with emu.record() as launches:
+            assert_same(run(), want, f"{count} chunks")
+        assert len(launches) == count
+    plan = fq.explain(fq.mxfp4_quantize_3d, w, shuffle="a16w4", gate_up=True)
+    assert plan.backend == "flydsl" and "3 launches of up to 64 rows (whole experts)" in " ".join(plan.reasons), plan
 
 
 def test_api_op_plan_and_errors():

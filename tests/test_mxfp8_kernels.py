@@ -22,6 +22,7 @@ from flyquant import reference, toolchain
 from flyquant.arch import occupancy
 from flyquant.kernels import mxfp8_quantize_2d as q2
 from flyquant.kernels import _mx_col as col
+from flyquant.kernels import _mx_common as mx
 from flyquant.kernels import _mx_col_rows as col_rows
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
@@ -302,7 +303,7 @@ def test_1x32_row_chunks(arch, monkeypatch):
     # Tensors of 2 GiB or more go out in row chunks, one launch each (layouts: 256-row chunks,
     # whole layout tiles); a 64 KiB limit here splits (768, 64) BF16 into 511 + 257 rows
     # (plain) and 3 x 256 rows (mfma).
-    monkeypatch.setattr(q2, "MAX_LAUNCH_BYTES", 64 * 1024)
+    monkeypatch.setattr(mx, "MAX_LAUNCH_BYTES", 64 * 1024)
     x = rows_tensor(torch.bfloat16, 768, 64)
     with emu.record() as launches:
         for layout in (None, "mfma"):
