@@ -278,7 +278,9 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         _forced_reference(too_large)
         return reference_plan(op, target, too_large)
     if axis == -1:
-        config = dataclasses.asdict(rows.plan_rows(shape, target.arch, shuffle, _dtype_name(x.dtype)))
+        chunk = rows.rows_per_launch(shape, x.dtype, align)
+        first = (chunk, shape[1])  # the (first) launch's rows: the plan describes a launch
+        config = dataclasses.asdict(rows.plan_rows(first, target.arch, shuffle, _dtype_name(x.dtype)))
         name = f"mxfp4_rows_{scaling_mode}_{_dtype_name(x.dtype)}_{target.arch}" + ("_tail" if shape[1] % 32 else "")
         if shuffle == "a4w4":
             k_align = shuffles.a4w4_k_align(target.arch, _dtype_name(x.dtype), shape[1])
@@ -286,7 +288,7 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
         elif shuffle:
             name += "_a16w4_gate_up" if gate_up else "_a16w4"
         name += "_padded" if shuffles.padded_rows(target.arch, _dtype_name(x.dtype), shuffle, -(-shape[1] // 32),
-                                                 shape[0] // 16) else ""
+                                                 chunk // 16) else ""
         name += f"_{scale_layout}" if scale_layout else ""
         split = "one lane per block of 32, 16-byte loads and stores"
         if shuffle == "a4w4":
@@ -298,7 +300,6 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
             split += f"; data and scales stored in aiter's a16w4 layouts{' (gate_up)' if gate_up else ''}"
         if scale_layout:
             split += "; scales stored in aiter's e8m0_shuffle layout (zero padding)"
-        chunk = rows.rows_per_launch(shape, x.dtype, align)
         if chunk < shape[0]:
             split += (f"; {-(-shape[0] // chunk)} launches of up to {chunk} rows"
                       + (" (whole experts)" if shuffle and op == "mxfp4_quantize_3d" else "")
