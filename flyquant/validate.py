@@ -28,6 +28,8 @@ def tensor(x, name: str, dtypes: Optional[Iterable[torch.dtype]] = None, ndim=No
     """`x` is a torch.Tensor, with a dtype in `dtypes` and rank `ndim` (an int or a tuple of ints)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:  # else "must be contiguous, got strides (0, 0)" or torch's dispatch error
+        raise TypeError(f"{name} must be a dense tensor (torch.strided), got {'a nested tensor' if x.is_nested else x.layout}")
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if x.dtype not in dtypes:
@@ -111,21 +113,23 @@ A4W4_ROW_MULTIPLE, A4W4_K_MULTIPLE = 16, 64  # aiter shuffle_weight(layout=(16, 
 
 def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: str = "x") -> int:
     """The checks of every MXFP4 quantize path: x BF16/FP16/FP32 of rank >= 1, contiguous; axis
-    -1 (rowwise) or 0 (columnwise); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
+    -1 / x.dim() - 1 (rowwise) or 0 / -x.dim() (columnwise; a 1-D x's only dim is its last: rowwise); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
     shuffle None or "a4w4", both rowwise only, "a4w4" with M (leading dims flattened) % 16 == 0
     and K % 64 == 0. Returns the axis as -1 or 0."""
     high_precision(x, name)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension")
-    if not is_int(axis) or (axis not in (-1, 0) and not (axis == x.dim() - 1 and axis > 0)):
-        raise ValueError(f"axis must be -1 (rowwise, blocks along the last dim) or 0 (columnwise), got {axis!r}")
+    axis, last, first = as_int(axis), (-1, x.dim() - 1), (0, -x.dim())
+    if not is_int(axis) or axis not in last + first:
+        raise ValueError(f"axis must be -1 or {last[1]} (rowwise, blocks along the last dim) or 0 or {first[1]} "
+                         f"(columnwise, along the flattened leading dims), got {axis!r}")
     scaling_mode(scaling_mode_, MXFP4_SCALING_MODES)
     if scale_layout_ not in MXFP4_SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {MXFP4_SCALE_LAYOUTS}, got {scale_layout_!r}")
     if shuffle not in MXFP4_SHUFFLES:
         raise ValueError(f"shuffle must be one of {MXFP4_SHUFFLES}, got {shuffle!r}")
     contiguous(x, name)
-    axis = -1 if axis != 0 else 0
+    axis = -1 if axis in last else 0  # a 1-D x: its only dim is the last (rowwise)
     if axis == 0 and (scale_layout_ is not None or shuffle is not None):
         given = ", ".join(f"{k}={v!r}" for k, v in (("scale_layout", scale_layout_), ("shuffle", shuffle)) if v is not None)
         raise ValueError(f"{given}: rowwise only (axis=-1); the columnwise quantize returns plain outputs")
@@ -197,6 +201,7 @@ def mxfp8_2d_axis(x, axis) -> int:
     """Check a 2D MXFP8 quantize input and normalize `axis`: 1 ("1x32", blocks along K, axis -1
     or 1) or 0 ("32x1", blocks along M, axis 0 or -2)."""
     high_precision(x, "x", ndim=2)
+    axis = as_int(axis)
     if is_int(axis):  # not a bool or a float: True or 1.0 would equal 1 in the tuples below
         if axis in (-1, 1):
             return 1
