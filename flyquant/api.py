@@ -150,7 +150,7 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows, in blocks of 32
     along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
     ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
-    (K, ceil(M/32)); a 1-D x: along its length (axis -1 or 0). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
+    (K, ceil(M/32)); a 1-D x is one row (axis=0: one-element columns). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
     states the contract). Rowwise only, written by the same kernel in one pass: scale_layout="mfma"
     gives the scales as aiter's e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0;
     shuffle="a4w4" gives the data as aiter's shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's

@@ -225,7 +225,7 @@ def mxfp4_blocks(n: int) -> int:
 
 def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=None):
     """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows (a 1-D x is one
-    row, quantized along its length for axis -1 or 0), in blocks of 32 along `axis`:
+    row), in blocks of 32 along `axis`:
 
     - axis=-1 (rowwise): data (M, ceil(K/32) * 16) uint8, scales (M, ceil(K/32)).
     - axis=0 (columnwise, cast-transpose): x^T quantized along M: data (K, ceil(M/32) * 16),

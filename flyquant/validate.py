@@ -113,23 +113,26 @@ A4W4_ROW_MULTIPLE, A4W4_K_MULTIPLE = 16, 64  # aiter shuffle_weight(layout=(16, 
 
 def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: str = "x") -> int:
     """The checks of every MXFP4 quantize path: x BF16/FP16/FP32 of rank >= 1, contiguous; axis
-    -1 / x.dim() - 1 (rowwise) or 0 / -x.dim() (columnwise; a 1-D x's only dim is its last: rowwise); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
+    -1 / x.dim() - 1 (rowwise) or 0 / -x.dim() (columnwise; a 1-D x is one row); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
     shuffle None or "a4w4", both rowwise only, "a4w4" with M (leading dims flattened) % 16 == 0
     and K % 64 == 0. Returns the axis as -1 or 0."""
     high_precision(x, name)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension")
-    axis, last, first = as_int(axis), (-1, x.dim() - 1), (0, -x.dim())
+    # -1 and 0 as TransformerEngine's flattened (M, K) view has them (a 1-D x: one row, so 0 is
+    # columnwise); of a 2-D or higher x also its last dim's and its first dim's other names
+    last, first = ((-1, x.dim() - 1), (0, -x.dim())) if x.dim() > 1 else ((-1,), (0,))
+    axis = as_int(axis)
     if not is_int(axis) or axis not in last + first:
-        raise ValueError(f"axis must be -1 or {last[1]} (rowwise, blocks along the last dim) or 0 or {first[1]} "
-                         f"(columnwise, along the flattened leading dims), got {axis!r}")
+        raise ValueError(f"axis must be {' or '.join(map(str, last))} (rowwise, blocks along the last dim) or "
+                         f"{' or '.join(map(str, first))} (columnwise, along the flattened leading dims), got {axis!r}")
     scaling_mode(scaling_mode_, MXFP4_SCALING_MODES)
     if scale_layout_ not in MXFP4_SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {MXFP4_SCALE_LAYOUTS}, got {scale_layout_!r}")
     if shuffle not in MXFP4_SHUFFLES:
         raise ValueError(f"shuffle must be one of {MXFP4_SHUFFLES}, got {shuffle!r}")
     contiguous(x, name)
-    axis = -1 if axis in last else 0  # a 1-D x: its only dim is the last (rowwise)
+    axis = 0 if axis in first else -1
     if axis == 0 and (scale_layout_ is not None or shuffle is not None):
         given = ", ".join(f"{k}={v!r}" for k, v in (("scale_layout", scale_layout_), ("shuffle", shuffle)) if v is not None)
         raise ValueError(f"{given}: rowwise only (axis=-1); the columnwise quantize returns plain outputs")
