@@ -28,7 +28,9 @@ def tensor(x, name: str, dtypes: Optional[Iterable[torch.dtype]] = None, ndim=No
     """`x` is a torch.Tensor, with a dtype in `dtypes` and rank `ndim` (an int or a tuple of ints)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.layout != torch.strided or x.is_nested:  # else "must be contiguous, got strides (0, 0)" or torch's dispatch error
+    # else "must be contiguous, got strides (0, 0)" or torch's dispatch error; not while tracing (dynamo's strict
+    # mode in an autograd.Function's backward refuses .layout; traced tensors are dense)
+    if not torch.compiler.is_compiling() and (x.layout != torch.strided or x.is_nested):
         raise TypeError(f"{name} must be a dense tensor (torch.strided), got {'a nested tensor' if x.is_nested else x.layout}")
     if dtypes is not None:
         dtypes = tuple(dtypes)
