@@ -203,6 +203,23 @@ def test_state_dict_round_trips(monkeypatch, tmp_path):
     assert torch.equal(other(p["x"], p["ids"], p["weights"]), m(p["x"], p["ids"], p["weights"]))
 
 
+def test_pickle_and_deepcopy_round_trip(monkeypatch):
+    """pickle.loads of a pickled MoEExperts failed (torch cannot unpickle float8_e8m0fnu tensors:
+    multiprocessing's spawn and Ray send modules this way; red-team finding); the module comes back
+    with the same buffers, dtypes included, and the same output, and the original keeps its own."""
+    import copy
+    import pickle
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    p = dense_layer(EXPERTS, MODEL, INTER, TOKENS, TOPK, seed=5)
+    m = MoEExperts.from_dense(p["w1"], p["w2"], p["b1"], p["b2"], activation="swiglu_oai")
+    for back in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        for (name, got), (_, want) in zip(back.named_buffers(), m.named_buffers()):
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        assert torch.equal(back(p["x"], p["ids"], p["weights"]), m(p["x"], p["ids"], p["weights"]))
+    assert m.w1_scale.dtype == m.w2_scale.dtype == torch.float8_e8m0fnu
+
+
 def test_a_state_dict_is_checked_like_the_constructor(monkeypatch):
     """load_state_dict took the extra state's sizes and activation through int() / float(): a
     float, bool or oversized model_dim, or a negative swiglu limit, loaded silently."""

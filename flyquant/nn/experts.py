@@ -82,6 +82,22 @@ class MoEExperts(torch.nn.Module):
         self.register_buffer("b1", b1)
         self.register_buffer("b2", b2)
 
+    # pickle.loads cannot rebuild a float8_e8m0fnu tensor (torch.serialization's persistent_load
+    # asks its untyped storage for a dtype), so the scale buffers travel as their uint8 bytes
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        buffers = state["_buffers"]
+        state["_e8m0_buffers"] = [k for k, v in buffers.items() if v is not None and v.dtype == torch.float8_e8m0fnu]
+        state["_buffers"] = type(buffers)((k, v.view(torch.uint8) if k in state["_e8m0_buffers"] else v)
+                                          for k, v in buffers.items())
+        return state
+
+    def __setstate__(self, state):
+        e8m0 = state.pop("_e8m0_buffers", ())
+        super().__setstate__(state)
+        for k in e8m0:
+            self._buffers[k] = self._buffers[k].view(torch.float8_e8m0fnu)
+
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
