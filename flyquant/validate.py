@@ -115,9 +115,9 @@ A4W4_ROW_MULTIPLE, A4W4_K_MULTIPLE = 16, 64  # aiter shuffle_weight(layout=(16, 
 
 def mxfp4_quantize_args(x, axis, scaling_mode_, scale_layout_, shuffle, name: str = "x") -> int:
     """The checks of every MXFP4 quantize path: x BF16/FP16/FP32 of rank >= 1, contiguous; axis
-    -1 / x.dim() - 1 (rowwise) or 0 / -x.dim() (columnwise; a 1-D x is one row); a mode of MXFP4_SCALING_MODES; scale_layout None or "mfma" and
-    shuffle None or "a4w4", both rowwise only, "a4w4" with M (leading dims flattened) % 16 == 0
-    and K % 64 == 0. Returns the axis as -1 or 0."""
+    -1 / x.dim() - 1 (rowwise) or 0 / -x.dim() (columnwise; a 1-D x is one row); a mode of
+    MXFP4_SCALING_MODES; scale_layout None or "mfma" and shuffle None or "a4w4", both rowwise only,
+    "a4w4" with M (leading dims flattened) % 16 == 0 and K % 64 == 0. Returns the axis as -1 or 0."""
     high_precision(x, name)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension")
