@@ -107,8 +107,7 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     scales (E, N/32, K), or (E, N/32, K/32) with scale_block_k=32 (32x32 scale blocks). w is
     contiguous or the transpose of a contiguous (E, K, N) tensor (torchao's expert weights).
     signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC)."""
-    scale_block_k = validate.as_int(scale_block_k)
-    reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    scale_block_k = reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return _mxfp8_quantize_3d_op(w, scaling_mode, scale_block_k, scale_layout, validate.flag(signed_zeros, "signed_zeros"))
 
 
@@ -150,8 +149,8 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     """MXFP4-quantize x (..., K) BF16/FP16/FP32, leading dims flattened to M rows, in blocks of 32
     along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
     ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
-    (K, ceil(M/32)); a 1-D x is one row (axis=0: one-element columns). scaling_mode "floor" | "rceil" | "even" (flyquant.reference.mxfp4_quantize
-    states the contract). Rowwise only, written by the same kernel in one pass: scale_layout="mfma"
+    (K, ceil(M/32)); a 1-D x is one row (axis=0: one-element columns). scaling_mode "floor" |
+    "rceil" | "even" (flyquant.reference.mxfp4_quantize states the contract). Rowwise only, written by the same kernel in one pass: scale_layout="mfma"
     gives the scales as aiter's e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0;
     shuffle="a4w4" gives the data as aiter's shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's
     layout; M % 16 == 0 and K % 64 == 0)."""
@@ -456,7 +455,6 @@ def _explain_mxfp4_3d(w, scaling_mode="floor", shuffle=None, gate_up=False):
 
 
 def _explain_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=None, signed_zeros=True):
-    scale_block_k = validate.as_int(scale_block_k)
-    reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    scale_block_k = reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout,
                                          validate.flag(signed_zeros, "signed_zeros"))

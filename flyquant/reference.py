@@ -151,16 +151,20 @@ def check_mxfp8_dual(x, scaling_mode):
     validate.contiguous(x, "x")
 
 
-def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout):
+def check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout) -> int:
+    """The 3D MXFP8 quantize's checks, on every backend; returns scale_block_k as an int (numpy's
+    integers are taken)."""
     validate.high_precision(w, "w", ndim=3)
     validate.scaling_mode(scaling_mode)
     validate.scale_layout(scale_layout)
+    scale_block_k = validate.as_int(scale_block_k)
     if not validate.is_int(scale_block_k) or scale_block_k not in SCALE_BLOCK_K_CHOICES:  # not True or 32.0
         raise ValueError(f"scale_block_k must be one of {SCALE_BLOCK_K_CHOICES}, got {scale_block_k!r}")
     validate.block_dim(w, 1, "w", "N")
     if scale_block_k == MX_BLOCK:
         validate.block_dim(w, 2, "w", "K", block=scale_block_k)
-    return validate.mxfp8_3d_transposed(w)  # refused alike on every backend
+    validate.mxfp8_3d_transposed(w)  # refused alike on every backend
+    return scale_block_k
 
 
 def _layout_scales_3d(scales: torch.Tensor, scale_block_k: int, scale_layout: Optional[str]) -> torch.Tensor:
@@ -191,7 +195,7 @@ def mxfp8_quantize_3d(w, scaling_mode="rceil", scale_block_k=1, scale_layout=Non
     (torchao main's test_cuda_mx_3d_cutedsl_numerics, variants 32x1_t and 32x32_t: the same data
     strides). signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC).
     """
-    check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
+    scale_block_k = check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     e, n, k = w.shape
     if scale_block_k == 1:
         data_t, scales_t = _quantize_rows(w.transpose(1, 2), scaling_mode)  # (E, K, N), (E, K, N/32)

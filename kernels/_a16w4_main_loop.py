@@ -102,7 +102,6 @@ there (zeros stay zero).
 
 from __future__ import annotations
 
-
 import torch
 
 import flydsl.compiler as flyc
