@@ -214,6 +214,14 @@ class MemFigures:
         """From a flyquant.emu MemCounter."""
         return cls(kind, c.executed, c.bytes, c.lines, c.partial_store_lines, c.lanes)
 
+    @classmethod
+    def total(cls, figures) -> "MemFigures":
+        """The sum of several figures (a GEMM's operand tensors, say)."""
+        out = cls("total")
+        for f in figures:
+            out.add(f)
+        return out
+
     def add(self, other: "MemFigures", coef: float = 1.0) -> None:
         self.executed += coef * other.executed
         self.bytes += coef * other.bytes

@@ -31,11 +31,13 @@ Modelled mode (no AMD GPU): labelled "modelled, not timed". Per shape, arch and 
   differs only in constants when 0). tests/test_bench.py checks, on a grid small enough to
   emulate whole, that this reconstruction gives the whole launch's counters exactly.
 - printed: wave-instructions per MFMA over the grid (and of the interior tile), coalescing of the
-  global loads (useful bytes / bytes of the 128-byte lines touched; per tensor in the JSON),
-  the interior tile's global bytes over its compulsory bytes (its A rows and scales, its B
-  columns and scales, its output, offs), workgroups launched and working; and the issue's
-  modelled targets (at most 3 wave-instructions per MFMA over the grid, load coalescing 1.0, no
-  spills, every workgroup working) marked met or missed.
+  operands' global loads (a, b and their scales: useful bytes / bytes of the 128-byte lines
+  touched; every load's, offs included, and per tensor in the JSON), the interior tile's global
+  bytes over its compulsory bytes (its A rows and scales, its B columns and scales, its output,
+  offs), workgroups launched and working; and the issue's modelled targets (at most 3
+  wave-instructions per MFMA over the grid, operand load coalescing 1.0, no spills, every
+  workgroup working) marked met or missed. The tile column says "lds" where gfx950's operands
+  are staged in LDS (the selector's choice for the tile and scales, or --staging).
 
 Hardware mode (ROCm GPU; one command, not run where this was written: there was no GPU): per
 shape, median of --iters single-call event timings after --warmup calls, caches flushed between
@@ -81,6 +83,10 @@ LAYOUTS = {"plain": None, "mfma": "mfma", "mfma+0": "mfma"}  # the scale layout 
 SIGNED_ZEROS = {"mfma+0": False}
 PER_MFMA_TARGET = 3.0  # issue 22: wave-instructions per MFMA executed, over the grid
 COALESCING_TARGET = 1.0
+# the target's loads: the operand streams. offs (E int32, a line per wave read once per workgroup)
+# is reported beside them (coalescing_by_tensor, coalescing_loads counts it) but holds 4 E of a
+# line's 128 bytes whatever the kernel does
+OPERANDS = ("a", "a_scale", "b", "b_scale")
 OUT_DTYPE = wgrad.OUT_DTYPE  # both ops write bf16
 
 
@@ -157,18 +163,22 @@ def make_inputs(m: int, n: int, k: int, experts: int, ends: list[int], layout: s
     return tuple(emu.aligned(t) for t in (a, a_scale, b, b_scale, offs.to(device)))
 
 
-def tiles(shape: Shape, arch: str, layout: str, args) -> tuple[int, int]:
-    """--tile-m / --tile-n where given, else what the selector plans for fq.mxfp8_grouped_mm."""
+def tiles(shape: Shape, arch: str, layout: str, args) -> tuple[int, int, bool]:
+    """(tile_m, tile_n, lds_stage): --tile-m / --tile-n where given, else what the selector plans
+    for fq.mxfp8_grouped_mm; the operands staged in LDS as the selector would for those tiles,
+    or as --staging says."""
     tm, tn = select_grouped_mm.grouped_mm_tiles(arch, shape.m, shape.n, shape.experts, LAYOUTS[layout])[0]
-    return args.tile_m or tm, args.tile_n or tn
+    tm, tn = args.tile_m or tm, args.tile_n or tn
+    lds = select_grouped_mm.grouped_mm_lds_stage(arch, (tm, tn), LAYOUTS[layout])[0]
+    return tm, tn, {"selector": lds, "direct": False, "lds": True}[args.staging]
 
 
-def launch(inputs, arch: str, layout: str, tile_m: int, tile_n: int, out=None):
+def launch(inputs, arch: str, layout: str, tile_m: int, tile_n: int, lds: bool, out=None):
     a, a_scale, b, b_scale, offs = inputs
     with toolchain.target(arch):
         return G.grouped_mm(a, a_scale, b, b_scale, offs, arch=arch, out=out, out_dtype=OUT_DTYPE,
                             scale_layout=LAYOUTS[layout], tile_m=tile_m, tile_n=tile_n,
-                            signed_zeros=SIGNED_ZEROS.get(layout, True))
+                            signed_zeros=SIGNED_ZEROS.get(layout, True), lds_stage=lds)
 
 
 # ---- modelled mode ------------------------------------------------------------------------------
@@ -209,22 +219,22 @@ def isa_mnemonics(isa: str) -> collections.Counter:
     return collections.Counter(m for m in _MNEMONIC.findall(isa) if not m.startswith("."))
 
 
-def compile_report(arch: str, shape: Shape, n: int, layout: str, tile_m: int, tile_n: int):
+def compile_report(arch: str, shape: Shape, n: int, layout: str, tile_m: int, tile_n: int, lds: bool):
     cfg = G.GroupedMMConfig(arch=arch, out_dtype=OUT_DTYPE, n=n, k=shape.k, experts=shape.experts, tile_m=tile_m,
                             tile_n=tile_n, scale_layout=LAYOUTS[layout],
-                            signed_zeros=SIGNED_ZEROS.get(layout, True))
+                            signed_zeros=SIGNED_ZEROS.get(layout, True), lds_stage=lds)
     (report,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), shape.m, 1, 1, stream=0)
     return report
 
 
-def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, seed: int) -> dict:
-    full = compile_report(arch, shape, shape.n, layout, tile_m, tile_n)
+def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, lds: bool, seed: int) -> dict:
+    full = compile_report(arch, shape, shape.n, layout, tile_m, tile_n, lds)
     res = common.Resources.of(full)
     m_classes, n_classes = tile_classes(shape, tile_m, tile_n)
     terms, tiles, isa_diffs = [], [], {}
     for width in n_classes:  # the emulated specializations (N = width) against the model-sized one
         diff = isa_mnemonics(full.isa)
-        diff.subtract(isa_mnemonics(compile_report(arch, shape, width, layout, tile_m, tile_n).isa))
+        diff.subtract(isa_mnemonics(compile_report(arch, shape, width, layout, tile_m, tile_n, lds).isa))
         isa_diffs[width] = {k: v for k, v in diff.items() if v}
     for (rows, inside), m_count in m_classes.items():
         for width, n_count in n_classes.items():
@@ -232,7 +242,7 @@ def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, 
                                  seed)
             out = emu.aligned_empty((rows, width), OUT_DTYPE)
             names = ("a", "a_scale", "b", "b_scale", "offs")
-            _, counts, records = common.emulate(lambda: launch(inputs, arch, layout, tile_m, tile_n, out),
+            _, counts, records = common.emulate(lambda: launch(inputs, arch, layout, tile_m, tile_n, lds, out),
                                                 dict(zip(names, inputs)) | {"out": out})
             if len(records) != 1 or counts.workgroups_launched != 1:
                 raise RuntimeError(f"expected one launch of one workgroup, got {len(records)} launches, "
@@ -250,12 +260,13 @@ def model_shape(shape: Shape, arch: str, layout: str, tile_m: int, tile_n: int, 
     loads = grid.mem("vmem_load")
     row = {
         "shape": shape.name, "m": shape.m, "n": shape.n, "k": shape.k, "experts": shape.experts, "arch": arch,
-        "layout": layout, "tile_m": tile_m, "tile_n": tile_n, "tile": f"{tile_m}x{tile_n}", "kernel": full.name,
+        "layout": layout, "tile_m": tile_m, "tile_n": tile_n, "tile": f"{tile_m}x{tile_n}{' lds' if lds else ''}", "kernel": full.name,
         "wg_launched": grid.workgroups_launched, "wg_working": grid.workgroups_working,
         "grid_workgroups": math.ceil(shape.m / tile_m) * math.ceil(shape.n / tile_n),
         "instr_per_mfma": grid.wave_instructions / grid.cls("mfma"),
         "tile_instr_per_mfma": interior["instr_per_mfma"],
         "coalescing_loads": common.coalescing(loads),
+        "coalescing_operands": common.coalescing(common.MemFigures.total(grid.by_tensor[t] for t in OPERANDS)),
         "coalescing_by_tensor": {k: common.coalescing(m) for k, m in grid.by_tensor.items()},
         "coalescing_stores": common.coalescing(grid.mem("vmem_store")),
         "coal_a": common.coalescing(grid.by_tensor["a"]), "coal_b": common.coalescing(grid.by_tensor["b"]),
@@ -274,9 +285,9 @@ def target_misses(row: dict) -> list[str]:
     misses = []
     if row["instr_per_mfma"] > PER_MFMA_TARGET:
         misses.append(f"{row['instr_per_mfma']:.2f} wave-instructions per MFMA (target <= {PER_MFMA_TARGET})")
-    if row["coalescing_loads"] is not None and row["coalescing_loads"] < COALESCING_TARGET - 1e-9:
-        per = ", ".join(f"{k} {v:.3f}" for k, v in row["coalescing_by_tensor"].items() if v is not None and k != "out")
-        misses.append(f"load coalescing {row['coalescing_loads']:.3f} ({per})")
+    if row["coalescing_operands"] is not None and row["coalescing_operands"] < COALESCING_TARGET - 1e-9:
+        per = ", ".join(f"{k} {v:.3f}" for k, v in row["coalescing_by_tensor"].items() if k in OPERANDS)
+        misses.append(f"operand load coalescing {row['coalescing_operands']:.3f} ({per})")
     if row.get("spills"):
         misses.append(f"{row['spills']} spills")
     if row["wg_working"] != row["grid_workgroups"] or row["wg_launched"] != row["grid_workgroups"]:
@@ -288,7 +299,7 @@ MODELLED_COLUMNS = [
     ("shape", "shape"), ("arch", "arch"), ("layout", "scales"), ("tile", "tile"), ("vgprs", "VGPR"), ("agprs", "AGPR"),
     ("lds_bytes", "LDS B"), ("spills", "spill"), ("workgroups_per_cu", "WG/CU"), ("grid_workgroups", "WGs"),
     ("wg_working", "working"), ("instr_per_mfma", "instr/MFMA"), ("tile_instr_per_mfma", "tile"),
-    ("coalescing_loads", "coal ld"), ("coal_a", "A"), ("coal_b", "B"), ("coal_scales", "scales"),
+    ("coalescing_operands", "coal op"), ("coal_a", "A"), ("coal_b", "B"), ("coal_scales", "scales"),
     ("coalescing_stores", "coal st"), ("tile_traffic_vs_compulsory", "tile B/min"),
     ("emulated", "emulated"), ("isa_diff_vs_full_n", "ISA diff"), ("verdict", "target"),
 ]
@@ -324,9 +335,9 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
     for layout in layouts_:
         inputs = plain if layout == "plain" else make_inputs(shape.m, shape.n, shape.k, shape.experts, shape.ends(),
                                                              layout, args.seed, "cuda")
-        tm, tn = tiles(shape, arch, layout, args)
-        candidates.append((f"flyquant kernel ({layout}, {tm}x{tn})",
-                           lambda i=inputs, lay=layout, tm=tm, tn=tn: launch(i, arch, lay, tm, tn)))
+        tm, tn, lds = tiles(shape, arch, layout, args)
+        candidates.append((f"flyquant kernel ({layout}, {tm}x{tn}{' lds' if lds else ''})",
+                           lambda i=inputs, lay=layout, tm=tm, tn=tn, lds=lds: launch(i, arch, lay, tm, tn, lds)))
     plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
     candidates.append((f"fq.mxfp8_grouped_mm [{plan.backend}]", lambda: fq.mxfp8_grouped_mm(a, a_scale, b, b_scale,
                                                                                             offs)))
@@ -386,7 +397,7 @@ def plot(rows: list[dict], mode: str, path: Path) -> Path:
     key = (lambda r: f"{r['arch']} {r['layout']}") if mode == "modelled" else (lambda r: r["impl"])
     series = list(dict.fromkeys(key(r) for r in ok))
     panels = ([("instr_per_mfma", "wave-instructions / MFMA (grid)", PER_MFMA_TARGET),
-               ("coalescing_loads", "global load coalescing", COALESCING_TARGET)]
+               ("coalescing_operands", "operand load coalescing", COALESCING_TARGET)]
               if mode == "modelled" else [("tflops", "TFLOP/s", None)])
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 0.9 * len(shapes) * max(1, len(series)) / 2), 3.6 *
                                                                                                       len(panels)),
@@ -419,6 +430,9 @@ def parse_args(argv=None):
                     help="scale layouts: plain,mfma, or mfma+0 (+0 zeros: the training op's gfx942 operands)")
     ap.add_argument("--tile-m", type=common.positive_int, default=None, help="default: the selector's per shape, arch and scales")
     ap.add_argument("--tile-n", type=common.positive_int, default=None, help="default: the selector's per shape, arch and scales")
+    ap.add_argument("--staging", choices=("selector", "direct", "lds"), default="selector",
+                    help="gfx950's forward operands: staged in LDS where the selector would for the tiles (default), "
+                         "loaded by each wave, or staged")
     ap.add_argument("--op", choices=("fwd", "wgrad"), default="fwd",
                     help="fwd: forward / dgrad (--shapes); wgrad: the weight gradient (--wgrad-shapes)")
     ap.add_argument("--wgrad-shapes", type=wgrad.shape_arg, default=list(wgrad.SHAPES.values()),
@@ -431,7 +445,8 @@ def parse_args(argv=None):
             ap.error(f"unknown scale layout {layout!r}: choose from {tuple(LAYOUTS)}")
     if args.op == "wgrad":
         ignored = [opt for opt, given in (("--shapes", args.shapes is not None), ("--full", args.full),
-                                          ("--layouts", args.layouts != ap.get_default("layouts"))) if given]
+                                          ("--layouts", args.layouts != ap.get_default("layouts")),
+                                          ("--staging", args.staging != "selector")) if given]
         if ignored:
             ap.error(f"--op wgrad takes --wgrad-shapes, not {', '.join(ignored)}")
         if args.mode == "hardware":
@@ -488,7 +503,7 @@ def main(argv=None) -> dict:
     stem = f"grouped_mm_{mode}"
     payload = {"mode": mode, "label": label, "args": vars(args) | {"shapes": [s.name for s in args.shapes]},
                "environment": common.environment() | {"kernel_sources_changed": changed}, "rows": rows,
-               "targets": {"instr_per_mfma_max": PER_MFMA_TARGET, "coalescing_loads": COALESCING_TARGET,
+               "targets": {"instr_per_mfma_max": PER_MFMA_TARGET, "coalescing_operands": COALESCING_TARGET,
                            "spills": 0, "workgroups_working": "all"}}
     json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png")

@@ -64,6 +64,20 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
     return (tile_m, tile_n), tuple(why)
 
 
+def grouped_mm_lds_stage(arch: str, tiles: tuple[int, int], scale_layout) -> tuple[bool, tuple]:
+    """Whether the forward stages its operands in LDS (kernels/mxfp8_grouped_mm.py), and why: on
+    gfx950's 192x256 tile with "mfma" scales. Its global loads then use whole 128-byte lines and
+    read each row once per workgroup (bench/grouped_mm.py --full, torchao's grid: coalescing 1.0
+    instead of 0.5, the tile's bytes 1.03x its compulsory ones instead of 1.91x) for about 0.5 more
+    wave-instructions per MFMA (2.46-2.89 instead of 1.96-2.34: the fragments' LDS reads cost more
+    than the loads they save). Not with row-major scales (their byte loads already cost 0.2 per
+    MFMA: 3.1 at K 2048, and they cannot be whole lines) nor on the smaller tiles (fewer MFMAs per
+    fragment read: 128x320 3.1, 64x128 6.2)."""
+    if arch == "gfx950" and tiles == (TALL_TILE_M, 256) and scale_layout == "mfma":
+        return True, ("operands staged in LDS: whole-line loads, each row read once per workgroup",)
+    return False, ()
+
+
 def grouped_mm_wgrad_tiles(arch: str, n: int, k: int, experts: int) -> tuple[tuple[int, int], tuple]:
     """The weight gradient's (tile_m, tile_n) over its (N, K) output per group, and why: 128 x 128,
     or on gfx950 128 x 320 / 256 / 192 (the first dividing K) when that still gives every CU a
@@ -99,6 +113,8 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     reasons = ()
     if op == "mxfp8_grouped_mm":
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_tiles(target.arch, m, n, experts, scale_layout)
+        config["lds_stage"], why_lds = grouped_mm_lds_stage(target.arch, (config["tile_m"], config["tile_n"]), scale_layout)
+        reasons += why_lds
     else:
         (config["tile_m"], config["tile_n"]), reasons = grouped_mm_wgrad_tiles(target.arch, n, k, experts)
     fnuz = arch_info(target.arch).fnuz_fp8
@@ -109,7 +125,8 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
 
     # the launched kernel's own name
     name = GroupedMMConfig(target.arch, out_dtype, n, k, experts, config["tile_m"], config["tile_n"],
-                           scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros).name
+                           scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros,
+                           lds_stage=config.get("lds_stage", False)).name
     return _kernel_plan(op, target, name, config, *reasons)
 
 

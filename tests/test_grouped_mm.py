@@ -297,6 +297,20 @@ def test_explain_names_the_wide_tile():
     assert plan.config["tile_n"] == 256 and "tile_n 256" in plan.reasons[-1]
 
 
+def test_lds_staging_on_the_tall_tile_with_mfma_scales():
+    """gfx950's 192x256 forward tile with "mfma" scales stages its operands in LDS (the plan's
+    kernel and reasons say so); row-major scales, the other tiles and gfx942 load them per wave."""
+    assert select_grouped_mm.grouped_mm_lds_stage("gfx950", (192, 256), "mfma")[0]
+    for arch, tiles, layout in (("gfx950", (192, 256), None), ("gfx950", (128, 320), "mfma"),
+                                ("gfx950", (64, 128), "mfma"), ("gfx942", (192, 256), "mfma")):
+        assert select_grouped_mm.grouped_mm_lds_stage(arch, tiles, layout) == (False, ())
+    a, a_scale, b, b_scale = fwd_inputs(16640, 768, 64, 1)
+    plan = fq.explain(fq.mxfp8_grouped_mm, a, layouts.mfma_shuffle_scales(a_scale), b,
+                      torch.stack([layouts.mfma_shuffle_scales(s) for s in b_scale]), offs(16640), scale_layout="mfma")
+    assert (plan.config["tile_m"], plan.config["tile_n"], plan.config["lds_stage"]) == (192, 256, True)
+    assert plan.kernel.endswith("_lds") and "staged in LDS" in plan.reasons[-1]
+
+
 @pytest.mark.parametrize("op", ["forward", "wgrad"])
 def test_shapes_the_kernels_do_not_take_go_to_the_reference(op, monkeypatch):
     """Output columns not a multiple of 16: the reference, with the reason (an error when the
@@ -430,7 +444,7 @@ def test_kernel_hook(monkeypatch):
     x, x_scale, y, y_scale = wgrad_inputs(64, 48, 32)
     got = fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32)
     assert torch.equal(got, reference.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(32, 64), torch.float32))
-    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["scale_layout", "signed_zeros", "tile_m", "tile_n"]),
+    assert seen == [("gfx942", (64, 32), torch.bfloat16, ["lds_stage", "scale_layout", "signed_zeros", "tile_m", "tile_n"]),
                     ("gfx942", (2, 48, 32), torch.float32, ["signed_zeros", "tile_m", "tile_n"])]
     with pytest.raises(ValueError, match="multiple of 32"):  # CPU offs checked before the launch
         fq.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs(40, 64))

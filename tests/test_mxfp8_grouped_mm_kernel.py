@@ -24,6 +24,9 @@ from flyquant.kernels import mxfp8_grouped_mm as G
 from mx_fp64 import deq64, grouped64  # the FP64 model (E4M3 and E8M0 from their bit fields)
 
 ARCHS = ("gfx950", "gfx942")
+# the forward's operand paths: each wave's direct loads (both arches) and gfx950's LDS staging
+PATHS = [("gfx950", False), ("gfx950", True), ("gfx942", False)]
+PATH_IDS = ["gfx950", "gfx950-lds", "gfx942"]
 LAYOUTS = (None, "mfma")
 U_F32 = 2.0**-24
 U_OUT = {torch.bfloat16: 2.0**-8, torch.float32: 0.0}
@@ -73,35 +76,36 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, lds_stage", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-E{len(c[3])}" for c in CASES])
-def test_matches_the_mx_definition(arch, scale_layout, case):
+def test_matches_the_mx_definition(arch, lds_stage, scale_layout, case):
     m, n, k, sizes, out_dtype = case
     a, a_scale, b, b_scale, offs = make_problem(m, n, k, sizes)
-    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, out_dtype)
+    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, out_dtype, lds_stage=lds_stage)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     check(out, ref, mag, k, out_dtype)
     assert bool((out[int(offs[-1]):] == 0).all())  # rows past the last group: written as 0
 
 
+@pytest.mark.parametrize("lds_stage", [False, True], ids=["direct", "lds"])
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 @pytest.mark.parametrize("tile_m, tile_n, n", [(128, 256, 288), (128, 320, 352), (128, 192, 288), (192, 256, 288)])
-def test_wide_tiles_on_gfx950(scale_layout, tile_m, tile_n, n):
+def test_wide_tiles_on_gfx950(scale_layout, tile_m, tile_n, n, lds_stage):
     """The 128x256, 128x320, 128x192 and 192x256 tiles (2 x 2 waves of 64 x 128 / 64 x 160 /
-    64 x 96 / 96 x 128) the selector picks on gfx950: two n-tiles, the second partial (32 / 32 /
-    96 / 32 columns); two m-tiles, the second partial (72 / 8 rows); group boundaries inside the
-    m-tiles; K % 128 = 64."""
+    64 x 96 / 96 x 128) the selector picks on gfx950, operands loaded by each wave or staged in
+    LDS: two n-tiles, the second partial (32 / 32 / 96 / 32 columns); two m-tiles, the second
+    partial (72 / 8 rows); group boundaries inside the m-tiles; K % 128 = 64."""
     a, a_scale, b, b_scale, offs = make_problem(200, n, 320, [64, 66, 0, 60])
-    out = run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n)
+    out = run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n, lds_stage=lds_stage)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     check(out, ref, mag, 320, torch.bfloat16)
     assert bool((out[190:] == 0).all())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, lds_stage", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
-def test_special_codes(arch, scale_layout):
+def test_special_codes(arch, lds_stage, scale_layout):
     """-0 elements (FNUZ's NaN code on gfx942), NaN element codes under finite scales, NaN scales,
     the smallest and largest scales (2^-127 x 2^127 = 1), and products overflowing FP32."""
     m, n, k, sizes = 64, 32, 256, [12, 1, 27, 24]  # row 12 alone in group 1; rows 40.. group 3
@@ -121,24 +125,24 @@ def test_special_codes(arch, scale_layout):
     sb[3, 10, 1] = 254
     a_codes[50, 32:64] = 0x7E
     b_codes[3, 10, 32:64] = 0x7E
-    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32)
+    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32, lds_stage=lds_stage)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     assert torch.isnan(ref[5]).all() and torch.isnan(ref[40:, 7]).all() and torch.isinf(ref[50, :7].float()).all()
     assert torch.isfinite(ref[12, 3]) and ref[12, 3] != 0
     check(out, ref, mag, k, torch.float32)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, lds_stage", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 @pytest.mark.parametrize("k", [64, 96, 160])
-def test_k_tail_reads_nothing_past_its_row(arch, scale_layout, k):
+def test_k_tail_reads_nothing_past_its_row(arch, lds_stage, scale_layout, k):
     """K % 128 = 64 / 96 / 32: the last step's bytes past K are the next row's first bytes, which
     hold NaN codes here (row 2 of a, expert row 2 of b); an over-read would show as NaN in rows 1
     and columns 1 (finite data past K would not show: its scales are masked to ~2^-254)."""
     a, a_scale, b, b_scale, offs = make_problem(4, 32, k, [4], seed=5)
     a.view(torch.uint8)[2, :16] = 0x7F
     b.view(torch.uint8)[0, 2, :16] = 0x7F
-    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32)
+    out = run(arch, a, a_scale, b, b_scale, offs, scale_layout, torch.float32, lds_stage=lds_stage)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     assert torch.isnan(ref[2]).all() and torch.isnan(ref[:, 2]).all() and torch.isfinite(ref[1, 1])
     check(out, ref, mag, k, torch.float32)
@@ -161,9 +165,9 @@ def test_a_lone_nan_code_at_each_byte_of_a_dword(arch, scale_layout):
     check(out, ref, mag, 1024, torch.float32)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, lds_stage", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
-def test_negative_codes_keep_their_sign(arch, scale_layout):
+def test_negative_codes_keep_their_sign(arch, lds_stage, scale_layout):
     """Every byte 0x81 (-2^-9, the least negative subnormal) in one operand, 1.0 (0x38) in the
     other, unit scales: each output is exactly -K 2^-9 (gfx942 rewrites only -0 (0x80), at any byte
     of a dword)."""
@@ -173,7 +177,8 @@ def test_negative_codes_keep_their_sign(arch, scale_layout):
     for a_code, b_code in ((0x81, 0x38), (0x38, 0x81)):
         a = torch.full((m, k), a_code, dtype=torch.uint8).view(torch.float8_e4m3fn)
         b = torch.full((1, n, k), b_code, dtype=torch.uint8).view(torch.float8_e4m3fn)
-        out = run(arch, a, unit((m, k // 32)), b, unit((1, n, k // 32)), offs, scale_layout, torch.float32)
+        out = run(arch, a, unit((m, k // 32)), b, unit((1, n, k // 32)), offs, scale_layout, torch.float32,
+                  lds_stage=lds_stage)
         assert (out == -k * 2.0**-9).all(), (hex(a_code), float(out[0, 0]))
 
 
@@ -234,18 +239,18 @@ def test_unsigned_zero_operands(arch, scale_layout):
         assert counts[1] == counts[0]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_untrusted_offsets_stay_inside_the_tensors(arch):
+@pytest.mark.parametrize("arch, lds_stage", PATHS, ids=PATH_IDS)
+def test_untrusted_offsets_stay_inside_the_tensors(arch, lds_stage):
     """offs that are not non-decreasing, negative or past M: no access outside the tensors (the
     strict-memory fixture fails the launch otherwise), rows at or past offs[E - 1] written as 0;
     groups that are valid are still right."""
     m, n, k = 48, 32, 128
     a, a_scale, b, b_scale, _ = make_problem(m, n, k, [16, 16, 16])
     for bad in ([40, 10, 1000], [-5, 30, 20], [48, 2**31 - 1, -(2**31)]):
-        out = run(arch, a, a_scale, b, b_scale, torch.tensor(bad, dtype=torch.int32), None)
+        out = run(arch, a, a_scale, b, b_scale, torch.tensor(bad, dtype=torch.int32), None, lds_stage=lds_stage)
         assert (out[max(bad[-1], 0):] == 0).all()  # rows at or past offs[E - 1]: still 0
     offs = torch.tensor([20, 20, 48], dtype=torch.int32)
-    out = run(arch, a, a_scale, b, b_scale, offs, None, torch.float32)
+    out = run(arch, a, a_scale, b, b_scale, offs, None, torch.float32, lds_stage=lds_stage)
     ref, mag = expected(a, a_scale, b, b_scale, offs)
     check(out, ref, mag, k, torch.float32)
 
@@ -283,6 +288,17 @@ def test_tiles_the_kernel_cannot_take_are_refused(arch, scale_layout, tile, matc
         G.build_grouped_mm(cfg)
 
 
+def test_lds_staging_is_refused_where_the_kernel_has_none():
+    """Staging in LDS exists on gfx950's forward only, and both stages must fit its LDS."""
+    for arch, wgrad in (("gfx942", False), ("gfx950", True)):
+        cfg = G.GroupedMMConfig(arch, torch.bfloat16, 128, 128, 1, wgrad=wgrad, lds_stage=True)
+        with pytest.raises(ValueError, match="only gfx950's forward"):
+            G.build_grouped_mm(cfg)
+    cfg = G.GroupedMMConfig("gfx950", torch.bfloat16, 512, 128, 1, tile_m=320, tile_n=384, lds_stage=True)
+    with pytest.raises(ValueError, match="fit"):
+        G.build_grouped_mm(cfg)
+
+
 def test_no_rows_is_an_empty_launch():
     a, a_scale, b, b_scale, _ = make_problem(32, 32, 64, [32])
     out = run("gfx950", a[:0], a_scale[:0], b, b_scale, torch.tensor([0], dtype=torch.int32), None)
@@ -293,15 +309,16 @@ def test_no_rows_is_an_empty_launch():
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 def test_compiles_without_spills(arch, scale_layout):
     """A model-sized forward (M 16640, N 2048, K 5120, 8 groups) on the selector's tile (gfx950:
-    192x256, either scale layout) and on the launcher's default 64x128: no spills; gfx942 also
-    with signed_zeros=False operands, and at GPT-OSS's K 2880 (a partial last K step) in at most
-    256 VGPRs: two workgroups per CU."""
+    192x256, either scale layout, and staged in LDS with "mfma" scales) and on the launcher's
+    default 64x128: no spills; gfx942 also with signed_zeros=False operands, and at GPT-OSS's K
+    2880 (a partial last K step) in at most 256 VGPRs: two workgroups per CU."""
     tiles = {(64, 128), select_grouped_mm.grouped_mm_tiles(arch, 16640, 2048, 8)[0]}
     assert len(tiles) == 2
     variants = [(5120, True)] + ([(5120, False), (2880, False)] if arch == "gfx942" else [])
-    for (tile_m, tile_n), (k, signed) in ((t, v) for t in tiles for v in variants):
+    stagings = lambda tile: {False, select_grouped_mm.grouped_mm_lds_stage(arch, tile, scale_layout)[0]}  # noqa: E731
+    for (tile_m, tile_n), (k, signed), lds in ((t, v, s) for t in tiles for v in variants for s in stagings(t)):
         cfg = G.GroupedMMConfig(arch=arch, out_dtype=torch.bfloat16, n=2048, k=k, experts=8, tile_m=tile_m,
-                                tile_n=tile_n, scale_layout=scale_layout, signed_zeros=signed)
+                                tile_n=tile_n, scale_layout=scale_layout, signed_zeros=signed, lds_stage=lds)
         (rep,) = toolchain.compile_only(arch, G.build_grouped_mm(cfg), *([0] * 6), 16640, 1, 1, stream=0)
         assert rep.spills == 0 and rep.vgprs <= 512
         if (arch, k) == ("gfx942", 2880):  # two workgroups per CU (the kernel's partial-step barrier)
@@ -310,19 +327,25 @@ def test_compiles_without_spills(arch, scale_layout):
         assert rep.count(mfma) > 0
 
 
-@pytest.mark.parametrize("scale_layout, k, tile_m, tile_n", [("mfma", 8192, 128, 128), ("mfma", 2048, 128, 256),
-                                                             (None, 2048, 128, 256), ("mfma", 2048, 128, 320),
-                                                             ("mfma", 2048, 192, 256), (None, 2048, 192, 256)])
-def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_m, tile_n):
-    """The issue's modelled target: at most 3 wave-instructions per MFMA, one tile's rows over N
-    256 (320 for the 128x320 tile; bench/grouped_mm.py prints the grid's figure): "mfma" scales on
-    the 128x128 tile at K 8192, and the selector's wide tiles at the grid's shortest K, 2048 (one
-    group: 128x320 only with "mfma" scales, select_grouped_mm.grouped_mm_tiles)."""
-    a, a_scale, b, b_scale, offs = make_problem(tile_m, max(tile_n, 256), k, [tile_m])
+@pytest.mark.parametrize("scale_layout, k, tile_m, tile_n, lds_stage", [
+    ("mfma", 8192, 128, 128, False), ("mfma", 2048, 128, 256, False), (None, 2048, 128, 256, False),
+    ("mfma", 2048, 128, 320, False), ("mfma", 2048, 192, 256, False), (None, 2048, 192, 256, False),
+    ("mfma", 2048, 192, 256, True)])
+def test_instructions_per_mfma_on_gfx950(scale_layout, k, tile_m, tile_n, lds_stage):
+    """The issue's modelled targets, one tile's rows over N 256 (320 for the 128x320 tile;
+    bench/grouped_mm.py prints the grid's figures): at most 3 wave-instructions per MFMA, with
+    "mfma" scales on the 128x128 tile at K 8192, and on the selector's wide tiles at the grid's
+    shortest K, 2048 (one group: 128x320 only with "mfma" scales, select_grouped_mm.grouped_mm_tiles);
+    and with the operands staged in LDS (the 192x256 tile with "mfma" scales), every global load of
+    a and b uses whole 128-byte lines (coalescing 1.0; each wave's own loads: 0.5)."""
+    problem = make_problem(tile_m, max(tile_n, 256), k, [tile_m])
+    a, a_scale, b, b_scale, offs = (emu.aligned(t) for t in problem)  # on 128-byte lines, as on a GPU
     with emu.record() as launches:
-        run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n)
+        run("gfx950", a, a_scale, b, b_scale, offs, scale_layout, tile_m=tile_m, tile_n=tile_n, lds_stage=lds_stage)
     stats = launches[-1].stats
     assert stats.wave_instructions / stats.by_class["mfma"] <= 3.0
+    lines = [stats.traffic_within(t.data_ptr(), t.data_ptr() + t.nbytes).coalescing for t in (a, b)]
+    assert lines == ([1.0, 1.0] if lds_stage else [0.5, 0.5])
 
 
 # ---- the weight-gradient GEMM: out[g] = y[g rows]^T x[g rows], both quantized along M ---------------
