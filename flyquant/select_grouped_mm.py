@@ -43,7 +43,8 @@ def grouped_mm_tiles(arch: str, m: int, n: int, experts: int, scale_layout=None)
     192 rows or more; else, with tile_m 128, the first of 320, 256 and 192 (64 x 160, 64 x 128,
     64 x 96: 40, 32, 24 MFMAs per step). bench/grouped_mm.py --full: 192x256 is 0.17-0.41 wave-
     instructions per MFMA below the 128-row tiles on every shape of torchao's grid and
-    DeepSeek-V3's ("mfma" scales 1.96-2.34, row-major 2.16-2.54); GPT-OSS's N 2880 and 5760 on
+    DeepSeek-V3's with each wave's own loads ("mfma" scales 1.96-2.34, row-major 2.16-2.54; staged
+    in LDS, grouped_mm_lds_stage, "mfma" 2.45-2.87); GPT-OSS's N 2880 and 5760 on
     128x320 0.30-0.46 below 128x192. The wide tiles hold 300-490 VGPRs, one workgroup (4 waves)
     per CU instead of two. Not 128x320 for a single expert with row-major scales: LLVM then holds
     492 VGPRs and moves accumulators through AGPRs (N 5120 at K 2048-8192: 3.40-3.73 per MFMA
@@ -69,7 +70,7 @@ def grouped_mm_lds_stage(arch: str, tiles: tuple[int, int], scale_layout) -> tup
     gfx950's 192x256 tile with "mfma" scales. Its global loads then use whole 128-byte lines and
     read each row once per workgroup (bench/grouped_mm.py --full, torchao's grid: coalescing 1.0
     instead of 0.5, the tile's bytes 1.03x its compulsory ones instead of 1.91x) for about 0.5 more
-    wave-instructions per MFMA (2.46-2.89 instead of 1.96-2.34: the fragments' LDS reads cost more
+    wave-instructions per MFMA (2.45-2.87 instead of 1.96-2.34: the fragments' LDS reads cost more
     than the loads they save). Not with row-major scales (their byte loads already cost 0.2 per
     MFMA: 3.1 at K 2048, and they cannot be whole lines) nor on the smaller tiles (fewer MFMAs per
     fragment read: 128x320 3.1, 64x128 6.2)."""

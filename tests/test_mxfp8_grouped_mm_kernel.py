@@ -561,16 +561,16 @@ def _device(*tensors):
 
 @pytest.mark.gpu
 def test_gpu_matches_the_mx_definition():
-    """On a real MI300X/MI355X: the forward on CASES (both scale layouts), the weight gradient on
-    WGRAD_CASES and both with signed_zeros=False operands, for the device's arch, within the
-    module docstring's bound of the same float64 model. flyquant.emu does not model wait states
-    or timing, so this is the check of the compiled code's schedule."""
+    """On a real MI300X/MI355X: the forward on CASES (both scale layouts; on gfx950 also staged in
+    LDS), the weight gradient on WGRAD_CASES and both with signed_zeros=False operands, for the
+    device's arch, within the module docstring's bound of the same float64 model. flyquant.emu
+    does not model wait states or timing, so this is the check of the compiled code's schedule."""
     arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
     for m, n, k, sizes, out_dtype in CASES:
         problem = make_problem(m, n, k, sizes)
         ref, mag = expected(*problem)
-        for scale_layout in LAYOUTS:
-            out = run(arch, *_device(*problem), scale_layout, out_dtype).cpu()
+        for scale_layout, lds_stage in ((x, lds) for x in LAYOUTS for lds in {False, arch == "gfx950"}):
+            out = run(arch, *_device(*problem), scale_layout, out_dtype, lds_stage=lds_stage).cpu()
             check(out, ref, mag, k, out_dtype)
     for m, n, k, sizes, out_dtype in WGRAD_CASES:
         problem = make_wgrad_problem(m, n, k, sizes)
