@@ -440,14 +440,17 @@ def build_grouped_mm(cfg):
 
         def scaled_pipeline(o, b_rsrc, bs_rsrc, steps):
             """gfx950: the sums of full steps [0, steps), steps >= 1: compile-time (the forward's K)
-            or run-time (the weight gradient's group). Software pipeline, step s in LDS stage s % 2:
-            while step s's MFMAs run on its operands (in registers), step s + 1's operands are read
-            from the other stage, step s + 1's scales loaded and step s + 2's rows staged into s's
-            stage; then one barrier (all landed, every wave done with the stage). Step 0 is peeled
+            or run-time (the weight gradient's group). Software pipeline. Direct: step s + 1's
+            loads are in flight while step s's MFMAs run, one wait per step. Staged, step s in LDS
+            stage s % 2: while step s's MFMAs run on its operands (in registers), step s + 1's
+            operands are read from the other stage, step s + 1's scales loaded and step s + 2's
+            rows staged into s's stage; then one barrier (all landed, every wave done with the
+            stage). Step 0 is peeled
             (its MFMAs start from a constant 0: no zeroed accumulators); the loop then walks (odd,
             even) step pairs, so that the stages are compile-time and an "mfma" scale dword, loaded
             with an even step, serves it and the odd step after it. A compile-time count ends the
-            loop before a load would pass the last step and unrolls the steps left; a run-time one
+            loop before a load would pass the last step and unrolls the steps left (1-2 direct,
+            1-3 staged); a run-time one
             runs every pair, the last one peeled to clamp its loads past the last step to it
             (reloaded, never computed: the clamp costs SALU per pair when in the loop), then an odd
             last step."""
