@@ -336,8 +336,11 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
         inputs = plain if layout == "plain" else make_inputs(shape.m, shape.n, shape.k, shape.experts, shape.ends(),
                                                              layout, args.seed, "cuda")
         tm, tn, lds = tiles(shape, arch, layout, args)
-        candidates.append((f"flyquant kernel ({layout}, {tm}x{tn}{' lds' if lds else ''})",
-                           lambda i=inputs, lay=layout, tm=tm, tn=tn, lds=lds: launch(i, arch, lay, tm, tn, lds)))
+        # where the operands are staged, each wave's own loads beside them: which is faster is what the
+        # modelled figures cannot say (one costs ~0.5 wave-instructions per MFMA, the other half the bytes)
+        for staged in (lds, False) if lds else (False,):
+            candidates.append((f"flyquant kernel ({layout}, {tm}x{tn}{' lds' if staged else ''})",
+                               lambda i=inputs, lay=layout, tm=tm, tn=tn, st=staged: launch(i, arch, lay, tm, tn, st)))
     plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, OUT_DTYPE)
     candidates.append((f"fq.mxfp8_grouped_mm [{plan.backend}]", lambda: fq.mxfp8_grouped_mm(a, a_scale, b, b_scale,
                                                                                             offs)))

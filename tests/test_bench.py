@@ -451,6 +451,13 @@ def test_grouped_mm_bench_hardware(tmp_path):
     timed = {r["impl"] for r in rows if r.get("median_us", 0) > 0}
     assert {"flyquant kernel (plain, 128x128)", "flyquant kernel (mfma, 128x128)"} <= timed, rows
     assert all("median_us" in r or "error" in r for r in rows if not r["shape"].startswith("geomean"))
+    if torch.cuda.get_device_properties(0).gcnArchName.startswith("gfx950"):  # the staged forward and the direct one
+        bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--shapes", "384x256x256x2", "--layouts",
+                    "mfma", "--tile-m", "192", "--tile-n", "256", "--out", str(tmp_path / "lds")])
+        staged = read_outputs(tmp_path / "lds", "grouped_mm_hardware")["rows"]
+        assert {"flyquant kernel (mfma, 192x256 lds)", "flyquant kernel (mfma, 192x256)"} <= {
+            r["impl"] for r in staged if r.get("median_us", 0) > 0}, staged
+        rows += staged
     for r in rows:
         if r.get("rel_err_vs_bf16") is not None:  # K 256: fp32 sums, one bf16 rounding each side
             assert r["rel_err_vs_bf16"] < 2**-6, r
