@@ -42,7 +42,7 @@ Modelled mode (no AMD GPU): labelled "modelled, not timed". Per shape, arch and 
 Hardware mode (ROCm GPU; one command, not run where this was written: there was no GPU): per
 shape, median of --iters single-call event timings after --warmup calls, caches flushed between
 calls unless --no-flush, TFLOP/s = 2 M N K / time, of: the kernel's launcher (each scale
-layout), fq.mxfp8_grouped_mm (the public op: kernel or reference, as the selector plans; the row
+layout; where gfx950's operands are staged in LDS, also with each wave's own loads), fq.mxfp8_grouped_mm (the public op: kernel or reference, as the selector plans; the row
 says which), bf16 torch._grouped_mm on the same (dequantized) operands, and hipBLASLt's dense
 MXFP8 GEMM per group through torch._scaled_mm with 1x32 E8M0 scales where this torch exposes it
 on ROCm (the row gives the error otherwise, e.g. on gfx942, which has no MX instructions). The
