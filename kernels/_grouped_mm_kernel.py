@@ -55,7 +55,9 @@ gfx942 block's too, inside the group for every chunk; the pipeline reloads the l
 than read past it). gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors
 and end at the tensors' ends: every lane that is not masked reads at or past the start (its
 vector offset plus the offset field is its row's offset plus DMA_SHIFT), and a masked lane's
-offset is past the end whatever the field adds. The group loop indexes offs below E; any offs values
+offset, 2^32 - 8192 (DMA_OOB), is past the end of any buffer below 2 GiB + DMA_SHIFT with any
+field added (the usual OOB, 2^31 - 16, plus a field of up to 3072 would land inside a tensor of
+nearly 2 GiB: a K tail's masked chunk once read the tensor's last bytes there). The group loop indexes offs below E; any offs values
 (unsorted, negative, past M) keep every access inside the tensors (rows are clamped to [0, M));
 with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as 0, but a
 workgroup's count of its groups (which assumes sorted ends) may miss a group holding some of its
@@ -125,6 +127,9 @@ def build_grouped_mm(cfg):
     STAGE = (TILE_M + TILE_N) * K_STEP
     DMA_RUN = 4  # loads sharing one LDS address: their offset fields (< 4096) 0, 1024, 2048, 3072 apart
     DMA_SHIFT = (DMA_RUN - 1) * GROUP_BYTES if STAGED else 0  # A's and B's buffers start this far before them
+    # a masked staged lane's offset: past those buffers (up to 2 GiB + DMA_SHIFT) whatever offset field
+    # it carries (OOB, 2 GiB - 16, is not, near 2 GiB), without wrapping past 2^32 (as an i32: -8192)
+    DMA_OOB = -8192
     if cfg.lds_stage and (not SCALED or WGRAD):
         raise ValueError(f"{cfg}: only gfx950's forward stages its operands in LDS")
     if STAGED and (TILE_M % (8 * WAVES) or TILE_N % (8 * WAVES) or 2 * STAGE > info.lds_bytes_per_cu):
@@ -248,9 +253,9 @@ def build_grouped_mm(cfg):
                      for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
 
-        def off(row, pitch, extra, masked):
-            """row's offset, or OOB where `masked` (compile-time: the row may be -1) and it is -1."""
-            return (row >= 0).select(row * pitch + extra, fx.Int32(OOB)) if const_expr(masked) else row * pitch + extra
+        def off(row, pitch, extra, masked, oob=OOB):
+            """row's offset, or `oob` where `masked` (compile-time: the row may be -1) and it is -1."""
+            return (row >= 0).select(row * pitch + extra, fx.Int32(oob)) if const_expr(masked) else row * pitch + extra
 
         def scale_src(row, kb_lo):
             """Where scale (row, 4 s + kb_lo) of step s is: (per-lane byte offset, the step's scalar
@@ -278,8 +283,8 @@ def build_grouped_mm(cfg):
                 b_rows = [(x < COLS).select(x, fx.Int32(-1)) if const_expr(N_TAIL) else x for x in b_rows]
                 # the offset field that moves a load's LDS address moves its global one too: taken back here
                 at = [stage_chunk * 16 + (DMA_SHIFT - i % DMA_RUN * GROUP_BYTES) for i in range_constexpr(max(A_GROUPS, B_GROUPS))]
-                data = [off(x, A_PITCH, at[i], A_MASKED) for i, x in enumerate(a_rows)], \
-                       [off(x, A_PITCH, at[i], N_TAIL) for i, x in enumerate(b_rows)]
+                data = [off(x, A_PITCH, at[i], A_MASKED, DMA_OOB) for i, x in enumerate(a_rows)], \
+                       [off(x, A_PITCH, at[i], N_TAIL, DMA_OOB) for i, x in enumerate(b_rows)]
             else:
                 data = [off(x, A_PITCH, c * 16, A_MASKED) for x in a_row], [off(x, A_PITCH, c * 16, N_TAIL) for x in b_row]
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
@@ -552,7 +557,8 @@ def build_grouped_mm(cfg):
                 if tail > 0:  # bytes at or past k = 32 tail masked (direct: a lane's two halves apart), and blocks' scales
                     chunk = stage_chunk if const_expr(STAGED) else c
                     keep = (chunk < tail * 2, chunk < tail * 2, c < tail, c < tail)
-                    t = tuple([k.select(x, fx.Int32(OOB)) for x in part] for k, part in zip(keep, o))
+                    t = tuple([k.select(x, fx.Int32(DMA_OOB if STAGED and j < 2 else OOB)) for x in part]
+                              for j, (k, part) in enumerate(zip(keep, o)))
                     if const_expr(STAGED):
                         stage_step(fx.Int32(steps), t, b_rsrc, 0)
                         sc = scale_loads(fx.Int32(steps), t, bs_rsrc)

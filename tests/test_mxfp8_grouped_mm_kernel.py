@@ -255,6 +255,31 @@ def test_untrusted_offsets_stay_inside_the_tensors(arch, lds_stage):
     check(out, ref, mag, k, torch.float32)
 
 
+@pytest.mark.loose_memory("one m-tile of a 2 GiB operand through the raw launcher, whose tensors are not tracked")
+@pytest.mark.parametrize("lds_stage", [False, True], ids=["direct", "lds"])
+def test_masked_k_tail_of_a_nearly_2_gib_operand_reads_zeros(lds_stage):
+    """M K = 2^31 - 64 (the largest the selector sends to the kernel), K % 128 = 32: the K tail's
+    masked chunks must read 0 whatever the last bytes of a hold (NaN codes here). Staged, a masked
+    lane's offset plus its offset field once landed inside a (its buffer starts DMA_SHIFT before
+    it), and rows of the first m-tile came out NaN. Only that m-tile is launched."""
+    k, n = 160, 256
+    m = ((1 << 31) - 64) // k
+    a8 = torch.empty(m * k, dtype=torch.uint8)  # pages never written cost no memory
+    a8[-4096:] = 0x7F
+    top, top_scale = R.mxfp8_quantize(torch.randn(192, k, generator=torch.Generator().manual_seed(2)), -1, "rceil")
+    a8[:192 * k] = top.view(torch.uint8).flatten()
+    a_scale = torch.empty(m, k // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a_scale[:192] = top_scale
+    _, _, b, b_scale, _ = make_problem(1, n, k, [1], seed=3)
+    offs, out = torch.tensor([m], dtype=torch.int32), torch.zeros(192, n, dtype=torch.float32)
+    cfg = G.GroupedMMConfig("gfx950", torch.float32, n, k, 1, tile_m=192, tile_n=256, lds_stage=lds_stage)
+    with toolchain.target("gfx950"):
+        G.build_grouped_mm(cfg)(a8.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), offs.data_ptr(),
+                                out.data_ptr(), m, b_scale[0].numel(), 1, stream=0)
+    ref, mag = expected(top, top_scale, b, b_scale, torch.tensor([192], dtype=torch.int32))
+    check(out, ref, mag, k, torch.float32)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("scale_layout", LAYOUTS, ids=["plain", "mfma"])
 def test_one_expert_scales_with_any_stride_along_e(arch, scale_layout):
