@@ -275,7 +275,8 @@ def build_grouped_mm(cfg):
             r + 16). Staged: its 16 bytes of each 8-row group of A and B it stages (wave w stages
             A's groups w * A_GROUPS .. and B's w * B_GROUPS ..: lane / 8 the group's row, chunk
             (lane % 8) ^ (lane / 8) of it). Direct: its first 16 bytes of each of its row blocks'
-            rows (16 c; the second 16 at + HALF_STEP). Rows of other groups and past N at OOB."""
+            rows (16 c; the second 16 at + HALF_STEP). Rows of other groups and past N at OOB
+            (staged: DMA_OOB)."""
             if const_expr(STAGED):
                 a_rows = [row0 + (wave * A_GROUPS + i) * 8 + stage_row for i in range_constexpr(A_GROUPS)]
                 b_rows = [col_tile + (wave * B_GROUPS + i) * 8 + stage_row for i in range_constexpr(B_GROUPS)]
