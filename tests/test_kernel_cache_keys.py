@@ -54,7 +54,7 @@ def test_every_field_of_a_config_is_in_the_key():
     fields = {f.name for f in dataclasses.fields(mxfp8_grouped_mm.GroupedMMConfig)}
     grouped = [dict(arch="gfx950"), dict(out_dtype=torch.float32), dict(n=512), dict(k=2048), dict(experts=3),
                dict(tile_m=128), dict(tile_n=256), dict(waves_m=1), dict(waves_n=1), dict(scale_layout="mfma"),
-               dict(wgrad=True), dict(signed_zeros=False)]
+               dict(wgrad=True), dict(signed_zeros=False), dict(arch="gfx950", lds_stage=True)]
     assert {k for v in grouped for k in v} == fields  # a new field needs a case here
     assert_distinct(config_builder(mxfp8_grouped_mm.build_grouped_mm, mxfp8_grouped_mm.GroupedMMConfig),
                     dict(arch="gfx942", out_dtype=torch.bfloat16, n=256, k=1024, experts=2), grouped)
