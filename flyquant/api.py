@@ -150,10 +150,10 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
     along `axis`: -1 (rowwise): (uint8 (M, ceil(K/32) * 16) packed E2M1, float8_e8m0fnu (M,
     ceil(K/32))); 0 (columnwise, cast-transpose): x^T quantized along M, (K, ceil(M/32) * 16) and
     (K, ceil(M/32)); a 1-D x is one row (axis=0: one-element columns). scaling_mode "floor" |
-    "rceil" | "even" (flyquant.reference.mxfp4_quantize states the contract). Rowwise only, written by the same kernel in one pass: scale_layout="mfma"
-    gives the scales as aiter's e8m0_shuffle, (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0;
-    shuffle="a4w4" gives the data as aiter's shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's
-    layout; M % 16 == 0 and K % 64 == 0)."""
+    "rceil" | "even" (flyquant.reference.mxfp4_quantize states the contract). Rowwise only, written
+    by the same kernel in one pass: scale_layout="mfma" gives the scales as aiter's e8m0_shuffle,
+    (ceil(M/256)*256, ceil(ceil(K/32)/8)*8), padding 0; shuffle="a4w4" gives the data as aiter's
+    shuffle_weight(data, layout=(16, 16)) (gemm_a4w4's layout; M % 16 == 0 and K % 64 == 0)."""
     axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
     return _mxfp4_quantize_op(x, axis, scaling_mode, scale_layout, shuffle)
 

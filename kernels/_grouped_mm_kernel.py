@@ -51,17 +51,17 @@ rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks 
 every buffer's end (loads read 0, stores are dropped; gfx942's weight gradient re-reads its step's
 first chunk for a chunk past the group, with both of that chunk's scales masked); only the K step
 sits in the unchecked scalar offset and it stays below K (wgrad: the step's first row of M, the
-gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather
-than read past it). gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors
-and end at the tensors' ends: every lane that is not masked reads at or past the start (its
-vector offset plus the offset field is its row's offset plus DMA_SHIFT), and a masked lane's
-offset, 2^32 - 8192 (DMA_OOB), is past the end of any buffer below 2 GiB + DMA_SHIFT with any
-field added (the usual OOB, 2^31 - 16, plus a field of up to 3072 would land inside a tensor of
-nearly 2 GiB: a K tail's masked chunk once read the tensor's last bytes there). The group loop indexes offs below E; any offs values
-(unsorted, negative, past M) keep every access inside the tensors (rows are clamped to [0, M));
-with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as 0, but a
-workgroup's count of its groups (which assumes sorted ends) may miss a group holding some of its
-rows: those rows are not written.
+gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather than
+read past it). Staged, gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors
+and end at the tensors' ends: every lane that is not masked reads at or past the start (its vector
+offset plus the offset field is its row's offset plus DMA_SHIFT), and a masked lane's offset,
+2^32 - 8192 (DATA_OOB), is past the end of any buffer below 2 GiB + DMA_SHIFT with any field added (the
+usual OOB, 2^31 - 16, plus a field of up to 3072 would land inside a tensor of nearly 2 GiB: a K
+tail's masked chunk once read the tensor's last bytes there). The group loop indexes offs below E;
+any offs values (unsorted, negative, past M) keep every access inside the tensors (rows are clamped
+to [0, M)); with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as
+0, but a workgroup's count of its groups (which assumes sorted ends) may miss a group holding some
+of its rows: those rows are not written.
 """
 
 from __future__ import annotations
@@ -127,9 +127,9 @@ def build_grouped_mm(cfg):
     STAGE = (TILE_M + TILE_N) * K_STEP
     DMA_RUN = 4  # loads sharing one LDS address: their offset fields (< 4096) 0, 1024, 2048, 3072 apart
     DMA_SHIFT = (DMA_RUN - 1) * GROUP_BYTES if STAGED else 0  # A's and B's buffers start this far before them
-    # a masked staged lane's offset: past those buffers (up to 2 GiB + DMA_SHIFT) whatever offset field
-    # it carries (OOB, 2 GiB - 16, is not, near 2 GiB), without wrapping past 2^32 (as an i32: -8192)
-    DMA_OOB = -8192
+    # a masked lane's operand offset: past its buffer whatever offset field it carries. Staged, the buffers
+    # reach 2 GiB + DMA_SHIFT, past OOB (2 GiB - 16) plus a field: 2^32 - 8192 (an i32's -8192), no field wraps it
+    DATA_OOB = -8192 if STAGED else OOB
     if cfg.lds_stage and (not SCALED or WGRAD):
         raise ValueError(f"{cfg}: only gfx950's forward stages its operands in LDS")
     if STAGED and (TILE_M % (8 * WAVES) or TILE_N % (8 * WAVES) or 2 * STAGE > info.lds_bytes_per_cu):
@@ -190,7 +190,7 @@ def build_grouped_mm(cfg):
         g1 = fx.min(g1 + 1, fx.Int32(E))  # ... and the group that contains row_end - 1
 
         if const_expr(WGRAD):  # a: y^T (N, M), out: the group's (N, K)
-            a_rsrc = _rsrc(a - DMA_SHIFT, _zext(m_rows) * N + DMA_SHIFT, "a")
+            a_rsrc = _rsrc(a, _zext(m_rows) * N, "a")
             as_rsrc = _rsrc(a_scale, _zext(AS_PITCH) * N, "a_scale")
             out_rsrc = _rsrc(out + _zext(g_w) * (N * K * OUT_ELEM), N * K * OUT_ELEM)
         else:
@@ -242,16 +242,19 @@ def build_grouped_mm(cfg):
             """Buffers and per-lane offsets of the tile's rows of group g (rows [lo, hi)) times expert
             g's weights: masked rows (other groups, past hi) and columns (past N) get OOB."""
             if const_expr(WGRAD):  # b: x^T (K, M)
-                b_rsrc = _rsrc(b - DMA_SHIFT, _zext(m_rows) * K + DMA_SHIFT, "b")
+                b_rsrc = _rsrc(b, _zext(m_rows) * K, "b")
                 bs_rsrc = _rsrc(b_scale, _zext(AS_PITCH) * K, "b_scale")
             else:
                 b_rsrc = _rsrc(b + _zext(g) * (N * K) - DMA_SHIFT, N * K + DMA_SHIFT, "b")
                 bs_rsrc = _rsrc(b_scale + _zext(g) * _zext(bs_expert_bytes), _zext(bs_expert_bytes), "b_scale")
-            a_row = [((rows[mb] >= lo) & (rows[mb] < hi)).select(rows[mb], fx.Int32(-1)) if const_expr(A_MASKED)
-                     else rows[mb] for mb in range_constexpr(MB)]
+            a_row = [in_group(x, lo, hi) for x in rows]
             b_row = [(cols[nb] < COLS).select(cols[nb] + r, fx.Int32(-1)) if const_expr(N_TAIL) else cols[nb] + r
                      for nb in range_constexpr(NB)]
             return b_rsrc, bs_rsrc, a_row, b_row
+
+        def in_group(row, lo, hi):
+            """An A row, or -1 where it is masked (outside [lo, hi): other groups, past M or N)."""
+            return ((row >= lo) & (row < hi)).select(row, fx.Int32(-1)) if const_expr(A_MASKED) else row
 
         def off(row, pitch, extra, masked, oob=OOB):
             """row's offset, or `oob` where `masked` (compile-time: the row may be -1) and it is -1."""
@@ -275,17 +278,17 @@ def build_grouped_mm(cfg):
             r + 16). Staged: its 16 bytes of each 8-row group of A and B it stages (wave w stages
             A's groups w * A_GROUPS .. and B's w * B_GROUPS ..: lane / 8 the group's row, chunk
             (lane % 8) ^ (lane / 8) of it). Direct: its first 16 bytes of each of its row blocks'
-            rows (16 c; the second 16 at + HALF_STEP). Rows of other groups and past N at OOB
-            (staged: DMA_OOB)."""
+            rows (16 c; the second 16 at + HALF_STEP). Rows of other groups and past N at
+            DATA_OOB."""
             if const_expr(STAGED):
                 a_rows = [row0 + (wave * A_GROUPS + i) * 8 + stage_row for i in range_constexpr(A_GROUPS)]
                 b_rows = [col_tile + (wave * B_GROUPS + i) * 8 + stage_row for i in range_constexpr(B_GROUPS)]
-                a_rows = [((x >= lo) & (x < hi)).select(x, fx.Int32(-1)) if const_expr(A_MASKED) else x for x in a_rows]
+                a_rows = [in_group(x, lo, hi) for x in a_rows]
                 b_rows = [(x < COLS).select(x, fx.Int32(-1)) if const_expr(N_TAIL) else x for x in b_rows]
                 # the offset field that moves a load's LDS address moves its global one too: taken back here
                 at = [stage_chunk * 16 + (DMA_SHIFT - i % DMA_RUN * GROUP_BYTES) for i in range_constexpr(max(A_GROUPS, B_GROUPS))]
-                data = [off(x, A_PITCH, at[i], A_MASKED, DMA_OOB) for i, x in enumerate(a_rows)], \
-                       [off(x, A_PITCH, at[i], N_TAIL, DMA_OOB) for i, x in enumerate(b_rows)]
+                data = [off(x, A_PITCH, at[i], A_MASKED, DATA_OOB) for i, x in enumerate(a_rows)], \
+                       [off(x, A_PITCH, at[i], N_TAIL, DATA_OOB) for i, x in enumerate(b_rows)]
             else:
                 data = [off(x, A_PITCH, c * 16, A_MASKED) for x in a_row], [off(x, A_PITCH, c * 16, N_TAIL) for x in b_row]
             if const_expr(SCALE_MFMA):  # rows of other groups and columns past N: harmless, never stored
@@ -558,8 +561,8 @@ def build_grouped_mm(cfg):
                 if tail > 0:  # bytes at or past k = 32 tail masked (direct: a lane's two halves apart), and blocks' scales
                     chunk = stage_chunk if const_expr(STAGED) else c
                     keep = (chunk < tail * 2, chunk < tail * 2, c < tail, c < tail)
-                    t = tuple([k.select(x, fx.Int32(DMA_OOB if STAGED and j < 2 else OOB)) for x in part]
-                              for j, (k, part) in enumerate(zip(keep, o)))
+                    oobs = (DATA_OOB, DATA_OOB, OOB, OOB)
+                    t = tuple([k.select(x, fx.Int32(v)) for x in part] for k, v, part in zip(keep, oobs, o))
                     if const_expr(STAGED):
                         stage_step(fx.Int32(steps), t, b_rsrc, 0)
                         sc = scale_loads(fx.Int32(steps), t, bs_rsrc)
