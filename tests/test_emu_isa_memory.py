@@ -26,17 +26,48 @@ def _rsrc_sgprs(base: int, num_records: int) -> dict:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_buffer_load_out_of_range_reads_zero_per_dword(arch):
     # num_records 40 bytes: lane l loads dwordx2 at byte 8*l (+ inst offset 0); dword d of lane l
-    # is in range iff 8*l + 4*d + 4 <= 40. soffset (64 bytes, s8) is not part of the check.
+    # is in range iff 8*l + 4*d + 4 <= 40.
     buf = np.arange(100, dtype=np.uint32) + 1000
     mem = Memory()
-    sg = {**_rsrc_sgprs(buf.ctypes.data, 40), 8: 16}
-    inst = I.buffer_load_dwordx2(vdata=v[2:3], vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=0)
-    w, stats = run(arch, inst, sgpr=sg, vgpr={0: LANES * 8, 2: 7, 3: 7}, memory=mem)
+    inst = I.buffer_load_dwordx2(vdata=v[2:3], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=0)
+    w, stats = run(arch, inst, sgpr=_rsrc_sgprs(buf.ctypes.data, 40), vgpr={0: LANES * 8, 2: 7, 3: 7}, memory=mem)
     for lane in range(8):
         for d in range(2):
             ok = 8 * lane + 4 * d + 4 <= 40
-            assert w.v[2 + d, lane] == (buf[4 + 2 * lane + d] if ok else 0), (lane, d)
+            assert w.v[2 + d, lane] == (buf[lane * 2 + d] if ok else 0), (lane, d)
     assert stats.memory["buffer_load_dwordx2"].bytes == 5 * 8
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_buffer_sgpr_offset_where_both_range_checks_agree(arch):
+    # the SGPR offset (16 bytes) moves every lane's address; lanes 0 and 1 are in range by both
+    # readings of the check (8l + 4d + 4 <= 40, and <= 40 - 16 with the SGPR offset), and lanes
+    # from 5 on are out of range by both: exec holds only those
+    buf = np.arange(100, dtype=np.uint32) + 1000
+    sg = {**_rsrc_sgprs(buf.ctypes.data, 40), 8: 16}
+    inst = I.buffer_load_dwordx2(vdata=v[2:3], vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=0)
+    exec_mask = 0b11 | ~0b11111 & (1 << 64) - 1
+    w, _ = run(arch, inst, sgpr=sg, vgpr={0: LANES * 8, 2: 7, 3: 7}, memory=Memory(), exec_mask=exec_mask)
+    for lane in (0, 1, 5, 63):
+        for d in range(2):
+            assert w.v[2 + d, lane] == (buf[4 + lane * 2 + d] if lane < 2 else 0), (lane, d)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", ["sgpr offset", "wrap"])
+def test_buffer_lanes_the_range_check_readings_disagree_on_are_an_error(arch, case):
+    # ISA guide (checked: vgpr + inst_offset) vs gfx950 hardware per ROCm's simulator (the SGPR
+    # offset checked too; vgpr + inst_offset wrapping at 32 bits): lane 3's dwordx2 at 24 with an
+    # SGPR offset of 16 ends at 32 <= 40 by the first, past 40 by the second; a VGPR offset of
+    # 2^32 - 4 plus inst_offset 8 is out of range unwrapped and 4 (in range) wrapped
+    buf = np.arange(100, dtype=np.uint32)
+    if case == "sgpr offset":
+        sg, vg, offset = {**_rsrc_sgprs(buf.ctypes.data, 40), 8: 16}, {0: LANES * 8}, 0
+    else:
+        sg, vg, offset = {**_rsrc_sgprs(buf.ctypes.data, 40), 8: 0}, {0: np.full(64, 2**32 - 4)}, 8
+    inst = I.buffer_load_dwordx2(vdata=v[2:3], vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=offset)
+    with pytest.raises(EmuError, match="in range by one reading of the range check"):
+        run(arch, inst, sgpr=sg, vgpr=vg, memory=Memory())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -6,10 +6,14 @@ Global addresses are host addresses; every access goes through the launch's `Mem
 Buffer instructions address base + soffset + inst_offset + (offen ? vgpr : 0), with the base and
 the size (num_records, bytes) from the 128-bit buffer resource descriptor in four SGPRs. Only raw
 buffers are modelled (stride 0, no index, no swizzle, no thread-id add), which is what FlyDSL
-builds. Range checking, as the CDNA3/CDNA4 ISA guides describe it for raw buffers: the checked
-offset is inst_offset + vgpr offset (the SGPR offset is added after the check); load/store DWORDxN
-check each dword on its own, a byte/short access and an atomic is in or out as a whole; an
-out-of-range load returns 0 and an out-of-range store or atomic writes nothing.
+builds. Range checking: load/store DWORDxN check each dword on its own, a byte/short access and
+an atomic is in or out as a whole; an out-of-range load returns 0 and an out-of-range store or
+atomic writes nothing. Which offset is checked has two readings: the CDNA3/CDNA4 ISA guides' (as
+this module read them), inst_offset + vgpr offset, the SGPR offset added after the check; and
+ROCm's own simulator's, matched to gfx950 hardware (rocm-systems PR 10928, for CDNA1-4): the SGPR
+offset counts too, and only vgpr offset + inst_offset wraps at 32 bits. A lane whose access the two
+readings judge differently is an error (EmuError naming the instruction), so a kernel that passes
+here behaves the same under either.
 
 A buffer load with the LDS bit, and global_load_lds_* (gfx950 up to DWORDx4; Triton's pipelined
 loads), write each active lane's bytes to LDS instead of VGPRs, at M0 + inst_offset + lane * bytes
@@ -288,10 +292,28 @@ def _buffer_parts(ctx, inst):
         return base, s[rs + 2], soff(w)
 
     def offsets(w):
+        """Per lane, vgpr offset (offen) + inst_offset, not wrapped."""
         if offen:
             return w.v[vaddr].astype(U64) + inst_offset
         return np.full(LANES, inst_offset, U64)
     return descriptor, offsets
+
+
+def _in_range(ctx, inst, off, soffset, ends, num_records, active):
+    """Per lane (and per component: `ends`, the bytes each ends after the lane's offset), whether
+    the access is in range, where the module docstring's two readings agree; EmuError where they
+    do not."""
+    guide = off[:, None] + ends <= U64(num_records)
+    hardware = (off & U64(0xFFFFFFFF))[:, None] + U64(soffset) + ends <= U64(num_records)
+    if active is not None:
+        guide &= active[:, None]
+        hardware &= active[:, None]
+    if not np.array_equal(guide, hardware):
+        lanes = np.flatnonzero((guide != hardware).any(axis=1))
+        raise ctx.error(inst, f"buffer lanes {lanes[:8].tolist()} are in range by one reading of the range check and "
+                              f"out of range by the other (offset {int(off[lanes[0]]):#x}, SGPR offset {int(soffset):#x}, "
+                              f"num_records {int(num_records):#x}; flyquant.emu.isa_mem's docstring)")
+    return guide
 
 
 def build_buffer(inst, ctx):
@@ -318,33 +340,24 @@ def build_buffer(inst, ctx):
     comp_off = np.arange(ncomp, dtype=U64) * U64(comp_bytes)
     comp_end = comp_off + U64(comp_bytes)
     inst_offset = inst.f["offset"]
-    vaddr = inst.f["vaddr"]
-    offen = inst.f["offen"]
     row = data_rows(inst, "vdata")
 
     def addresses(w):
-        """(lane addresses, every component of every lane in range?, num_records): the
-        checked offset of a lane is inst_offset + its VGPR offset (offen), all in range when
-        the largest one leaves room for the whole access below num_records."""
+        """(lane addresses, every component of every lane in range?, the range check's inputs):
+        all in range when the largest offset leaves room for the whole access below num_records
+        by both readings of the check (module docstring)."""
         base, num_records, soffset = descriptor(w)
-        start = base + soffset + inst_offset
-        limit = num_records - nbytes - inst_offset  # largest VGPR offset fully in range
-        if offen:
-            voff = w.v[vaddr]
-            addrs = voff.astype(U64) + U64(start)
-            all_in = limit >= 0 and not np.count_nonzero(voff > U32(limit))
-        else:
-            addrs = np.full(LANES, start, U64)
-            all_in = limit >= 0
-        return addrs, all_in, num_records
+        off = offsets(w)
+        addrs = off + U64(base + soffset)
+        top = int(off.max())
+        all_in = top + nbytes <= num_records and (top & 0xFFFFFFFF) + soffset + nbytes <= num_records
+        return addrs, all_in, (off, soffset, num_records)
 
-    def components(w, addrs, num_records, active):
+    def components(w, addrs, check, active):
         """Out-of-range tail: (component addresses, component in range and lane active), both
         flattened lane-major to 64 * ncomp entries of comp_bytes bytes."""
-        off = offsets(w)
-        ok = off[:, None] + comp_end <= U64(num_records)
-        if active is not None:
-            ok &= active[:, None]
+        off, soffset, num_records = check
+        ok = _in_range(ctx, inst, off, soffset, comp_end, num_records, active)
         return (addrs[:, None] + comp_off).reshape(-1), ok.reshape(-1)
 
     def lanes_moving(ok):
@@ -354,14 +367,14 @@ def build_buffer(inst, ctx):
 
     if kind == "load":
         def load(w):
-            addrs, all_in, num_records = addresses(w)
+            addrs, all_in, check = addresses(w)
             active = None if w.exec_full else w.exec_mask
             mem, rec = w.launch.memory, w.launch.rec
             if all_in:
                 data = mem.load(addrs, nbytes, active)
                 rec.global_access(index, addrs, active, nbytes, False)
             else:  # out-of-range components read 0 and are never touched (they may be unmapped)
-                caddrs, ok = components(w, addrs, num_records, active)
+                caddrs, ok = components(w, addrs, check, active)
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
                 rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
             if to_lds:
@@ -372,7 +385,7 @@ def build_buffer(inst, ctx):
         return load
 
     def store(w):
-        addrs, all_in, num_records = addresses(w)
+        addrs, all_in, check = addresses(w)
         active = None if w.exec_full else w.exec_mask
         data = gather_store_bytes(w, row, nbytes, d16)
         mem, rec = w.launch.memory, w.launch.rec
@@ -380,7 +393,7 @@ def build_buffer(inst, ctx):
             mem.store(addrs, data, active, _race(w))
             rec.global_access(index, addrs, active, nbytes, True)
         else:  # out-of-range components are dropped one by one
-            caddrs, ok = components(w, addrs, num_records, active)
+            caddrs, ok = components(w, addrs, check, active)
             mem.store(caddrs, data.reshape(LANES * ncomp, comp_bytes), ok, _race(w))
             rec.global_access(index, caddrs, ok, comp_bytes, True, lanes_moving(ok))
     return store
@@ -396,7 +409,7 @@ def _build_buffer_atomic(inst, ctx, descriptor, offsets, index):
     def atomic(w):
         base, num_records, soffset = descriptor(w)
         off = offsets(w)
-        ok = (off + U64(DWORD) <= U64(num_records)) & w.exec_mask
+        ok = _in_range(ctx, inst, off, soffset, np.array([DWORD], U64), num_records, w.exec_mask)[:, 0]
         addrs = U64(base) + U64(soffset) + off
         _atomic_lanes(w, inst, ctx, op, addrs, ok, data_row, data_row if ret else None)
         if ret:  # lanes out of range return 0
