@@ -50,7 +50,8 @@ Memory safety. Every access goes through a buffer resource sized to its tensor (
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
 every buffer's end (loads read 0, stores are dropped; gfx942's weight gradient re-reads its step's
 first chunk for a chunk past the group, with both of that chunk's scales masked); only the K step
-sits in the unchecked scalar offset and it stays below K (wgrad: the step's first row of M, the
+sits in the scalar offset (inside or outside the range check: flyquant.emu.isa_mem's two readings
+agree on every access) and it stays below K (wgrad: the step's first row of M, the
 gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather than
 read past it). Staged, gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors
 and end at the tensors' ends: every lane that is not masked reads at or past the start (its vector

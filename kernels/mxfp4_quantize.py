@@ -228,7 +228,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             extra = 0
         else:  # the second pair 2 blocks on: an immediate offset
             bases.append(add(bases[0], 2 * in_block))
-        # a register's rows 8 on (r) in the unchecked scalar offset: they exist when the row tile does
+        # a register's rows 8 on (r) in the scalar offset: they exist when the row tile does
         # (M % 16 == 0), and a row tile past the end has its base out of range
         places = [tile_place(lined_units(i)) for i in range(loads)]
         return [mx.dwords_of(mx.load(rx, add(bases[p], d_kb * in_block + extra), soffset=mul(row_bytes, r) if r else 0))

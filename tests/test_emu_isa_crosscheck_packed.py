@@ -15,6 +15,7 @@ from test_emu_isa import run
 from tinygrad.renderer.amd.dsl import DPP, SDWA, VCC, s, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
+from flyquant.emu.errors import EmuError
 from flyquant.emu.memory import Memory
 
 M32, M16 = 0xFFFFFFFF, 0xFFFF
@@ -427,64 +428,92 @@ BUFFER_LOADS = {"buffer_load_dword": (4, 1), "buffer_load_dwordx2": (8, 2), "buf
                 "buffer_load_ubyte": (1, 1), "buffer_load_ushort": (2, 1)}
 
 
+def _readings(voff, inst_offset: int, soffset: int, num_records: int, width: int, ndw: int):
+    """Per lane and dword: (in range by the ISA guides' check, by gfx950 hardware's; flyquant.emu.
+    isa_mem's docstring): VGPR + instruction offset unsigned and unwrapped, against num_records;
+    or wrapped at 32 bits plus the SGPR offset. DWORDxN check each dword on its own (AMDGPUUsage
+    "Relaxed Buffer OOB Mode": 32-bit words checked independently), sub-dword accesses whole."""
+    off = voff.astype(np.uint64) + inst_offset
+    ends = np.arange(1, ndw + 1, dtype=np.uint64) * width
+    guide = off[:, None] + ends <= num_records
+    hardware = (off & M32)[:, None] + soffset + ends <= num_records
+    return guide, hardware
+
+
 @pytest.mark.parametrize("name", sorted(BUFFER_LOADS))
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_buffer_loads_range_check(arch, name):
-    # Raw buffer (stride 0) range check: the offset checked is inst_offset + VGPR offset (offen),
-    # unsigned and without wrap-around, against num_records; the SGPR offset is added after the
-    # check. DWORDxN loads check each dword on its own (a dword reaching past num_records is out,
-    # AMDGPUUsage "Relaxed Buffer OOB Mode": 32-bit words checked independently, unsigned,
-    # saturating), sub-dword loads are in or out whole. Out of range: 0.
+    # Raw buffer (stride 0) loads near the end of the range, far past it (0x80000000) and where
+    # VGPR + instruction offset wraps at 32 bits (0xFFFFFFF0 + up to 39): out-of-range dwords read
+    # 0 where the two readings of the check agree (_readings), and the launch stops (EmuError)
+    # where they do not. Even trials have no SGPR offset (only a wrap can make them disagree),
+    # odd ones a random one (lanes at the end disagree).
     nbytes, ndw = BUFFER_LOADS[name]
+    width = min(nbytes, 4)
     rng = np.random.default_rng(nbytes * 7 + len(name))
-    for _ in range(3):
+    outcomes = set()
+    for trial in range(6):
         num_records = int(rng.integers(64, 400))
-        soffset = int(rng.integers(0, 64)) * 4
+        soffset = int(rng.integers(1, 64)) * 4 if trial % 2 else 0
         inst_offset = int(rng.integers(0, 40))
         data = rng.integers(0, 256, num_records + soffset + 128, dtype=np.uint8)
         near = num_records - inst_offset - int(nbytes) + rng.integers(-12, 12, 64)
-        voff = np.where(rng.integers(0, 8, 64) == 0, rng.choice(np.array([0xFFFFFFF0, 0x80000000, 0], np.uint64), 64),
-                        np.maximum(near, 0)).astype(np.uint32)
+        far = np.array([0x80000000, 0] + ([0xFFFFFFF0] if trial % 4 == 2 else []), np.uint64)
+        voff = np.where(rng.integers(0, 8, 64) == 0, rng.choice(far, 64), np.maximum(near, 0)).astype(np.uint32)
         vd = v[2:2 + ndw - 1] if ndw > 1 else v[2]
         inst = getattr(I, name)(vdata=vd, vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=inst_offset)
-        w, _ = run(arch, inst, sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
-                   vgpr={0: voff, **{2 + k: 0xA5A5A5A5 for k in range(ndw)}}, memory=Memory())
+        args = dict(sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
+                    vgpr={0: voff, **{2 + k: 0xA5A5A5A5 for k in range(ndw)}}, memory=Memory())
+        guide, hardware = _readings(voff, inst_offset, soffset, num_records, width, ndw)
+        if not np.array_equal(guide, hardware):
+            outcomes.add("error")
+            with pytest.raises(EmuError, match="in range by one reading"):
+                run(arch, inst, **args)
+            continue
+        outcomes.add("values")
+        w, _ = run(arch, inst, **args)
         for lane in range(64):
-            off = int(voff[lane]) + inst_offset
             for c in range(ndw):
-                width = min(nbytes, 4)
-                ok = off + width * (c + 1) <= num_records
-                at = soffset + off + width * c
-                want = int.from_bytes(data[at:at + width].tobytes(), "little") if ok else 0
-                assert int(w.v[2 + c, lane]) == want, (name, lane, hex(off), c, num_records)
+                at = soffset + int(voff[lane]) + inst_offset + width * c
+                want = int.from_bytes(data[at:at + width].tobytes(), "little") if guide[lane, c] else 0
+                assert int(w.v[2 + c, lane]) == want, (name, lane, hex(int(voff[lane])), c, num_records)
+    assert outcomes == {"error", "values"}
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_buffer_stores_range_check(arch):
-    # The same rule for stores: an out-of-range dword (DWORDxN) or a whole sub-dword store is
-    # dropped; lanes write distinct 16-byte slots, so their order does not matter
+    # The same rule for stores: where the readings agree an out-of-range dword (DWORDxN) or a whole
+    # sub-dword store is dropped; lanes write distinct 16-byte slots, so their order does not
+    # matter. With an SGPR offset the last lanes' readings disagree: EmuError, nothing written
     rng = np.random.default_rng(53)
     for name, nbytes, ndw in (("buffer_store_dwordx4", 16, 4), ("buffer_store_dwordx2", 8, 2),
                               ("buffer_store_dword", 4, 1), ("buffer_store_short", 2, 1), ("buffer_store_byte", 1, 1)):
+        width = min(nbytes, 4)
         num_records = int(rng.integers(300, 1000))
-        soffset, inst_offset = int(rng.integers(0, 16)) * 4, int(rng.integers(0, 5)) * 4
-        data = np.zeros(num_records + soffset + 1200, np.uint8)
-        voff = (np.arange(64) * 16 + rng.integers(0, 16 - nbytes + 1, 64) // max(min(nbytes, 4), 1)
-                * max(min(nbytes, 4), 1)).astype(np.uint32)
+        inst_offset = int(rng.integers(0, 5)) * 4
+        voff = (np.arange(64) * 16 + rng.integers(0, 16 - nbytes + 1, 64) // width * width).astype(np.uint32)
         vals = [rand_u32(rng) for _ in range(ndw)]
         vd = v[2:2 + ndw - 1] if ndw > 1 else v[2]
         inst = getattr(I, name)(vdata=vd, vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=inst_offset)
-        run(arch, inst, sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
-            vgpr={0: voff, **{2 + k: vals[k] for k in range(ndw)}}, memory=Memory())
-        want = np.zeros_like(data)
-        for lane in range(64):
-            off = int(voff[lane]) + inst_offset
-            for c in range(ndw):
-                width = min(nbytes, 4)
-                if off + width * (c + 1) <= num_records:
-                    at = soffset + off + width * c
-                    want[at:at + width] = np.frombuffer(int(vals[c][lane]).to_bytes(4, "little")[:width], np.uint8)
-        assert np.array_equal(data, want), name
+        for soffset in (0, int(rng.integers(1, 16)) * 4):
+            data = np.zeros(num_records + soffset + 1200, np.uint8)
+            args = dict(sgpr=_buffer_sgprs(data.ctypes.data, num_records, soffset),
+                        vgpr={0: voff, **{2 + k: vals[k] for k in range(ndw)}}, memory=Memory())
+            guide, hardware = _readings(voff, inst_offset, soffset, num_records, width, ndw)
+            if soffset:
+                assert not np.array_equal(guide, hardware)
+                with pytest.raises(EmuError, match="in range by one reading"):
+                    run(arch, inst, **args)
+                assert not data.any(), name
+                continue
+            run(arch, inst, **args)
+            want = np.zeros_like(data)
+            for lane in range(64):
+                for c in range(ndw):
+                    if guide[lane, c]:
+                        at = int(voff[lane]) + inst_offset + width * c
+                        want[at:at + width] = np.frombuffer(int(vals[c][lane]).to_bytes(4, "little")[:width], np.uint8)
+            assert np.array_equal(data, want), name
 
 
 def test_sopk_compares_extend_the_immediate_by_signedness():

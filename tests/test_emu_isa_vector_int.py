@@ -17,6 +17,7 @@ import torch
 from tinygrad.renderer.amd.dsl import DPP, VCC, s, src, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
+from flyquant.emu.errors import EmuError
 from flyquant.emu.memory import Memory
 
 from test_emu_isa import ARCHS, FULL, run
@@ -204,13 +205,14 @@ def _bf16_add(x, y):
 
 def test_buffer_atomic_pk_add_bf16_colliding_lanes_and_range_check():
     # MEM[ADDR] = {hi + DATA.hi, lo + DATA.lo} in bf16, lanes in order (several lanes hit the same
-    # dword); a lane whose inst_offset + VGPR offset + 4 passes num_records does nothing (the SGPR
-    # offset is not part of the check, as for loads and stores); EXEC off lanes do nothing. gfx950
-    # only: gfx942 has the global form alone (test_moe_gemm2_kernel checks the kernels use it there)
+    # dword); a lane whose inst_offset + VGPR offset + 4 passes num_records does nothing; EXEC off
+    # lanes do nothing; with an SGPR offset, a lane in range only without it stops the launch (the
+    # two readings of the range check, flyquant.emu.isa_mem). gfx950 only: gfx942 has the global
+    # form alone (test_moe_gemm2_kernel checks the kernels use it there)
     rng = np.random.default_rng(10)
     specials = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80, 0x4380,
                 0x3B80]
-    n, inst_off, soffset, num_records = 80, 8, 4, 4 * 70
+    n, inst_off, soffset, num_records = 80, 8, 0, 4 * 70
     for rep in range(4):
         h = rng.integers(0, 1 << 16, (n, 2))
         h[:len(specials), 0] = specials
@@ -218,7 +220,7 @@ def test_buffer_atomic_pk_add_bf16_colliding_lanes_and_range_check():
         buf = (h[:, 0] | h[:, 1] << 16).astype(np.uint32)
         dh = rng.integers(0, 1 << 16, (64, 2))
         dh[::2, 0] = rng.choice(specials, 32)
-        slots = rng.permutation(n)[:64].astype(np.uint32)
+        slots = rng.permutation(np.arange(2, n))[:64].astype(np.uint32)  # VGPR offsets 4 * slot - 8 >= 0
         if rep == 1:
             slots[:8] = slots[8:16]  # collisions
         ex = FULL if rep < 2 else int(rng.integers(0, 1 << 64, dtype=np.uint64))
@@ -237,6 +239,9 @@ def test_buffer_atomic_pk_add_bf16_colliding_lanes_and_range_check():
             for k in (0, 1):
                 got = int(buf[i]) >> (16 * k) & 0xFFFF
                 assert X.is_nan_bits(got, 8, 7) if want[i][k] == "nan" else got == want[i][k], (rep, i, k, hex(got))
+    voff[0] = 4 * 70 - inst_off - 4  # in range by VGPR + instruction offset, past the end with 4 more
+    with pytest.raises(EmuError, match="in range by one reading"):
+        run("gfx950", inst, sgpr={**sgpr, 8: 4}, vgpr={0: voff, 2: 0}, memory=Memory())
 
 
 # --- MFMA over every operand code --------------------------------------------------------------------
