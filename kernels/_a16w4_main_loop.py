@@ -75,18 +75,19 @@ buffer_atomic_add_f32 per element, bf16 by buffer_atomic_pk_add_bf16 per column 
 which has no buffer form: global_atomic_pk_add_bf16 at a 64-bit address), straight from
 registers. Rows of padding (token id >= T) and columns >= model_dim are never written.
 
-Memory safety. Every vector load goes through a buffer resource sized to its tensor (a2: its
-bytes; each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays;
-the bias row of model_dim elements), with the offsets the range check sees (VGPR + instruction
-offset) covering every per-lane and per-block part; only the K iteration sits in the unchecked
-scalar offset, and it stays below the tensor's K by construction. The three scalar loads
-(num_valid_ids, a tile's first id and its expert id) index below min(num_valid_ids[0], R) by
-construction. The output atomics go through a buffer sized to out's rows too (gfx942 bf16:
-global atomics), only for live rows (token in range, slot below topk) and 16-column blocks below
-model_dim. A buffer addresses < 2^32 bytes, and A's (a2, or stage 1's x) and out's must end below
-OOB (2 GiB - 16, so that masked lanes read 0): larger ones are computed in token windows
-(token_windows: one launch each, A's and out's base moved to the window on the host in 64 bits,
-tokens outside the window skipped), so sizes have no limit but the 2^24 tokens of the sorted ids.
+Memory safety. Every vector load goes through a buffer resource sized to its tensor (a2: its bytes;
+each expert's weights up to model_dim's last 16-row block, its scales; the sorted arrays; the bias
+row of model_dim elements), with the VGPR and instruction offsets covering every per-lane and
+per-block part; only the K iteration sits in the scalar offset (which the range check may or may not
+include: flyquant.emu.isa_mem's two readings), and it stays below the tensor's K by construction.
+The three scalar loads (num_valid_ids, a tile's first id and its expert id) index below
+min(num_valid_ids[0], R) by construction. The output atomics go through a buffer sized to out's rows
+too (gfx942 bf16: global atomics), only for live rows (token in range, slot below topk) and
+16-column blocks below model_dim. A buffer addresses < 2^32 bytes, and A's (a2, or stage 1's x) and
+out's must end below OOB (2 GiB - 16, so that masked lanes read 0): larger ones are computed in
+token windows (token_windows: one launch each, A's and out's base moved to the window on the host in
+64 bits, tokens outside the window skipped), so sizes have no limit but the 2^24 tokens of the
+sorted ids.
 
 Constraints (checked by the launcher): inter_dim and model_dim are the true sizes, multiples of
 32 and 16; the weights' K (padded inter_dim) a multiple of 256 and N (padded model_dim) of 32
