@@ -11,7 +11,7 @@ import torch
 
 import flydsl.expr as fx
 from flydsl._mlir import ir
-from flydsl._mlir.dialects import llvm
+from flydsl._mlir.dialects import arith, llvm, vector
 from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
@@ -57,12 +57,11 @@ SPARSE_ROWS = 8  # stage 1: a tile with at most this many live rows takes the sp
 SPARSE_SLOTS = SPARSE_ROWS + 1  # ... whose last LDS slot takes the writes of rows without a pair
 
 
-# gfx942 software unpack. FP4 magnitude code c (0..7) = 2^E(c) * (1 + f(c)/2):
-# E = [-, -1, 0, 0, 1, 1, 2, 2], f = [-, 0, 0, 1, 0, 1, 0, 1]; code 0 is zero.
-SW_EXP_LO_ADJ = 0x00000100  # codes 0..3 (bytes): exponent s + [*, -1, 0, 0]  (subtract)
-SW_EXP_HI_ADJ = 0x02020101  # codes 4..7: exponent s + [1, 1, 2, 2]             (add)
-SW_MANT_LO = 0x40000000  # mantissa-msb byte 0x40 for codes 3
-SW_MANT_HI = 0x40004000  # ... and 5, 7
+# gfx942 software unpack (_sw_tables, _unpack_sw)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 magnitude codes 0..7
+F32_EXPONENT = 0x7F800000
+F32_E8M0_ZERO = 0x00400000  # 2^-127, E8M0 code 0: an FP32 denormal
+F32_NAN = 0x7FC00000  # E8M0 code 255
 SEL_MAG = 0x07070707  # per-byte 3-bit magnitude of the low nibble
 SIGN_BYTES = i32_bits(0x80808080)
 PERM_LO_PAIRS = 0x05010400  # [lo.b0, hi.b0, lo.b1, hi.b1]: bf16 of lookups 0 and 1
@@ -317,16 +316,24 @@ def _sw_tables(dword, byte: int):
     """gfx942: the BF16 bytes of fp4(c) * 2^(s - 127) for the 8 magnitude codes c, for the scale
     s = byte `byte` of `dword`: (lo0, lo1, hi0, hi1), low/high BF16 byte of codes 0..3 / 4..7.
 
-    For c >= 1 the BF16 exponent is X = s + E(c) and the mantissa msb f(c): high byte X >> 1
-    (sign added per element), low byte (X & 1) << 7 | f(c) << 6; code 0 gives 0. Exact while
-    1 <= X <= 254 for every code (scale codes 2..252)."""
-    rep = _perm(dword, dword, byte * 0x01010101)  # s in every byte
-    x_lo = rep - SW_EXP_LO_ADJ
-    x_hi = rep + SW_EXP_HI_ADJ
-    hi0 = x_lo.shrui(fx.Int32(1)) & 0x7F7F7F00  # byte 0 (code 0) -> 0
-    hi1 = x_hi.shrui(fx.Int32(1)) & 0x7F7F7F7F
-    lo0 = ((x_lo << 7) & i32_bits(0x80808000)) | SW_MANT_LO
-    lo1 = ((x_hi << 7) & SIGN_BYTES) | SW_MANT_HI
+    The 8 products in FP32, two per v_pk_mul_f32, are exact for every s, and so are their high
+    halves, the BF16 values: 2 significant bits, FP32 denormals kept (the kernels' float mode) from
+    s = 0 (2^-127, a denormal scale) on, a product past FP32's range inf, s = 255 NaN for every
+    code (flyquant.reference's dequantize: 0 x NaN is NaN). Four v_perm_b32 per 4 codes gather
+    their bytes 2 and 3."""
+    bits = mx.band(mx.val(_scale_f32(dword, byte).bitcast(fx.Int32)), F32_EXPONENT)  # 2^(s - 127), s >= 1
+    bits = mx.select(mx.cmp_eq(bits, F32_EXPONENT), F32_NAN, mx.umax(bits, F32_E8M0_ZERO))
+    pair_t = ir.VectorType.get([2], mx.f32_t())
+    scale = vector.broadcast(pair_t, mx.as_f32(bits))
+    products = []
+    for c in range_constexpr(0, 8, 2):
+        mags = vector.from_elements(pair_t, [arith.constant(mx.f32_t(), m) for m in E2M1_MAGNITUDES[c:c + 2]])
+        prod = arith.mulf(mags, scale)
+        products += [fx.Int32(mx.as_i32(mx.extract(prod, h))) for h in range_constexpr(2)]
+    # codes (c, c + 1): [lo c, lo c + 1, hi c, hi c + 1]; then the low and high bytes of 4 codes
+    pairs = [_perm(products[c + 1], products[c], PERM_HI_PAIRS) for c in range_constexpr(0, 8, 2)]
+    lo0, hi0 = (_perm(pairs[1], pairs[0], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
+    lo1, hi1 = (_perm(pairs[3], pairs[2], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
     return lo0, lo1, hi0, hi1
 
 

@@ -96,9 +96,8 @@ k_batch * wk <= ceil(inter_dim / 256); one expert's weights below 1 GiB; at most
 rows; out 4-byte aligned (bf16 pairs; stage 1's a2 has no atomics: any even byte) and disjoint
 from every input. Not detectable: weights that were not shuffled (shuffle_weight_a16w4) give
 wrong values. Weight bytes beyond the true inter_dim are never read as data (masked in the last K
-step); columns beyond model_dim are not loaded. gfx942's software unpack is exact for scale codes
-2..252 (scales 2^-125 .. 2^125); codes 0, 1, 253, 254 give wrong values for some nonzero elements
-there (zeros stay zero).
+step); columns beyond model_dim are not loaded. Both arches' unpacks are exact for every E8M0
+code, 0 (2^-127: subnormal BF16 weights) to 254 (products past BF16's range inf), 255 NaN.
 """
 
 from __future__ import annotations

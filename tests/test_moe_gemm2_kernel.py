@@ -254,30 +254,71 @@ def test_aiter_shuffled_inputs_give_the_same_result(arch):
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
 
 
-# Ends of the scale range the module docstring promises exact (E8M0 codes 2..252): at code 2 the
-# smallest FP4 magnitude 0.5 scales to 2^-126, the least normal BF16; at code 252 the largest,
-# 6 = 1.5 * 2^2, scales to 1.5 * 2^127, the top binade. Activations are powers of two chosen so
-# that no product or sum leaves FP32's normal range: +-{1, 2} at code 2 (products >= 2^-126),
-# +-{2^-9, 2^-8} at code 252 (256 products < 2^128).
-SCALE_ENDS = [("code2", 2, (1.0, 2.0)), ("code252", 252, (2.0**-9, 2.0**-8))]
+# Every E8M0 code at the ends of the range, where gfx942's software unpack once borrowed or
+# carried across its table bytes (NaN and inf for scale 0; 0 for 4.0 and 6.0 at 254): all
+# weights of the problem take the code, so a wrong table value moves every output. Activations
+# are powers of two that keep every product and sum in FP32's normal range: at codes 0 and 1 the
+# BF16 weights are subnormal (0.5 * 2^-127 = 2^-128) and the products at least 2^-126; at codes
+# 253 and 254 the FP4 magnitudes stay below 4.0 and 2.0 (larger ones overflow BF16, as the
+# reference's FP32 does) and 256 products stay below 2^128.
+#   (id, code, activation magnitudes, FP4 magnitude codes below)
+SCALE_ENDS = [("code0", 0, (4.0, 8.0), 8), ("code1", 1, (2.0, 4.0), 8), ("code2", 2, (1.0, 2.0), 8),
+              ("code252", 252, (2.0**-9, 2.0**-8), 8), ("code253", 253, (2.0**-10, 2.0**-9), 6),
+              ("code254", 254, (2.0**-11, 2.0**-10), 4)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("end", SCALE_ENDS, ids=[e[0] for e in SCALE_ENDS])
-def test_scale_codes_at_the_ends_of_the_exact_range(arch, end):
-    _, code, magnitudes = end
+def _one_scale_problem(code, magnitudes, fp4_below, seed):
     experts, md, kd = 4, 128, 256
-    p = make_problem(5, 2, experts, md, kd, 16, seed=code)
-    gen = torch.Generator().manual_seed(code)
-    p["packed"] = torch.randint(0, 256, (experts, md, kd // 2), generator=gen, dtype=torch.uint8)
+    p = make_problem(5, 2, experts, md, kd, 16, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    nibbles = torch.randint(0, fp4_below, (experts, md, kd), generator=gen) | torch.randint(0, 2, (experts, md, kd), generator=gen) << 3
+    p["packed"] = (nibbles[..., 0::2] | nibbles[..., 1::2] << 4).to(torch.uint8)
     p["scales"] = torch.full((experts, md, kd // 32), code, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     p["w2"] = layouts.shuffle_weight_a16w4(p["packed"])
     p["w2_scale"] = layouts.shuffle_scale_a16w4(p["scales"].reshape(experts * md, -1), experts)
     pick = torch.randint(0, 2, p["a2"].shape, generator=gen)
     sign = torch.randint(0, 2, p["a2"].shape, generator=gen) * 2 - 1
     p["a2"] = (sign * torch.tensor(magnitudes)[pick]).to(torch.bfloat16)
+    return p
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("end", SCALE_ENDS, ids=[e[0] for e in SCALE_ENDS])
+def test_scale_codes_at_the_ends_of_the_range(arch, end):
+    _, code, magnitudes, fp4_below = end
+    p = _one_scale_problem(code, magnitudes, fp4_below, seed=code)
     got = run_case(arch, p, torch.float32)
     check(p, got, torch.zeros_like(got), torch.float32, 1, True)
+
+
+# A block whose values are not finite: E8M0 0xFF (NaN: every element, zeros included), and codes
+# 253 and 254 with FP4 magnitudes past BF16's (and FP32's) range (inf), with positive activations
+# so that the block's column sums to inf.  (id, block scale code, block FP4 magnitude code or None:
+# random)
+SPECIAL_SCALES = [("nan", 255, None), ("inf253_6", 253, 7), ("inf254_4", 254, 6), ("inf254_2", 254, 4)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", SPECIAL_SCALES, ids=[c[0] for c in SPECIAL_SCALES])
+def test_non_finite_blocks_give_the_references_nan_and_inf(arch, case):
+    _, code, magnitude = case
+    p = _one_scale_problem(127, (1.0, 2.0), 8, seed=code)
+    p["a2"] = p["a2"].abs()
+    # the other outputs are those of the problem without the block (its derived bound applies)
+    tol = tolerance(p, torch.zeros(p["a2"].shape[0] // p["topk"], p["model_dim"]), torch.float32, 1, True)
+    p["scales"].view(torch.uint8)[:, 5, 3] = code  # one block of row 5 in every expert
+    if magnitude is not None:
+        p["packed"][:, 5, 48:64] = magnitude * 0x11
+    p["w2"] = layouts.shuffle_weight_a16w4(p["packed"])
+    p["w2_scale"] = layouts.shuffle_scale_a16w4(p["scales"].reshape(-1, p["scales"].shape[-1]), 4)
+    got = run_case(arch, p, torch.float32)
+    ids, sw, eids, nvalid = p["sorting"]
+    ref = reference.moe_gemm2_a16w4(p["a2"], p["w2"], p["w2_scale"], ids, sw, eids, nvalid, p["topk"], p["block_m"],
+                                    out=torch.zeros_like(got), model_dim=p["model_dim"], inter_dim=p["inter_dim"])
+    special = ~ref.isfinite()
+    assert special.any() and torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[special & ~ref.isnan()],
+                                                                                  ref[special & ~ref.isnan()])
+    assert ((got.double() - ref.double()).abs()[~special] <= tol[~special]).all()
 
 
 def ck_style_sorting(topk_ids, topk_weights, experts, block_m):
