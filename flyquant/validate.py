@@ -219,10 +219,12 @@ def offs(group_offs, x: torch.Tensor, rows: int) -> None:
     """torchao's token-group contract: `offs` is a 1D contiguous int32 tensor of group end offsets
     along the `rows` (M) dimension, on x's device, non-decreasing, ending at `rows`, and every
     group size (including the first, from 0) a multiple of 128. Reads the values (a host sync
-    on a GPU). Contiguous on every backend, so a call succeeds or fails the same way on both:
-    the kernels read offs as a packed int32 array."""
+    on a GPU), except while torch.compile traces, where there are none: the op's body checks them
+    when the graph runs. Contiguous on every backend, so a call succeeds or fails the same way on
+    both: the kernels read offs as a packed int32 array."""
     offs_tensor(group_offs, "x", x)
-    offs_values(group_offs, rows, OFFS_GROUP_MULTIPLE, exact_end=True)
+    if not torch.compiler.is_compiling():
+        offs_values(group_offs, rows, OFFS_GROUP_MULTIPLE, exact_end=True)
 
 
 def offs_tensor(group_offs, x_name: str, x: torch.Tensor) -> None:

@@ -126,6 +126,31 @@ def test_torch_compile_traces_without_graph_breaks(reference_backend):
     torch.testing.assert_close(moe(a2), fq.moe_gemm2_a16w4(a2, w2, s2, *sorted_, topk=topk, block_m=block_m))
 
 
+@pytest.mark.parametrize("backend", ["reference", "flydsl"])
+def test_torch_compile_traces_quantize_with_offs(monkeypatch, backend):
+    # offs' values are checked on the host in eager calls; while dynamo traces there are none (a
+    # data-dependent branch broke the graph: torchao's blocked 32x1 call with offs)
+    monkeypatch.setenv("FLYQUANT_BACKEND", backend)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([128, 128, 256], dtype=torch.int32)
+
+    def step(x, offs):
+        d0, s0 = fq.mxfp8_quantize(x, axis=0, scale_layout="tcgen05", offs=offs)
+        d1, s1 = fq.mxfp8_quantize(x, axis=-1, scale_layout="tcgen05", offs=offs)
+        return d0, s0, d1, s1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x, offs), step(x, offs)):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # the values are checked when the compiled graph runs (the op's body runs eagerly then)
+    for bad in ([128, 64, 256], [-32, 128, 256], [256, 1000, 2**31 - 1], [0, 0, 0]):
+        for fn in (step, compiled):
+            with pytest.raises(ValueError, match="offs"):
+                fn(x, torch.tensor(bad, dtype=torch.int32))
+
+
 def test_reference_layouts_under_autocast(reference_backend):
     """Under torch.autocast, torch.stack / torch.cat promote their inputs' dtype and refuse E8M0
     ("Unexpected floating ScalarType"): the reference's per-expert and per-group scale layouts and
