@@ -360,24 +360,25 @@ def _moe_config_values(config: dict, source: str, inter_dim: int) -> None:
 
 
 def _tile_m_dividing(block_m: int, tile_m: int, tile_ms) -> int:
-    """tile_m, or the largest smaller tile that divides the caller's block_m (none: tile_m, and the
-    launcher names the violation). A tile_m FLYQUANT_CONFIG forces is not replaced: an EnvError
-    (a forced tile_m of 64 ran 16-row tiles under a caller's block_m of 16, silently)."""
+    """tile_m, or the largest smaller tile that divides the caller's block_m (a multiple of the
+    smallest: _a16w4_target). A tile_m FLYQUANT_CONFIG forces is not replaced: an EnvError (a
+    forced tile_m of 64 ran 16-row tiles under a caller's block_m of 16, silently)."""
     if block_m % tile_m == 0:
         return tile_m
     if "tile_m" in config_overrides():
         raise env.EnvError(f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}: tile_m = {tile_m} does not divide the "
                            f"caller's block_m = {block_m} (the rows of a sorted block, one expert's): sort with a "
                            "multiple of it, or leave tile_m to the selector")
-    fitting = [m for m in tile_ms if block_m % m == 0 and m <= tile_m]
-    return max(fitting) if fitting else tile_m
+    return max(m for m in tile_ms if block_m % m == 0 and m <= tile_m)
 
 
-def _a16w4_target(op: str, act: torch.Tensor, act_name: str, n: tuple[str, int], k: tuple[str, int]) -> Target | Plan:
-    """The target of an A16W4 GEMM, or the reference plan: no kernel here, activations not bf16, or
+def _a16w4_target(op: str, act: torch.Tensor, act_name: str, n: tuple[str, int], k: tuple[str, int],
+                  block_m) -> Target | Plan:
+    """The target of an A16W4 GEMM, or the reference plan: no kernel here, activations not bf16,
     true sizes off the kernel's steps (n: the output columns' (name, size), in 16-column MFMA
-    blocks; k: the reduction's, in 32-element chunks)."""
-    from .kernels._a16w4_common import K_CHUNK, MFMA_MN
+    blocks; k: the reduction's, in 32-element chunks), or a caller's block_m (the rows of a sorted
+    block) that no row tile divides (the reference takes any)."""
+    from .kernels._a16w4_common import K_CHUNK, MFMA_MN, TILE_MS
 
     target = _kernel_target(op, act.device)
     if isinstance(target, Plan):
@@ -388,6 +389,9 @@ def _a16w4_target(op: str, act: torch.Tensor, act_name: str, n: tuple[str, int],
     elif n[1] % MFMA_MN or k[1] % K_CHUNK:
         reason = (f"the kernel takes {n[0]} in multiples of {MFMA_MN} and {k[0]} in multiples of {K_CHUNK}, "
                   f"got {n[0]} = {n[1]}, {k[0]} = {k[1]}")
+    elif block_m is not None and block_m % min(TILE_MS):
+        reason = (f"the kernel's row tiles ({', '.join(map(str, TILE_MS))}) divide a sorted block: block_m must be a "
+                  f"multiple of {min(TILE_MS)}, got {block_m}")
     if reason:
         _forced_reference(reason)
         return reference_plan(op, target, reason)
@@ -447,7 +451,7 @@ def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, blo
 def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias, apply_weights=True) -> Plan:
     """The A16W4 stage-2 GEMM: tiles and split-K for this shape; block_m is the caller's sort."""
     op = "moe_gemm2_a16w4"
-    target = _a16w4_target(op, a2, "a2", ("model_dim", model_dim), ("inter_dim", inter_dim))
+    target = _a16w4_target(op, a2, "a2", ("model_dim", model_dim), ("inter_dim", inter_dim), block_m)
     if isinstance(target, Plan):
         return target
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
@@ -467,7 +471,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     table, then FLYQUANT_CONFIG's tile_m / tile_n / waves (k_batch does not apply); block_m is the
     caller's sort."""
     op = "moe_gemm1_a16w4"
-    target = _a16w4_target(op, x, "x", ("inter_dim", inter_dim), ("model_dim", model_dim))
+    target = _a16w4_target(op, x, "x", ("inter_dim", inter_dim), ("model_dim", model_dim), block_m)
     if isinstance(target, Plan):
         return target
     from .kernels import moe_gemm1_a16w4 as k

@@ -148,6 +148,16 @@ def test_forced_tile_m_not_dividing_block_m_is_refused(monkeypatch, stage):
             plan(block_m)
     monkeypatch.delenv("FLYQUANT_CONFIG")
     assert plan(16).config["tile_m"] == 16  # the selector's own tile: fitted to block_m, as before
+    # a block_m no row tile divides (moe_sorting and the reference take any): planned on the
+    # reference with the reason (the kernel was planned and its launcher refused the call), and
+    # refused up front when the kernel is forced
+    for block_m in (1, 8, 24):
+        ref = plan(block_m)
+        assert ref.backend == "reference" and f"block_m must be a multiple of 16, got {block_m}" in " ".join(ref.reasons)
+        monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+        with pytest.raises(select.BackendError, match=f"block_m must be a multiple of 16, got {block_m}"):
+            plan(block_m)
+        monkeypatch.delenv("FLYQUANT_BACKEND")
 
 
 # --- FLYQUANT_TUNING ---------------------------------------------------------------------------
