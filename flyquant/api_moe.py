@@ -315,7 +315,7 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     selector's block_m. Weights as the stage ops take them: w1 (E, 2P, K/2) gate rows then up rows
     shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
     order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only,
-    in order (local ids). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
+    in order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
     weight). out: (T, model_dim), overwritten (not contiguous: the layer is computed into a
     contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim / inter_dim:
     the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] / 2).
@@ -367,8 +367,10 @@ def _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, 
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *unsorted, topk, block_m, bias=b2, model_dim=model_dim,
                                        inter_dim=inter_dim, bias_name="b2")
     # FLYQUANT_CONFIG / FLYQUANT_TUNING tiles are checked when a stage plans, after moe_sorting has
-    # zeroed out; with either set, both stages plan here first (an EnvError leaves out as given)
-    if env.raw("FLYQUANT_CONFIG") is not None or env.raw("FLYQUANT_TUNING") is not None:
+    # zeroed out, and so is FLYQUANT_BACKEND=flydsl's refusal of a shape one stage's kernel does
+    # not take; with any of them set, both stages plan here first (the error leaves out as given)
+    if (env.raw("FLYQUANT_CONFIG") is not None or env.raw("FLYQUANT_TUNING") is not None
+            or select.forced_backend() == "flydsl"):
         select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation)
         select.plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype if out is None else out.dtype,
                                     b2 is not None)
@@ -414,6 +416,12 @@ def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_d
     if w2.shape[0] != experts:
         raise ValueError(f"w2.shape[0] = {w2.shape[0]} must equal w1.shape[0] = {experts} (the experts held here)")
     num_experts = experts if expert_mask is None else expert_mask.shape[0]
+    # the served count is a value: read when asked for (a host synchronisation), as the ids are
+    if expert_mask is not None and not torch.compiler.is_compiling() and env.flag("FLYQUANT_DEBUG"):
+        served = int((expert_mask != 0).sum())
+        if served != experts:
+            raise ValueError(f"expert_mask serves {served} experts but w1 and w2 hold {experts}: the weights hold "
+                             "the served experts only, in order")
     model_dim = x.shape[1] if model_dim is None else validate.as_int(model_dim)
     inter_dim = w1.shape[1] // 2 if inter_dim is None else validate.as_int(inter_dim)
     check_moe_sizes(topk=topk, experts=experts, model_dim=model_dim, inter_dim=inter_dim)

@@ -18,7 +18,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import env, layouts, reference
+from flyquant import env, layouts, reference, select
 
 from test_moe_gemm1_kernel import exact_and_tolerance
 from test_moe_sorting_kernel import AtenOps
@@ -169,6 +169,14 @@ def test_bad_input(monkeypatch):
     # out_dtype torch.empty's TypeError naming no argument
     with pytest.raises(TypeError, match="expert_mask must be a torch.Tensor, got list"):
         run(dict(p, mask=[1, 1, 1, 1]), "silu")
+    # a mask serving more experts than the weights hold: the kernel path dropped the pairs of the
+    # last ones, the reference named its internal sorted_expert_ids; serving fewer ran either way.
+    # A value, so read under FLYQUANT_DEBUG=1 (a host synchronisation), as the routing ids are
+    monkeypatch.setenv("FLYQUANT_DEBUG", "1")
+    for mask, served in (([1, 1, 1, 1, 1], 5), ([1, 0, 1, 1], 3)):
+        with pytest.raises(ValueError, match=f"expert_mask serves {served} experts but w1 and w2 hold 4"):
+            run(dict(p, mask=torch.tensor(mask, dtype=torch.int32)), "silu")
+    monkeypatch.delenv("FLYQUANT_DEBUG")
     with pytest.raises(TypeError, match=r"out_dtype must be one of \(bfloat16, float32\), got 'bfloat16'"):
         run(p, "silu", out_dtype="bfloat16")
     # topk_weights, b1, b2, out, w2_scale given as a list or string: AttributeErrors from the autograd and
@@ -301,6 +309,20 @@ def test_stage_arguments_are_checked_before_out_is_zeroed(backend, monkeypatch):
             fq.fused_moe(q["x"], q["w1"], q["w1_scale"], q["w2"], q["w2_scale"], q["weights"], q["ids"], b1=q["b1"],
                          b2=q["b2"], out=out, **kw)
         assert bool((out == 7).all()), bad
+
+
+def test_a_forced_kernel_refuses_a_stage_shape_before_out_is_zeroed(monkeypatch):
+    # inter_dim 48: stage 1's kernel takes it (multiples of 16), stage 2's not (32). Under
+    # FLYQUANT_BACKEND=flydsl the BackendError came from stage 2, after moe_sorting had zeroed out
+    # and stage 1 had run; both stages plan first now
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    p = layer(3, 2, 4, seed=11)
+    out = torch.full((3, MODEL_DIM), 7.0, dtype=torch.bfloat16)
+    with emu.record() as launches, pytest.raises(select.BackendError, match="inter_dim in multiples of 32, got .* = 48"):
+        fq.fused_moe(p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"], out=out,
+                     model_dim=MODEL_DIM, inter_dim=48)
+    assert not launches and bool((out == 7).all())
 
 
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
