@@ -59,6 +59,22 @@ def test_v_cvt_f32_fp8_decodes_per_arch_with_sdwa_byte(arch):
         assert w.v[2][0] == 0x80000000
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_to_f32_sdwa_selects_of_the_isa_pseudocode(arch):
+    # V_CVT_F32_FP8: BYTE_1..3 pick their byte, "else // BYTE0 implied" (WORD_1 and DWORD read byte
+    # 0); V_CVT_PK_F32_FP8: "SDWA_SRC0_SEL[1:0] == WORD1.b2 ? S0[31:16] : S0[15:0]" (BYTE_1 reads
+    # the high word too). Bytes 0x38, 0x40, 0x48, 0x50: OCP 1, 2, 4, 8 (FNUZ half of each)
+    word = 0x50484038
+    half = 0.5 if arch == "gfx942" else 1.0
+    one = [I.VOP1_SDWA(I.VOP1Op.V_CVT_F32_FP8_E32, vdst=v[1 + i], src0=SDWA, vsrc0=v[0], dst_sel=6, dst_unused=0,
+                       src0_sel=sel) for i, sel in enumerate((1, 3, 5, 6))]
+    pk = [I.VOP1_SDWA(I.VOP1Op.V_CVT_PK_F32_FP8_E32, vdst=v[5 + 2 * i:6 + 2 * i], src0=SDWA, vsrc0=v[0], dst_sel=6,
+                      dst_unused=0, src0_sel=sel) for i, sel in enumerate((1, 4, 5))]
+    w, _ = run(arch, *one, *pk, vgpr={0: word})
+    got = [as_f32(w.v[r][0]) for r in range(1, 11)]
+    assert got == [half * x for x in (2, 8, 1, 1, 4, 8, 1, 2, 4, 8)]
+
+
 def test_v_cvt_scalef32_pk_fp8_f32_divides_by_the_scale():
     # scale operand 4.0 (exponent 129: 2^2): 12.0 / 4 = 3.0 -> OCP 0x44; -0.5 / 4 = -0.125 -> 0xA0;
     # the mantissa and sign of the scale operand are ignored (-5.0 has exponent 129 too)

@@ -234,11 +234,12 @@ def _no_mods(ctx, inst, allow_opsel=False):
 
 
 def _sdwa_byte_sel(inst) -> int | None:
-    """Byte selected by SDWA src0_sel (0..3) for the fp8 -> f32 conversions, else None."""
+    """Byte selected by SDWA src0_sel for v_cvt_f32_{fp8,bf8}, else None: BYTE_1..3 select their
+    byte, anything else byte 0 (the ISA pseudocode: "else // BYTE0 implied"; WORD_1 too)."""
     if inst.sdwa is None:
         return None
     sel = inst.sdwa["src0_sel"]
-    return sel if sel < 4 else (0 if sel == 4 else 2 if sel == 5 else 0)
+    return sel if sel in (1, 2, 3) else 0
 
 
 def build_cvt_pk_f8(inst, ctx):
@@ -300,8 +301,8 @@ def build_cvt_pk_f32_f8(inst, ctx):
     fmt = fp8_formats(ctx.arch)[inst.name == "v_cvt_pk_f32_bf8"]
     src = vsrc(ctx, inst, 0, "u32")
     word = 0
-    if inst.sdwa is not None:
-        word = 1 if inst.sdwa["src0_sel"] == 5 else 0
+    if inst.sdwa is not None:  # the pseudocode compares SDWA_SRC0_SEL[1:0] with WORD_1's: BYTE_1 too
+        word = 1 if inst.sdwa["src0_sel"] & 3 == 1 else 0
     elif inst.enc == "VOP3":
         word = inst.opsel & 1
     put_lo, put_hi = vwriter(ctx, inst, "f32"), vwriter(ctx, inst, "f32", inst.vdst + 1)
