@@ -5,7 +5,12 @@ of the CDNA3/CDNA4 ISA guides. No builders here: `isa_valu` turns the tables int
 Float arithmetic is IEEE binary32 round-to-nearest-even (NumPy's float32 on x86 does not flush
 denormals); fused multiply-adds are computed exactly (see `fma_f32`). Transcendentals (v_rcp,
 v_rsq, v_sqrt, v_exp, v_log) are computed correctly rounded; the hardware is only specified to
-about 1 ulp, so those can differ from a GPU in the last bit.
+about 1 ulp, so those can differ from a GPU in the last bit. They also keep FP32 denormals in and
+out, which a GPU may not: LLVM scales around v_rcp/v_rsq/v_sqrt/v_log for denormal inputs and
+around v_exp/v_rcp for denormal results (emitRcpIEEE1ULP: "The rcp instruction doesn't support
+denormals"), so there a GPU may give 0 or inf. Not modelled (the ISA guides do not say it); the
+kernels' one use in that range, stage 1's sigmoid rcp(1 + exp(z)) with 1 + exp(z) above 2^126,
+differs from 0 by less than 1e-37.
 """
 
 from __future__ import annotations
