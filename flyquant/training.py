@@ -19,8 +19,9 @@ GEMMs told so: they read the codes as they are, without the per-dword rewrite of
 probe that arbitrary OCP operands need there (validate.SIGNED_ZEROS_DOC).
 
 The forward takes any token group sizes. The backward's 32x1 blocks must not straddle groups:
-every group size must be a multiple of 32 and M a multiple of 32 (torchao's unpadded recipe
-requires the same), checked where the host holds offs (see flyquant.grouped_mm), unless
+every group size must be a multiple of 32 and M a multiple of 32 (a ValueError where the host
+holds offs; on a GPU a device-side assert, which stops the step at the next synchronisation
+without adding one), unless
 - wgrad_with_hp: grad_B_t[g] = A[g]^T @ grad_out[g] by torch._grouped_mm in the operands'
   (promoted) dtype, as torchao's MXFP8_RCEIL_WGRAD_WITH_HP recipe computes it; or
 - pad_token_groups_for_grouped_mm: every group is moved to a 32-aligned start in a zero-padded
@@ -138,6 +139,24 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tenso
     return t.new_zeros(rows, t.shape[1]).index_copy_(0, dest, t)
 
 
+UNALIGNED_GROUPS = ("mxfp8_grouped_mm's backward quantizes each token group's rows in 32x1 blocks for B_t's "
+                    "gradient: every group size must be a multiple of 32; pass pad_token_groups_for_grouped_mm=True "
+                    "(groups padded on the device) or wgrad_with_hp=True")
+
+
+def _check_wgrad_groups(offs) -> None:
+    """The 32x1 wgrad's group sizes (module docstring). Where the host holds offs, a ValueError
+    naming the sizes; on a GPU (and while torch.compile traces) a device-side assert, with no host
+    synchronisation: a router's unaligned groups stop the step (the next synchronisation fails with
+    the message) instead of giving B_t a gradient from blocks that straddle groups."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+        if (sizes % MX_BLOCK != 0).any():
+            raise ValueError(f"{UNALIGNED_GROUPS}; offs {offs.tolist()} gives sizes {sizes.tolist()}")
+        return
+    torch._assert_async((sizes % MX_BLOCK == 0).all(), UNALIGNED_GROUPS)
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad_groups, a_data, a_scale):
@@ -186,6 +205,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
             validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
                                  "quantizes them in 32x1 blocks for B_t's gradient)")
+            _check_wgrad_groups(offs)
             x, x_scale = api.mxfp8_quantize(grad_out, 0, mode, signed_zeros=sz)
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode, signed_zeros=sz)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype,

@@ -44,11 +44,18 @@ def test_training_op_bad_inputs(reference_backend):
     for bad, match in ((offs(64, 32), "non-decreasing"), (offs(32, 100), "at most M"), (offs(-5, 64), "non-decreasing")):
         with pytest.raises(ValueError, match=match):
             training.mxfp8_grouped_mm(A, B_t, bad, pad_token_groups_for_grouped_mm=True)
-    # backward: 32x1 blocks may not straddle groups
+    # backward: 32x1 blocks may not straddle groups (the error came from the inner wgrad op, naming
+    # neither the training op nor the options that lift it). Traced, as on a GPU, nothing is read on
+    # the host: a device-side assert (before it, on a GPU, B_t's gradient was silently wrong)
     A.requires_grad_()
     out = training.mxfp8_grouped_mm(A, B_t.requires_grad_(), offs(40, 64))
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match=r"mxfp8_grouped_mm's backward .* multiple of 32; pass "
+                                         r"pad_token_groups_for_grouped_mm=True .* sizes \[40, 24\]"):
         out.sum().backward()
+    step = torch.compile(lambda a, b: training.mxfp8_grouped_mm(a, b, offs(40, 64)).sum(), fullgraph=True,
+                         backend="aot_eager")
+    with pytest.raises(RuntimeError, match="every group size must be a multiple of 32; pass pad_token_groups"):
+        step(A, B_t).backward()
     # M off 32: the wgrad's quantize of the token rows named its own x ("x.shape[0] (M, ...)")
     A, B_t = A[:48].detach().requires_grad_(), B_t.detach().requires_grad_()
     out = training.mxfp8_grouped_mm(A, B_t, offs(16, 48))
