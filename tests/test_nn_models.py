@@ -111,18 +111,23 @@ def test_gpt_oss_through_patch_moe_is_patch_gpt_oss():
 
 
 def test_layouts_are_read_as_transformers_applies_them():
-    """The flags of the experts interface: transposed (E, in, out) weights and interleaved gate/up
-    rows give the same module as the [gate; up] (E, out, in) ones; biases are kept."""
+    """The flags of the experts interface: transposed (E, in, out) weights give the same module as
+    the (E, out, in) ones; biases are kept. Rows flagged interleaved with transformers' default gate
+    are refused: that gate splits them as [gate; up] whatever the flag says (chunk(2)), and they
+    were converted as interleaved, a different layer from transformers' own forward."""
     model = tiny_qwen3_moe(seed=5)
     ex = model.model.layers[0].mlp.experts
     want = from_transformers_experts(ex)
     flipped = copy.deepcopy(ex)
     e, two_i, h = ex.gate_up_proj.shape
-    rows = torch.stack([ex.gate_up_proj[:, :two_i // 2], ex.gate_up_proj[:, two_i // 2:]], dim=2).reshape(e, two_i, h)
-    flipped.gate_up_proj = torch.nn.Parameter(rows.transpose(1, 2).contiguous())  # interleaved, transposed
+    flipped.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.transpose(1, 2).contiguous())
     flipped.down_proj = torch.nn.Parameter(ex.down_proj.transpose(1, 2).contiguous())
-    flipped.is_concatenated, flipped.is_transposed = False, True
+    flipped.is_transposed = True
     assert same_buffers(from_transformers_experts(flipped), want)
+    flipped.is_concatenated = False
+    with pytest.raises(ValueError, match=r"flagged interleaved \(is_concatenated=False\) but it has transformers' "
+                                         r"default gate"):
+        from_transformers_experts(flipped)
     g = torch.Generator().manual_seed(0)
     biased = copy.deepcopy(ex)
     biased.gate_up_proj_bias = torch.nn.Parameter(torch.randn(e, two_i, generator=g))

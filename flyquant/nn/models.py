@@ -231,11 +231,12 @@ def from_transformers_experts(experts, config=None, scaling_mode: str = "floor")
     DeepSeek-V2/V3, GLM-4 MoE, OLMoE, GPT-OSS and the other models whose experts class is decorated
     with `use_experts_implementation`), its float weights quantized to MXFP4 with `scaling_mode`.
 
-    Taken: gated experts (gate_up_proj and down_proj, stored concatenated [gate; up] or interleaved,
-    transposed or not, with or without biases) whose gate is transformers' default act(gate) * up with
-    act silu or tanh-approximated gelu, and GPT-OSS's clamped swiglu (from_gpt_oss_experts). Refused
-    with the reason: experts without a gate, with a post-expert norm, with another gating, sharded
-    for expert parallelism, or with quantized (non-float) weights."""
+    Taken: gated experts (gate_up_proj and down_proj, stored concatenated [gate; up], transposed or
+    not, with or without biases) whose gate is transformers' default act(gate) * up with act silu or
+    tanh-approximated gelu, and GPT-OSS's clamped swiglu (from_gpt_oss_experts; its rows are
+    interleaved). Refused with the reason: experts without a gate, with a post-expert norm, with
+    another gating, flagged interleaved with the default gate (which splits [gate; up]), sharded for
+    expert parallelism, or with quantized (non-float) weights."""
     name = type(experts).__name__
     if not _is_experts_module(experts):
         raise ValueError(f"{name} is not an experts module of transformers' experts interface "
@@ -244,6 +245,10 @@ def from_transformers_experts(experts, config=None, scaling_mode: str = "floor")
 
     refused = [why for why, bad in (
         ("it has no gate projection (has_gate=False)", not experts.has_gate),
+        # transformers' default gate splits [gate; up] whatever the flag says (chunk(2)), and only
+        # models with their own gate store the rows interleaved: which one this module means is unknown
+        ("its gate_up rows are flagged interleaved (is_concatenated=False) but it has transformers' default gate, "
+         "which reads them as [gate; up]", not experts.is_concatenated and type(experts)._apply_gate is _default_apply_gate),
         ("it applies a norm after each expert", getattr(experts, "has_post_expert_norm", False)),
         ("it is sharded for expert parallelism", getattr(experts, "_is_expert_parallel", False))) if bad]
     if refused:
@@ -264,8 +269,6 @@ def from_transformers_experts(experts, config=None, scaling_mode: str = "floor")
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
     b1 = experts.gate_up_proj_bias.detach() if experts.has_bias else None
     b2 = experts.down_proj_bias.detach() if experts.has_bias else None
-    if not experts.is_concatenated:  # rows gate0, up0, gate1, ..: gate rows then up rows
-        w1, b1 = layouts.gate_up_rows_from_interleaved(w1.transpose(1, 2), b1)
     return MoEExperts.from_dense(w1, w2, b1, b2, activation=_gated_activation(experts), scaling_mode=scaling_mode)
 
 
