@@ -312,29 +312,37 @@ def _unpack_hw(dword, scale):
     return words
 
 
-def _sw_tables(dword, byte: int):
-    """gfx942: the BF16 bytes of fp4(c) * 2^(s - 127) for the 8 magnitude codes c, for the scale
-    s = byte `byte` of `dword`: (lo0, lo1, hi0, hi1), low/high BF16 byte of codes 0..3 / 4..7.
+def _sw_tables(dword, byte: int, count: int = 2):
+    """gfx942: for the scales s = bytes `byte` and `byte` + 1 of `dword`, the BF16 bytes of
+    fp4(c) * 2^(s - 127) for the 8 magnitude codes c: per scale (lo0, lo1, hi0, hi1), low/high BF16
+    byte of codes 0..3 / 4..7; `count` 1: only the first scale's.
 
-    The 8 products in FP32, two per v_pk_mul_f32, are exact for every s, and so are their high
-    halves, the BF16 values: 2 significant bits, FP32 denormals kept (the kernels' float mode) from
-    s = 0 (2^-127, a denormal scale) on, a product past FP32's range inf, s = 255 NaN for every
-    code (flyquant.reference's dequantize: 0 x NaN is NaN). Four v_perm_b32 per 4 codes gather
-    their bytes 2 and 3."""
-    bits = mx.band(mx.val(_scale_f32(dword, byte).bitcast(fx.Int32)), F32_EXPONENT)  # 2^(s - 127), s >= 1
-    bits = mx.select(mx.cmp_eq(bits, F32_EXPONENT), F32_NAN, mx.umax(bits, F32_E8M0_ZERO))
+    The 8 products per scale in FP32, the two scales' in one v_pk_mul_f32 per code pair (a pair
+    of defined registers: a broadcast of one scale left the pair's high register undefined, and
+    LLVM gave it one a pending load writes, then waited for that load mid-step), are exact for
+    every s, and so are their high halves, the BF16 values: 2 significant bits, FP32 denormals
+    kept (the kernels' float mode) from s = 0 (2^-127, a denormal scale) on, a product past FP32's
+    range inf, s = 255 NaN for every code (flyquant.reference's dequantize: 0 x NaN is NaN). Four
+    v_perm_b32 per 4 codes gather their bytes 2 and 3."""
+    scales = []
+    for b in range_constexpr(byte, byte + 2):
+        bits = mx.band(mx.val(_scale_f32(dword, b).bitcast(fx.Int32)), F32_EXPONENT)  # 2^(s - 127), s >= 1
+        scales.append(mx.as_f32(mx.select(mx.cmp_eq(bits, F32_EXPONENT), F32_NAN, mx.umax(bits, F32_E8M0_ZERO))))
     pair_t = ir.VectorType.get([2], mx.f32_t())
-    scale = vector.broadcast(pair_t, mx.as_f32(bits))
-    products = []
-    for c in range_constexpr(0, 8, 2):
-        mags = vector.from_elements(pair_t, [arith.constant(mx.f32_t(), m) for m in E2M1_MAGNITUDES[c:c + 2]])
-        prod = arith.mulf(mags, scale)
-        products += [fx.Int32(mx.as_i32(mx.extract(prod, h))) for h in range_constexpr(2)]
-    # codes (c, c + 1): [lo c, lo c + 1, hi c, hi c + 1]; then the low and high bytes of 4 codes
-    pairs = [_perm(products[c + 1], products[c], PERM_HI_PAIRS) for c in range_constexpr(0, 8, 2)]
-    lo0, hi0 = (_perm(pairs[1], pairs[0], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
-    lo1, hi1 = (_perm(pairs[3], pairs[2], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
-    return lo0, lo1, hi0, hi1
+    scale = vector.from_elements(pair_t, scales)
+    products = [[], []]  # per scale
+    for c in range_constexpr(8):
+        prod = arith.mulf(vector.broadcast(pair_t, arith.constant(mx.f32_t(), E2M1_MAGNITUDES[c])), scale)
+        for h in range_constexpr(count):
+            products[h].append(fx.Int32(mx.as_i32(mx.extract(prod, h))))
+    tables = []
+    for p in products[:count]:
+        # codes (c, c + 1): [lo c, lo c + 1, hi c, hi c + 1]; then the low and high bytes of 4 codes
+        pairs = [_perm(p[c + 1], p[c], PERM_HI_PAIRS) for c in range_constexpr(0, 8, 2)]
+        lo0, hi0 = (_perm(pairs[1], pairs[0], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
+        lo1, hi1 = (_perm(pairs[3], pairs[2], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))
+        tables.append((lo0, lo1, hi0, hi1))
+    return tables
 
 
 def _unpack_sw(dword, tables):

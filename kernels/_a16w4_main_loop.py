@@ -363,12 +363,15 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                             return [[_scale_f32(sc[nb // 2], 2 * sub + nb % 2) for nb in range_constexpr(NB)] for sub in range_constexpr(2)]
                         return [sc, sc]
 
-                    def unpack_block(b, ops, sub, nb):
-                        """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of step sub."""
+                    def unpack_block(b, ops, sub, nb, tables):
+                        """The BF16 B operands of 16-column block nb for the 4 MFMA k-slices of step sub.
+                        gfx942: blocks 2i and 2i + 1 take bytes 2 sub and 2 sub + 1 of scale dword i, their
+                        tables built together at block 2i (`tables`: the step's, by block)."""
                         if const_expr(hw_unpack):
                             return [_unpack_hw(b[nb][j], ops[nb]) for j in range_constexpr(4)]
-                        tables = _sw_tables(ops[nb // 2], 2 * sub + nb % 2)
-                        return [_unpack_sw(b[nb][j], tables) for j in range_constexpr(4)]
+                        if const_expr(nb % 2 == 0):
+                            tables[nb:nb + 2] = _sw_tables(ops[nb // 2], 2 * sub, min(2, NB - nb))
+                        return [_unpack_sw(b[nb][j], tables[nb]) for j in range_constexpr(4)]
 
                     def compute_step(a, b, ops, sub, accs):
                         """Unpack the B chunks of one K step and issue its MFMAs into accs (ops: the step's
@@ -381,10 +384,11 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         accs = list(accs)
                         if const_expr(not hw_unpack):
                             a_ops = [[_a_operands_sw([a[mb][j][q] for q in range_constexpr(4)]) for j in range_constexpr(4)] for mb in range_constexpr(MB)]
-                        words = unpack_block(b, ops, sub, 0)
+                        tables = [None] * NB
+                        words = unpack_block(b, ops, sub, 0, tables)
                         for nb in range_constexpr(NB):
                             rocdl.sched_barrier(0)
-                            nxt = unpack_block(b, ops, sub, nb + 1) if const_expr(nb + 1 < NB) else None
+                            nxt = unpack_block(b, ops, sub, nb + 1, tables) if const_expr(nb + 1 < NB) else None
                             rocdl.sched_barrier(0)
                             for mb in range_constexpr(MB):
                                 for j in range_constexpr(4):
