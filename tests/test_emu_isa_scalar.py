@@ -336,3 +336,15 @@ def test_v_pk_add_mul_f32_read_both_sgprs_of_a_pair(arch):
                 for reg, x, y in ((6, int(a0[lane]), s0), (7, int(a1[lane]), s1)):
                     want, got = _ieee_op(op, (x, y)), int(w.v[reg, lane])
                     assert X.is_nan_bits(got, 8, 23) if want == "nan" else got == want, (op, hex(x), hex(y))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_64_bit_operands_read_float_inline_constants_as_doubles(arch):
+    # A float inline constant in a 64-bit operand is the double's bit pattern, as LLVM reads it:
+    # it materializes the FP32 pair (0.0, 2.0) of a packed multiply as s_mov_b64 s[4:5], 2.0
+    # (gfx942's FP4 unpack tables; the emulator gave (2.0, 0.0), zero-extending the FP32 pattern,
+    # and the kernel's products came out wrong). Integer inline constants sign-extend.
+    w, _ = run(arch, I.s_mov_b64(s[4:5], 2.0), I.s_mov_b64(s[6:7], -0.5), I.s_mov_b64(s[8:9], 1.0),
+               I.s_mov_b64(s[10:11], -3), I.s_mov_b32(s[12], 2.0))
+    got = [int(w.s[i]) for i in range(4, 13)]
+    assert got == [0, 0x40000000, 0, 0xBFE00000, 0, 0x3FF00000, 0xFFFFFFFD, 0xFFFFFFFF, 0x40000000]

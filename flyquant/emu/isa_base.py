@@ -224,9 +224,10 @@ def sreader(ctx: Ctx, inst: D.Inst, code: int, bits: int = 32, float_kind: bool 
     """Closure w -> int: a scalar source operand as an unsigned `bits`-wide integer (16/32/64).
 
     Integer inline constants are sign-extended to `bits`; float inline constants give the bit
-    pattern of the constant in the operand's float width (float_kind) or in 32 bits for an
-    integer operand; a 32-bit literal is zero-extended to 64 bits, or for a float64 operand
-    forms the high half."""
+    pattern of the constant in the operand's float width (float_kind), in 32 bits for a 32- or
+    16-bit integer operand, and as a double for any 64-bit operand (LLVM materializes an FP32 pair
+    (0.0, 2.0) as s_mov_b64 s[4:5], 2.0: the double 2.0's bits); a 32-bit literal is zero-extended
+    to 64 bits, or for a float64 operand forms the high half."""
     if code == D.SRC_LITERAL:
         lit = inst.literal
         if lit is None:
@@ -234,8 +235,8 @@ def sreader(ctx: Ctx, inst: D.Inst, code: int, bits: int = 32, float_kind: bool 
         value = lit << 32 if (bits == 64 and float_kind) else lit
         return lambda w: value
     if is_inline(code):
-        if code >= D.INLINE_FLOAT_FIRST and not float_kind:
-            value = _inline_value(code, 32) if bits >= 32 else _inline_value(code, 16)
+        if code >= D.INLINE_FLOAT_FIRST and not float_kind and bits != 64:
+            value = _inline_value(code, 32) if bits == 32 else _inline_value(code, 16)
         else:
             value = _inline_value(code, bits)
         return lambda w: value
