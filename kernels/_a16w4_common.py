@@ -317,8 +317,8 @@ def _sw_tables(dword, byte: int, count: int = 2):
     fp4(c) * 2^(s - 127) for the 8 magnitude codes c: per scale (lo0, lo1, hi0, hi1), low/high BF16
     byte of codes 0..3 / 4..7; `count` 1: only the first scale's.
 
-    The 8 products per scale in FP32, the two scales' in one v_pk_mul_f32 per code pair (a pair
-    of defined registers: a broadcast of one scale left the pair's high register undefined, and
+    The 8 products per scale in FP32, both scales' in one v_pk_mul_f32 per code (a pair of
+    defined registers: a broadcast of one scale left the pair's high register undefined, and
     LLVM gave it one a pending load writes, then waited for that load mid-step), are exact for
     every s, and so are their high halves, the BF16 values: 2 significant bits, FP32 denormals
     kept (the kernels' float mode) from s = 0 (2^-127, a denormal scale) on, a product past FP32's
