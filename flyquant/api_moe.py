@@ -314,14 +314,14 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     a2, token-major (T * topk, inter_dim) bf16) and moe_gemm2_a16w4 (adding into `out`), all on the
     selector's block_m. Weights as the stage ops take them: w1 (E, 2P, K/2) gate rows then up rows
     shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
-    order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only,
-    in order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2" (default) or "stage1" (a2 carries the routing
-    weight). out: (T, model_dim), overwritten (not contiguous: the layer is computed into a
-    contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim / inter_dim:
-    the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] / 2).
-    Routing ids outside [0, num_experts) are dropped on the kernel path (checked only with
-    FLYQUANT_DEBUG=1; the reference path always refuses them). fq.moe_routing gives topk_weights
-    and topk_ids from router logits.
+    order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only, in
+    order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2"
+    (default) or "stage1" (a2 carries the routing weight). out: (T, model_dim), overwritten (not
+    contiguous: the layer is computed into a contiguous buffer and copied, a fourth launch); None: a
+    new out_dtype tensor. model_dim / inter_dim: the true sizes when the weights are padded (default
+    x.shape[1] and w1.shape[1] / 2). Routing ids outside [0, num_experts) are dropped on the kernel
+    path (checked only with FLYQUANT_DEBUG=1; the reference path always refuses them).
+    fq.moe_routing gives topk_weights and topk_ids from router logits.
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
         x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)

@@ -312,10 +312,10 @@ def _unpack_hw(dword, scale):
     return words
 
 
-def _sw_tables(dword, byte: int, count: int = 2):
+def _sw_tables(dword, byte: int):
     """gfx942: for the scales s = bytes `byte` and `byte` + 1 of `dword`, the BF16 bytes of
     fp4(c) * 2^(s - 127) for the 8 magnitude codes c: per scale (lo0, lo1, hi0, hi1), low/high BF16
-    byte of codes 0..3 / 4..7; `count` 1: only the first scale's.
+    byte of codes 0..3 / 4..7 (a table nobody uses costs nothing: LLVM drops it).
 
     The 8 products per scale in FP32, both scales' in one v_pk_mul_f32 per code (a pair of
     defined registers: a broadcast of one scale left the pair's high register undefined, and
@@ -333,10 +333,10 @@ def _sw_tables(dword, byte: int, count: int = 2):
     products = [[], []]  # per scale
     for c in range_constexpr(8):
         prod = arith.mulf(vector.broadcast(pair_t, arith.constant(mx.f32_t(), E2M1_MAGNITUDES[c])), scale)
-        for h in range_constexpr(count):
+        for h in range_constexpr(2):
             products[h].append(fx.Int32(mx.as_i32(mx.extract(prod, h))))
     tables = []
-    for p in products[:count]:
+    for p in products:
         # codes (c, c + 1): [lo c, lo c + 1, hi c, hi c + 1]; then the low and high bytes of 4 codes
         pairs = [_perm(p[c + 1], p[c], PERM_HI_PAIRS) for c in range_constexpr(0, 8, 2)]
         lo0, hi0 = (_perm(pairs[1], pairs[0], sel) for sel in (PERM_EVEN_HALVES, PERM_ODD_HALVES))

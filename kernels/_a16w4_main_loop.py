@@ -370,7 +370,7 @@ def build_moe_gemm2_a16w4(cfg: Gemm2Config):
                         if const_expr(hw_unpack):
                             return [_unpack_hw(b[nb][j], ops[nb]) for j in range_constexpr(4)]
                         if const_expr(nb % 2 == 0):
-                            tables[nb:nb + 2] = _sw_tables(ops[nb // 2], 2 * sub, min(2, NB - nb))
+                            tables[nb:nb + 2] = _sw_tables(ops[nb // 2], 2 * sub)[:NB - nb]
                         return [_unpack_sw(b[nb][j], tables[nb]) for j in range_constexpr(4)]
 
                     def compute_step(a, b, ops, sub, accs):

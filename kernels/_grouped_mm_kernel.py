@@ -51,18 +51,18 @@ rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks 
 every buffer's end (loads read 0, stores are dropped; gfx942's weight gradient re-reads its step's
 first chunk for a chunk past the group, with both of that chunk's scales masked); only the K step
 sits in the scalar offset (inside or outside the range check: flyquant.emu.isa_mem's two readings
-agree on every access) and it stays below K (wgrad: the step's first row of M, the
-gfx942 block's too, inside the group for every chunk; the pipeline reloads the last step rather than
-read past it). Staged, gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors
-and end at the tensors' ends: every lane that is not masked reads at or past the start (its vector
-offset plus the offset field is its row's offset plus DMA_SHIFT), and a masked lane's offset,
-2^32 - 8192 (DATA_OOB), is past the end of any buffer below 2 GiB + DMA_SHIFT with any field added (the
-usual OOB, 2^31 - 16, plus a field of up to 3072 would land inside a tensor of nearly 2 GiB: a K
-tail's masked chunk once read the tensor's last bytes there). The group loop indexes offs below E;
-any offs values (unsorted, negative, past M) keep every access inside the tensors (rows are clamped
-to [0, M)); with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as
-0, but a workgroup's count of its groups (which assumes sorted ends) may miss a group holding some
-of its rows: those rows are not written.
+agree on every access) and it stays below K (wgrad: the step's first row of M, the gfx942 block's
+too, inside the group for every chunk; the pipeline reloads the last step rather than read past it).
+Staged, gfx950's A and B buffers start DMA_SHIFT (3072) bytes before their tensors and end at the
+tensors' ends: every lane that is not masked reads at or past the start (its vector offset plus the
+offset field is its row's offset plus DMA_SHIFT), and a masked lane's offset, 2^32 - 8192
+(DATA_OOB), is past the end of any buffer below 2 GiB + DMA_SHIFT with any field added (the usual
+OOB, 2^31 - 16, plus a field of up to 3072 would land inside a tensor of nearly 2 GiB: a K tail's
+masked chunk once read the tensor's last bytes there). The group loop indexes offs below E; any offs
+values (unsorted, negative, past M) keep every access inside the tensors (rows are clamped to
+[0, M)); with offs that are not non-decreasing, rows at or past offs[E - 1] are still written as 0,
+but a workgroup's count of its groups (which assumes sorted ends) may miss a group holding some of
+its rows: those rows are not written.
 """
 
 from __future__ import annotations
