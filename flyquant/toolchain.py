@@ -56,6 +56,7 @@ launch_lock = threading.RLock()
 target and cache directory from os.environ, which all threads share."""
 
 _launch_device: list[int | None] = [None]  # the GPU of the innermost target() block (launch_lock guards it)
+_in_target = threading.local()  # .depth: the target() blocks this thread is inside
 
 _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _CACHE_WHY = (
@@ -282,15 +283,25 @@ def target(arch: str, device=None):
             cache = str(private_dir(user_cache, source="FLYDSL_RUNTIME_CACHE_DIR", tree=True))
         else:
             cache = kernel_cache_dir()
-        with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache), \
-                _on_device(device):
-            yield
+        _in_target.depth = getattr(_in_target, "depth", 0) + 1
+        try:
+            with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache), \
+                    _on_device(device):
+                yield
+        finally:
+            _in_target.depth -= 1
 
 
 def stream(tensor):
     """The stream argument of a launch on `tensor`'s device: torch's current stream there (FlyDSL
-    reads its handle), or 0 on the CPU, where flyquant.emu runs the kernels."""
+    reads its handle), or 0 on the CPU, where flyquant.emu runs the kernels. A CPU tensor with
+    the emulator off is a ToolchainError: a real GPU would be handed host addresses."""
     if tensor.device.type != "cuda":
+        from . import emu
+
+        if not emu.enabled():
+            raise ToolchainError(f"a {tensor.device.type} tensor reaches a FlyDSL kernel launch, but flyquant.emu "
+                                 "is off (kernels run on GPU tensors, or on CPU ones under the emulator)")
         return 0
     import torch
 
@@ -318,12 +329,16 @@ def _on_device(device):
 def launcher_cache(build):
     """``functools.lru_cache`` of a kernel family's launcher builder, one launcher per device:
     FlyDSL loads a launcher's code object on the device current at its first launch, a module
-    valid there only, so each GPU needs launchers of its own. Inside ``target(arch, device)`` the
-    device is part of the key (outside one, and on the CPU, None)."""
+    valid there only, so each GPU needs launchers of its own. The device is part of the key (on
+    the CPU, None), so a launcher is looked up inside ``target(arch, device)`` only: outside one
+    it is a ToolchainError (a lookup there would get another GPU's launcher)."""
     cached = functools.lru_cache(maxsize=None)(lambda device, *args, **kwargs: build(*args, **kwargs))
 
     @functools.wraps(build)
     def launcher(*args, **kwargs):
+        if not getattr(_in_target, "depth", 0):
+            raise ToolchainError(f"{build.__name__}: a launcher is looked up inside toolchain.target(arch, device), "
+                                 "whose device keys the cache")
         return cached(_launch_device[0], *args, **kwargs)
 
     return launcher

@@ -89,13 +89,13 @@ def launch_col(x, data, scales, *, arch, scaling_mode, kind, scale_layout, block
         raise ValueError(too_large or f"{tuple(x.shape)}: the scales must stay below 2 GiB (32-bit buffer offsets)")
     cfg = plan_col((e, n, k), x.dtype, arch, block_k, kind)
     grouped = offs is not None
-    launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows,
-                         signed_zeros)
     width = cfg.tile_cols
     groups = offs.numel() if grouped else 0
     offs_arg = offs if grouped else torch.zeros(1, dtype=torch.int32, device=x.device)
     q1, s1 = rows_out if rows_out is not None else (offs_arg, offs_arg)  # dual: the 1x32 outputs
-    with toolchain.target(arch, x.device):
+    with toolchain.target(arch, x.device):  # the launcher of x's GPU (toolchain.launcher_cache)
+        launch = _cached_col(arch, dtype, scaling_mode, kind, scale_layout, block_k, grouped, cfg.waves, cfg.tile_rows,
+                             signed_zeros)
         launch(
             x, data.view(torch.uint8), scales, q1, s1, offs_arg, n, k, k * x.element_size(), cfg.tiles_per_wave,
             -(-k // width), n // MX_BLOCK, dims, expert_bytes, scales.numel(), groups, groups.bit_length(),

@@ -2,7 +2,9 @@
 
 The emulator must be enabled before FlyDSL's runtime library is first loaded (the first
 launch), so it is done once, when pytest starts. Tests marked ``gpu`` (marker registered in
-pyproject.toml) need a real MI300X/MI355X and are skipped here.
+pyproject.toml) need a real MI300X/MI355X and are skipped here. On a machine with a ROCm GPU it
+is the other way round: the emulator stays off (flyquant.emu.enable refuses), so only the ``gpu``
+tests run (and only on a gfx942/gfx950, the arch torch reports); the others are skipped there.
 
 Every test runs in the emulator's strict memory mode (fixture ``strict_launch_memory``): a
 kernel launch may touch only the bytes of the tensors handed to that launch (each tensor's own
@@ -31,6 +33,7 @@ from flydsl.compiler.jit_function import JitFunction
 
 import flyquant.emu as emu
 from flyquant import toolchain
+from flyquant.arch import ARCHS
 
 import isa_waits
 
@@ -43,12 +46,25 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if emu.rocm_device_present():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a real MI300X/MI355X: no ROCm device on this machine")
+    if not emu.rocm_device_present():
+        skip = {True: pytest.mark.skip(reason="needs a real MI300X/MI355X: no ROCm device on this machine")}
+    else:  # the emulator stays off (flyquant.emu.enable refuses): only the gpu tests can run, on gfx942/gfx950
+        arch = gpu_arch()
+        skip = {False: pytest.mark.skip(reason="runs under flyquant.emu, which stays off while a ROCm GPU is "
+                                               "present (the default run on a machine without one covers it)")}
+        if arch not in ARCHS:
+            skip[True] = pytest.mark.skip(reason=f"needs an MI300X/MI355X (gfx942/gfx950); torch sees {arch or 'no ROCm GPU'}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        marker = skip.get("gpu" in item.keywords)
+        if marker is not None:
+            item.add_marker(marker)
+
+
+def gpu_arch() -> str | None:
+    """The arch of torch's first ROCm GPU (gcnArchName without its feature flags), None if torch has none."""
+    if not (torch.version.hip and torch.cuda.is_available()):
+        return None
+    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
 
 
 _DATA_PTR = torch.Tensor.data_ptr  # the real one (raw-address launchers get a recording one)

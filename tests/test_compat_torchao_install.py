@@ -2,7 +2,7 @@
 its FlyDSL MXFP8 entry points served by flyquant (issue 19 item 4).
 
 Each test runs in a fresh interpreter (install() patches process-wide state: sys.modules and
-torchao's module attributes), with flyquant.emu enabled for gfx950 and FLYQUANT_BACKEND=flydsl,
+torchao's module attributes), with flyquant.emu enabled for gfx950 (no GPU) and FLYQUANT_BACKEND=flydsl,
 so the FlyDSL kernels do the casts on CPU tensors and the emulator's launch record shows it.
 
 How far the MX linear goes on CPU. torchao 0.18 has no preference that pairs the FLYDSL dim1 cast
@@ -29,15 +29,19 @@ import pytest
 
 pytest.importorskip("torchao", reason="torchao is not installed")
 
+# With a ROCm GPU present (only the gpu test runs there) the emulator stays off: no FLYQUANT_ARCH
+# (the GPU's arch is the target) and record() records nothing.
 PRELUDE = """
-import json, os, sys, warnings
+import contextlib, json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import logging; logging.disable(logging.WARNING)
 os.environ["FLYQUANT_BACKEND"] = "flydsl"
-os.environ["FLYQUANT_ARCH"] = "gfx950"
 import torch
 import flyquant as fq
-fq.emu.enable("gfx950")
+if not fq.emu.rocm_device_present():
+    os.environ["FLYQUANT_ARCH"] = "gfx950"
+    fq.emu.enable("gfx950")
+record = fq.emu.record if fq.emu.enabled() else (lambda: contextlib.nullcontext([]))
 out = {}
 """
 
@@ -96,7 +100,7 @@ def test_install_reports_patches_once_and_routes_torchaos_entry_points():
         g = torch.Generator().manual_seed(0)
         x = torch.randn(128, 96, generator=g).to(torch.bfloat16)
         w = torch.randn(2, 64, 96, generator=g).to(torch.bfloat16)
-        with fq.emu.record() as launches:
+        with record() as launches:
             results = {
                 "1x32": (quant.mxfp8_quantize_2d_1x32_flydsl(x, scaling_mode="floor"), R.mxfp8_quantize(x, -1, "floor")),
                 "32x1": (quant.mxfp8_quantize_2d_32x1_flydsl(x), R.mxfp8_quantize(x, 0, "rceil")),
@@ -149,7 +153,7 @@ def test_mx_linear_forward_backward_casts_on_flyquant_equal_torch_choice():
             for choice in (MXFP8Dim1CastKernelChoice.FLYDSL, MXFP8Dim1CastKernelChoice.TORCH):
                 seen = []
                 x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-                with fq.emu.record() as launches:
+                with record() as launches:
                     y = mx_mm.apply(x, w, e4, e4, e4, 32, KernelPreference.AUTO, MXFP8Dim0CastKernelChoice.TORCH,
                                     choice, mode, False)
                     y.backward(g0)
@@ -238,7 +242,7 @@ def test_torchao_moe_training_step_runs_through_flyquant_after_install():
                 quantize_(model, config, filter_fn=lambda mod, fqn: isinstance(mod, Experts))
                 opt = torch.optim.SGD(model.parameters(), lr=0.5)
                 calls.clear()
-                with fq.emu.record() as launches:
+                with record() as launches:
                     loss = (model(x, offs).float() - target.float()).square().mean()
                     loss.backward()
                 plain = lambda t: getattr(t, "_data", t).detach().float().clone()  # torchao's weight wrapper -> its tensor
@@ -323,7 +327,7 @@ def check_transformers_moe_training(device: str):
                                            pad_token_groups_for_grouped_mm=True)
             quantize_(model, config, filter_fn=lambda mod, fqn: type(mod).__name__ == "Qwen3MoeExperts")
             experts = model.model.layers[0].mlp.experts
-            with fq.emu.record() as launches:
+            with record() as launches:
                 loss = model(ids, labels=ids).loss
                 loss.backward()
             plain = lambda t: getattr(t, "_data", t).detach().float().cpu()

@@ -85,7 +85,9 @@ def test_launchers_are_built_per_gpu(monkeypatch):
     """FlyDSL loads a launcher's code object on the device current at its first launch, a module
     valid there only: launcher_cache builds one per GPU, keyed by the innermost target(arch,
     device) block, which makes that GPU current (torch.cuda.device, recorded here: there is no GPU
-    on this machine). CPU tensors (flyquant.emu) and calls outside a block share one launcher."""
+    on this machine); CPU tensors (flyquant.emu) share one. A lookup outside a block is refused:
+    it would get whichever launcher the key None holds (a red-team found the 32x1, dual and 3D
+    quantize looking theirs up before entering the block, so every GPU shared one)."""
     entered = []
 
     @contextlib.contextmanager
@@ -105,10 +107,24 @@ def test_launchers_are_built_per_gpu(monkeypatch):
         other = launcher("cfg", waves=3)
     with toolchain.target("gfx950", torch.device("cpu")):
         cpu = launcher("cfg", waves=2)
-    assert launcher("cfg", waves=2) is cpu
+        assert launcher("cfg", waves=2) is cpu
+    with pytest.raises(toolchain.ToolchainError, match="inside toolchain.target"):
+        launcher("cfg", waves=2)
     assert len({id(one), id(zero), id(other), id(cpu)}) == 4
     assert built == [("cfg", 2), ("cfg", 2), ("cfg", 3), ("cfg", 2)]
     assert entered == [1, 0]
+
+
+def test_cpu_tensors_reach_no_launch_without_the_emulator(monkeypatch):
+    """With the emulator off (a machine with a ROCm GPU), a launcher handed CPU tensors would pass
+    host addresses to the GPU (a memory fault that aborts the process): every launch takes its
+    stream from toolchain.stream, which refuses them."""
+    import flyquant.emu as emu
+    from flyquant.kernels import mxfp8_quantize_2d as q2
+
+    monkeypatch.setattr(emu, "enabled", lambda: False)
+    with pytest.raises(toolchain.ToolchainError, match="flyquant.emu is off"):
+        q2.quantize_1x32(torch.zeros(4, 64, dtype=torch.bfloat16), arch="gfx950")
 
 
 def test_every_kernel_family_launches_on_its_tensors_device(monkeypatch):
@@ -163,8 +179,9 @@ def test_gpu_kernels_run_on_each_gpu_while_another_is_current(monkeypatch):
     gemm = fwd_inputs(128, 64, 256, 2) + (offs(64, 128),)
     products = []
     for dev in ("cuda:1", "cuda:0"):
-        for got, want in zip(fq.mxfp8_quantize(x.to(dev)), reference.mxfp8_quantize(x, -1)):
-            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), dev
+        for axis in (-1, 0):  # the 1x32 kernel's launchers, the column kernel's
+            for got, want in zip(fq.mxfp8_quantize(x.to(dev), axis=axis), reference.mxfp8_quantize(x, axis)):
+                assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (dev, axis)
         for got, want in zip(fq.mxfp4_quantize(x.to(dev)), reference.mxfp4_quantize(x)):
             assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), dev
         moe = run({k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()}, "silu").cpu()
