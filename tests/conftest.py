@@ -53,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
         skip = {False: pytest.mark.skip(reason="runs under flyquant.emu, which stays off while a ROCm GPU is "
                                                "present (the default run on a machine without one covers it)")}
         if arch not in ARCHS:
-            skip[True] = pytest.mark.skip(reason=f"needs an MI300X/MI355X (gfx942/gfx950); torch sees {arch or 'no ROCm GPU'}")
+            seen = arch or "no ROCm GPU"
+            skip[True] = pytest.mark.skip(reason=f"needs an MI300X/MI355X (gfx942/gfx950); torch sees {seen}")
     for item in items:
         marker = skip.get("gpu" in item.keywords)
         if marker is not None:
