@@ -4,7 +4,8 @@ counters made additive, the compiled kernels' resources, and the table / JSON / 
 Two modes, never mixed in one output:
 
 - ``hardware`` (a ROCm GPU is present): each kernel is timed with ``torch.cuda`` events, one
-  event pair per iteration after a warm-up, and the median and minimum are reported.
+  event pair per iteration after a warm-up, and the median and minimum are reported (the GPU's
+  time, with the host's Python and launch time per call beside it: time_gpu).
 - ``modelled`` (no AMD GPU, e.g. here): the kernels run under ``flyquant.emu`` and the outputs
   hold only what the emulator and the compiler observe: wave-instructions executed by class,
   memory instructions and bytes, 128-byte lines touched (coalescing), workgroups, registers,
@@ -20,6 +21,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,40 +153,77 @@ FLUSH_BYTES = 512 << 20  # larger than MI300X/MI355X's 256 MiB Infinity Cache: e
 
 @dataclass(frozen=True)
 class Timing:
-    """GPU time of one call, over `iters` event-timed iterations after `warmup` untimed ones."""
+    """GPU time of one call, over `iters` event-timed iterations after `warmup` untimed ones, and
+    the host's time per call (Python and launch, measured in the warm-up)."""
 
     median_us: float
     min_us: float
     iters: int
     warmup: int
     cold_cache: bool
+    host_us: float
+    gpu_delay: bool  # the GPU was held while the host enqueued each call (time_gpu); False: not available
+
+
+HOST_MARGIN = 2.0  # the GPU delay before each timed call: this many times the host's time per call, plus
+DELAY_EXTRA_US = 20.0
 
 
 def time_gpu(fn, *, warmup: int, iters: int, flush: bool = True, before=None) -> Timing:
     """Time `fn()` on the current stream: a start/end event pair around each call, so the median
     and the minimum are of single calls. `before()` (e.g. zeroing an accumulated output) and the
-    cache flush run between the event pairs, outside the timed region. Events time the GPU: host
-    work inside `fn` (Python, launch) counts only where it leaves the GPU idle, as for a user."""
+    cache flush run between the event pairs, outside the timed region.
+
+    The pairs time the GPU's work, not the host's: our calls spend 0.15-1.5 ms in Python and
+    launches (more than a small kernel's run), and a start event that fires while the host is
+    still enqueueing would add that wait. So each call is preceded on the stream by a GPU-side
+    delay (torch.cuda._sleep) of twice the host's time per call, measured in the warm-up, and the
+    start event fires when it ends, with the call's launches already queued behind it. The host's
+    time per call is reported beside (host_us): where it exceeds the GPU time, a user calling
+    from Python waits on the host, which CUDA graphs or batching would hide."""
     scrub = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush else None
+    host = []
     for _ in range(warmup):
         if before is not None:
             before()
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()  # so the next call's host time is not spent waiting on a full queue
+    host_us = statistics.median(host) if host else 0.0
+    delay = _sleep_cycles(HOST_MARGIN * host_us + DELAY_EXTRA_US)
     pairs = []
     for _ in range(iters):
         if before is not None:
             before()
         if scrub is not None:
             scrub.zero_()
+        if delay:
+            torch.cuda._sleep(delay)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         pairs.append((start, end))
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the next delay then starts with the host, not behind this call
     times_us = [s.elapsed_time(e) * 1e3 for s, e in pairs]
-    return Timing(statistics.median(times_us), min(times_us), iters, warmup, flush)
+    return Timing(statistics.median(times_us), min(times_us), iters, warmup, flush, host_us, bool(delay))
+
+
+def _sleep_cycles(us: float) -> int:
+    """torch.cuda._sleep's argument for a delay of about `us` microseconds on the current GPU (its
+    unit, the GPU's clock cycles, measured once against events), 0 where torch lacks it."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return 0
+    probe = 1 << 20
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    per_us = probe / max(start.elapsed_time(end) * 1e3, 1e-3)
+    return max(1, int(per_us * us))
 
 
 def hbm_peak_bytes_per_s(arch: str) -> float:

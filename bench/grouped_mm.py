@@ -359,7 +359,8 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
         if name == "bf16 torch._grouped_mm":
             ref = got.float()
         rows.append(head | {"impl": name, "median_us": t.median_us, "min_us": t.min_us, "iters": t.iters,
-                            "cold_cache": t.cold_cache, "tflops": shape.flops / (t.median_us * 1e-6) / 1e12,
+                            "cold_cache": t.cold_cache, "host_us": t.host_us, "gpu_delay": t.gpu_delay,
+                            "tflops": shape.flops / (t.median_us * 1e-6) / 1e12,
                             "out": got if name.startswith("flyquant kernel") else None})
     for r in rows:  # the kernel's output against bf16's on the same values (E4M3 x 2^s is exact in bf16)
         out = r.pop("out", None)
@@ -383,7 +384,8 @@ def geomeans(rows: list[dict]) -> list[dict]:
     return out
 
 
-HARDWARE_COLUMNS = [("shape", "shape"), ("impl", "impl"), ("median_us", "median us"), ("tflops", "TFLOP/s"),
+HARDWARE_COLUMNS = [("shape", "shape"), ("impl", "impl"), ("median_us", "median us"), ("host_us", "host us"),
+                    ("tflops", "TFLOP/s"),
                     ("vs_bf16", "vs bf16"), ("rel_err_vs_bf16", "max err / max |bf16|"),
                     ("error", "error")]
 

@@ -110,6 +110,7 @@ HARDWARE_COLUMNS = [
     ("sel", "sel"),
     ("median_us", "median us"),
     ("min_us", "min us"),
+    ("host_us", "host us"),
     ("tflops", "TFLOPS"),
     ("compulsory_tb_per_s", "TB/s"),
     ("hbm_peak_fraction", "of HBM"),

@@ -75,6 +75,7 @@ HARDWARE_COLUMNS = [
     ("impl", "impl"),
     ("median_us", "median us"),
     ("min_us", "min us"),
+    ("host_us", "host us"),
     ("tb_per_s", "TB/s"),
     ("hbm_peak_fraction", "of HBM"),
     ("bit_exact", "exact"),

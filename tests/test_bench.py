@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,42 @@ def test_peer_kernel_with_scratch_runs_bit_exact():
     stats = peers.run_kernel(kernel, (1, 1), args)
     assert stats.by_opcode.get("scratch_store_dword", 0) > 0 and stats.by_opcode.get("scratch_load_dword", 0) > 0
     assert peers.difference("1x32", "rceil", x, data, scales) is None
+
+
+def test_hardware_timing_holds_the_gpu_while_the_host_enqueues(monkeypatch):
+    """Hardware mode's time_gpu on a stand-in torch.cuda (no GPU here), the order of what it puts
+    on the stream: per timed call a GPU delay of about twice the host's time per call (measured
+    in the warm-up; its cycles per microsecond from one probe sleep against events), then the
+    start event, the call, the end event, so the pair times the GPU's work, not the host's (a
+    red-team found a start event firing while the host was still in Python for 0.15-1.5 ms)."""
+    common = load("common")
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            log.append(("record", self))
+
+        def elapsed_time(self, end):  # ms: the probe sleep (the first pair) takes 1 ms, a timed call 5 us
+            first = next(entry[1] for entry in log if entry[0] == "record")
+            return 1.0 if first is self else 0.005
+
+    def call():
+        time.sleep(0.002)  # the host's 2 ms of Python and launches
+        log.append(("call",))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)), raising=False)
+    t = common.time_gpu(call, warmup=3, iters=2, flush=False)
+    assert t.gpu_delay and t.median_us == pytest.approx(5.0) and 2000 <= t.host_us < 20000
+    probe = log[4][1]
+    assert [entry[0] for entry in log] == ["call"] * 3 + ["record", "sleep", "record"] + ["sleep", "record", "call", "record"] * 2
+    per_us = probe / 1000.0
+    for entry in (log[6], log[10]):
+        assert entry[1] == int(per_us * (2 * t.host_us + 20))
 
 
 @pytest.mark.gpu
