@@ -222,7 +222,8 @@ def test_hardware_timing_holds_the_gpu_while_the_host_enqueues(monkeypatch):
     t = common.time_gpu(call, warmup=3, iters=2, flush=False)
     assert t.gpu_delay and t.median_us == pytest.approx(5.0) and 2000 <= t.host_us < 20000
     probe = log[4][1]
-    assert [entry[0] for entry in log] == ["call"] * 3 + ["record", "sleep", "record"] + ["sleep", "record", "call", "record"] * 2
+    timed = ["sleep", "record", "call", "record"]
+    assert [entry[0] for entry in log] == ["call"] * 3 + ["record", "sleep", "record"] + timed * 2
     per_us = probe / 1000.0
     for entry in (log[6], log[10]):
         assert entry[1] == int(per_us * (2 * t.host_us + 20))
