@@ -66,11 +66,24 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
     return mode, archs
 
 
-def refuse_forcing_env(archs: list[str]) -> None:
+def refuse_forcing_env(archs: list[str], first_principles: bool = False) -> None:
     """The selector obeys FLYQUANT_BACKEND and FLYQUANT_ARCH over the emulator's arch, so a run
-    under either would measure other kernels (or none) than its rows name."""
-    from flyquant import select
+    under either would measure other kernels (or none) than its rows name. FLYQUANT_CONFIG and
+    FLYQUANT_TUNING are read now, so a malformed one stops the run before it starts (it was a
+    traceback from the first MoE plan); a script that benches first-principles configs only
+    (first_principles) refuses them set."""
+    from flyquant import env, select, tuning
 
+    if first_principles:
+        for name in ("FLYQUANT_CONFIG", "FLYQUANT_TUNING"):
+            if env.raw(name) is not None:
+                raise SystemExit(f"{name} is set, but this script measures the selector's first-principles "
+                                 "configs; unset it")
+    try:
+        tuning.config_overrides()
+        tuning.tuning_table()
+    except env.EnvError as exc:
+        raise SystemExit(str(exc)) from None
     if select.forced_backend() == "reference":
         raise SystemExit("FLYQUANT_BACKEND=reference: no kernel would run; unset it to bench the kernels")
     forced = select.forced_arch()
@@ -108,6 +121,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{value} is negative")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     return csv_list(text, positive_int)
 
@@ -137,8 +157,8 @@ def add_common_args(parser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="a small subset (fewer sizes, fewer sampled workgroups)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=20, help="hardware mode: untimed iterations first")
-    parser.add_argument("--iters", type=int, default=200, help="hardware mode: timed iterations")
+    parser.add_argument("--warmup", type=non_negative_int, default=20, help="hardware mode: untimed iterations first")
+    parser.add_argument("--iters", type=positive_int, default=200, help="hardware mode: timed iterations")
     parser.add_argument(
         "--no-flush",
         action="store_true",

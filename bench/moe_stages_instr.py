@@ -4,7 +4,8 @@ half, 128 experts, top-4, swiglu_oai; both stages with a bias, as GPT-OSS has, b
 checkpoint or fp32 as flyquant.nn stores it: --bias-dtype), DeepSeek-R1-like per rank (hidden
 7168, inter 256, 256 experts, top-8, silu, no bias) and Qwen3-30B-A3B-like (hidden 2048, inter
 768, 128 experts, top-8, silu, no bias), each stage on the config its selector picks for the
-full shape.
+full shape from first principles (FLYQUANT_CONFIG and FLYQUANT_TUNING are refused), its rows
+sorted at that config's tile_m (fused_moe sorts both stages at stage 2's).
 
     python bench/moe_stages_instr.py --arch gfx950,gfx942 --tokens 1,4,16 --shapes gptoss,dsr1,qwen3 --out results
     python bench/moe_stages_instr.py --same-tiles ...   # stage 2 on stage 1's tiles, no split K
@@ -101,7 +102,7 @@ def main(argv=None) -> dict:
     for name in args.shapes:  # else a KeyError traceback once the sweep reached it
         if name not in SHAPES:
             ap.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
-    common.refuse_forcing_env(args.arch)
+    common.refuse_forcing_env(args.arch, first_principles=True)
     rows = [r for shape in args.shapes for arch in args.arch for t in args.tokens
             for r in measure(arch, t, bias_dtype=args.bias_dtype, shape=shape, same_tiles=args.same_tiles)]
     print(f"{'shape':7} {'arch':7} {'T':>3} {'stage':>5} {'tile':>10} {'kb':>3} {'WGs':>4} {'instr/MFMA':>10}  kernel  "
@@ -109,7 +110,8 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r['shape']:7} {r['arch']:7} {r['tokens']:3} {r['stage']:5} {r['tile_m']:>4}x{r['tile_n']:<5} "
               f"{r['k_batch']:3} {r['wg_working']:4} {r['instr_per_mfma']:10.2f}  {r['kernel']}")
-    payload = {"label": "modelled, not timed (flyquant.emu)", "rows": rows}
+    payload = {"label": "modelled, not timed (flyquant.emu)", "args": vars(args), "environment": common.environment(),
+               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_stages_instr.json").write_text(json.dumps(payload, indent=1))

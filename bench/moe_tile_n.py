@@ -22,7 +22,10 @@ weight-streaming bound; beside them the public API's end-to-end
 call (selector + custom op + kernel) and, when importable, the PyTorch reference and aiter's
 CK-Tile stage 2 (stage 1: not wired here). It writes the tuning table the selector reads
 (FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per stage, shape and token count
-(a second stage's run adds its entries to the same file).
+(a second stage's run adds its entries to the same file; a shape swept again keeps the faster
+timing). The selector takes the entry of the nearest tuned token count; a stage-1 entry only
+where its tile_m divides the block size fused_moe sorts with (stage 2's), as it was timed on rows
+sorted at its own tile_m.
 
 Modelled mode (no AMD GPU): the same configs run under flyquant.emu and the outputs hold only
 what is observed, labelled "modelled, not timed": workgroups launched and working, the idle
@@ -76,7 +79,7 @@ import peers_aiter_moe  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
-from flyquant import tuning  # noqa: E402
+from flyquant import env, tuning  # noqa: E402
 from moe_tile_n_report import (  # noqa: E402
     HARDWARE_COLUMNS, MODELLED_COLUMNS, TARGETS, UPSTREAM_NOTES, UPSTREAM_PER_MFMA, UPSTREAM_SOURCE, _display,
     config_label, plot, print_upstream, target_misses,
@@ -347,17 +350,30 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
 
 
 def merge_tuning(path: Path, table: dict) -> dict:
-    """`table` plus the entries already in `path` that it does not replace: other stages, arches,
-    shapes and token counts accumulate across sweeps; an (op, arch, shape) swept again takes the
-    new timing."""
+    """`table` plus the entries already in `path`: other stages, arches, shapes and token counts
+    accumulate across sweeps; for an (op, arch, shape) swept again the faster of the two timings
+    stays (a narrower re-sweep, e.g. --tile-n 64 alone, replaced a whole sweep's winner; delete the
+    file to start over). A file flyquant would refuse (not JSON, a malformed entry: it would
+    stop every MoE call under FLYQUANT_TUNING) is set aside as <path>.bak, and said so."""
     if not path.exists():
+        return table
+    try:
+        tuning._load_tuning(str(path.resolve()), path.stat().st_mtime)
+        old = json.loads(path.read_text())["entries"]
+    except env.EnvError as exc:
+        backup = path.with_name(path.name + ".bak")
+        path.replace(backup)
+        print(f"the tuning table {path} was set aside as {backup}: {exc}")
         return table
 
     def key(e):
         return e["op"], e["arch"], tuple(sorted(e["shape"].items()))
-    new = {key(e) for e in table["entries"]}
-    kept = [e for e in json.loads(path.read_text())["entries"] if key(e) not in new]
-    return {"entries": kept + table["entries"]}
+    merged = {key(e): e for e in old}
+    for e in table["entries"]:
+        kept = merged.get(key(e))
+        if kept is None or e["median_us"] <= kept.get("median_us", float("inf")):
+            merged[key(e)] = e
+    return {"entries": list(merged.values())}
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -508,6 +524,11 @@ def main(argv=None) -> dict:
     kernel = stage.kernel()  # after the emulator is enabled
 
     args.tile_n = args.tile_n or list(kernel.TILE_NS)
+    for flag, values, allowed in (("--tile-n", args.tile_n, kernel.TILE_NS), ("--tile-m", args.tile_m, kernel.TILE_MS),
+                                  ("--waves", args.waves, kernel.WAVE_COUNTS)):
+        bad = [v for v in values if isinstance(v, int) and v not in allowed]
+        if bad:  # else every config was refused by the launcher and the run ended with an empty table, rc 0
+            raise SystemExit(f"{flag} {','.join(map(str, bad))}: the kernel takes {', '.join(map(str, allowed))}")
     device = "cuda" if mode == "hardware" else "cpu"
     label = common.HARDWARE_LABEL if mode == "hardware" else common.MODELLED_LABEL
     print(f"A16W4 MoE stage {stage.number}, tile_n sweep: {label}")
@@ -524,6 +545,9 @@ def main(argv=None) -> dict:
         print(
             f"ERROR {e['shape']} T={e['tokens']} {e['arch']} {config_label(e)}: {e['error']}"
         )
+    if not any(r.get("impl", "flyquant") == "flyquant" for r in rows):  # modelled rows are ours, unnamed
+        errors.append({"error": "no flyquant config was measured"})
+        print("ERROR: no flyquant config was measured (nothing to compare, no target evaluated)")
     if mode == "modelled":
         for r in rows:
             r["target_misses"] = target_misses(r)
@@ -565,13 +589,13 @@ def main(argv=None) -> dict:
                 "notes": UPSTREAM_NOTES,
                 "targets": TARGETS,
             }
-    else:
+    json_path = common.write_json(args.out / f"{stem}.json", payload)  # first: the sweep is kept whatever follows
+    if mode == "hardware":
         for arch in archs:
             path = args.out / f"tuning_{arch}.json"
             table = merge_tuning(path, tuning_table([r for r in rows if r["arch"] == arch], SHAPES))
             path = common.write_json(path, table)
             print(f"tuning table: {path} (use with FLYQUANT_TUNING={path.resolve()})")
-    json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png", [r for r in peer_rows if r.get("status") == "ok"])
     print(f"\nwrote {json_path} and {png_path}")
     return payload

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 import common
@@ -198,6 +199,7 @@ def plot(rows: list[dict], mode: str, path: Path, peer_rows=()) -> Path:
         axes[0][col].legend(fontsize=6)
     label = common.MODELLED_LABEL if mode == "modelled" else common.HARDWARE_LABEL
     stages = "/".join(sorted({str(r["stage"]) for r in rows if "stage" in r})) or "?"
+    label = textwrap.fill(label, width=int(4.8 * cols * 14))  # a one-shape figure is too narrow for the label's line
     fig.suptitle(f"A16W4 MoE stage {stages}, tile_n sweep (* = the selector's choice)\n{label}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

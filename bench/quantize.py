@@ -535,6 +535,7 @@ def main(argv=None) -> dict:
                         fp4.annotate(r, by_name.get((partner, r["arch"])))
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     common.print_table(list(display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
+    unmeasured = [r for r in rows if r.get("status", "ok") != "ok"]
     for r in rows:
         if r.get("status", "ok") != "ok":
             print(f"not measured: {r['case']} {r['arch']}: {r['status']}")
@@ -567,8 +568,10 @@ def main(argv=None) -> dict:
     json_path = common.write_json(args.out / f"{stem}.json", payload)
     png_path = plot(rows, mode, args.out / f"{stem}.png", peer_rows)
     print(f"\nwrote {json_path} and {png_path}")
+    if unmeasured:
+        print(f"{len(unmeasured)} of {len(rows)} cases not measured (above); exit status 1")
     return payload
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any(r.get("status", "ok") != "ok" for r in main()["rows"]) else 0)

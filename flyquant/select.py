@@ -29,7 +29,7 @@ import torch
 
 from . import env
 from .arch import ARCHS
-from .tuning import TUNED_OPS, config_overrides, tuned_config
+from .tuning import TUNED_OPS, config_overrides, tuned_entry, tuning_entries
 
 BACKENDS = ("auto", "reference", "flydsl")
 
@@ -407,15 +407,57 @@ def _fp4_conversion(arch: str) -> str:
     return "hardware FP4->BF16 conversion" if arch == "gfx950" else "software FP4 unpack"
 
 
-def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inter_dim) -> dict:
-    """What overrides an A16W4 GEMM's first-principles config, each checked: the tuning table's
-    entry for exactly this shape, then FLYQUANT_CONFIG's fields that the op has (TUNED_OPS)."""
+_CHECKED_ENTRIES: list = [None]  # the tuning entries last checked whole
+
+
+def _check_tuning_entries() -> None:
+    """Every entry of the FLYQUANT_TUNING table against the kernels, once per table read: values
+    among the kernel's, k_batch within the entry's K iterations, and (entries giving all of
+    tile_m, tile_n and waves) a wave split. A bad entry was an EnvError only when a batch of its
+    exact token count arrived."""
+    entries = tuning_entries()
+    if not entries or entries == _CHECKED_ENTRIES[0]:
+        return
+    from .kernels import moe_gemm2_a16w4 as k
+
+    for i, op, arch, shape, config in entries:
+        where = f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape})"
+        stage1 = op == "moe_gemm1_a16w4"
+        n_kt = k.k_iterations(shape["model_dim"] if stage1 else shape["inter_dim"])
+        _moe_config_values(config, where, shape["inter_dim"])
+        if all(f in config for f in ("tile_m", "tile_n", "waves")):
+            try:
+                k.default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"],
+                                 stage1)
+            except ValueError as exc:
+                raise env.EnvError(f"{where}: {exc}") from None
+    _CHECKED_ENTRIES[0] = entries
+
+
+def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inter_dim, block_m) -> tuple[dict, list]:
+    """What overrides an A16W4 GEMM's first-principles config, each checked, and the plan's notes
+    saying so: the tuning table's entry for this shape (tuning.tuned_entry: the nearest tuned token
+    count), unless its tile_m does not divide the caller's block_m (the entry was timed on rows
+    sorted at its tile_m: its tile_n and waves on other row tiles were never timed), then
+    FLYQUANT_CONFIG's fields that the op has (TUNED_OPS)."""
+    _check_tuning_entries()
     shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
-    tuned = tuned_config(op, arch, shape)
-    _moe_config_values(tuned, f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r} for {shape}", inter_dim)
+    entry = tuned_entry(op, arch, shape)
+    tuned, notes = {}, []
+    if entry is not None:
+        i, t, config = entry
+        source = f"FLYQUANT_TUNING entries[{i}] (tuned at {t} tokens{'' if t == tokens else ', the nearest'})"
+        if block_m is not None and block_m % config.get("tile_m", block_m):
+            notes.append(f"{source} not used: its tile_m {config['tile_m']} does not divide the sort's block_m "
+                         f"{block_m}")
+        else:
+            tuned = config
+            notes.append(f"{', '.join(config)} from {source}")
     forced = {f: v for f, v in config_overrides().items() if f in TUNED_OPS[op][1]}
     _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}", inter_dim)
-    return tuned | forced
+    if forced:
+        notes.append(f"{', '.join(forced)} forced by FLYQUANT_CONFIG")
+    return tuned | forced, notes
 
 
 def _wave_split_fits(config: dict, n_kt: int, pair: bool = False) -> None:
@@ -431,21 +473,23 @@ def _wave_split_fits(config: dict, n_kt: int, pair: bool = False) -> None:
         raise env.EnvError(f"{' / '.join(sources) or 'the MoE config'}: {exc}; pick other tile_m / tile_n / waves") from None
 
 
-def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> dict:
-    """(tile_m, tile_n, k_batch, waves): first principles (the kernel's choose_config and
-    default_waves), then the tuning table, then FLYQUANT_CONFIG; tile_m must divide the caller's
-    block_m."""
+def _moe_config(target: Target, tokens, topk, experts, model_dim, inter_dim, block_m) -> tuple[dict, list]:
+    """(tile_m, tile_n, k_batch, waves) and the notes on where they came from: first principles
+    (the kernel's choose_config and default_waves), then the tuning table, then FLYQUANT_CONFIG;
+    tile_m must divide the caller's block_m."""
     from .kernels import moe_gemm2_a16w4 as k
 
     tile_m, tile_n, k_batch = k.choose_config(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n, "k_batch": k_batch}
-    config.update(_tuned_and_forced("moe_gemm2_a16w4", target.arch, tokens, topk, experts, model_dim, inter_dim))
+    overrides, notes = _tuned_and_forced("moe_gemm2_a16w4", target.arch, tokens, topk, experts, model_dim, inter_dim,
+                                         block_m)
+    config.update(overrides)
     if block_m is not None:
         config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:  # for the tiles and split actually chosen
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(inter_dim), config["k_batch"])
     _wave_split_fits(config, k.k_iterations(inter_dim))
-    return config
+    return config, notes
 
 
 def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype, has_bias, apply_weights=True) -> Plan:
@@ -455,14 +499,14 @@ def plan_moe_gemm2_a16w4(a2, w2, topk, block_m, model_dim, inter_dim, out_dtype,
     if isinstance(target, Plan):
         return target
     tokens, experts = a2.shape[0] // topk, w2.shape[0]
-    config = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
+    config, notes = _moe_config(target, tokens, topk, experts, model_dim, inter_dim, block_m)
     from .kernels._a16w4_common import planned_name
 
     out_bytes = model_dim * torch.finfo(out_dtype).bits // 8
     # the launched kernel's own name, wave layout and token windows included
     name = planned_name(2, target.arch, config, a2, topk, inter_dim, (1, out_bytes, out_bytes), model_dim, inter_dim,
                         out_dtype=out_dtype, apply_weights=bool(apply_weights), bias=has_bias)
-    return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch), *_no_tokens(tokens))
+    return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch), *notes, *_no_tokens(tokens))
 
 
 def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, activation, apply_weights=False,
@@ -480,7 +524,8 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     tokens, experts = x.shape[0], w1.shape[0]
     tile_m, tile_n = k.choose_config1(tokens, topk, experts, model_dim, inter_dim, target.arch)
     config = {"tile_m": tile_m, "tile_n": tile_n}
-    config.update(_tuned_and_forced(op, target.arch, tokens, topk, experts, model_dim, inter_dim))
+    overrides, notes = _tuned_and_forced(op, target.arch, tokens, topk, experts, model_dim, inter_dim, block_m)
+    config.update(overrides)
     config["tile_m"] = _tile_m_dividing(block_m, config["tile_m"], k.TILE_MS)
     if "waves" not in config:
         config["waves"] = k.default_waves(config["tile_m"], config["tile_n"], k.k_iterations(model_dim), 1, pair=True)
@@ -490,7 +535,8 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
                         apply_weights=bool(apply_weights), bias=has_bias, activation=activation, alpha=alpha, limit=limit)
     return _kernel_plan(op, target, name, config, _fp4_conversion(target.arch),
                         "gate and up columns in one workgroup: the activation fused (exp2/rcp), no split K; a tile "
-                        f"of at most {SPARSE_ROWS} routed rows compacts them through LDS first", *_no_tokens(tokens))
+                        f"of at most {SPARSE_ROWS} routed rows compacts them through LDS first", *notes,
+                        *_no_tokens(tokens))
 
 
 def plan_moe_sorting(topk_ids, topk_weights, num_experts: int, block_m: int, expert_mask) -> Plan:
@@ -528,7 +574,7 @@ def moe_block_m(tokens: int, topk: int, experts: int, model_dim: int, inter_dim:
     target = _kernel_target("moe_gemm2_a16w4", device)
     if isinstance(target, Plan):
         return REFERENCE_BLOCK_M
-    return _moe_config(target, tokens, topk, experts, model_dim, inter_dim, None)["tile_m"]
+    return _moe_config(target, tokens, topk, experts, model_dim, inter_dim, None)[0]["tile_m"]
 
 
 REFERENCE_BLOCK_M = 32

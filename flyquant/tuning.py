@@ -1,7 +1,8 @@
 """Configuration the selector reads besides first principles: the FLYQUANT_TUNING table that
 bench/ writes on hardware (the fastest MoE GEMM config per op, arch and shape) and FLYQUANT_CONFIG's
 forced fields. Both are checked whole when read: a malformed value is an EnvError naming the
-variable, the value and the expected form."""
+variable, the value and the expected form (the selector then checks every table entry's values
+against the kernels, at the first MoE plan)."""
 
 from __future__ import annotations
 
@@ -96,9 +97,10 @@ def _tuning_entry(where: str, e) -> tuple[tuple, dict]:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
+def _load_tuning(path: str, mtime: float) -> dict[tuple, tuple[int, dict]]:
     """The table at `path` (FLYQUANT_TUNING), checked whole: {"entries": [entry, ...]}, each entry
-    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key."""
+    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key ->
+    {key: (the entry's index, its config)}."""
     where = f"FLYQUANT_TUNING={path!r}"
     try:
         with open(path) as f:
@@ -113,19 +115,16 @@ def _load_tuning(path: str, mtime: float) -> dict[tuple, dict]:
     _keys(where, table, TUNING_TABLE_KEYS, TUNING_TABLE_KEYS)
     if not isinstance(table["entries"], list):
         raise env.EnvError(f"{where}: entries must be a JSON list, got {type(table['entries']).__name__}")
-    entries: dict[tuple, dict] = {}
-    first: dict[tuple, int] = {}
+    entries: dict[tuple, tuple[int, dict]] = {}
     for i, e in enumerate(table["entries"]):
         key, config = _tuning_entry(f"{where}: entries[{i}]", e)
-        if key in first:
-            raise env.EnvError(f"{where}: entries[{first[key]}] and entries[{i}] are both for {key}: keep one")
-        first[key], entries[key] = i, config
+        if key in entries:
+            raise env.EnvError(f"{where}: entries[{entries[key][0]}] and entries[{i}] are both for {key}: keep one")
+        entries[key] = i, config
     return entries
 
 
-def tuning_table() -> dict[tuple, dict]:
-    """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
-    whole table is checked when it is first read (and again when the file changes)."""
+def _loaded() -> dict[tuple, tuple[int, dict]]:
     path = env.absolute_path("FLYQUANT_TUNING")
     if path is None:
         return {}
@@ -136,11 +135,40 @@ def tuning_table() -> dict[tuple, dict]:
     return _load_tuning(path, mtime)
 
 
-def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
-    """The tuning table's configuration for exactly this (op, arch, shape), or {}. Sorted by name
-    alone: torch.compile cannot sort symbolic sizes (a table entry makes it specialize on them)."""
-    table = tuning_table()
+def tuning_table() -> dict[tuple, dict]:
+    """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
+    whole table is checked when it is first read (and again when the file changes)."""
+    return {key: config for key, (_, config) in _loaded().items()}
+
+
+def tuning_entries() -> list[tuple[int, str, str, dict, dict]]:
+    """The table's entries as (index, op, arch, shape, config), in the file's order."""
+    return sorted((i, op, arch, dict(shape), config) for (op, arch, shape), (i, config) in _loaded().items())
+
+
+def tuned_entry(op: str, arch: str, shape: dict[str, Any]) -> tuple[int, int, dict] | None:
+    """(index, tokens, config) of the table's entry for this (op, arch, shape), or None. Token
+    counts are a sweep's sample points (bench/moe_tile_n.py: 1, 2, 4, ... 4096), so the entry is
+    the one with the other shape fields equal and the nearest tokens (a tie: the fewer). Compared
+    by name alone: torch.compile cannot sort symbolic sizes (a table entry makes it specialize
+    on them)."""
+    table = _loaded()
     if not table:
-        return {}
-    items = sorted(shape.items(), key=lambda item: item[0])
-    return dict(table.get((op, arch, tuple((k, int(v)) for k, v in items)), {}))
+        return None
+    rest = tuple((k, int(v)) for k, v in sorted(shape.items(), key=lambda item: item[0]) if k != "tokens")
+    tokens = int(shape["tokens"])
+    best = None
+    for (e_op, e_arch, e_shape), (i, config) in table.items():
+        fields = dict(e_shape)
+        t = fields.pop("tokens")
+        if (e_op, e_arch, tuple(sorted(fields.items()))) == (op, arch, rest):
+            rank = (abs(t - tokens), t)
+            if best is None or rank < best[0]:
+                best = rank, (i, t, dict(config))
+    return best[1] if best else None
+
+
+def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """The configuration of tuned_entry(op, arch, shape), or {}."""
+    entry = tuned_entry(op, arch, shape)
+    return entry[2] if entry else {}

@@ -331,10 +331,14 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     bench.common.write_json(path, table)
     assert tuning.tuned_config("moe_gemm1_a16w4", "gfx950", key) == {"tile_m": 16, "tile_n": 64, "waves": 2}
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
-    # a stage-2 sweep of another shape keeps this one's entry; sweeping this one again replaces it
+    # a stage-2 sweep of another shape keeps this one's entry; sweeping this one again keeps the faster
+    # timing (a narrower re-sweep replaced a whole sweep's winner)
     other = [dict(timed[1], shape="dsr1-i256")]
     bench.common.write_json(path, bench.merge_tuning(path, bench.tuning_table(other, bench.SHAPES)))
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", key)["tile_n"] == 256
+    slower = [dict(timed[0], median_us=25.0)]
+    assert {e["config"]["tile_n"] for e in bench.merge_tuning(path, bench.tuning_table(slower, bench.SHAPES))["entries"]
+            if e["op"] == "moe_gemm2_a16w4" and e["shape"]["topk"] == shape.topk} == {256}
     again = [dict(timed[0], median_us=10.0)]
     table = bench.merge_tuning(path, bench.tuning_table(again, bench.SHAPES))
     assert len(table["entries"]) == 3
@@ -345,6 +349,11 @@ def test_tuning_table_is_what_the_selector_reads(tmp_path, monkeypatch):
     emu.enable("gfx950")
     plan = select.plan_moe_gemm1_a16w4(x, w1, shape.topk, 16, shape.model_dim, shape.inter_dim, True, "swiglu_oai")
     assert plan.config["tile_n"] == 64, plan  # the selector alone picks 256 here
+    # a table flyquant would refuse (it stopped every MoE call under FLYQUANT_TUNING) is set aside, not merged
+    # (the sweep's own JSON is written before it)
+    path.write_text('{"entries": [{"op": "moe_gemm2_a16w4"}]}')
+    assert bench.merge_tuning(path, bench.tuning_table(again, bench.SHAPES))["entries"][0]["config"]["tile_n"] == 128
+    assert not path.exists() and "op" in (tmp_path / "tuning_gfx950.json.bak").read_text()
 
 
 def test_moe_layer_bench_modelled(tmp_path):

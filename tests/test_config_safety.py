@@ -221,8 +221,62 @@ def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, mo
     path.write_text(json.dumps({"entries": [_entry(config={"tile_n": 512}, median_us=1.5)]}))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", MOE_SHAPE) == {"tile_n": 512}  # well-formed
-    with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*' for \{'tokens': 4, .*\}: tile_n = 512: expected one of 64, 128, 256"):
+    with pytest.raises(env.EnvError, match=r"FLYQUANT_TUNING='.*': entries\[0\] \(moe_gemm2_a16w4, gfx950, \{.*'tokens': 4, "
+                                           r".*\}\): tile_n = 512: expected one of 64, 128, 256"):
         _moe_plan()
+    # helper-66: a bad entry for another token count (or another shape) was an error only when a batch
+    # of that size arrived; the table is now checked whole at the first plan, naming the entry
+    for config, message in (({"tile_n": 512}, "tile_n = 512"),
+                            ({"tile_m": 16, "tile_n": 256, "waves": 1, "k_batch": 1}, "no wave split fits")):
+        other = _entry(shape=dict(MOE_SHAPE, tokens=128), config=config)
+        path.write_text(json.dumps({"entries": [_entry(), other]}))
+        os.utime(path, (1, len(message)))  # a new mtime: re-read
+        with pytest.raises(env.EnvError, match=r"entries\[1\] \(moe_gemm2_a16w4, gfx950, \{.*'tokens': 128, .*" + message):
+            _moe_plan()
+
+
+def test_tuned_entries_apply_at_the_nearest_tuned_token_count_and_explain_says_so(tmp_path, monkeypatch):
+    """helper-66: an entry applied only at exactly its token count (a sweep's 1, 2, 4, ...: a batch
+    of 3 or 5 took first principles) and explain() never named the table. Now the nearest tuned
+    token count's entry applies (a tie: the fewer tokens), and the plan says which entry gave
+    which fields; FLYQUANT_CONFIG's forced fields too."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    path = tmp_path / "tuning.json"
+    entries = [_entry(shape=dict(MOE_SHAPE, tokens=t), config={"tile_n": n, "k_batch": kb})
+               for t, n, kb in ((2, 64, 4), (8, 128, 2))]
+    path.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setenv("FLYQUANT_TUNING", str(path))
+    for tokens, want, index in ((1, (64, 4), 0), (3, (64, 4), 0), (5, (64, 4), 0), (6, (128, 2), 1), (4096, (128, 2), 1)):
+        assert tuning.tuned_entry("moe_gemm2_a16w4", "gfx950", dict(MOE_SHAPE, tokens=tokens))[::2] == (
+            index, dict(zip(("tile_n", "k_batch"), want)))
+    plan = _moe_plan()  # 4 tokens: 2 and 8 are as near; the fewer
+    assert (plan.config["tile_n"], plan.config["k_batch"]) == (64, 4)
+    assert "tile_n, k_batch from FLYQUANT_TUNING entries[0] (tuned at 2 tokens, the nearest)" in plan.reasons
+    assert tuning.tuned_entry("moe_gemm2_a16w4", "gfx950", dict(MOE_SHAPE, experts=64)) is None  # other fields: exact
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
+    assert "waves forced by FLYQUANT_CONFIG" in _moe_plan().reasons
+
+
+def test_a_tuned_stage1_entry_whose_tile_m_does_not_divide_the_sort_is_not_used(tmp_path, monkeypatch):
+    """helper-66: fused_moe sorts with stage 2's block_m; a stage-1 entry timed at tile_m 32 was run
+    at 16 with its tile_n and waves (a config nobody timed), silently. The entry is now left out,
+    with the reason in the plan."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"entries": [_entry(op="moe_gemm1_a16w4",
+                                                   config={"tile_m": 32, "tile_n": 256, "waves": 4})]}))
+    monkeypatch.setenv("FLYQUANT_TUNING", str(path))
+    x = torch.empty(1, dtype=torch.bfloat16).expand(4, 2880)
+    w1 = torch.empty(1, dtype=torch.uint8).expand(128, 2 * 3072, 1440)
+
+    def plan(block_m):
+        return select.plan_moe_gemm1_a16w4(x, w1, 4, block_m, 2880, 2880, False, "silu")
+
+    assert (plan(32).config["tile_m"], plan(32).config["tile_n"], plan(32).config["waves"]) == (32, 256, 4)
+    untuned = plan(16)
+    assert untuned.config["tile_m"] == 16 and (untuned.config["tile_n"], untuned.config["waves"]) != (256, 4)
+    assert any("entries[0] (tuned at 4 tokens) not used: its tile_m 32 does not divide the sort's block_m 16" in r
+               for r in untuned.reasons), untuned.reasons
 
 
 # --- FLYQUANT_EMU / FLYQUANT_EMU_MAX_WAVE_INSTRUCTIONS ----------------------------------------
