@@ -101,7 +101,9 @@ def test_tuning_table_and_overrides(tmp_path, monkeypatch):
     shuffled = dict(reversed(TUNED_SHAPE.items()))  # the key does not depend on the order
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", shuffled) == {"tile_n": 256, "k_batch": 4}
     assert tuning.tuned_config("moe_gemm2_a16w4", "gfx942", TUNED_SHAPE) == {}
-    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "tokens": 8}) == {}
+    # token counts: the nearest tuned one's entry; the other fields: equal only
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "tokens": 8}) == {"tile_n": 256, "k_batch": 4}
+    assert tuning.tuned_config("moe_gemm2_a16w4", "gfx950", {**TUNED_SHAPE, "topk": 1}) == {}
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"tile_n": 64}')
     assert tuning.config_overrides() == {"tile_n": 64}
     monkeypatch.setenv("FLYQUANT_CONFIG", "[1]")
