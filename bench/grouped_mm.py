@@ -285,10 +285,14 @@ def target_misses(row: dict) -> list[str]:
     misses = []
     if row["instr_per_mfma"] > PER_MFMA_TARGET:
         misses.append(f"{row['instr_per_mfma']:.2f} wave-instructions per MFMA (target <= {PER_MFMA_TARGET})")
-    if row["coalescing_operands"] is not None and row["coalescing_operands"] < COALESCING_TARGET - 1e-9:
+    if row["coalescing_operands"] is None:  # a figure not observed is not a target met
+        misses.append("operand load coalescing not observed")
+    elif row["coalescing_operands"] < COALESCING_TARGET - 1e-9:
         per = ", ".join(f"{k} {v:.3f}" for k, v in row["coalescing_by_tensor"].items() if k in OPERANDS)
         misses.append(f"operand load coalescing {row['coalescing_operands']:.3f} ({per})")
-    if row.get("spills"):
+    if row.get("spills") is None:
+        misses.append("spills not known (no compiler resources)")
+    elif row["spills"]:
         misses.append(f"{row['spills']} spills")
     if row["wg_working"] != row["grid_workgroups"] or row["wg_launched"] != row["grid_workgroups"]:
         misses.append(f"{row['wg_working']:.0f} of {row['grid_workgroups']} workgroups working")
