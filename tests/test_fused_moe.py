@@ -508,6 +508,31 @@ def test_explain_of_stage_2_and_sorting_refuses_what_they_refuse(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_fused_moe_replays_from_a_cuda_graph(monkeypatch):
+    """On a real MI300X/MI355X: fused_moe captured in a CUDA graph (the README says a serving engine
+    can, as nothing synchronises with the host) and replayed on other tokens and routing written
+    into the captured inputs gives the bytes of an eager call on them."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    first, other = (layer(17, 4, 8, None, True, seed=seed) for seed in (3, 4))
+    second = dict(first, x=other["x"], ids=other["ids"], weights=other["weights"])  # first's weights
+    static = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in first.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and load the three kernels outside the capture
+        run(static, "swiglu_oai")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static, "swiglu_oai")
+    for p in (second, first):
+        for name in ("x", "ids", "weights"):
+            static[name].copy_(p[name])
+        graph.replay()
+        eager = run({name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in p.items()}, "swiglu_oai")
+        assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-k{c[1]}-E{c[2]}-{c[4]}-{'mask' if c[3] else 'all'}-{c[6]}"
                                              for c in CASES])
 def test_gpu_layer_within_the_bound(case, monkeypatch):
