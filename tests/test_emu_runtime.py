@@ -417,3 +417,21 @@ def test_failing_kernel_raises_in_the_launching_thread(monkeypatch):
         monkeypatch.setattr(emu._runtime, "executor", lambda *args: "ok")
         launch(a, b, c, stream=0)  # the failure did not poison later launches
         assert emu.launches()[-1].stats == "ok"
+
+
+def test_a_rocm_gpu_is_found_in_the_kfd_topology(tmp_path, monkeypatch):
+    """rocm_device_present reads the KFD topology (a node with SIMDs is a GPU): FlyDSL's query ran
+    rocm_agent_enumerator from PATH and took its failure for no GPU (helper-65), so a machine
+    without /opt/rocm/bin in PATH would have had the emulator enabled beside its real GPU."""
+    real_exists = emu.os.path.exists
+    monkeypatch.setattr(emu.os.path, "exists", lambda p: p == "/dev/kfd" or real_exists(p))
+    monkeypatch.setattr(emu, "KFD_NODES", str(tmp_path))
+    for node, simds in ((0, 0), (1, 0)):  # CPU nodes only
+        (tmp_path / str(node)).mkdir()
+        (tmp_path / str(node) / "properties").write_text(f"cpu_cores_count 64\nsimd_count {simds}\nmax_waves_per_simd 0\n")
+    assert not emu.rocm_device_present()
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "properties").write_text("cpu_cores_count 0\nsimd_count 1216\ngfx_target_version 90402\n")
+    assert emu.rocm_device_present()
+    monkeypatch.setattr(emu.os.path, "exists", lambda p: p != "/dev/kfd" and real_exists(p))
+    assert not emu.rocm_device_present()  # no /dev/kfd: no GPU, whatever the topology says

@@ -57,13 +57,38 @@ class EmuLaunchError(RuntimeError):
         super().__init__(*args or ("emulated kernel launch failed",))
 
 
+KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
+
+
 def rocm_device_present() -> bool:
-    """Is there a real ROCm GPU? No /dev/kfd means no; otherwise ask FlyDSL's device query."""
+    """Is there a real ROCm GPU? No /dev/kfd means no; otherwise the KFD topology says (a node with
+    SIMDs is a GPU, a CPU node has none), or, without it, FlyDSL's device query (which runs
+    rocm_agent_enumerator from PATH and counts a failure as no GPU: a ROCm torch from pip on a
+    machine without /opt/rocm/bin in PATH would have gone unnoticed)."""
     if not os.path.exists("/dev/kfd"):
         return False
+    try:
+        nodes = sorted(os.listdir(KFD_NODES))
+    except OSError:
+        nodes = []
+    if nodes:
+        return any(_kfd_simds(os.path.join(KFD_NODES, node, "properties")) > 0 for node in nodes)
     from flydsl.runtime.device import get_rocm_device_count
 
     return get_rocm_device_count() > 0
+
+
+def _kfd_simds(path: str) -> int:
+    """simd_count of a KFD topology node's properties file (0 if unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "simd_count":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def enable(arch: str = "gfx950") -> None:
