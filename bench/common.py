@@ -69,10 +69,10 @@ def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:
 def refuse_forcing_env(archs: list[str], first_principles: bool = False) -> None:
     """The selector obeys FLYQUANT_BACKEND and FLYQUANT_ARCH over the emulator's arch, so a run
     under either would measure other kernels (or none) than its rows name. FLYQUANT_CONFIG and
-    FLYQUANT_TUNING are read now, so a malformed one stops the run before it starts (it was a
-    traceback from the first MoE plan); a script that benches first-principles configs only
-    (first_principles) refuses them set."""
-    from flyquant import env, select, tuning
+    FLYQUANT_TUNING are read and checked against the kernels now, so a bad one stops the run
+    before it starts (it was a traceback from the first MoE plan); a script that benches
+    first-principles configs only (first_principles) refuses them set."""
+    from flyquant import env, select
 
     if first_principles:
         for name in ("FLYQUANT_CONFIG", "FLYQUANT_TUNING"):
@@ -80,8 +80,7 @@ def refuse_forcing_env(archs: list[str], first_principles: bool = False) -> None
                 raise SystemExit(f"{name} is set, but this script measures the selector's first-principles "
                                  "configs; unset it")
     try:
-        tuning.config_overrides()
-        tuning.tuning_table()
+        select.check_moe_overrides()
     except env.EnvError as exc:
         raise SystemExit(str(exc)) from None
     if select.forced_backend() == "reference":
@@ -183,10 +182,12 @@ class Timing:
     cold_cache: bool
     host_us: float
     gpu_delay: bool  # the GPU was held while the host enqueued each call (time_gpu); False: not available
+    late: int  # timed calls whose start event fired before the host had enqueued them (their delay then doubled)
 
 
 HOST_MARGIN = 2.0  # the GPU delay before each timed call: this many times the host's time per call, plus
 DELAY_EXTRA_US = 20.0
+HOST_SAMPLES = 3  # warm-up calls at least, for the host's time per call (after one untimed first call)
 
 
 def time_gpu(fn, *, warmup: int, iters: int, flush: bool = True, before=None) -> Timing:
@@ -197,22 +198,28 @@ def time_gpu(fn, *, warmup: int, iters: int, flush: bool = True, before=None) ->
     The pairs time the GPU's work, not the host's: our calls spend 0.15-1.5 ms in Python and
     launches (more than a small kernel's run), and a start event that fires while the host is
     still enqueueing would add that wait. So each call is preceded on the stream by a GPU-side
-    delay (torch.cuda._sleep) of twice the host's time per call, measured in the warm-up, and the
-    start event fires when it ends, with the call's launches already queued behind it. The host's
-    time per call is reported beside (host_us): where it exceeds the GPU time, a user calling
-    from Python waits on the host, which CUDA graphs or batching would hide."""
+    delay (torch.cuda._sleep) of twice the host's time per call, the median of the warm-up calls
+    (at least HOST_SAMPLES, after a first call that may compile), and the start event fires when
+    it ends, with the call's launches already queued behind it. A call whose start event had
+    fired before the host finished enqueueing it is counted (`late`) and the delay doubled for
+    the next ones. The host's time per call is reported beside (host_us): where it exceeds the
+    GPU time, a user calling from Python waits on the host, which CUDA graphs or batching hide."""
     scrub = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush else None
+    if before is not None:
+        before()
+    fn()  # compiles and loads what it launches: not a sample of the host's time
+    torch.cuda.synchronize()
     host = []
-    for _ in range(warmup):
+    for _ in range(max(warmup, HOST_SAMPLES)):
         if before is not None:
             before()
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()  # so the next call's host time is not spent waiting on a full queue
-    host_us = statistics.median(host) if host else 0.0
+    host_us = statistics.median(host)
     delay = _sleep_cycles(HOST_MARGIN * host_us + DELAY_EXTRA_US)
-    pairs = []
+    pairs, late = [], 0
     for _ in range(iters):
         if before is not None:
             before()
@@ -224,25 +231,32 @@ def time_gpu(fn, *, warmup: int, iters: int, flush: bool = True, before=None) ->
         start.record()
         fn()
         end.record()
+        if delay and start.query():  # the GPU was already past the delay: it waited for the host
+            late, delay = late + 1, 2 * delay
         pairs.append((start, end))
         torch.cuda.synchronize()  # the next delay then starts with the host, not behind this call
     times_us = [s.elapsed_time(e) * 1e3 for s, e in pairs]
-    return Timing(statistics.median(times_us), min(times_us), iters, warmup, flush, host_us, bool(delay))
+    return Timing(statistics.median(times_us), min(times_us), iters, warmup, flush, host_us, bool(delay), late)
 
 
 def _sleep_cycles(us: float) -> int:
     """torch.cuda._sleep's argument for a delay of about `us` microseconds on the current GPU (its
-    unit, the GPU's clock cycles, measured once against events), 0 where torch lacks it."""
+    unit, the GPU's clock cycles: the difference of two probe sleeps timed by events, so the
+    launch and the first sleep's loading drop out), 0 where torch lacks it."""
     sleep = getattr(torch.cuda, "_sleep", None)
     if sleep is None:
         return 0
-    probe = 1 << 20
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    sleep(probe)
-    end.record()
-    torch.cuda.synchronize()
-    per_us = probe / max(start.elapsed_time(end) * 1e3, 1e-3)
+    sleep(1 << 10)  # loads the sleep kernel
+    spans = []
+    for probe in (1 << 20, 1 << 21):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep(1 << 16)  # the GPU busy while the probe is enqueued: its launch is not timed
+        start.record()
+        sleep(probe)
+        end.record()
+        torch.cuda.synchronize()
+        spans.append(start.elapsed_time(end) * 1e3)
+    per_us = (1 << 20) / max(spans[1] - spans[0], 1e-3)
     return max(1, int(per_us * us))
 
 

@@ -22,8 +22,9 @@ weight-streaming bound; beside them the public API's end-to-end
 call (selector + custom op + kernel) and, when importable, the PyTorch reference and aiter's
 CK-Tile stage 2 (stage 1: not wired here). It writes the tuning table the selector reads
 (FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per stage, shape and token count
-(a second stage's run adds its entries to the same file; a shape swept again keeps the faster
-timing). The selector takes the entry of the nearest tuned token count; a stage-1 entry only
+(a second stage's run adds its entries to the same file; merge_tuning says which entry a shape
+swept again keeps). The selector takes the entry of the nearest tuned token count (by ratio,
+within a factor of 2); a stage-1 entry only
 where its tile_m divides the block size fused_moe sorts with (stage 2's), as it was timed on rows
 sorted at its own tile_m.
 
@@ -79,7 +80,7 @@ import peers_aiter_moe  # noqa: E402
 
 import flyquant as fq  # noqa: E402
 import flyquant.emu as emu  # noqa: E402
-from flyquant import env, tuning  # noqa: E402
+from flyquant import env, select, tuning  # noqa: E402
 from moe_tile_n_report import (  # noqa: E402
     HARDWARE_COLUMNS, MODELLED_COLUMNS, TARGETS, UPSTREAM_NOTES, UPSTREAM_PER_MFMA, UPSTREAM_SOURCE, _display,
     config_label, plot, print_upstream, target_misses,
@@ -319,6 +320,16 @@ def time_baselines(p: Problem, arch: str, weights: Weights, args) -> list[dict]:
     return rows
 
 
+def _tuned_shape(r: dict, shapes: dict) -> dict:
+    s = shapes[r["shape"]]
+    return {"tokens": r["tokens"], "topk": s.topk, "experts": s.experts, "model_dim": s.model_dim,
+            "inter_dim": s.inter_dim}
+
+
+def _entry_key(e: dict) -> tuple:
+    return e["op"], e["arch"], tuple(sorted(e["shape"].items()))
+
+
 def tuning_table(rows: list[dict], shapes: dict) -> dict:
     """The fastest flyquant config per (stage, arch, shape, tokens), in tuning.tuned_config's format."""
     best = {}
@@ -329,50 +340,50 @@ def tuning_table(rows: list[dict], shapes: dict) -> dict:
         if key not in best or r["median_us"] < best[key]["median_us"]:
             best[key] = r
     entries = []
-    for (op, arch, name, tokens), r in sorted(best.items()):
-        s = shapes[name]
-        entries.append(
-            {
-                "op": op,
-                "arch": arch,
-                "shape": {
-                    "tokens": tokens,
-                    "topk": s.topk,
-                    "experts": s.experts,
-                    "model_dim": s.model_dim,
-                    "inter_dim": s.inter_dim,
-                },
-                "config": {f: r[f] for f in tuning.TUNED_OPS[op][1]},
-                "median_us": r["median_us"],
-            }
-        )
+    for (op, arch, _, _), r in sorted(best.items()):
+        entries.append({"op": op, "arch": arch, "shape": _tuned_shape(r, shapes),
+                        "config": {f: r[f] for f in tuning.TUNED_OPS[op][1]}, "median_us": r["median_us"]})
     return {"entries": entries}
 
 
-def merge_tuning(path: Path, table: dict) -> dict:
-    """`table` plus the entries already in `path`: other stages, arches, shapes and token counts
-    accumulate across sweeps; for an (op, arch, shape) swept again the faster of the two timings
-    stays (a narrower re-sweep, e.g. --tile-n 64 alone, replaced a whole sweep's winner; delete the
-    file to start over). A file flyquant would refuse (not JSON, a malformed entry: it would
-    stop every MoE call under FLYQUANT_TUNING) is set aside as <path>.bak, and said so."""
+def merge_tuning(path: Path, table: dict, rows: list[dict] = (), shapes: dict | None = None) -> dict:
+    """`table` (this sweep's, from `rows`) plus the entries already in `path`: other stages, arches,
+    shapes and token counts accumulate across sweeps. For an (op, arch, shape) swept again: this
+    sweep's winner if it also timed the old entry's config (one comparison, on one machine state),
+    else the faster of the two timings (a narrower re-sweep, e.g. --tile-n 64 alone, replaced a
+    whole sweep's winner; delete the file to start over). Old entries flyquant would refuse (a
+    value no kernel takes) are dropped, and said so; a file it cannot read as a table (not JSON,
+    malformed) is set aside as <path>.bak (or .bak1, ...) instead of stopping the merge after a
+    sweep."""
     if not path.exists():
         return table
     try:
-        tuning._load_tuning(str(path.resolve()), path.stat().st_mtime)
-        old = json.loads(path.read_text())["entries"]
+        old = tuning._load_tuning(str(path.resolve()), path.stat().st_mtime).entries
     except env.EnvError as exc:
-        backup = path.with_name(path.name + ".bak")
+        backup, n = path.with_name(path.name + ".bak"), 0
+        while backup.exists():
+            n += 1
+            backup = path.with_name(f"{path.name}.bak{n}")
         path.replace(backup)
         print(f"the tuning table {path} was set aside as {backup}: {exc}")
         return table
-
-    def key(e):
-        return e["op"], e["arch"], tuple(sorted(e["shape"].items()))
-    merged = {key(e): e for e in old}
+    medians = {i: e.get("median_us") for i, e in enumerate(json.loads(path.read_text())["entries"])}
+    timed = {(_entry_key({"op": STAGES[r["stage"]].op, "arch": r["arch"], "shape": _tuned_shape(r, shapes)}),
+              tuple(r[f] for f in tuning.TUNED_OPS[STAGES[r["stage"]].op][1]))
+             for r in rows if r.get("impl") == "flyquant"}
+    merged = {}
+    for i, op, arch, shape, config in old:
+        problem = select.tuning_entry_problem(op, shape, config)
+        if problem:
+            print(f"tuning table {path}: entries[{i}] ({op}, {arch}, {shape}) dropped: {problem}")
+            continue
+        e = {"op": op, "arch": arch, "shape": shape, "config": config}
+        merged[_entry_key(e)] = e | ({"median_us": medians[i]} if medians[i] is not None else {})
     for e in table["entries"]:
-        kept = merged.get(key(e))
-        if kept is None or e["median_us"] <= kept.get("median_us", float("inf")):
-            merged[key(e)] = e
+        kept = merged.get(_entry_key(e))
+        config = tuple(kept["config"].get(f) for f in tuning.TUNED_OPS[e["op"]][1]) if kept else None
+        if kept is None or (_entry_key(e), config) in timed or e["median_us"] <= kept.get("median_us", float("inf")):
+            merged[_entry_key(e)] = e
     return {"entries": list(merged.values())}
 
 
@@ -593,7 +604,8 @@ def main(argv=None) -> dict:
     if mode == "hardware":
         for arch in archs:
             path = args.out / f"tuning_{arch}.json"
-            table = merge_tuning(path, tuning_table([r for r in rows if r["arch"] == arch], SHAPES))
+            mine = [r for r in rows if r["arch"] == arch]
+            table = merge_tuning(path, tuning_table(mine, SHAPES), mine, SHAPES)
             path = common.write_json(path, table)
             print(f"tuning table: {path} (use with FLYQUANT_TUNING={path.resolve()})")
     png_path = plot(rows, mode, args.out / f"{stem}.png", [r for r in peer_rows if r.get("status") == "ok"])

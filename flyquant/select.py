@@ -29,7 +29,7 @@ import torch
 
 from . import env
 from .arch import ARCHS
-from .tuning import TUNED_OPS, config_overrides, tuned_entry, tuning_entries
+from .tuning import TUNED_OPS, config_overrides, loaded_table, tuned_entry
 
 BACKENDS = ("auto", "reference", "flydsl")
 
@@ -343,18 +343,19 @@ def plan_mxfp4_quantize_dual(x: torch.Tensor, scaling_mode: str) -> Plan:
     return _kernel_plan(op, target, name, config, split, conversion)
 
 
-def _moe_config_values(config: dict, source: str, inter_dim: int) -> None:
+def _moe_config_values(config: dict, source: str, inter_dim: int | None) -> None:
     """Values from the tuning table or FLYQUANT_CONFIG are among the kernel's; k_batch (stage 2's
-    split of inter_dim) at most its K iterations for this shape: past them the launcher's error
-    named its own k_batch argument, not the variable, after fused_moe had zeroed out."""
+    split of inter_dim) at most its K iterations for this shape (inter_dim None: no shape yet):
+    past them the launcher's error named its own k_batch argument, not the variable, after
+    fused_moe had zeroed out."""
     from .kernels import moe_gemm2_a16w4 as k
 
     allowed = {"tile_m": k.TILE_MS, "tile_n": k.TILE_NS, "waves": k.WAVE_COUNTS}
     for f, values in allowed.items():
         if f in config and config[f] not in values:
             raise env.EnvError(f"{source}: {f} = {config[f]}: expected one of {', '.join(map(str, values))}")
-    n_kt = k.k_iterations(inter_dim)
-    if config.get("k_batch", 1) > n_kt:
+    n_kt = None if inter_dim is None else k.k_iterations(inter_dim)
+    if n_kt is not None and config.get("k_batch", 1) > n_kt:
         raise env.EnvError(f"{source}: k_batch = {config['k_batch']}: expected at most ceil(inter_dim / {k.KT}) = "
                            f"{n_kt} for inter_dim = {inter_dim}")
 
@@ -407,31 +408,46 @@ def _fp4_conversion(arch: str) -> str:
     return "hardware FP4->BF16 conversion" if arch == "gfx950" else "software FP4 unpack"
 
 
-_CHECKED_ENTRIES: list = [None]  # the tuning entries last checked whole
+_CHECKED_TABLE: list = [None]  # the tuning table last checked whole (tuning.loaded_table's object)
 
 
-def _check_tuning_entries() -> None:
-    """Every entry of the FLYQUANT_TUNING table against the kernels, once per table read: values
-    among the kernel's, k_batch within the entry's K iterations, and (entries giving all of
-    tile_m, tile_n and waves) a wave split. A bad entry was an EnvError only when a batch of its
-    exact token count arrived."""
-    entries = tuning_entries()
-    if not entries or entries == _CHECKED_ENTRIES[0]:
-        return
+def tuning_entry_problem(op: str, shape: dict, config: dict) -> str | None:
+    """What no kernel takes in a tuning entry's config (values, k_batch within the shape's K
+    iterations, the wave split where tile_m, tile_n and waves are all given), or None."""
     from .kernels import moe_gemm2_a16w4 as k
 
-    for i, op, arch, shape, config in entries:
-        where = f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape})"
-        stage1 = op == "moe_gemm1_a16w4"
-        n_kt = k.k_iterations(shape["model_dim"] if stage1 else shape["inter_dim"])
-        _moe_config_values(config, where, shape["inter_dim"])
+    stage1 = op == "moe_gemm1_a16w4"
+    try:
+        _moe_config_values(config, "", shape["inter_dim"])
         if all(f in config for f in ("tile_m", "tile_n", "waves")):
-            try:
-                k.default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"],
-                                 stage1)
-            except ValueError as exc:
-                raise env.EnvError(f"{where}: {exc}") from None
-    _CHECKED_ENTRIES[0] = entries
+            n_kt = k.k_iterations(shape["model_dim"] if stage1 else shape["inter_dim"])
+            k.default_layout(config["tile_m"], config["tile_n"], n_kt, config.get("k_batch", 1), config["waves"], stage1)
+    except ValueError as exc:  # EnvError is one
+        return str(exc).removeprefix(": ")
+    return None
+
+
+def check_moe_overrides() -> None:
+    """FLYQUANT_CONFIG's values among the kernels' and every FLYQUANT_TUNING entry (check_tuning_table),
+    for a caller that wants the errors before its first MoE plan (the benches); FLYQUANT_CONFIG's
+    k_batch against a shape's K waits for the plan."""
+    _moe_config_values(config_overrides(), f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}", None)
+    check_tuning_table()
+
+
+def check_tuning_table() -> None:
+    """Every entry of the FLYQUANT_TUNING table against the kernels (tuning_entry_problem), once per
+    table read, an EnvError naming the first bad one: a bad entry was an error only when a batch of
+    its token count arrived."""
+    table = loaded_table()
+    if table is _CHECKED_TABLE[0]:
+        return
+    for i, op, arch, shape, config in table.entries:
+        problem = tuning_entry_problem(op, shape, config)
+        if problem:
+            raise env.EnvError(f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape}): "
+                               f"{problem}")
+    _CHECKED_TABLE[0] = table
 
 
 def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inter_dim, block_m) -> tuple[dict, list]:
@@ -440,7 +456,7 @@ def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inte
     count), unless its tile_m does not divide the caller's block_m (the entry was timed on rows
     sorted at its tile_m: its tile_n and waves on other row tiles were never timed), then
     FLYQUANT_CONFIG's fields that the op has (TUNED_OPS)."""
-    _check_tuning_entries()
+    check_tuning_table()
     shape = {"tokens": tokens, "topk": topk, "experts": experts, "model_dim": model_dim, "inter_dim": inter_dim}
     entry = tuned_entry(op, arch, shape)
     tuned, notes = {}, []
@@ -452,9 +468,11 @@ def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inte
                          f"{block_m}")
         else:
             tuned = config
-            notes.append(f"{', '.join(config)} from {source}")
     forced = {f: v for f, v in config_overrides().items() if f in TUNED_OPS[op][1]}
     _moe_config_values(forced, f"FLYQUANT_CONFIG={env.raw('FLYQUANT_CONFIG')!r}", inter_dim)
+    from_table = [f for f in tuned if f not in forced]
+    if from_table:
+        notes.append(f"{', '.join(from_table)} from {source}")
     if forced:
         notes.append(f"{', '.join(forced)} forced by FLYQUANT_CONFIG")
     return tuned | forced, notes

@@ -295,11 +295,12 @@ def target(arch: str, device=None):
 def stream(tensor):
     """The stream argument of a launch on `tensor`'s device: torch's current stream there (FlyDSL
     reads its handle), or 0 on the CPU, where flyquant.emu runs the kernels. A CPU tensor with
-    the emulator off is a ToolchainError: a real GPU would be handed host addresses."""
+    the emulator off is a ToolchainError (a real GPU would be handed host addresses), but for
+    compile_only (COMPILE_ONLY=1: FlyDSL compiles and launches nothing)."""
     if tensor.device.type != "cuda":
         from . import emu
 
-        if not emu.enabled():
+        if not emu.enabled() and os.environ.get("COMPILE_ONLY") != "1":
             raise ToolchainError(f"a {tensor.device.type} tensor reaches a FlyDSL kernel launch, but flyquant.emu "
                                  "is off (kernels run on GPU tensors, or on CPU ones under the emulator)")
         return 0

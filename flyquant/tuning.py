@@ -96,11 +96,27 @@ def _tuning_entry(where: str, e) -> tuple[tuple, dict]:
     return key, _positive_ints(f"{where}.config", config)
 
 
+class Table:
+    """A checked FLYQUANT_TUNING table: `entries` [(index, op, arch, shape, config)] in the file's
+    order, and `by_shape` {(op, arch, shape fields but tokens): [(tokens, index, config)] sorted}."""
+
+    def __init__(self, entries: list[tuple[int, str, str, dict, dict]]):
+        self.entries = entries
+        self.by_shape: dict[tuple, list] = {}
+        for i, op, arch, shape, config in entries:
+            rest = tuple(sorted((k, v) for k, v in shape.items() if k != "tokens"))
+            self.by_shape.setdefault((op, arch, rest), []).append((shape["tokens"], i, config))
+        for points in self.by_shape.values():
+            points.sort(key=lambda point: point[:2])
+
+
+EMPTY = Table([])
+
+
 @functools.lru_cache(maxsize=8)
-def _load_tuning(path: str, mtime: float) -> dict[tuple, tuple[int, dict]]:
+def _load_tuning(path: str, mtime: float) -> Table:
     """The table at `path` (FLYQUANT_TUNING), checked whole: {"entries": [entry, ...]}, each entry
-    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key ->
-    {key: (the entry's index, its config)}."""
+    {"op", "arch", "shape": every shape field, "config": config fields}, one entry per key."""
     where = f"FLYQUANT_TUNING={path!r}"
     try:
         with open(path) as f:
@@ -115,19 +131,22 @@ def _load_tuning(path: str, mtime: float) -> dict[tuple, tuple[int, dict]]:
     _keys(where, table, TUNING_TABLE_KEYS, TUNING_TABLE_KEYS)
     if not isinstance(table["entries"], list):
         raise env.EnvError(f"{where}: entries must be a JSON list, got {type(table['entries']).__name__}")
-    entries: dict[tuple, tuple[int, dict]] = {}
+    first: dict[tuple, int] = {}
+    entries = []
     for i, e in enumerate(table["entries"]):
         key, config = _tuning_entry(f"{where}: entries[{i}]", e)
-        if key in entries:
-            raise env.EnvError(f"{where}: entries[{entries[key][0]}] and entries[{i}] are both for {key}: keep one")
-        entries[key] = i, config
-    return entries
+        if key in first:
+            raise env.EnvError(f"{where}: entries[{first[key]}] and entries[{i}] are both for {key}: keep one")
+        first[key] = i
+        entries.append((i, key[0], key[1], dict(key[2]), config))
+    return Table(entries)
 
 
-def _loaded() -> dict[tuple, tuple[int, dict]]:
+def loaded_table() -> Table:
+    """The FLYQUANT_TUNING table (the same object while the file is unchanged); EMPTY when unset."""
     path = env.absolute_path("FLYQUANT_TUNING")
     if path is None:
-        return {}
+        return EMPTY
     try:
         mtime = os.path.getmtime(path)
     except OSError as exc:
@@ -138,34 +157,31 @@ def _loaded() -> dict[tuple, tuple[int, dict]]:
 def tuning_table() -> dict[tuple, dict]:
     """The FLYQUANT_TUNING table, {(op, arch, sorted shape items): config}; {} when unset. The
     whole table is checked when it is first read (and again when the file changes)."""
-    return {key: config for key, (_, config) in _loaded().items()}
+    return {(op, arch, tuple(sorted(shape.items()))): config for _, op, arch, shape, config in loaded_table().entries}
 
 
-def tuning_entries() -> list[tuple[int, str, str, dict, dict]]:
-    """The table's entries as (index, op, arch, shape, config), in the file's order."""
-    return sorted((i, op, arch, dict(shape), config) for (op, arch, shape), (i, config) in _loaded().items())
+NEAREST_FACTOR = 2  # an entry serves token counts within this factor of its own (a sweep's points are powers of 2)
 
 
 def tuned_entry(op: str, arch: str, shape: dict[str, Any]) -> tuple[int, int, dict] | None:
     """(index, tokens, config) of the table's entry for this (op, arch, shape), or None. Token
     counts are a sweep's sample points (bench/moe_tile_n.py: 1, 2, 4, ... 4096), so the entry is
-    the one with the other shape fields equal and the nearest tokens (a tie: the fewer). Compared
-    by name alone: torch.compile cannot sort symbolic sizes (a table entry makes it specialize
-    on them)."""
-    table = _loaded()
-    if not table:
+    the one with the other shape fields equal and the nearest tokens by ratio, within a factor of
+    NEAREST_FACTOR (a tie: the fewer; a table of 4096-token points does not drive a 1-token
+    decode). Compared by name alone: torch.compile cannot sort symbolic sizes (a table entry makes
+    it specialize on them)."""
+    table = loaded_table()
+    if not table.entries:
         return None
     rest = tuple((k, int(v)) for k, v in sorted(shape.items(), key=lambda item: item[0]) if k != "tokens")
+    points = table.by_shape.get((op, arch, rest))
     tokens = int(shape["tokens"])
-    best = None
-    for (e_op, e_arch, e_shape), (i, config) in table.items():
-        fields = dict(e_shape)
-        t = fields.pop("tokens")
-        if (e_op, e_arch, tuple(sorted(fields.items()))) == (op, arch, rest):
-            rank = (abs(t - tokens), t)
-            if best is None or rank < best[0]:
-                best = rank, (i, t, dict(config))
-    return best[1] if best else None
+    if not points or tokens <= 0:
+        return None
+    t, i, config = min(points, key=lambda point: (max(point[0] / tokens, tokens / point[0]), point[0]))
+    if max(t / tokens, tokens / t) > NEAREST_FACTOR:
+        return None
+    return i, t, dict(config)
 
 
 def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:

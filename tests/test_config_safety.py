@@ -237,24 +237,28 @@ def test_tuned_values_outside_the_kernels_are_refused_when_planning(tmp_path, mo
 
 def test_tuned_entries_apply_at_the_nearest_tuned_token_count_and_explain_says_so(tmp_path, monkeypatch):
     """helper-66: an entry applied only at exactly its token count (a sweep's 1, 2, 4, ...: a batch
-    of 3 or 5 took first principles) and explain() never named the table. Now the nearest tuned
-    token count's entry applies (a tie: the fewer tokens), and the plan says which entry gave
-    which fields; FLYQUANT_CONFIG's forced fields too."""
+    of 3 or 5 took first principles) and explain() never named the table. Now the entry of the
+    nearest tuned token count by ratio applies, within a factor of 2 (a tie: the fewer tokens; a
+    table of large batches does not drive a 1-token decode), and the plan says which entry gave
+    which fields; FLYQUANT_CONFIG's forced fields too, not also as the table's."""
     monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
     path = tmp_path / "tuning.json"
     entries = [_entry(shape=dict(MOE_SHAPE, tokens=t), config={"tile_n": n, "k_batch": kb})
                for t, n, kb in ((2, 64, 4), (8, 128, 2))]
     path.write_text(json.dumps({"entries": entries}))
     monkeypatch.setenv("FLYQUANT_TUNING", str(path))
-    for tokens, want, index in ((1, (64, 4), 0), (3, (64, 4), 0), (5, (64, 4), 0), (6, (128, 2), 1), (4096, (128, 2), 1)):
+    for tokens, want, index in ((1, (64, 4), 0), (3, (64, 4), 0), (5, (128, 2), 1), (16, (128, 2), 1)):
         assert tuning.tuned_entry("moe_gemm2_a16w4", "gfx950", dict(MOE_SHAPE, tokens=tokens))[::2] == (
             index, dict(zip(("tile_n", "k_batch"), want)))
+    assert tuning.tuned_entry("moe_gemm2_a16w4", "gfx950", dict(MOE_SHAPE, tokens=17)) is None  # past 2x of 8
     plan = _moe_plan()  # 4 tokens: 2 and 8 are as near; the fewer
     assert (plan.config["tile_n"], plan.config["k_batch"]) == (64, 4)
     assert "tile_n, k_batch from FLYQUANT_TUNING entries[0] (tuned at 2 tokens, the nearest)" in plan.reasons
     assert tuning.tuned_entry("moe_gemm2_a16w4", "gfx950", dict(MOE_SHAPE, experts=64)) is None  # other fields: exact
-    monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
-    assert "waves forced by FLYQUANT_CONFIG" in _moe_plan().reasons
+    monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1, "tile_n": 128}')
+    reasons = _moe_plan().reasons
+    assert "waves, tile_n forced by FLYQUANT_CONFIG" in reasons
+    assert "k_batch from FLYQUANT_TUNING entries[0] (tuned at 2 tokens, the nearest)" in reasons
 
 
 def test_a_tuned_stage1_entry_whose_tile_m_does_not_divide_the_sort_is_not_used(tmp_path, monkeypatch):

@@ -118,13 +118,17 @@ def test_launchers_are_built_per_gpu(monkeypatch):
 def test_cpu_tensors_reach_no_launch_without_the_emulator(monkeypatch):
     """With the emulator off (a machine with a ROCm GPU), a launcher handed CPU tensors would pass
     host addresses to the GPU (a memory fault that aborts the process): every launch takes its
-    stream from toolchain.stream, which refuses them."""
+    stream from toolchain.stream, which refuses them, but for compile_only."""
     import flyquant.emu as emu
     from flyquant.kernels import mxfp8_quantize_2d as q2
 
     monkeypatch.setattr(emu, "enabled", lambda: False)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(toolchain.ToolchainError, match="flyquant.emu is off"):
-        q2.quantize_1x32(torch.zeros(4, 64, dtype=torch.bfloat16), arch="gfx950")
+        q2.quantize_1x32(x, arch="gfx950")
+    # compile_only launches nothing: CPU tensors give it their shapes (the benches' resource rows)
+    monkeypatch.setattr(q2, "_cached_1x32", toolchain.launcher_cache(q2.build_1x32))  # a fresh launcher: it compiles
+    assert toolchain.compile_only("gfx950", lambda t: q2.quantize_1x32(t, arch="gfx950"), x)
 
 
 def test_every_kernel_family_launches_on_its_tensors_device(monkeypatch):
