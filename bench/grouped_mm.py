@@ -363,7 +363,7 @@ def time_shape(shape: Shape, arch: str, layouts_: list[str], args) -> list[dict]
         if name == "bf16 torch._grouped_mm":
             ref = got.float()
         rows.append(head | {"impl": name, "median_us": t.median_us, "min_us": t.min_us, "iters": t.iters,
-                            "cold_cache": t.cold_cache, "host_us": t.host_us, "gpu_delay": t.gpu_delay,
+                            "cold_cache": t.cold_cache, "host_us": t.host_us, "gpu_delay": t.gpu_delay, "late": t.late,
                             "tflops": shape.flops / (t.median_us * 1e-6) / 1e12,
                             "out": got if name.startswith("flyquant kernel") else None})
     for r in rows:  # the kernel's output against bf16's on the same values (E4M3 x 2^s is exact in bf16)

@@ -252,6 +252,7 @@ def timing_row(p: Problem, arch: str, t: common.Timing, impl: str, extra: dict) 
         "cold_cache": t.cold_cache,
         "host_us": t.host_us,
         "gpu_delay": t.gpu_delay,
+        "late": t.late,
         "tflops": flops(p) / seconds / 1e12,
         "compulsory_tb_per_s": compulsory_bytes(p) / seconds / 1e12,
         "hbm_peak_fraction": compulsory_bytes(p) / seconds / common.hbm_peak_bytes_per_s(arch),

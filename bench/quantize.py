@@ -401,6 +401,7 @@ def time_case(case: Case, arch: str, args) -> list[dict]:
                 "cold_cache": t.cold_cache,
                 "host_us": t.host_us,
                 "gpu_delay": t.gpu_delay,
+                "late": t.late,
                 "tb_per_s": tb_s,
                 "hbm_peak_fraction": tb_s * 1e12 / common.hbm_peak_bytes_per_s(arch),
                 "bit_exact": exact,
