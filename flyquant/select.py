@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import env
+from . import env, tuning
 from .arch import ARCHS
 from .tuning import TUNED_OPS, config_overrides, loaded_table, tuned_entry
 
@@ -435,19 +435,19 @@ def check_moe_overrides() -> None:
     check_tuning_table()
 
 
+tuning.ENTRY_CHECK[0] = tuning_entry_problem
+
+
 def check_tuning_table() -> None:
     """Every entry of the FLYQUANT_TUNING table against the kernels (tuning_entry_problem), once per
     table read, an EnvError naming the first bad one: a bad entry was an error only when a batch of
     its token count arrived."""
-    table = loaded_table()
-    if table is _CHECKED_TABLE[0]:
+    if torch.compiler.is_compiling():  # the traced table was checked when read (tuning._traced_entries)
         return
-    for i, op, arch, shape, config in table.entries:
-        problem = tuning_entry_problem(op, shape, config)
-        if problem:
-            raise env.EnvError(f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape}): "
-                               f"{problem}")
-    _CHECKED_TABLE[0] = table
+    table = loaded_table()
+    if table is not _CHECKED_TABLE[0]:
+        tuning.check_entries(table)
+        _CHECKED_TABLE[0] = table
 
 
 def _tuned_and_forced(op: str, arch: str, tokens, topk, experts, model_dim, inter_dim, block_m) -> tuple[dict, list]:

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from . import env
 from .arch import ARCHS
 
@@ -143,7 +145,41 @@ def _load_tuning(path: str, mtime: float) -> Table:
 
 
 def loaded_table() -> Table:
-    """The FLYQUANT_TUNING table (the same object while the file is unchanged); EMPTY when unset."""
+    """The FLYQUANT_TUNING table (the same object while the file is unchanged); EMPTY when unset.
+    While torch.compile traces, the table as constants (_traced_entries): dynamo cannot trace the
+    file's reading, and a graph compiled with a table keeps it."""
+    if torch.compiler.is_compiling():
+        return Table([(i, op, arch, dict(shape), dict(config)) for i, op, arch, shape, config in _traced_entries()])
+    return _read_table()
+
+
+ENTRY_CHECK: list = [None]  # flyquant.select's check of an entry against the kernels (op, shape, config) -> problem
+
+
+def check_entries(table: Table) -> None:
+    """Every entry of `table` against the kernels (ENTRY_CHECK), an EnvError naming the first bad one."""
+    for i, op, arch, shape, config in table.entries:
+        problem = ENTRY_CHECK[0](op, shape, config) if ENTRY_CHECK[0] else None
+        if problem:
+            raise env.EnvError(f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape}): "
+                               f"{problem}")
+
+
+def _traced_entries() -> tuple:
+    """The table's entries as constants (shape and config as item tuples), read and checked whole
+    (check_entries) when torch.compile traces."""
+    table = _read_table()
+    check_entries(table)
+    return tuple((i, op, arch, tuple(sorted(shape.items())), tuple(config.items())) for i, op, arch, shape, config in
+                 table.entries)
+
+
+# torch._dynamo.assume_constant_result(_traced_entries), its whole effect (torch/_dynamo/decorators.py), without
+# importing dynamo when flyquant is imported (1.5 s): dynamo calls the function while tracing and keeps its result
+_traced_entries._dynamo_marked_constant = True
+
+
+def _read_table() -> Table:
     path = env.absolute_path("FLYQUANT_TUNING")
     if path is None:
         return EMPTY
@@ -178,10 +214,12 @@ def tuned_entry(op: str, arch: str, shape: dict[str, Any]) -> tuple[int, int, di
     tokens = int(shape["tokens"])
     if not points or tokens <= 0:
         return None
-    t, i, config = min(points, key=lambda point: (max(point[0] / tokens, tokens / point[0]), point[0]))
-    if max(t / tokens, tokens / t) > NEAREST_FACTOR:
-        return None
-    return i, t, dict(config)
+    best = None
+    for t, i, config in points:  # sorted by tokens: the first of equal ratios is the fewer
+        ratio = max(t / tokens, tokens / t)
+        if ratio <= NEAREST_FACTOR and (best is None or ratio < best[0]):
+            best = ratio, (i, t, dict(config))
+    return best[1] if best else None
 
 
 def tuned_config(op: str, arch: str, shape: dict[str, Any]) -> dict[str, Any]:

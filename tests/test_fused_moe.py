@@ -13,6 +13,8 @@ times the contributions' magnitude). The sum, times 1 + 2^-6 for second-order te
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -373,6 +375,28 @@ def test_torch_compile_traces_new_token_counts(monkeypatch):
         p = layer(tokens, 2, 4, seed=tokens)
         assert torch.equal(compiled(p), run(p, "silu")), tokens
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the static graph, then the dynamic one
+
+
+@pytest.mark.parametrize("tuned_tokens", [4, 100])  # an entry near the traced token counts, one serving none
+def test_torch_compile_reads_the_tuning_table(tmp_path, monkeypatch, tuned_tokens):
+    """With FLYQUANT_TUNING set, torch.compile(fullgraph=True) failed at the table's file read while
+    tracing (helper-68). The table is now read as a constant when tracing (a graph compiled with it
+    keeps it): the compiled layer equals the eager one, on the tuned config where it applies."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    shape = {"tokens": tuned_tokens, "topk": 2, "experts": 4, "model_dim": MODEL_DIM, "inter_dim": INTER_DIM}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"entries": [{"op": "moe_gemm2_a16w4", "arch": "gfx950", "shape": shape,
+                                             "config": {"tile_m": 16, "tile_n": 64, "k_batch": 1, "waves": 1}}]}))
+    monkeypatch.setenv("FLYQUANT_TUNING", str(path))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: run(p, "silu"), fullgraph=True, backend="eager")
+    for tokens in (3, 5, 6):
+        p = layer(tokens, 2, 4, seed=tokens)
+        with emu.record() as launches:
+            got = compiled(p)
+        assert torch.equal(got, run(p, "silu")), tokens
+        assert ("_16x64_kb1_w1x1" in launches[-1].kernel) == (tuned_tokens == 4), launches[-1].kernel
 
 
 def test_torch_compile_refuses_out_sharing_x(monkeypatch):
