@@ -385,7 +385,7 @@ def test_nested_record_blocks_each_get_their_launches(monkeypatch):
             K.vector_add("gfx942")(a, b, c, stream=0)
         K.vector_add("gfx942")(a, b, c, stream=0)
     assert (len(inner), len(outer)) == (1, 2)
-    assert not any(r is inner or r is outer for r in emu._runtime.recorders)
+    assert not any(r is inner or r is outer for _, r in emu._runtime.recorders)
 
 
 def test_failing_kernel_raises_in_the_launching_thread(monkeypatch):
@@ -435,3 +435,53 @@ def test_a_rocm_gpu_is_found_in_the_kfd_topology(tmp_path, monkeypatch):
     assert emu.rocm_device_present()
     monkeypatch.setattr(emu.os.path, "exists", lambda p: p != "/dev/kfd" and real_exists(p))
     assert not emu.rocm_device_present()  # no /dev/kfd: no GPU, whatever the topology says
+
+
+def test_record_and_strict_memory_under_threads(monkeypatch):
+    """helper-69: emu.record() collected every thread's launches, and two threads' overlapping
+    strict_memory() blocks left the mode on for good (or off inside the second block). Now a
+    record() block gets its own thread's launches only, and the strict mode holds from the first
+    open block to the end of the last, then the mode before it comes back."""
+    monkeypatch.setattr(emu._runtime, "executor", lambda *args: "ok")
+    a, b, c = _vadd_tensors()
+    launch = K.vector_add("gfx950")
+    inside, other_done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait()
+        with toolchain.target("gfx950"):
+            launch(a, b, c, stream=0)
+        other_done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with toolchain.target("gfx950"), emu.record() as mine:
+        launch(a, b, c, stream=0)
+        inside.set()
+        other_done.wait(timeout=60)
+    thread.join()
+    assert len(mine) == 1
+
+    mem = emu.global_memory()
+    before = mem.strict
+    a_in, b_in, a_out, seen = threading.Event(), threading.Event(), threading.Event(), []
+
+    def first():
+        with emu.strict_memory():
+            a_in.set()
+            b_in.wait(timeout=60)
+        a_out.set()
+
+    def second():
+        a_in.wait(timeout=60)
+        with emu.strict_memory():
+            b_in.set()
+            a_out.wait(timeout=60)
+            seen.append(mem.strict)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [True] and mem.strict == before

@@ -154,13 +154,27 @@ def track(*tensors) -> None:
 
 @contextlib.contextmanager
 def strict_memory():
-    """Inside this block, only tracked tensors, hipMalloc'd memory and kernarg segments are valid."""
+    """Inside this block, only tracked tensors, hipMalloc'd memory and kernarg segments are valid.
+    The mode is the process's (every thread's launches), from the first open block until the last
+    one ends, which brings back the mode before it (overlapping blocks of two threads left it on,
+    or off inside the second)."""
     mem = global_memory()
-    previous, mem.strict = mem.strict, True
+    with _strict_lock:
+        if _strict_open[0] == 0:
+            _strict_open[1] = mem.strict
+        _strict_open[0] += 1
+        mem.strict = True
     try:
         yield
     finally:
-        mem.strict = previous
+        with _strict_lock:
+            _strict_open[0] -= 1
+            if _strict_open[0] == 0:
+                mem.strict = _strict_open[1]
+
+
+_strict_lock = threading.Lock()
+_strict_open: list = [0, False]  # strict_memory blocks open, the mode before the first
 
 
 def launches() -> list[LaunchRecord]:
@@ -174,14 +188,17 @@ def reset() -> None:
 
 @contextlib.contextmanager
 def record():
-    """Collect the records of the launches made inside the block into the yielded list."""
+    """Collect the records of the launches this thread makes inside the block into the yielded
+    list (another thread's launches meanwhile are not among them)."""
     runtime = _require()
     collected: list[LaunchRecord] = []
-    runtime.recorders.append(collected)
+    with runtime._lock:
+        runtime.recorders.append((threading.get_ident(), collected))
     try:
         yield collected
     finally:  # by identity: an enclosing record() block's list may be equal (both empty)
-        runtime.recorders[:] = [r for r in runtime.recorders if r is not collected]
+        with runtime._lock:
+            runtime.recorders[:] = [r for r in runtime.recorders if r[1] is not collected]
 
 
 def _enable_from_environment() -> None:

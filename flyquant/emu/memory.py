@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import threading
 
 import numpy as np
 
@@ -122,21 +123,24 @@ class Memory:
         self._precise = _RegionSet([])
         self._maps = _RegionSet([])
         self._last: tuple[int, int, bool] = (0, 0, False)  # the span that satisfied the last check
+        self._lock = threading.Lock()  # threads register and unregister at once (emu.track, kernargs)
 
     # -- regions ---------------------------------------------------------------------------------
     def register(self, start: int, nbytes: int, writable: bool = True) -> int:
         """Mark [start, start + nbytes) valid (also in strict mode); returns a key for `unregister`."""
         if start < BASE or start + nbytes > END:
             raise ValueError(f"region [{start:#x}, {start + nbytes:#x}) is outside the user address space")
-        key = next(self._keys)
-        self._registered[key] = (start, start + nbytes, writable)
-        self._precise = _RegionSet(list(self._registered.values()))
+        with self._lock:
+            key = next(self._keys)
+            self._registered[key] = (start, start + nbytes, writable)
+            self._precise = _RegionSet(list(self._registered.values()))
         return key
 
     def unregister(self, key: int) -> None:
-        if self._registered.pop(key, None) is not None:
-            self._precise = _RegionSet(list(self._registered.values()))
-            self._last = (0, 0, False)
+        with self._lock:
+            if self._registered.pop(key, None) is not None:
+                self._precise = _RegionSet(list(self._registered.values()))
+                self._last = (0, 0, False)
 
     def _find(self, lo: int, hi: int, write: bool) -> bool:
         """Is [lo, hi) inside one known span? (Remembers the span: lanes of the next access

@@ -201,7 +201,7 @@ class Runtime:
         self.lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_GLOBAL)
         self.memory = Memory()
         self.records: list[LaunchRecord] = []
-        self.recorders: list[list[LaunchRecord]] = []
+        self.recorders: list[tuple[int, list[LaunchRecord]]] = []  # (thread ident, emu.record()'s list)
         # thread id -> (what failed, its exception), raised there as EmuLaunchError
         self.pending: dict[int, tuple[str, BaseException]] = {}
         self._code_objects: dict[int, codeobject.CodeObject] = {}
@@ -247,10 +247,12 @@ class Runtime:
         finally:
             self.memory.unregister(key)
         record = LaunchRecord(name, co.arch, grid, block, dynamic_lds, stats)
+        me = threading.get_ident()  # the launching thread: the stub calls back in it
         with self._lock:
             self.records.append(record)
-            for recorder in self.recorders:
-                recorder.append(record)
+            for thread, recorder in self.recorders:
+                if thread == me:
+                    recorder.append(record)
         return record
 
     # Callbacks from C. They must not raise: an exception is stored for the launching thread and
