@@ -178,7 +178,8 @@ _strict_open: list = [0, False]  # strict_memory blocks open, the mode before th
 
 
 def launches() -> list[LaunchRecord]:
-    """Records of the launches since the last `reset()` (oldest first)."""
+    """Records of the launches since the last `reset()`, at most the last runtime.RECORDS_KEPT
+    (oldest first); record() keeps every launch of its block."""
     return list(_require().records)
 
 

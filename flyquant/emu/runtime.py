@@ -14,6 +14,7 @@ sizes, hidden arguments included, and run the interpreter on it.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import os
@@ -185,6 +186,8 @@ _OCCUPANCY_CB = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int, ctypes.c_size_t
 )
 
+RECORDS_KEPT = 1000  # emu.launches(): the last launches' records (about 10 KB each: a long run kept them all)
+
 
 class Runtime:
     """The loaded stub and what it needs from Python: memory, code objects, launch records."""
@@ -200,7 +203,7 @@ class Runtime:
         self.path = build_stub()
         self.lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_GLOBAL)
         self.memory = Memory()
-        self.records: list[LaunchRecord] = []
+        self.records: collections.deque[LaunchRecord] = collections.deque(maxlen=RECORDS_KEPT)
         self.recorders: list[tuple[int, list[LaunchRecord]]] = []  # (thread ident, emu.record()'s list)
         # thread id -> (what failed, its exception), raised there as EmuLaunchError
         self.pending: dict[int, tuple[str, BaseException]] = {}
