@@ -185,8 +185,8 @@ class Timing:
     late: int  # timed calls whose start event fired before the host had enqueued them (their delay then doubled)
 
 
-HOST_MARGIN = 2.0  # the GPU delay before each timed call: this many times the host's time per call, plus
-DELAY_EXTRA_US = 20.0
+HOST_MARGIN = 2.0  # the GPU delay before each timed call: this many times the host's time per call
+DELAY_EXTRA_US = 20.0  # plus this
 HOST_SAMPLES = 3  # warm-up calls at least, for the host's time per call (after one untimed first call)
 
 

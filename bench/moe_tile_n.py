@@ -24,9 +24,8 @@ CK-Tile stage 2 (stage 1: not wired here). It writes the tuning table the select
 (FLYQUANT_TUNING=<out>/tuning_<arch>.json): the fastest config per stage, shape and token count
 (a second stage's run adds its entries to the same file; merge_tuning says which entry a shape
 swept again keeps). The selector takes the entry of the nearest tuned token count (by ratio,
-within a factor of 2); a stage-1 entry only
-where its tile_m divides the block size fused_moe sorts with (stage 2's), as it was timed on rows
-sorted at its own tile_m.
+within a factor of 2); a stage-1 entry only where its tile_m divides the block size fused_moe
+sorts with (stage 2's), as it was timed on rows sorted at its own tile_m.
 
 Modelled mode (no AMD GPU): the same configs run under flyquant.emu and the outputs hold only
 what is observed, labelled "modelled, not timed": workgroups launched and working, the idle
