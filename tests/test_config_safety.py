@@ -498,31 +498,34 @@ def test_target_nests_and_restores_every_variable(monkeypatch):
 def test_two_threads_launch_different_arches_concurrently():
     """An MXFP8 1x32 quantize on gfx942 and one on gfx950 from two threads at once, three each:
     every result is bit-exact against the reference, each launch ran the code object of its
-    own arch, and os.environ is unchanged afterwards."""
+    own arch (each thread's emu.record() holds its own launches), and os.environ is unchanged
+    afterwards."""
     from flyquant.kernels import mxfp8_quantize_2d as k
 
     before = dict(os.environ)
     x = {arch: torch.randn(64, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
          for i, arch in enumerate(("gfx942", "gfx950"))}
     expected = {arch: reference.mxfp8_quantize(v, -1, "rceil") for arch, v in x.items()}
-    results, errors = {arch: [] for arch in x}, []
+    results, errors, launches = {arch: [] for arch in x}, [], {}
     start = threading.Barrier(2)
 
     def run(arch):
         try:
             start.wait(60)
-            for _ in range(3):
-                results[arch].append(k.quantize_1x32(x[arch], arch=arch))
+            with emu.record() as launches[arch]:
+                for _ in range(3):
+                    results[arch].append(k.quantize_1x32(x[arch], arch=arch))
         except BaseException as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 
-    with emu.record() as launches:
-        threads = [threading.Thread(target=run, args=(arch,)) for arch in x]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+    threads = [threading.Thread(target=run, args=(arch,)) for arch in x]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
     assert not errors, errors
+    assert {arch: [r.arch for r in mine] for arch, mine in launches.items()} == {arch: [arch] * 3 for arch in x}
+    launches = [r for mine in launches.values() for r in mine]
     for arch, outs in results.items():
         assert len(outs) == 3
         for data, scales in outs:
