@@ -435,9 +435,6 @@ def check_moe_overrides() -> None:
     check_tuning_table()
 
 
-tuning.ENTRY_CHECK[0] = tuning_entry_problem
-
-
 def check_tuning_table() -> None:
     """Every entry of the FLYQUANT_TUNING table against the kernels (tuning_entry_problem), once per
     table read, an EnvError naming the first bad one: a bad entry was an error only when a batch of

@@ -153,13 +153,13 @@ def loaded_table() -> Table:
     return _read_table()
 
 
-ENTRY_CHECK: list = [None]  # flyquant.select's check of an entry against the kernels (op, shape, config) -> problem
-
-
 def check_entries(table: Table) -> None:
-    """Every entry of `table` against the kernels (ENTRY_CHECK), an EnvError naming the first bad one."""
+    """Every entry of `table` against the kernels (flyquant.select.tuning_entry_problem), an
+    EnvError naming the first bad one."""
+    from .select import tuning_entry_problem  # select imports this module
+
     for i, op, arch, shape, config in table.entries:
-        problem = ENTRY_CHECK[0](op, shape, config) if ENTRY_CHECK[0] else None
+        problem = tuning_entry_problem(op, shape, config)
         if problem:
             raise env.EnvError(f"FLYQUANT_TUNING={env.raw('FLYQUANT_TUNING')!r}: entries[{i}] ({op}, {arch}, {shape}): "
                                f"{problem}")
