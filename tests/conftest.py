@@ -32,7 +32,7 @@ import torch
 from flydsl.compiler.jit_function import JitFunction
 
 import flyquant.emu as emu
-from flyquant import toolchain
+from flyquant import select, toolchain
 from flyquant.arch import ARCHS
 
 import isa_waits
@@ -62,10 +62,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def gpu_arch() -> str | None:
-    """The arch of torch's first ROCm GPU (gcnArchName without its feature flags), None if torch has none."""
+    """The arch of torch's first ROCm GPU (as the selector reads it), None if torch has none."""
     if not (torch.version.hip and torch.cuda.is_available()):
         return None
-    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    return select._rocm_arch_of(0)
 
 
 _DATA_PTR = torch.Tensor.data_ptr  # the real one (raw-address launchers get a recording one)
