@@ -29,7 +29,7 @@ import torch
 
 import flyquant.emu as emu
 from flyquant.emu.stats import LINE_BYTES
-from flyquant import toolchain
+from flyquant import select, toolchain
 from flyquant.arch import ARCHS, WAVE_SIZE, arch_info
 
 MODELLED_LABEL = "modelled, not timed (flyquant.emu counts + compiler resources; no GPU was used)"
@@ -44,7 +44,7 @@ def rocm_gpu() -> str | None:
     """The arch of the current ROCm GPU (e.g. "gfx950"), or None without one."""
     if not emu.rocm_device_present():
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+    return select._rocm_arch_of(torch.cuda.current_device())
 
 
 def resolve_mode(requested: str, archs: list[str]) -> tuple[str, list[str]]:

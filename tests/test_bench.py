@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import flyquant.emu as emu
+from flyquant import select
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -516,7 +517,7 @@ def test_grouped_mm_bench_hardware(tmp_path):
     timed = {r["impl"] for r in rows if r.get("median_us", 0) > 0}
     assert {"flyquant kernel (plain, 128x128)", "flyquant kernel (mfma, 128x128)"} <= timed, rows
     assert all("median_us" in r or "error" in r for r in rows if not r["shape"].startswith("geomean"))
-    if torch.cuda.get_device_properties(0).gcnArchName.startswith("gfx950"):  # the staged forward and the direct one
+    if select._rocm_arch_of(0) == "gfx950":  # the staged forward and the direct one
         bench.main(["--mode", "hardware", "--iters", "5", "--warmup", "2", "--shapes", "384x256x256x2", "--layouts",
                     "mfma", "--tile-m", "192", "--tile-n", "256", "--out", str(tmp_path / "lds")])
         staged = read_outputs(tmp_path / "lds", "grouped_mm_hardware")["rows"]

@@ -18,7 +18,7 @@ import torch
 
 import flyquant as fq
 import flyquant.emu as emu
-from flyquant import formats, reference, toolchain
+from flyquant import formats, reference, select, toolchain
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import mxfp4_quantize as k4
 from flyquant.kernels import mxfp4_quantize_cols as kc
@@ -622,7 +622,7 @@ def test_instructions_and_coalescing(arch):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu(mode, dtype):
-    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    arch = select._rocm_arch_of(0)
     for x in (rows_tensor(dtype), random_rows(5, 67, dtype, 0)):
         got = k4.quantize_rows(x.cuda(), arch=arch, scaling_mode=mode)
         assert_same([t.cpu() for t in got], reference.mxfp4_quantize(x, -1, mode), f"gpu {arch}")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flyquant.emu as emu
-from flyquant import layouts, select_grouped_mm, toolchain
+from flyquant import layouts, select, select_grouped_mm, toolchain
 from flyquant import reference as R
 from flyquant.kernels import mxfp8_grouped_mm as G
 from mx_fp64 import deq64, grouped64  # the FP64 model (E4M3 and E8M0 from their bit fields)
@@ -590,7 +590,7 @@ def test_gpu_matches_the_mx_definition():
     LDS), the weight gradient on WGRAD_CASES and both with signed_zeros=False operands, for the
     device's arch, within the module docstring's bound of the same float64 model. flyquant.emu
     does not model wait states or timing, so this is the check of the compiled code's schedule."""
-    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    arch = select._rocm_arch_of(0)
     for m, n, k, sizes, out_dtype in CASES:
         problem = make_problem(m, n, k, sizes)
         ref, mag = expected(*problem)

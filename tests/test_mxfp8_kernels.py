@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flyquant.emu as emu
-from flyquant import reference, toolchain
+from flyquant import reference, select, toolchain
 from flyquant.arch import occupancy
 from flyquant.kernels import mxfp8_quantize_2d as q2
 from flyquant.kernels import _mx_col as col
@@ -517,7 +517,7 @@ def test_3d_n64_store_lines(arch, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu(mode, dtype):
-    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    arch = select._rocm_arch_of(0)
     x = cols_tensor(dtype, 224, 96).cuda()
     for got, want in (
         (q2.quantize_1x32(x, arch=arch, scaling_mode=mode), reference.mxfp8_quantize(x, -1, mode)),
