@@ -31,6 +31,7 @@ def _mxfp8_quantize_op(
     x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor],
     signed_zeros: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)  # torch.ops.flyquant.* callers too
     plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
@@ -62,6 +63,7 @@ def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
 
 @torch.library.custom_op("flyquant::mxfp8_quantize_dual", mutates_args=())
 def _mxfp8_quantize_dual_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    reference.check_mxfp8_dual(x, scaling_mode)
     plan = select.plan_mxfp8_quantize_dual(x, scaling_mode)
     if plan.backend == "reference":
         (d0, s0), (d1, s1) = reference.mxfp8_quantize_dual(x, scaling_mode)
@@ -88,6 +90,7 @@ def mxfp8_quantize_dual(x, scaling_mode="rceil"):
 def _mxfp8_quantize_3d_op(
     w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str], signed_zeros: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    scale_block_k = reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
@@ -128,6 +131,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
 def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str] = None,
                        shuffle: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
     plan = select.plan_mxfp4_quantize(x, axis, scaling_mode, shuffle, scale_layout=scale_layout)
     if plan.backend == "reference":
         return reference.mxfp4_quantize(x, axis, scaling_mode, scale_layout, shuffle)
@@ -161,6 +165,7 @@ def mxfp4_quantize(x, axis=-1, scaling_mode="floor", scale_layout=None, shuffle=
 @torch.library.custom_op("flyquant::mxfp4_quantize_dual", mutates_args=())
 def _mxfp4_quantize_dual_op(x: torch.Tensor, scaling_mode: str
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    validate.mxfp4_quantize_args(x, -1, scaling_mode, None, None)
     plan = select.plan_mxfp4_quantize_dual(x, scaling_mode)
     if plan.backend == "reference":
         (d1, s1), (d0, s0) = reference.mxfp4_quantize_dual(x, scaling_mode)
@@ -195,6 +200,7 @@ def quantize_mxfp4(w, scaling_mode="floor"):
 @torch.library.custom_op("flyquant::mxfp4_quantize_3d", mutates_args=())
 def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[str], gate_up: bool
                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
     e, n, k = w.shape
     plan = select.plan_mxfp4_quantize(w, -1, scaling_mode, shuffle, gate_up, op="mxfp4_quantize_3d")
     if plan.backend == "reference":

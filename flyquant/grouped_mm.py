@@ -36,6 +36,7 @@ def _run(plan, reference_fn, check_offs, out_shape, args, out_dtype, signed_zero
 def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: Optional[str] = None,
                    signed_zeros: bool = True) -> torch.Tensor:
+    ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)  # torch.ops.flyquant.* callers too
     plan = select_grouped_mm.plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros, scale_layout)
     return _run(plan, ref.mxfp8_grouped_mm, ref.check_grouped_mm_offs, (a.shape[0], b.shape[1]),
                 (a, a_scale, b, b_scale, offs), out_dtype, signed_zeros, scale_layout=scale_layout)
@@ -54,12 +55,18 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
     axis=-1)); b (E, N, K) float8_e4m3fn contiguous, b_scale (E, N, K/32) (scales along K); offs
     (E,) int32 on a's device: cumulative token-group ends, non-decreasing, last <= M, any group
     sizes (empty ones too); K a multiple of 32; out_dtype bfloat16 or float32. deq(v) = E4M3(v) *
-    2^(scale - 127), scale 0xFF NaN. scale_layout "mfma": both scales in aiter's e8m0_shuffle
-    layout, as fq.mxfp8_quantize(x, -1, scale_layout="mfma") and fq.mxfp8_quantize_3d(w,
-    scale_layout="mfma") write them (b_scale (E, N padded to 256, K/32 padded to 8)): the
-    layout the gfx950 kernel reads with the fewest instructions. signed_zeros=False: a and b
-    are as flyquant's quantize ops write them with signed_zeros=False (validate.SIGNED_ZEROS_DOC). See the
-    module docstring for when offs' values are checked.
+    2^(scale - 127), scale 0xFF NaN. From expert weights w (E, N, K): d, s =
+    fq.mxfp8_quantize_3d(w.transpose(1, 2)) quantizes along K (the 3D quantize's dim 1; of w
+    itself it would quantize along N), b = d.transpose(1, 2), b_scale = s.transpose(1,
+    2).contiguous(), or s itself with scale_layout="mfma" (flyquant.training does this).
+    scale_layout "mfma": both scales in aiter's e8m0_shuffle layout, as fq.mxfp8_quantize(x, -1,
+    scale_layout="mfma") and the 3D quantize above with scale_layout="mfma" write them (b_scale
+    (E, N padded to 256, K/32 padded to 8)): the layout the gfx950 kernel reads with the fewest
+    instructions. Scales carry no layout tag: where M and N are multiples of 256 and K/32 of 8,
+    plain and "mfma" scales have the same shape, and the wrong scale_layout gives wrong values,
+    no error. signed_zeros=False: a and b are as flyquant's quantize ops write them with
+    signed_zeros=False (validate.SIGNED_ZEROS_DOC). See the module docstring for when offs'
+    values are checked.
     """
     ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
     return _grouped_mm_op(a, a_scale, b, b_scale, offs, out_dtype, scale_layout, validate.flag(signed_zeros, "signed_zeros"))
@@ -68,6 +75,7 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
 @torch.library.custom_op("flyquant::mxfp8_grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor,
                          offs: torch.Tensor, out_dtype: torch.dtype, signed_zeros: bool = True) -> torch.Tensor:
+    ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
     plan = select_grouped_mm.plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros)
     return _run(plan, ref.mxfp8_grouped_mm_wgrad, ref.check_grouped_mm_wgrad_offs,
                 (offs.shape[0], y.shape[1], x.shape[1]), (x, x_scale, y, y_scale, offs), out_dtype, signed_zeros)

@@ -1,7 +1,11 @@
 """PyTorch reference for the MXFP8 grouped GEMMs of MoE training (forward/dgrad and wgrad).
 
-Both operands are dequantized exactly to FP32 (each E4M3 element times 2^(scale - 127); scale
-code 0xFF is NaN) and multiplied per token group in FP32, then rounded once to out_dtype.
+Both operands are dequantized to FP32 (each E4M3 element times 2^(scale - 127); scale code 0xFF
+is NaN) and multiplied per token group in FP32, then rounded once to out_dtype. The dequantize is
+exact unless it leaves FP32's range: from scale code 247 on, an element of 256 or more is 2^128
+or more (quantizing finite FP32 input near its largest value gives such blocks), inf here, so a
+product with a small other operand is inf (and cancelling ones NaN) where the kernels, which
+apply both scales to the product, give the finite value.
 Token groups follow torchao's contract: `offs` (E,) int32 holds cumulative group ends along M
 (non-decreasing, last <= M, empty groups allowed); rows from offs[-1] on belong to no group.
 
@@ -45,14 +49,21 @@ def check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None)
         raise ValueError(f"b.shape[2] = {kb} must equal a.shape[1] = {k} (K, the reduced dim)")
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    # the data's orientation before the scales' shapes: a wrong axis names itself
+    if not a.is_contiguous():
+        raise ValueError(f"a must be contiguous (row-major, quantized along K: fq.mxfp8_quantize(x, axis=-1)), "
+                         f"got strides {a.stride()} for shape {tuple(a.shape)}")
+    if not b.is_contiguous():
+        along_n = b.transpose(1, 2).is_contiguous()  # what fq.mxfp8_quantize_3d(w) returns for w (E, N, K)
+        raise ValueError(f"b must be contiguous (E, N, K) quantized along K, got strides {b.stride()} for shape "
+                         f"{tuple(b.shape)}" + ("; that is the 3D quantize of w (E, N, K) along N: quantize "
+                                                 "w.transpose(1, 2) and pass its data transposed back" if along_n else ""))
     if scale_layout == "mfma":  # each operand's (rows, K/32) scales shuffled; b's per expert
         validate.shape(a_scale, "a_scale", layouts.mfma_scales_shape(m, k // MX_BLOCK))
         validate.shape(b_scale, "b_scale", (e, *layouts.mfma_scales_shape(n, k // MX_BLOCK)))
     else:
         validate.shape(a_scale, "a_scale", (m, k // MX_BLOCK))
         validate.shape(b_scale, "b_scale", (e, n, k // MX_BLOCK))
-    validate.contiguous(a, "a")  # as mxfp8_quantize(x, axis=-1) returns it: what the kernels read
-    validate.contiguous(b, "b")
     validate.offs_tensor(offs, "a", a)
     validate.shape(offs, "offs", (e,))
     _out_dtype(out_dtype)
@@ -80,10 +91,10 @@ def _operand_32x1(data, scales, name: str) -> None:
     _operand(data, scales, name, 2)
     m, c = data.shape
     validate.block_dim(data, 0, name, "M")
+    if data.stride() != (1, m):  # before the scales' shape: a wrong axis names itself
+        raise ValueError(f"{name} must be column-major (stride (1, {m}), quantized along M as mxfp8_quantize(x, "
+                         f"axis=0) returns it), got strides {data.stride()} for shape {tuple(data.shape)}")
     validate.shape(scales, f"{name}_scale", (c, m // MX_BLOCK))
-    if data.stride() != (1, m):
-        raise ValueError(f"{name} must be column-major (stride (1, {m}), as mxfp8_quantize(x, axis=0) returns it), "
-                         f"got strides {data.stride()} for shape {tuple(data.shape)}")
 
 
 def check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype) -> None:
@@ -117,7 +128,8 @@ def mxfp8_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype=torch.bfloat16, sca
     (a = activations, b = expert weights) and dgrad (a = grad_out, b = the weights along N).
     scale_layout "mfma": the scales in aiter's e8m0_shuffle layout, a_scale that of a's (M, K/32)
     scales, b_scale each expert's (E, N', K'/32 padded); what fq.mxfp8_quantize(x, -1,
-    scale_layout="mfma") and fq.mxfp8_quantize_3d(w, scale_layout="mfma") write.
+    scale_layout="mfma") and, for weights w (E, N, K), fq.mxfp8_quantize_3d(w.transpose(1, 2),
+    scale_layout="mfma") write.
     """
     check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)
     check_grouped_mm_offs(offs, a.shape[0])

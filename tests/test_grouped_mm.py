@@ -180,7 +180,11 @@ def test_bad_inputs(reference_backend):
         ((a, a_scale, b[:, :, :32].contiguous(), b_scale[:, :, :1].contiguous(), ok), ValueError, "must equal a.shape"),
         ((a[:, :48], a_scale[:, :1], b, b_scale, ok), ValueError, "quantized in blocks of 32"),
         ((a, a_scale[:, :1], b, b_scale, ok), ValueError, "a_scale must have shape"),
-        ((a, a_scale, b.transpose(1, 2).contiguous().transpose(1, 2), b_scale, ok), ValueError, "b must be contiguous"),
+        ((a, a_scale, b.transpose(1, 2).contiguous().transpose(1, 2), b_scale, ok), ValueError,
+         r"b must be contiguous .* along N: quantize w.transpose\(1, 2\)"),
+        # quantized along M (axis=0): the orientation is named, not the scales' shape that follows from it
+        ((*reference.mxfp8_quantize(torch.randn(96, 64, dtype=torch.bfloat16), 0), b, b_scale, ok), ValueError,
+         r"a must be contiguous \(row-major, quantized along K"),
         ((a, a_scale, b, b_scale, ok.long()), TypeError, "offs must have dtype"),
         ((a, a_scale, b, b_scale, offs(64)), ValueError, r"offs must have shape \(2,\)"),
         ((a, a_scale, b, b_scale, offs(30, 64, 64, 64)[::2]), ValueError, "offs must be contiguous"),
@@ -206,6 +210,8 @@ def test_bad_inputs(reference_backend):
         ((x.contiguous(), x_scale, y, y_scale, good), "column-major"),
         ((x, x_scale, y64, y64_scale, good), "must equal x.shape"),
         ((x, x_scale.t().contiguous(), y, y_scale, good), "x_scale must have shape"),
+        ((*reference.mxfp8_quantize(torch.randn(96, 64, dtype=torch.bfloat16), -1), y, y_scale, good),
+         r"x must be column-major .* quantized along M"),
     ]
     for args, words in wcases:
         with pytest.raises(ValueError, match=words):

@@ -1,0 +1,125 @@
+"""The registered ops, torch.ops.flyquant.*, called directly: each refuses what its public function
+refuses before anything launches (helper-71: the grouped GEMMs' ops launched on a short a_scale
+or offs, reading past the tensors, and took int64 offs as int32; the MXFP4 ops read a
+non-contiguous x as if it were contiguous). The op bodies check (the MoE ops' launchers and
+references check their own inputs). The kernel backend is forced, so a missing check would
+launch under strict memory instead of raising."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flyquant import moe, reference
+
+BF16, E8M0 = torch.bfloat16, torch.float8_e8m0fnu
+ops = torch.ops.flyquant
+
+
+@pytest.fixture(autouse=True)
+def kernel_backend(monkeypatch):
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+
+
+def _refused(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+X = torch.randn(64, 256, dtype=BF16)
+W = torch.randn(2, 64, 128, dtype=BF16)
+
+QUANTIZE_CASES = {
+    "mxfp8_quantize": [
+        (lambda: ops.mxfp8_quantize(X[:, ::2], 1, "rceil", None, None), ValueError, "x must be contiguous"),
+        (lambda: ops.mxfp8_quantize(X, 7, "rceil", None, None), ValueError, "axis must be"),
+        (lambda: ops.mxfp8_quantize(X, 0, "rceil", None, torch.tensor([32, 64])), TypeError, "offs must have dtype"),
+    ],
+    "mxfp8_quantize_dual": [(lambda: ops.mxfp8_quantize_dual(X[:, ::2], "rceil"), ValueError, "contiguous")],
+    "mxfp8_quantize_3d": [(lambda: ops.mxfp8_quantize_3d(W, "rceil", 7, None), ValueError, "scale_block_k")],
+    "mxfp4_quantize": [
+        (lambda: ops.mxfp4_quantize(X[:, ::2], -1, "floor", None, None), ValueError, "x must be contiguous"),
+        (lambda: ops.mxfp4_quantize(X[:, ::2], 0, "floor", None, None), ValueError, "x must be contiguous"),
+        (lambda: ops.mxfp4_quantize(X[:8], -1, "floor", None, "a4w4"), ValueError, "multiple of 16"),
+    ],
+    "mxfp4_quantize_dual": [(lambda: ops.mxfp4_quantize_dual(X[:, ::2], "floor"), ValueError, "contiguous")],
+    "mxfp4_quantize_3d": [
+        (lambda: ops.mxfp4_quantize_3d(W[:, :, ::2], "floor", None, False), ValueError, "w must be contiguous"),
+        (lambda: ops.mxfp4_quantize_3d(torch.randn(2, 64, 96, dtype=BF16), "floor", "a16w4", False), ValueError,
+         "multiple of 256"),
+    ],
+}
+
+
+def _grouped_mm_cases():
+    a, a_scale = reference.mxfp8_quantize(torch.randn(96, 64, dtype=BF16), -1)
+    b, b_scale = reference.mxfp8_quantize(torch.randn(3 * 48, 64, dtype=BF16), -1)
+    b, b_scale = b.view(3, 48, 64), b_scale.view(3, 48, 2)
+    x, x_scale = reference.mxfp8_quantize(torch.randn(64, 64, dtype=BF16), 0)
+    y, y_scale = reference.mxfp8_quantize(torch.randn(64, 48, dtype=BF16), 0)
+    ends = torch.tensor([40, 40, 90], dtype=torch.int32)
+    fwd, wgrad = ops.mxfp8_grouped_mm, ops.mxfp8_grouped_mm_wgrad
+    return {
+        "mxfp8_grouped_mm": [
+            (lambda: fwd(a, a_scale[:50], b, b_scale, ends, BF16), ValueError, "a_scale must have shape"),
+            (lambda: fwd(a, a_scale, b[:1], b_scale, ends, BF16), ValueError, "must have shape"),
+            (lambda: fwd(a, a_scale, b, b_scale, ends.long(), BF16), TypeError, "offs must have dtype"),
+            (lambda: fwd(a, a_scale, b, b_scale, ends[2:], BF16), ValueError, "offs must have shape"),
+            (lambda: fwd(a.view(torch.uint8).view(BF16), a_scale, b, b_scale, ends, BF16), TypeError, "a must have dtype"),
+        ],
+        "mxfp8_grouped_mm_wgrad": [
+            (lambda: wgrad(x, x_scale[:10], y, y_scale, ends[:2] - 8, BF16), ValueError, "x_scale must have shape"),
+            (lambda: wgrad(x.contiguous(), x_scale, y, y_scale, ends[:2] - 8, BF16), ValueError, "column-major"),
+        ],
+    }
+
+
+def _moe_cases():
+    tokens, experts, topk, model_dim, inter_dim, block_m = 4, 4, 2, 256, 256, 32
+    x = torch.randn(tokens, model_dim, dtype=BF16)
+    w1 = torch.zeros(experts, 2 * inter_dim, model_dim // 2, dtype=torch.uint8)
+    w1_scale = torch.full((experts, 2 * inter_dim, model_dim // 32), 127, dtype=torch.uint8)
+    w2 = torch.zeros(experts, model_dim, inter_dim // 2, dtype=torch.uint8)
+    w2_scale = torch.full((experts, model_dim, inter_dim // 32), 127, dtype=torch.uint8)
+    ids = torch.randint(0, experts, (tokens, topk), dtype=torch.int32)
+    weights = torch.rand(tokens, topk)
+    sorted_ = moe.moe_sorting(ids, weights, experts, block_m)
+    a2 = torch.zeros(tokens * topk, inter_dim, dtype=BF16)
+    out = torch.zeros(tokens, model_dim, dtype=BF16)
+    stage1 = ("silu", 1.702, 7.0, False, model_dim, inter_dim)
+    g1, g2 = ops.moe_gemm1_a16w4_, ops.moe_gemm2_a16w4_
+    return {
+        "moe_sorting": [
+            (lambda: ops.moe_sorting(ids, weights[:2], experts, block_m, None, None), ValueError, "topk_weights"),
+            (lambda: ops.moe_sorting(ids, weights, experts, block_m, torch.ones(2, dtype=torch.int32), None),
+             ValueError, "expert_mask"),
+        ],
+        "moe_gemm1_a16w4_": [
+            (lambda: g1(a2, x[:1], w1, w1_scale, *sorted_, topk, block_m, None, *stage1), ValueError, "out must have shape"),
+            (lambda: g1(a2, x, w1, w1_scale[:1], *sorted_, topk, block_m, None, *stage1), ValueError, "w1_scale"),
+        ],
+        "moe_gemm2_a16w4_": [
+            (lambda: g2(out, a2[:2], w2, w2_scale, *sorted_, topk, block_m, None, True, model_dim, inter_dim),
+             ValueError, "out must have shape"),
+            (lambda: g2(out, a2, w2, w2_scale[:1], *sorted_, topk, block_m, None, True, model_dim, inter_dim),
+             ValueError, "w2_scale must have shape"),
+            (lambda: g2(out, a2, w2, w2_scale, *sorted_, topk, block_m, None, True, model_dim, 4 * inter_dim),
+             ValueError, "inter_dim"),
+        ],
+    }
+
+
+def _all_cases():
+    return {**QUANTIZE_CASES, **_grouped_mm_cases(), **_moe_cases()}
+
+
+def test_every_registered_op_has_cases():
+    registered = {s.name.removeprefix("flyquant::") for s in torch._C._jit_get_all_schemas()
+                  if s.name.startswith("flyquant::")}
+    assert registered == set(_all_cases())
+
+
+@pytest.mark.parametrize("op", sorted(_all_cases()))
+def test_registered_op_refuses_what_the_public_function_refuses(op):
+    for call, exc, words in _all_cases()[op]:
+        _refused(call, exc, words)
