@@ -1,7 +1,7 @@
 """Peers' Triton kernels (torchao's, aiter's), compiled for gfx942/gfx950 on the CPU and run under
 flyquant.emu, so that they are counted exactly as our kernels are.
 
-Triton (the `bench` extra, triton==3.9.0) compiles AMD targets without a GPU: `compile_kernel`
+Triton (the `bench` extra; TRITON_VERSION checked) compiles AMD targets without a GPU: `compile_kernel`
 makes a stand-in Triton driver current that only names the target (GPUTarget("hip", arch, 64))
 and calls the JIT function's own `warmup`, so the argument specialization (16-divisible
 integers and pointers, buffer-op pointer ranges) is Triton's, as on a GPU. `run_kernel` packs
@@ -29,7 +29,7 @@ from flyquant.arch import WAVE_SIZE, occupancy
 from flyquant.emu import codeobject, interp, runtime
 from flyquant.emu.memory import Memory
 
-TRITON_VERSION = "3.9.0"  # the `bench` extra's pin: the version whose AMD backend this was checked with
+TRITON_VERSION = "3.9.0"  # the version whose AMD backend the peers were checked with (the extras allow 3.7.1-3.9.0)
 TRITON_SCRATCH_POINTERS = 2  # global_scratch and profile_scratch, appended by Triton's AMD backend
 
 
@@ -39,7 +39,8 @@ def triton_missing() -> str | None:
         import triton
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as exc:
-        return f"Triton is not installed ({exc}); pip install -e '.[bench]' installs triton=={TRITON_VERSION}"
+        return (f"Triton is not installed ({exc}); pip install -e '.[bench]' installs it ({TRITON_VERSION} "
+                "beside the CPU torch the README names)")
     if triton.__version__ != TRITON_VERSION:
         return f"Triton {triton.__version__} is installed; the peer rows were checked with {TRITON_VERSION}"
     return None

@@ -7,7 +7,29 @@ fused_moe) for gfx942 (MI300X) and gfx950 (MI355X), each dispatched by a selecto
 the PyTorch reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
-from . import emu, nn, reference, training
+from importlib import metadata as _metadata
+from importlib import util as _util
+from pathlib import Path as _Path
+
+
+def _check_kernels_beside_package() -> None:
+    """flyquant.kernels must be this copy's: kernels/ beside flyquant/ (a checkout, installed
+    editable) or flyquant/kernels (a wheel). Run from a checkout whose flyquant was installed
+    otherwise, the source tree's flyquant has no kernels (a ModuleNotFoundError at the first
+    launch) or another copy's editable mapping supplies them (code of two versions mixed)."""
+    here = _Path(__file__).resolve().parent
+    spec = _util.find_spec(__name__ + ".kernels")
+    found = _Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+    if found not in (here / "kernels", here.parent / "kernels"):
+        raise ImportError(
+            f"flyquant imported from {here} finds its kernels {'nowhere' if found is None else f'in {found}'}: a "
+            f"source checkout is importable as flyquant only when installed editable (pip install -e .), "
+            f"else run from another directory (the installed flyquant is then imported)")
+
+
+_check_kernels_beside_package()
+
+from . import emu, nn, reference, training  # noqa: E402
 from .api import (
     dequantize_mxfp4,
     explain,
@@ -27,6 +49,11 @@ from .api_moe import fused_moe, moe_block_m, moe_gemm1_a16w4, moe_gemm2_a16w4, m
 from .grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad
 from .moe import moe_routing
 from .select import Plan
+
+try:
+    __version__ = _metadata.version("flyquant")  # pyproject.toml's, as installed
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "Plan",

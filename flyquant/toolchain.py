@@ -16,8 +16,8 @@ re-read on every access; there is no per-call argument), so ``target`` sets them
 ``launch_lock``, a process-wide re-entrant lock, for the whole block: threads compile and
 launch one at a time, and every variable is restored when the block ends.
 
-The cache (``$FLYQUANT_CACHE_DIR``, default ``~/.cache/flyquant``) holds code this process
-loads: FlyDSL's pickled kernels, the emulator's HIP stand-in (a shared object) and the linker
+The cache (``$FLYQUANT_CACHE_DIR``, default ``$XDG_CACHE_HOME/flyquant`` or ``~/.cache/flyquant``)
+holds code this process loads: FlyDSL's pickled kernels, the emulator's HIP stand-in (a shared object) and the linker
 script. So it must be private: every directory flyquant reads code from is owned by the user
 and writable by no one else, directories flyquant creates are 0700, and a directory that
 fails the check is a ``CacheDirError`` naming it and the fix, never used.
@@ -172,12 +172,16 @@ def private_file(path: Path, source: str = "FLYQUANT_CACHE_DIR") -> Path:
 
 
 def cache_dir() -> Path:
-    """flyquant's own cache: $FLYQUANT_CACHE_DIR (an absolute path) or ~/.cache/flyquant, created
-    0700 if missing and checked private (see private_dir) on every call."""
+    """flyquant's own cache: $FLYQUANT_CACHE_DIR (an absolute path), else $XDG_CACHE_HOME/flyquant
+    (when an absolute path, as the XDG spec says), else ~/.cache/flyquant; created 0700 if missing
+    and checked private (see private_dir) on every call."""
     configured = env.absolute_path("FLYQUANT_CACHE_DIR")
-    if configured is None:
-        return private_dir(Path.home() / ".cache" / "flyquant", source="the default; FLYQUANT_CACHE_DIR is unset")
-    return private_dir(configured)
+    if configured is not None:
+        return private_dir(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return private_dir(Path(xdg) / "flyquant", source="$XDG_CACHE_HOME/flyquant; FLYQUANT_CACHE_DIR is unset")
+    return private_dir(Path.home() / ".cache" / "flyquant", source="the default; FLYQUANT_CACHE_DIR is unset")
 
 
 def _lld_works(lld: Path) -> bool:

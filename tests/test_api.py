@@ -2,6 +2,7 @@
 explain(). Numerics of each path are tested against the reference elsewhere; here the backend
 is forced to the reference where only the API layer is under test."""
 
+import os
 import re
 
 import pytest
@@ -441,3 +442,26 @@ def test_explain_plans_moe_stage2_and_refuses_what_it_cannot_plan(capsys, monkey
 def test_explain_checks_the_arguments_against_the_op(fn, args, words):
     with pytest.raises(TypeError, match=words):
         fq.explain(fn, *args)
+
+
+def test_version_is_the_installed_distributions():
+    """fq.__version__ (helper-70: there was none) is the installed metadata's, pyproject.toml's version."""
+    import importlib.metadata
+
+    assert fq.__version__ == importlib.metadata.version("flyquant")
+
+
+def test_a_source_tree_without_its_kernels_is_refused_at_import(tmp_path):
+    """flyquant/ imported from a source tree that was not installed editable (helper-70: run from the
+    checkout after `pip install .`) had no flyquant.kernels until the first launch failed, or took
+    another copy's through an editable install's mapping; now `import flyquant` says so."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copytree(Path(fq.__file__).parent, tmp_path / "flyquant", ignore=shutil.ignore_patterns("kernels"))
+    proc = subprocess.run([sys.executable, "-c", "import flyquant"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert proc.returncode != 0 and f"flyquant imported from {tmp_path / 'flyquant'} finds its kernels" in proc.stderr, \
+        proc.stderr[-2000:]

@@ -3,12 +3,11 @@ tiny configurations, in modelled mode under flyquant.emu (test_bench.py's helper
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import flyquant.emu as emu
 
-from test_bench import load, read_outputs
+from test_bench import load, read_outputs, skip_without_peer_triton
 
 
 def test_quantize_bench_modelled(tmp_path):
@@ -31,7 +30,7 @@ def test_quantize_bench_vs_peers_triton(tmp_path):
     both arches: torchao's Triton dim0 (1x32) and dim1 (32x1) casts and aiter's downcast_to_mxfp,
     compiled for each arch by Triton and run under flyquant.emu on our rows' inputs, are
     bit-exact vs torchao's to_mx; the 3D row says neither has a Triton kernel for it."""
-    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    skip_without_peer_triton()
     bench = load("quantize")
     argv = "--mode modelled --arch gfx950,gfx942 --shapes 128x256,1x64x256 --kinds 1x32,32x1,3d --modes rceil"
     bench.main([*argv.split(), "--vs", "torchao,aiter", "--out", str(tmp_path)])
@@ -161,7 +160,7 @@ def test_quantize_bench_vs_aiter_mxfp4(tmp_path):
     between two E2M1 values whose lower one has an even code: aiter rounds ties away from zero,
     round-to-nearest-even keeps that lower code. Modes other than even and kinds aiter has no
     kernel for say so."""
-    pytest.importorskip("triton", reason="Triton (the test/bench extras' triton==3.9.0) compiles the peer kernels")
+    skip_without_peer_triton()
     bench = load("quantize")
     import peers_aiter
 

@@ -49,7 +49,8 @@ out = {}
 def run(body: str) -> dict:
     """Run PRELUDE + body in a fresh interpreter; body fills `out`, printed as JSON last."""
     code = PRELUDE + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYQUANT_")}
+    # flyquant's behaviour variables cleared; the cache stays where the run put it (a read-only or small HOME)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYQUANT_") or k == "FLYQUANT_CACHE_DIR"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

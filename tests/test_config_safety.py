@@ -349,6 +349,17 @@ def test_new_cache_directories_are_created_0700(tmp_path, monkeypatch):
     assert kernels.startswith(str(root / "flydsl"))
 
 
+def test_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    """Without FLYQUANT_CACHE_DIR: $XDG_CACHE_HOME/flyquant when XDG_CACHE_HOME is absolute (helper-70:
+    it was ignored), else ~/.cache/flyquant (a relative XDG_CACHE_HOME is invalid per the spec)."""
+    monkeypatch.delenv("FLYQUANT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert toolchain.cache_dir() == tmp_path / "xdg" / "flyquant"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    assert toolchain.cache_dir() == tmp_path / "home" / ".cache" / "flyquant"
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757, 0o722])
 def test_cache_directory_writable_by_others_is_refused(tmp_path, monkeypatch, mode):
     root = tmp_path / "cache"
