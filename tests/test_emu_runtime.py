@@ -455,10 +455,11 @@ def test_record_and_strict_memory_under_threads(monkeypatch):
 
     thread = threading.Thread(target=other)
     thread.start()
-    with toolchain.target("gfx950"), emu.record() as mine:
-        launch(a, b, c, stream=0)
+    with emu.record() as mine:
+        with toolchain.target("gfx950"):  # holds toolchain.launch_lock: the other launch waits for it to end
+            launch(a, b, c, stream=0)
         inside.set()
-        other_done.wait(timeout=60)
+        assert other_done.wait(timeout=60)  # the other thread launched inside this record() block
     thread.join()
     assert len(mine) == 1
 
