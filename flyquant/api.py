@@ -275,9 +275,9 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     # without an activation no stage 1 runs, so these would be ignored
     if (b1_dtype is not None or validate.flag(stage1_weights, "stage1_weights")) and activation is None:
         raise ValueError("stage1_bias / stage1_weights choose the stage-1 kernel warmed up: pass its activation too")
-    validate.real_number(alpha, "alpha")
-    validate.real_number(limit, "limit")
-    reference_moe.check_swiglu_limit(activation, limit)
+    if validate.flag(stage1_weights, "stage1_weights") and b2_dtype is not None:
+        raise ValueError(api_moe.STAGE1_WEIGHTS_B2.format(what="stage2_bias with stage1_weights"))
+    reference_moe.check_activation_args(activation, alpha, limit)
     api_moe._check_out_dtype(out_dtype)
     _check_ids_dtype(ids_dtype)
     # `device or ...` took device=0 (torch's accelerator 0) for the default

@@ -301,6 +301,9 @@ def _check_moe_buf(topk_ids, moe_buf) -> None:
 # ---------------------------------------------------------------------------------------------
 
 APPLY_WEIGHTS_AT = ("stage1", "stage2")
+# helper-72: the layer with b2 was sum_k (w_tk * act(..) @ W2^T + b2[e]), not its docstring's formula
+STAGE1_WEIGHTS_B2 = ("{what}: a2 carries the routing weight, so stage 2 would add b2[e] "
+                     "without it (not the layer's w_tk * b2[e]); use apply_weights_at='stage2' (the default)")
 
 
 def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None, b2=None, activation="silu",
@@ -316,7 +319,8 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     shuffled with gate_up=True, w2 (E, N, P/2), scales shuffled to match; b1 (E, 2P) in w1's row
     order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only, in
     order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2"
-    (default) or "stage1" (a2 carries the routing weight). out: (T, model_dim), overwritten (not
+    (default) or "stage1" (a2 carries the routing weight; without b2, which stage 2 would then add
+    unweighted). out: (T, model_dim), overwritten (not
     contiguous: the layer is computed into a contiguous buffer and copied, a fourth launch); None: a
     new out_dtype tensor. model_dim / inter_dim: the true sizes when the weights are padded (default
     x.shape[1] and w1.shape[1] / 2). Routing ids outside [0, num_experts) are dropped on the kernel
@@ -324,7 +328,7 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     fq.moe_routing gives topk_weights and topk_ids from router logits.
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
-        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+        x, w1, w2, b2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)  # rows of routed pairs written
     _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
                      expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
@@ -397,11 +401,13 @@ def _check_fused_moe_out(out, x, tokens, model_dim, inputs) -> None:
         reference_moe.check_out_aligned(out)
 
 
-def _fused_moe_sizes(x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):
+def _fused_moe_sizes(x, w1, w2, b2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim):
     """fused_moe's own checks and sizes: (tokens, topk, num_experts, model_dim, inter_dim, block_m);
     the stage ops check the rest."""
     if apply_weights_at not in APPLY_WEIGHTS_AT:
         raise ValueError(f"apply_weights_at must be one of {APPLY_WEIGHTS_AT}, got {apply_weights_at!r}")
+    if apply_weights_at == "stage1" and b2 is not None:
+        raise ValueError(STAGE1_WEIGHTS_B2.format(what="b2 with apply_weights_at='stage1'"))
     validate.tensor(x, "x", ndim=2)
     validate.tensor(topk_ids, "topk_ids", moe.ID_DTYPES, ndim=2)
     validate.same_device("x", x, "topk_ids", topk_ids)  # else moe_sorting names its moe_buf, internal here
@@ -470,7 +476,7 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
                        out=None, out_dtype=torch.bfloat16, model_dim=None, inter_dim=None) -> tuple[Plan, Plan, Plan]:
     """The three plans fused_moe runs: sorting, stage 1, stage 2 (on the same block_m)."""
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(
-        x, w1, w2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
+        x, w1, w2, b2, topk_ids, expert_mask, apply_weights_at, model_dim, inter_dim)
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
                      expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)

@@ -118,8 +118,10 @@ def moe_routing(router_logits, topk, renormalize=True, softmax_after_topk=False)
     - softmax_after_topk=True (GPT-OSS): the topk largest logits, then a softmax over those
       (already summing to 1: renormalize changes nothing).
 
-    Ties keep torch.topk's order. The pair (topk_weights, topk_ids) is what fused_moe /
-    moe_sorting take: `fused_moe(x, ..., *moe_routing(logits, topk))`.
+    Ties keep torch.topk's order. A token whose logits hold a NaN or +inf, or are all -inf, gets
+    NaN weights (the softmax's; its ids may then be any), so its layer output is NaN (only that
+    token's). The pair (topk_weights, topk_ids) is what fused_moe / moe_sorting take:
+    `fused_moe(x, ..., *moe_routing(logits, topk))`.
     """
     validate.tensor(router_logits, "router_logits", (torch.float32, torch.bfloat16, torch.float16), ndim=2)
     experts, topk = router_logits.shape[1], validate.as_int(topk)

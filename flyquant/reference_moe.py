@@ -274,12 +274,20 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
     return model_dim, inter_dim
 
 
-def check_swiglu_limit(activation: str, limit) -> None:
-    """swiglu_oai's limit is >= 0 (+inf: no clamp). A negative or NaN limit has no meaning, and the
-    kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a finite one above FLT_MAX is
-    +inf in FP32 (torch.clamp refuses it, the kernels took it for a finite clamp): refused on both
-    backends."""
-    if activation == "swiglu_oai" and not (float(limit) >= 0 and (float(limit) <= F32_MAX or float(limit) == math.inf)):
+def check_activation_args(activation: str, alpha, limit) -> None:
+    """alpha and limit real numbers (whatever the activation: float() took "7", True, a tensor);
+    swiglu_oai's alpha finite (a NaN or infinite one gave a NaN layer, or a step for sigmoid,
+    without an error: helper-72) and its limit >= 0 (+inf: no clamp). A negative or NaN limit has
+    no meaning, and the kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a
+    finite one above FLT_MAX is +inf in FP32 (torch.clamp refuses it, the kernels took it for a
+    finite clamp): refused on both backends."""
+    validate.real_number(alpha, "alpha")
+    validate.real_number(limit, "limit")
+    if activation != "swiglu_oai":
+        return
+    if not math.isfinite(float(alpha)):
+        raise ValueError(f"alpha must be finite for swiglu_oai (g * sigmoid(alpha * g); GPT-OSS: 1.702), got {alpha!r}")
+    if not (float(limit) >= 0 and (float(limit) <= F32_MAX or float(limit) == math.inf)):
         raise ValueError(f"limit must be >= 0 for swiglu_oai, at most FLT_MAX = {F32_MAX!r} or inf (no clamp) (u is "
                          f"clamped to [-limit, limit], g to at most limit; GPT-OSS: 7.0), got {limit!r}")
 
@@ -289,9 +297,8 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
                          inter_dim=None, limit=7.0, alpha=1.702, bias_name="bias") -> tuple[int, int, int]:
     """Everything both backends check before running stage 1 (no tensor values or addresses read):
     types, shapes, devices, the true sizes, bias (E, w1.shape[1]) in w1's row order, out
-    (T * topk, >= inter_dim) bf16, the activation name, alpha and limit real numbers (whatever the
-    activation), swiglu_oai's limit >= 0; errors name bias bias_name (fused_moe: b1). Returns (model_dim,
-    inter_dim, tokens)."""
+    (T * topk, >= inter_dim) bf16, the activation name, alpha and limit (check_activation_args);
+    errors name bias bias_name (fused_moe: b1). Returns (model_dim, inter_dim, tokens)."""
     validate.high_precision(x, "x", ndim=2)
     validate.tensor(w1, "w1", (torch.uint8, torch.float4_e2m1fn_x2), ndim=3)
     validate.tensor(w1_scale, "w1_scale", (SCALE_DTYPE, torch.uint8), ndim=(2, 3))
@@ -304,9 +311,7 @@ def check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_exp
     _check_sorted_args(topk, block_m, sorted_ids, sorted_weights, sorted_expert_ids)
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
-    validate.real_number(alpha, "alpha")
-    validate.real_number(limit, "limit")
-    check_swiglu_limit(activation, limit)
+    check_activation_args(activation, alpha, limit)
     experts, n2, k_half = w1.shape
     if n2 % 2:
         raise ValueError(f"w1.shape[1] = {n2} must be even (gate rows then up rows)")

@@ -81,9 +81,7 @@ def moe_gemm1_a16w4(
     info = arch_info(arch)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    validate.real_number(alpha, "alpha")  # as the reference (float() takes "7", True, a tensor)
-    validate.real_number(limit, "limit")
-    reference_moe.check_swiglu_limit(activation, limit)
+    reference_moe.check_activation_args(activation, alpha, limit)  # as the reference
     experts, w_n, w_k = check_inputs("x", x, "w1", w1, "w1_scale", w1_scale, sorted_ids, sorted_weights,
                                      sorted_expert_ids, num_valid_ids, topk, 4 * MFMA_MN,
                                      "2P: gate and up halves of 32-row scale groups")

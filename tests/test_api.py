@@ -352,7 +352,9 @@ def test_warmup_checks_sizes_and_modes_before_running_anything():
                            (dict(activation="silu", out_dtype=torch.float16), "out_dtype must be one of"),
                            (dict(ids_dtype=torch.int16), "ids_dtype must be torch.int32 or torch.int64"),
                            (dict(activation="silu", stage1_weights=1), "stage1_weights must be a bool, got 1"),
-                           (dict(stage1_bias=True), "stage1_bias / stage1_weights choose the stage-1 kernel")):
+                           (dict(stage1_bias=True), "stage1_bias / stage1_weights choose the stage-1 kernel"),
+                           (dict(activation="silu", stage1_weights=True, stage2_bias=True),
+                            "stage2_bias with stage1_weights: a2 carries the routing weight")):
         with emu.record() as launches, pytest.raises((ValueError, TypeError), match=match):
             fq.warmup(**sizes, tokens=(1,), **options)
         assert launches == []

@@ -108,6 +108,8 @@ def test_layer_three_launches_no_host_sync_within_the_bound(arch, case, monkeypa
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     tokens, topk, experts, mask, activation, biases, at = case
     p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
+    if at == "stage1":
+        p["b2"] = None  # refused with the routing weight in a2 (api_moe.STAGE1_WEIGHTS_B2)
     with emu.record() as launches, AtenOps() as seen:
         got = run(p, activation, at)
     kernels = [r.kernel for r in launches]
@@ -298,6 +300,9 @@ def test_stage_arguments_are_checked_before_out_is_zeroed(backend, monkeypatch):
     out = torch.full((3, 256), 7.0, dtype=torch.float32)
     for bad, match in ((dict(activation="relu"), "activation must be one of"),
                        (dict(limit=-1.0, activation="swiglu_oai"), "limit must be >= 0"),
+                       (dict(alpha=float("nan"), activation="swiglu_oai"), "alpha must be finite"),
+                       # stage 2 added b2 unweighted: not the docstring's layer (helper-72)
+                       (dict(apply_weights_at="stage1"), "b2 with apply_weights_at='stage1': a2 carries the routing"),
                        (dict(b1=p["b1"][:, :10]), r"b1 must have shape \(4, 128\)"),
                        (dict(b2=p["b2"][:1]), r"b2 must have shape \(E = 4"),
                        (dict(b2=p["b2"].to(torch.float64)), "b2 must have dtype in"),
@@ -469,7 +474,7 @@ def test_stage_plans_name_the_launched_kernel(arch, monkeypatch):
     the sizes the kernel is compiled for were not in the plan."""
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     p = layer(3, 2, 4, None, True, seed=10)
-    for kw in (dict(activation="swiglu_oai", alpha=1.5, apply_weights_at="stage1", out_dtype=torch.float32),
+    for kw in (dict(activation="swiglu_oai", alpha=1.5, apply_weights_at="stage1", out_dtype=torch.float32, b2=None),
                dict(activation="silu"), dict(activation="gelu", b1=None, b2=None)):
         args = (p["x"], p["w1"], p["w1_scale"], p["w2"], p["w2_scale"], p["weights"], p["ids"])
         kw = dict(dict(b1=p["b1"], b2=p["b2"], model_dim=MODEL_DIM, inter_dim=INTER_DIM), **kw)
@@ -565,6 +570,8 @@ def test_gpu_layer_within_the_bound(case, monkeypatch):
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     tokens, topk, experts, mask, activation, biases, at = case
     p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
+    if at == "stage1":
+        p["b2"] = None  # refused with the routing weight in a2 (api_moe.STAGE1_WEIGHTS_B2)
     on_device = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in p.items()}
     got = run(on_device, activation, at).cpu()
     exact, bound = exact_layer(p, activation, at)

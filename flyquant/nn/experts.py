@@ -344,9 +344,7 @@ class MoEExperts(torch.nn.Module):
         if not 0 < model_dim <= min(2 * w1.shape[2], w2.shape[1]) or not 0 < inter_dim <= w1.shape[1] // 2:
             raise ValueError(f"model_dim = {model_dim} / inter_dim = {inter_dim} do not fit the padded weights "
                              f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
-        validate.real_number(alpha, "alpha")
-        validate.real_number(limit, "limit")
-        reference_moe.check_swiglu_limit(activation, limit)  # else refused by every forward, not here
+        reference_moe.check_activation_args(activation, alpha, limit)  # else refused by every forward, not here
         self.model_dim, self.inter_dim = int(model_dim), int(inter_dim)
         self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
 
