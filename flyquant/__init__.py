@@ -7,24 +7,31 @@ fused_moe) for gfx942 (MI300X) and gfx950 (MI355X), each dispatched by a selecto
 the PyTorch reference (`flyquant.reference`); `flyquant.emu` runs the kernels on a CPU.
 """
 
-from importlib import metadata as _metadata
-from importlib import util as _util
-from pathlib import Path as _Path
-
 
 def _check_kernels_beside_package() -> None:
-    """flyquant.kernels must be this copy's: kernels/ beside flyquant/ (a checkout, installed
-    editable) or flyquant/kernels (a wheel). Run from a checkout whose flyquant was installed
-    otherwise, the source tree's flyquant has no kernels (a ModuleNotFoundError at the first
-    launch) or another copy's editable mapping supplies them (code of two versions mixed)."""
-    here = _Path(__file__).resolve().parent
-    spec = _util.find_spec(__name__ + ".kernels")
-    found = _Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
-    if found not in (here / "kernels", here.parent / "kernels"):
-        raise ImportError(
-            f"flyquant imported from {here} finds its kernels {'nowhere' if found is None else f'in {found}'}: a "
-            f"source checkout is importable as flyquant only when installed editable (pip install -e .), "
-            f"else run from another directory (the installed flyquant is then imported)")
+    """flyquant.kernels must be this copy's: kernels/ beside flyquant/ (a checkout installed
+    editable) or flyquant/kernels (a wheel). Imported from a checkout that is not installed
+    editable (the current directory comes first on sys.path), the source tree's flyquant had no
+    kernels (a ModuleNotFoundError at the first launch) or another copy's editable mapping
+    supplied them (code of two versions mixed)."""
+    from importlib import metadata, util
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    spec = util.find_spec(__name__ + ".kernels")
+    found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+    if found in (here / "kernels", here.parent / "kernels"):
+        return
+    try:
+        metadata.version("flyquant")
+        fix = ("run from another directory to import the installed flyquant, or install this checkout with "
+               "pip install -e . (the default editable mode maps kernels/ in; editable_mode=strict does not "
+               "when run from the checkout's root)")
+    except metadata.PackageNotFoundError:
+        fix = "install this checkout: pip install -e ."
+    raise ImportError(f"flyquant imported from {here} finds "
+                      f"{'no flyquant.kernels module' if found is None else f'its kernels in {found}'} "
+                      f"(the checkout's kernels/, which the install maps in): {fix}")
 
 
 _check_kernels_beside_package()
@@ -50,10 +57,19 @@ from .grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad
 from .moe import moe_routing
 from .select import Plan
 
-try:
-    __version__ = _metadata.version("flyquant")  # pyproject.toml's, as installed
-except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "unknown"
+
+def _installed_version() -> str:
+    """pyproject.toml's version, as installed (this copy's: _check_kernels_beside_package)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flyquant")
+    except metadata.PackageNotFoundError:  # a wheel's files placed without their metadata
+        return "unknown"
+
+
+__version__ = _installed_version()
+del _check_kernels_beside_package, _installed_version
 
 __all__ = [
     "Plan",

@@ -31,7 +31,7 @@ def _mxfp8_quantize_op(
     x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str], offs: Optional[torch.Tensor],
     signed_zeros: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)  # torch.ops.flyquant.* callers too
+    axis = validate.mxfp8_2d_axis(x, axis)  # torch.ops callers: the launchers check all else, not the axis
     plan = select.plan_mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize(x, axis, scaling_mode, scale_layout, offs, signed_zeros)
@@ -63,7 +63,6 @@ def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
 
 @torch.library.custom_op("flyquant::mxfp8_quantize_dual", mutates_args=())
 def _mxfp8_quantize_dual_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    reference.check_mxfp8_dual(x, scaling_mode)
     plan = select.plan_mxfp8_quantize_dual(x, scaling_mode)
     if plan.backend == "reference":
         (d0, s0), (d1, s1) = reference.mxfp8_quantize_dual(x, scaling_mode)
@@ -90,7 +89,6 @@ def mxfp8_quantize_dual(x, scaling_mode="rceil"):
 def _mxfp8_quantize_3d_op(
     w: torch.Tensor, scaling_mode: str, scale_block_k: int, scale_layout: Optional[str], signed_zeros: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scale_block_k = reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     plan = select.plan_mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
     if plan.backend == "reference":
         return reference.mxfp8_quantize_3d(w, scaling_mode, scale_block_k, scale_layout, signed_zeros)
@@ -131,7 +129,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("flyquant::mxfp4_quantize", mutates_args=())
 def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layout: Optional[str] = None,
                        shuffle: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)  # the launchers do not
     plan = select.plan_mxfp4_quantize(x, axis, scaling_mode, shuffle, scale_layout=scale_layout)
     if plan.backend == "reference":
         return reference.mxfp4_quantize(x, axis, scaling_mode, scale_layout, shuffle)
@@ -259,7 +257,7 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     A kernel is compiled per configuration, so pass the model's: stage1_bias / stage2_bias False
     (no bias), True (bf16) or the bias dtype (flyquant.nn.MoEExperts keeps b1 in fp32; GPT-OSS has
     both biases); stage1_weights: the routing weight applied at stage 1 (fused_moe's
-    apply_weights_at="stage1"); alpha / limit: swiglu_oai's; out_dtype: the layer's output dtype;
+    apply_weights_at="stage1", which takes no stage2_bias); alpha / limit: swiglu_oai's; out_dtype: the layer's output dtype;
     ids_dtype: topk_ids' dtype (torch.topk gives int64). MoEExperts.warmup passes its own."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts

@@ -301,7 +301,7 @@ def _check_moe_buf(topk_ids, moe_buf) -> None:
 # ---------------------------------------------------------------------------------------------
 
 APPLY_WEIGHTS_AT = ("stage1", "stage2")
-# helper-72: the layer with b2 was sum_k (w_tk * act(..) @ W2^T + b2[e]), not its docstring's formula
+# with b2 the layer was sum_k (w_tk * act(..) @ W2^T + b2[e]), not fused_moe's docstring formula
 STAGE1_WEIGHTS_B2 = ("{what}: a2 carries the routing weight, so stage 2 would add b2[e] "
                      "without it (not the layer's w_tk * b2[e]); use apply_weights_at='stage2' (the default)")
 
@@ -320,9 +320,8 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     order, b2 (E, N). expert_mask (num_experts,): the experts served here; w1/w2 hold those only, in
     order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2"
     (default) or "stage1" (a2 carries the routing weight; without b2, which stage 2 would then add
-    unweighted). out: (T, model_dim), overwritten (not
-    contiguous: the layer is computed into a contiguous buffer and copied, a fourth launch); None: a
-    new out_dtype tensor. model_dim / inter_dim: the true sizes when the weights are padded (default
+    unweighted). out: (T, model_dim), overwritten (not contiguous: the layer is computed into a
+    contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim / inter_dim: the true sizes when the weights are padded (default
     x.shape[1] and w1.shape[1] / 2). Routing ids outside [0, num_experts) are dropped on the kernel
     path (checked only with FLYQUANT_DEBUG=1; the reference path always refuses them).
     fq.moe_routing gives topk_weights and topk_ids from router logits.

@@ -103,7 +103,8 @@ def check_gpt_oss() -> bool:
     try:
         from transformers import GptOssConfig, GptOssForCausalLM
     except ImportError:
-        print("GPT-OSS swap: skipped (transformers is not installed: pip install 'flyquant[models]', or -e '.[cpu,models]' in a checkout)")
+        print("GPT-OSS swap: skipped (transformers is not installed: pip install 'flyquant[models]', "
+              "or -e '.[cpu,models]' in a checkout)")
         return True
     import copy
 

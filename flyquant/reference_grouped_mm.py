@@ -55,9 +55,10 @@ def check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None)
                          f"got strides {a.stride()} for shape {tuple(a.shape)}")
     if not b.is_contiguous():
         along_n = b.transpose(1, 2).is_contiguous()  # what fq.mxfp8_quantize_3d(w) returns for w (E, N, K)
+        hint = ("; that is the 3D quantize of w (E, N, K) along N: quantize w.transpose(1, 2), pass its data "
+                "transposed back and its scales as fq.mxfp8_grouped_mm's docstring says") if along_n else ""
         raise ValueError(f"b must be contiguous (E, N, K) quantized along K, got strides {b.stride()} for shape "
-                         f"{tuple(b.shape)}" + ("; that is the 3D quantize of w (E, N, K) along N: quantize "
-                                                 "w.transpose(1, 2) and pass its data transposed back" if along_n else ""))
+                         f"{tuple(b.shape)}{hint}")
     if scale_layout == "mfma":  # each operand's (rows, K/32) scales shuffled; b's per expert
         validate.shape(a_scale, "a_scale", layouts.mfma_scales_shape(m, k // MX_BLOCK))
         validate.shape(b_scale, "b_scale", (e, *layouts.mfma_scales_shape(n, k // MX_BLOCK)))

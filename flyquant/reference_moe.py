@@ -276,8 +276,8 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
 
 def check_activation_args(activation: str, alpha, limit) -> None:
     """alpha and limit real numbers (whatever the activation: float() took "7", True, a tensor);
-    swiglu_oai's alpha finite (a NaN or infinite one gave a NaN layer, or a step for sigmoid,
-    without an error: helper-72) and its limit >= 0 (+inf: no clamp). A negative or NaN limit has
+    swiglu_oai's alpha finite in FP32 (a NaN or infinite one, or one past FLT_MAX, gave a NaN
+    layer or a step for the sigmoid, without an error) and its limit >= 0 (+inf: no clamp). A negative or NaN limit has
     no meaning, and the kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a
     finite one above FLT_MAX is +inf in FP32 (torch.clamp refuses it, the kernels took it for a
     finite clamp): refused on both backends."""
@@ -285,8 +285,9 @@ def check_activation_args(activation: str, alpha, limit) -> None:
     validate.real_number(limit, "limit")
     if activation != "swiglu_oai":
         return
-    if not math.isfinite(float(alpha)):
-        raise ValueError(f"alpha must be finite for swiglu_oai (g * sigmoid(alpha * g); GPT-OSS: 1.702), got {alpha!r}")
+    if not abs(float(alpha)) <= F32_MAX:  # NaN too
+        raise ValueError(f"alpha must be finite in FP32 (|alpha| <= FLT_MAX) for swiglu_oai (g * sigmoid(alpha * "
+                         f"g); GPT-OSS: 1.702), got {alpha!r}")
     if not (float(limit) >= 0 and (float(limit) <= F32_MAX or float(limit) == math.inf)):
         raise ValueError(f"limit must be >= 0 for swiglu_oai, at most FLT_MAX = {F32_MAX!r} or inf (no clamp) (u is "
                          f"clamped to [-limit, limit], g to at most limit; GPT-OSS: 7.0), got {limit!r}")

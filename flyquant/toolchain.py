@@ -16,9 +16,9 @@ re-read on every access; there is no per-call argument), so ``target`` sets them
 ``launch_lock``, a process-wide re-entrant lock, for the whole block: threads compile and
 launch one at a time, and every variable is restored when the block ends.
 
-The cache (``$FLYQUANT_CACHE_DIR``, default ``$XDG_CACHE_HOME/flyquant`` or ``~/.cache/flyquant``)
-holds code this process loads: FlyDSL's pickled kernels, the emulator's HIP stand-in (a shared object) and the linker
-script. So it must be private: every directory flyquant reads code from is owned by the user
+The cache (``$FLYQUANT_CACHE_DIR``, default ``$XDG_CACHE_HOME/flyquant`` or
+``~/.cache/flyquant``) holds code this process loads: FlyDSL's pickled kernels, the emulator's
+HIP stand-in (a shared object) and the linker script. So it must be private: every directory flyquant reads code from is owned by the user
 and writable by no one else, directories flyquant creates are 0700, and a directory that
 fails the check is a ``CacheDirError`` naming it and the fix, never used.
 """
@@ -252,7 +252,7 @@ def kernel_cache_dir() -> str:
     objects), so an edited kernel could be served stale bytes: keying the directory on a hash of
     the kernel sources and the FlyDSL version rules that out.
     """
-    key = (os.environ.get("FLYQUANT_CACHE_DIR"), os.environ.get("HOME"))
+    key = tuple(os.environ.get(v) for v in ("FLYQUANT_CACHE_DIR", "XDG_CACHE_HOME", "HOME"))  # cache_dir()'s inputs
     path = _kernel_dirs.get(key)
     if path is not None:  # the launch path: one stat when nothing changed since the full check
         try:
@@ -265,7 +265,7 @@ def kernel_cache_dir() -> str:
     return path
 
 
-_kernel_dirs: dict[tuple, str] = {}  # (FLYQUANT_CACHE_DIR, HOME) -> kernel_cache_dir() checked
+_kernel_dirs: dict[tuple, str] = {}  # (FLYQUANT_CACHE_DIR, XDG_CACHE_HOME, HOME) -> kernel_cache_dir() checked
 
 
 @contextlib.contextmanager

@@ -24,7 +24,6 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@functools.cache
 def skip_without_peer_triton() -> None:
     """Skip unless Triton can compile the peer kernels here: installed at the version bench/peers.py
     was checked with (the extras take 3.9.0 where the installed torch allows it; PyPI's CUDA build of
@@ -37,6 +36,7 @@ def skip_without_peer_triton() -> None:
         pytest.skip(reason)
 
 
+@functools.cache
 def load(name: str):
     """A bench script as a module (once per session: its dataclasses are keys of its caches)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")

@@ -354,10 +354,11 @@ def test_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
     it was ignored), else ~/.cache/flyquant (a relative XDG_CACHE_HOME is invalid per the spec)."""
     monkeypatch.delenv("FLYQUANT_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert toolchain.cache_dir() == tmp_path / "xdg" / "flyquant"
-    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
-    assert toolchain.cache_dir() == tmp_path / "home" / ".cache" / "flyquant"
+    for xdg, root in ((str(tmp_path / "xdg"), tmp_path / "xdg" / "flyquant"),
+                      ("relative", tmp_path / "home" / ".cache" / "flyquant")):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert toolchain.cache_dir() == root
+        assert toolchain.kernel_cache_dir().startswith(str(root / "flydsl"))  # its memo follows the variable too
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757, 0o722])

@@ -32,8 +32,9 @@ MODEL_DIM, X_WIDTH = 224, 256  # true hidden size; x, w1's K and w2's N padded t
 INTER_DIM, HALF, W2_K = 32, 64, 256  # true inter size; w1's gate/up halves 64 rows; w2's K 256
 
 
-def layer(tokens, topk, num_experts, mask=None, biases=False, seed=0):
-    """A layer's tensors: routing over num_experts (global ids), the weights of the served ones."""
+def layer(tokens, topk, num_experts, mask=None, biases=False, seed=0, apply_weights_at="stage2"):
+    """A layer's tensors: routing over num_experts (global ids), the weights of the served ones;
+    biases: b1 and b2, but no b2 for apply_weights_at="stage1" (refused there: api_moe.STAGE1_WEIGHTS_B2)."""
     g = torch.Generator().manual_seed(seed)
     served = list(range(num_experts)) if mask is None else [e for e in range(num_experts) if mask[e]]
     experts = len(served)
@@ -51,7 +52,8 @@ def layer(tokens, topk, num_experts, mask=None, biases=False, seed=0):
         w1=layouts.shuffle_weight_a16w4(p1, gate_up=True), w1_scale=layouts.shuffle_scale_a16w4(s1, experts, gate_up=True),
         w2=layouts.shuffle_weight_a16w4(p2), w2_scale=layouts.shuffle_scale_a16w4(s2, experts),
         b1=(torch.randn(experts, 2 * HALF, generator=g) * 0.5).to(torch.bfloat16) if biases else None,
-        b2=(torch.randn(experts, X_WIDTH, generator=g) * 0.5).to(torch.bfloat16) if biases else None,
+        b2=(torch.randn(experts, X_WIDTH, generator=g) * 0.5).to(torch.bfloat16)
+        if biases and apply_weights_at == "stage2" else None,
         topk=topk, experts=experts)
 
 
@@ -107,9 +109,7 @@ def test_layer_three_launches_no_host_sync_within_the_bound(arch, case, monkeypa
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     monkeypatch.setenv("FLYQUANT_ARCH", arch)
     tokens, topk, experts, mask, activation, biases, at = case
-    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
-    if at == "stage1":
-        p["b2"] = None  # refused with the routing weight in a2 (api_moe.STAGE1_WEIGHTS_B2)
+    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts, apply_weights_at=at)
     with emu.record() as launches, AtenOps() as seen:
         got = run(p, activation, at)
     kernels = [r.kernel for r in launches]
@@ -130,6 +130,23 @@ def test_reference_backend_gives_the_same_layer(monkeypatch):
     got = run(p, "swiglu_oai")
     exact, bound = exact_layer(p, "swiglu_oai", "stage2")
     assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", *ARCHS])
+def test_special_values_stay_in_their_token(backend, monkeypatch):
+    """A NaN in one token's x and an Inf in another's routing weight leave every other token's output
+    bit-identical (17 tokens x top-4 over 8 experts: rows of several tokens share each tile)."""
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference" if backend == "reference" else "flydsl")
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950" if backend == "reference" else backend)
+    p = layer(17, 4, 8, None, True, seed=12)
+    clean = run(p, "swiglu_oai")
+    dirty = dict(p, x=p["x"].clone(), weights=p["weights"].clone())
+    dirty["x"][3, 17] = float("nan")
+    dirty["weights"][9, 1] = float("inf")
+    got = run(dirty, "swiglu_oai")
+    assert got[3].isnan().any() and not got[9].isfinite().all()
+    others = [t for t in range(17) if t not in (3, 9)]
+    assert torch.equal(got[others], clean[others])
 
 
 def test_out_of_range_ids_dropped_unless_debugging(monkeypatch):
@@ -569,9 +586,7 @@ def test_gpu_layer_within_the_bound(case, monkeypatch):
     device (sorting, stage 1, stage 2), within the same bound of the exact float64 layer."""
     monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
     tokens, topk, experts, mask, activation, biases, at = case
-    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts)
-    if at == "stage1":
-        p["b2"] = None  # refused with the routing weight in a2 (api_moe.STAGE1_WEIGHTS_B2)
+    p = layer(tokens, topk, experts, mask, biases, seed=tokens + experts, apply_weights_at=at)
     on_device = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in p.items()}
     got = run(on_device, activation, at).cpu()
     exact, bound = exact_layer(p, activation, at)

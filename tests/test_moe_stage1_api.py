@@ -177,8 +177,8 @@ def test_negative_or_nan_swiglu_limit_is_refused(backend, monkeypatch):
             fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
         with pytest.raises(ValueError, match="limit must be >= 0 for swiglu_oai"):
             fq.explain(fq.moe_gemm1_a16w4, *args, topk=2, block_m=16, activation="swiglu_oai", limit=limit)
-    for alpha in (float("nan"), float("inf"), -float("inf")):  # a NaN layer or a step, without an error (helper-72)
-        with pytest.raises(ValueError, match="alpha must be finite for swiglu_oai"):
+    for alpha in (float("nan"), float("inf"), -float("inf"), 1e39):  # a NaN layer or a step, without an error
+        with pytest.raises(ValueError, match=r"alpha must be finite in FP32 \(\|alpha\| <= FLT_MAX\) for swiglu_oai"):
             fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="swiglu_oai", alpha=alpha)
     fq.moe_gemm1_a16w4(*args, topk=2, block_m=16, activation="silu", limit=-1.0, alpha=float("nan"))  # unused: not checked
     for limit in (0.0, float("inf")):  # the ends of the range run (values: the fuzzed limits' bound checks)

@@ -427,7 +427,7 @@ def test_fused_moe(arch, data, activation, biases, at):
     mask = None
     if experts > 1 and data.draw(st.booleans()):  # expert parallel: this rank serves some experts
         mask = data.draw(st.lists(st.integers(0, 1), min_size=experts, max_size=experts).filter(any))
-    p = layer(tokens, topk, experts, mask, biases, seed=data.draw(st.integers(0, 2**16)))
+    p = layer(tokens, topk, experts, mask, biases, seed=data.draw(st.integers(0, 2**16)), apply_weights_at=at)
     with backend("flydsl", arch), emu.record() as launches:
         got = run(p, activation, at)
     assert [r.kernel.split("_")[1] for r in launches] == ["sorting", "gemm1", "gemm2"]

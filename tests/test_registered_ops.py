@@ -1,9 +1,10 @@
 """The registered ops, torch.ops.flyquant.*, called directly: each refuses what its public function
 refuses before anything launches (helper-71: the grouped GEMMs' ops launched on a short a_scale
 or offs, reading past the tensors, and took int64 offs as int32; the MXFP4 ops read a
-non-contiguous x as if it were contiguous). The op bodies check (the MoE ops' launchers and
-references check their own inputs). The kernel backend is forced, so a missing check would
-launch under strict memory instead of raising."""
+non-contiguous x as if it were contiguous). The MXFP4 and grouped GEMM op bodies run their
+public functions' checks; the MXFP8 quantize and MoE ops' launchers and references check their
+own inputs (the MXFP8 op body only the axis). The kernel backend is forced, so a missing check
+would launch under strict memory instead of raising."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def _grouped_mm_cases():
             (lambda: fwd(a, a_scale, b[:1], b_scale, ends, BF16), ValueError, "must have shape"),
             (lambda: fwd(a, a_scale, b, b_scale, ends.long(), BF16), TypeError, "offs must have dtype"),
             (lambda: fwd(a, a_scale, b, b_scale, ends[2:], BF16), ValueError, "offs must have shape"),
-            (lambda: fwd(a.view(torch.uint8).view(BF16), a_scale, b, b_scale, ends, BF16), TypeError, "a must have dtype"),
+            (lambda: fwd(a.view(torch.uint8).view(BF16), a_scale, b, b_scale, ends, BF16), TypeError,
+             "a must have dtype"),
         ],
         "mxfp8_grouped_mm_wgrad": [
             (lambda: wgrad(x, x_scale[:10], y, y_scale, ends[:2] - 8, BF16), ValueError, "x_scale must have shape"),
@@ -95,7 +97,8 @@ def _moe_cases():
              ValueError, "expert_mask"),
         ],
         "moe_gemm1_a16w4_": [
-            (lambda: g1(a2, x[:1], w1, w1_scale, *sorted_, topk, block_m, None, *stage1), ValueError, "out must have shape"),
+            (lambda: g1(a2, x[:1], w1, w1_scale, *sorted_, topk, block_m, None, *stage1), ValueError,
+             "out must have shape"),
             (lambda: g1(a2, x, w1, w1_scale[:1], *sorted_, topk, block_m, None, *stage1), ValueError, "w1_scale"),
         ],
         "moe_gemm2_a16w4_": [
