@@ -349,6 +349,36 @@ def test_a_forced_kernel_refuses_a_stage_shape_before_out_is_zeroed(monkeypatch)
     assert not launches and bool((out == 7).all())
 
 
+def test_gate_up_halves_off_the_kernels_scale_groups(monkeypatch):
+    """w1 with gate and up halves of 112 rows (2P = 224: the shuffles take it, the stage-1 kernel takes
+    2P in multiples of 64): stage 1 is planned on the reference (explain says why) and the layer runs,
+    as on the reference backend; under FLYQUANT_BACKEND=flydsl a BackendError before out is zeroed
+    (helper-73: planned as the kernel, then refused by its launcher after moe_sorting zeroed out)."""
+    g = torch.Generator().manual_seed(3)
+    experts, half, k, n = 2, 112, 256, 256
+    p1, s1 = reference.quantize_mxfp4(torch.randn(experts, 2 * half, k, generator=g) * 0.1)
+    p2, s2 = reference.quantize_mxfp4(torch.randn(experts, n, 256, generator=g) * 0.1)
+    args = (torch.randn(3, k, generator=g).to(torch.bfloat16),
+            layouts.shuffle_weight_a16w4(p1, gate_up=True), layouts.shuffle_scale_a16w4(s1, experts, gate_up=True),
+            layouts.shuffle_weight_a16w4(p2), layouts.shuffle_scale_a16w4(s2, experts),
+            *fq.moe_routing(torch.randn(3, experts, generator=g), 1))
+    kw = dict(model_dim=n, inter_dim=96)
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    plans = fq.explain(fq.fused_moe, *args, **kw)
+    assert [plan.backend for plan in plans] == ["flydsl", "reference", "flydsl"], plans
+    assert any("w1.shape[1] = 224" in r for r in plans[1].reasons), plans[1]
+    with emu.record() as launches:
+        got = fq.fused_moe(*args, **kw)
+    assert [r.kernel.split("_")[1] for r in launches] == ["sorting", "gemm2"]
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    torch.testing.assert_close(got, fq.fused_moe(*args, **kw), rtol=0.02, atol=0.02)
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    out = torch.full((3, n), 7.0, dtype=torch.bfloat16)
+    with emu.record() as launches, pytest.raises(select.BackendError, match="w1.shape\\[1\\] = 224"):
+        fq.fused_moe(*args, out=out, **kw)
+    assert not launches and bool((out == 7).all())
+
+
 @pytest.mark.parametrize("backend", ("reference", "flydsl"))
 def test_outputs_with_elements_sharing_memory_are_refused(backend, monkeypatch):
     # An expand()ed out: stage 1 wrote every routed row into one (a wrong a2, no error), stage 2 and
