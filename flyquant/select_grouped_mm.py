@@ -128,7 +128,19 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     name = GroupedMMConfig(target.arch, out_dtype, n, k, experts, config["tile_m"], config["tile_n"],
                            scale_layout=scale_layout, wgrad=op == "mxfp8_grouped_mm_wgrad", signed_zeros=signed_zeros,
                            lds_stage=config.get("lds_stage", False)).name
-    return _kernel_plan(op, target, name, config, *reasons)
+    empty = experts * n * k == 0 if op == "mxfp8_grouped_mm_wgrad" else m * n == 0  # as the launchers return early
+    return _kernel_plan(op, target, name, config, *reasons, *(("an empty output: nothing is launched",) if empty else ()))
+
+
+def refuse_unsupported(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    """Under FLYQUANT_BACKEND=flydsl, the BackendError the op's plan would raise for these sizes (as
+    _grouped_mm_plan takes them), for a caller that launches other work first (the training op
+    quantizes before its GEMMs plan): nothing otherwise."""
+    target = _kernel_target(op, device)
+    if not isinstance(target, Plan):
+        why = _grouped_mm_unsupported(op, target.arch, m, n, k, out_dtype)
+        if why:
+            _forced_reference(why)
 
 
 def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True, scale_layout=None) -> Plan:

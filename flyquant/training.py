@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from . import api, grouped_mm, reference, select, validate
+from . import api, grouped_mm, reference, select, select_grouped_mm, validate
 from .arch import arch_info
 from .formats import MX_BLOCK
 from .reference_grouped_mm import OUT_DTYPES, check_grouped_mm_offs
@@ -115,6 +115,11 @@ def _along_k(B_t: torch.Tensor, scaling_mode: str, signed_zeros: bool,
     return data.transpose(1, 2), (scales if layout else scales.transpose(1, 2).contiguous())
 
 
+def _padded_row_count(rows: int, groups: int) -> int:
+    """The padded copy's rows: every group may grow by up to 31 rows (the bound, known on the host)."""
+    return -(-(rows + (MX_BLOCK - 1) * groups) // MX_BLOCK) * MX_BLOCK
+
+
 def _padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Token groups padded to multiples of 32 (module docstring): (where each of the `rows` rows
     goes (rows,) int64, the padded groups' ends (E,) int32, the padded row count), computed on
@@ -127,7 +132,7 @@ def _padded_rows(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Ten
     padded_starts = torch.cat([padded_ends.new_zeros(1), padded_ends[:-1]])
     shift = torch.cat([padded_starts - starts, padded_ends[-1:] - ends[-1:]])  # per group, then past the last
     row = torch.arange(rows, device=offs.device)
-    total = -(-(rows + (MX_BLOCK - 1) * offs.numel()) // MX_BLOCK) * MX_BLOCK
+    total = _padded_row_count(rows, offs.numel())
     dest = (row + shift[torch.searchsorted(ends, row, right=True)]).clamp_(0, total - 1)
     return dest, padded_ends.int(), total
 
@@ -157,6 +162,22 @@ def _check_wgrad_groups(offs) -> None:
     torch._assert_async((sizes % MX_BLOCK == 0).all(), UNALIGNED_GROUPS)
 
 
+def _refuse_unsupported_gemms(A, B_t, offs, out_dtype, pad, wgrad_with_hp) -> None:
+    """Under FLYQUANT_BACKEND=flydsl, a GEMM this call will run that the kernel does not take is a
+    BackendError here, before the quantize launches (helper-75: gfx942's K limit was refused after
+    them, in the backward after the forward had run)."""
+    if select.forced_backend() != "flydsl":
+        return
+    _, k, n = B_t.shape
+    rows = _padded_row_count(A.shape[0], offs.numel()) if pad else A.shape[0]
+    gemms = [("mxfp8_grouped_mm", n, k, True),  # (op, n, k, run): as select_grouped_mm plans them
+             ("mxfp8_grouped_mm", k, n, A.requires_grad),  # dgrad: grad_out (M, N) x B_t along N
+             ("mxfp8_grouped_mm_wgrad", k, n, B_t.requires_grad and not wgrad_with_hp)]
+    for op, gemm_n, gemm_k, run in gemms:
+        if run:
+            select_grouped_mm.refuse_unsupported(op, A.device, out_dtype, rows, gemm_n, gemm_k)
+
+
 class _MXFP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad_groups, a_data, a_scale):
@@ -183,6 +204,11 @@ class _MXFP8GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         A, B_t, offs, dest, *a_quantized = ctx.saved_tensors
         mode, out_dtype, sz = ctx.scaling_mode, ctx.out_dtype, ctx.signed_zeros
+        quantized_wgrad = ctx.needs_input_grad[1] and ctx.rows > 0 and not ctx.wgrad_with_hp
+        if quantized_wgrad:  # before any launch (the dgrad's ran first, then this refused: helper-75)
+            validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
+                                 "quantizes them in 32x1 blocks for B_t's gradient)")
+            _check_wgrad_groups(offs)
         grad_out = grad_out.contiguous() if dest is None else _scatter_rows(grad_out, dest, ctx.rows)
         grad_a = grad_b_t = None
         if ctx.needs_input_grad[0]:
@@ -202,10 +228,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
             dtype = torch.promote_types(A.dtype, grad_out.dtype)
             grad_b_t = torch._grouped_mm(A.to(dtype).contiguous().t(), grad_out.to(dtype), offs=offs,
                                          out_dtype=dtype).to(B_t.dtype)
-        elif ctx.needs_input_grad[1]:  # wgrad: the token rows in 32x1 blocks (quantize's error would name its x)
-            validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
-                                 "quantizes them in 32x1 blocks for B_t's gradient)")
-            _check_wgrad_groups(offs)
+        elif quantized_wgrad:  # the token rows in 32x1 blocks, checked above (quantize's error would name its x)
             x, x_scale = api.mxfp8_quantize(grad_out, 0, mode, signed_zeros=sz)
             y, y_scale = api.mxfp8_quantize(A.contiguous(), 0, mode, signed_zeros=sz)
             grad_b_t = grouped_mm.mxfp8_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype,
@@ -234,4 +257,5 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
     if pad and not torch.compiler.is_compiling():  # the GEMMs see only the padded ends (not while tracing: values)
         grouped_mm.check_host_offs(check_grouped_mm_offs, offs, A.shape[0])
+    _refuse_unsupported_gemms(A, B_t, offs, out_dtype, pad, wgrad_with_hp)
     return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad, a_data, a_scale)

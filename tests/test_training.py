@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flyquant as fq
-from flyquant import reference, training
+from flyquant import reference, select, training
 from flyquant.formats import MX_BLOCK
 from mx_fp64 import deq64, grouped64, groups  # the independent FP64 model
 from test_grouped_mm import E4M3, assert_within, fp32_bound, offs
@@ -61,6 +61,28 @@ def test_training_op_bad_inputs(reference_backend):
     out = training.mxfp8_grouped_mm(A, B_t, offs(16, 48))
     with pytest.raises(ValueError, match=r"A.shape\[0\] \(M, the token rows.* = 48 must be a positive multiple of 32"):
         out.sum().backward()
+
+
+def test_training_op_refuses_before_launching(monkeypatch):
+    """On the kernel path a refusal comes before any launch (helper-75): the backward's unaligned
+    groups after the dgrad's casts and GEMM had run; under FLYQUANT_BACKEND=flydsl gfx942's K limit
+    after the forward's casts (and for N, in the backward, after the whole forward)."""
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx950")
+    A, W, G, _ = _training_case()
+    a, b = A.clone().requires_grad_(), W.transpose(1, 2).requires_grad_()
+    out = training.mxfp8_grouped_mm(a, b, offs(8, 40, 96))  # group sizes 8, 32, 56
+    with fq.emu.record() as launches, pytest.raises(ValueError, match="every group size must be a multiple of 32"):
+        out.backward(G)
+    assert launches == []
+    monkeypatch.setenv("FLYQUANT_ARCH", "gfx942")
+    monkeypatch.setenv("FLYQUANT_BACKEND", "flydsl")
+    big = 43680  # past GFX942_GROUPED_MM_MAX_K
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16)  # noqa: E731
+    for a, b in ((zeros(32, big), zeros(1, big, 32)),  # the forward's K
+                 (zeros(32, 32).requires_grad_(), zeros(1, 32, big))):  # the dgrad's K: B_t's N
+        with fq.emu.record() as launches, pytest.raises(select.BackendError, match=f"K = {big} > 43648 on gfx942"):
+            training.mxfp8_grouped_mm(a, b, offs(32))
+        assert launches == []
 
 
 def _mx_error(x: torch.Tensor, along: int) -> torch.Tensor:
