@@ -536,7 +536,7 @@ def plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, has_bias, a
     from .kernels import moe_gemm1_a16w4 as k
     from .kernels._a16w4_common import MFMA_MN, SPARSE_ROWS, planned_name
 
-    if w1.shape[1] % (4 * MFMA_MN):  # the shuffles take halves of 16 rows (helper-73: planned, then refused)
+    if w1.shape[1] % (4 * MFMA_MN):  # the shuffles take halves of 16 rows (the launcher refused them after sorting)
         reason = (f"the kernel takes w1's gate and up halves in 32-row scale groups (w1.shape[1] a multiple of "
                   f"{4 * MFMA_MN}), got w1.shape[1] = {w1.shape[1]}")
         _forced_reference(reason)

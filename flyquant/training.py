@@ -164,8 +164,8 @@ def _check_wgrad_groups(offs) -> None:
 
 def _refuse_unsupported_gemms(A, B_t, offs, out_dtype, pad, wgrad_with_hp) -> None:
     """Under FLYQUANT_BACKEND=flydsl, a GEMM this call will run that the kernel does not take is a
-    BackendError here, before the quantize launches (helper-75: gfx942's K limit was refused after
-    them, in the backward after the forward had run)."""
+    BackendError here, before the quantize launches (gfx942's K limit was refused after them, or
+    in the backward after the forward had run)."""
     if select.forced_backend() != "flydsl":
         return
     _, k, n = B_t.shape
@@ -205,7 +205,7 @@ class _MXFP8GroupedMM(torch.autograd.Function):
         A, B_t, offs, dest, *a_quantized = ctx.saved_tensors
         mode, out_dtype, sz = ctx.scaling_mode, ctx.out_dtype, ctx.signed_zeros
         quantized_wgrad = ctx.needs_input_grad[1] and ctx.rows > 0 and not ctx.wgrad_with_hp
-        if quantized_wgrad:  # before any launch (the dgrad's ran first, then this refused: helper-75)
+        if quantized_wgrad:  # before any launch (the dgrad's casts and GEMM ran first, then this refused)
             validate.multiple_of(A.shape[0], MX_BLOCK, "A.shape[0] (M, the token rows: mxfp8_grouped_mm's backward "
                                  "quantizes them in 32x1 blocks for B_t's gradient)")
             _check_wgrad_groups(offs)
