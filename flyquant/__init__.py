@@ -8,13 +8,23 @@ the PyTorch reference (`flyquant.reference`); `flyquant.emu` runs the kernels on
 """
 
 
-def _check_kernels_beside_package() -> None:
+def _installed_version() -> str | None:
+    """pyproject.toml's version, as installed (None: no flyquant distribution is installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flyquant")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _check_kernels_beside_package(installed: bool) -> None:
     """flyquant.kernels must be this copy's: kernels/ beside flyquant/ (a checkout installed
     editable) or flyquant/kernels (a wheel). Imported from a checkout that is not installed
     editable (the current directory comes first on sys.path), the source tree's flyquant had no
     kernels (a ModuleNotFoundError at the first launch) or another copy's editable mapping
     supplied them (code of two versions mixed)."""
-    from importlib import metadata, util
+    from importlib import util
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
@@ -22,19 +32,17 @@ def _check_kernels_beside_package() -> None:
     found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
     if found in (here / "kernels", here.parent / "kernels"):
         return
-    try:
-        metadata.version("flyquant")
-        fix = ("run from another directory to import the installed flyquant, or install this checkout with "
-               "pip install -e . (the default editable mode maps kernels/ in; editable_mode=strict does not "
-               "when run from the checkout's root)")
-    except metadata.PackageNotFoundError:
-        fix = "install this checkout: pip install -e ."
+    fix = ("run from another directory to import the installed flyquant, or install this checkout with "
+           "pip install -e . (the default editable mode maps kernels/ in; editable_mode=strict does not "
+           "when run from the checkout's root)") if installed else "install this checkout: pip install -e ."
     raise ImportError(f"flyquant imported from {here} finds "
                       f"{'no flyquant.kernels module' if found is None else f'its kernels in {found}'} "
                       f"(the checkout's kernels/, which the install maps in): {fix}")
 
 
-_check_kernels_beside_package()
+__version__ = _installed_version() or "unknown"  # this copy's, once the check below passes
+_check_kernels_beside_package(__version__ != "unknown")
+del _check_kernels_beside_package, _installed_version
 
 from . import emu, nn, reference, training  # noqa: E402
 from .api import (
@@ -57,19 +65,6 @@ from .grouped_mm import mxfp8_grouped_mm, mxfp8_grouped_mm_wgrad
 from .moe import moe_routing
 from .select import Plan
 
-
-def _installed_version() -> str:
-    """pyproject.toml's version, as installed (this copy's: _check_kernels_beside_package)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("flyquant")
-    except metadata.PackageNotFoundError:  # a wheel's files placed without their metadata
-        return "unknown"
-
-
-__version__ = _installed_version()
-del _check_kernels_beside_package, _installed_version
 
 __all__ = [
     "Plan",

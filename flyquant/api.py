@@ -257,8 +257,9 @@ def warmup(*, model_dim: int, inter_dim: int, experts: int, topk: int, tokens=(1
     A kernel is compiled per configuration, so pass the model's: stage1_bias / stage2_bias False
     (no bias), True (bf16) or the bias dtype (flyquant.nn.MoEExperts keeps b1 in fp32; GPT-OSS has
     both biases); stage1_weights: the routing weight applied at stage 1 (fused_moe's
-    apply_weights_at="stage1", which takes no stage2_bias); alpha / limit: swiglu_oai's; out_dtype: the layer's output dtype;
-    ids_dtype: topk_ids' dtype (torch.topk gives int64). MoEExperts.warmup passes its own."""
+    apply_weights_at="stage1", which takes no stage2_bias); alpha / limit: swiglu_oai's;
+    out_dtype: the layer's output dtype; ids_dtype: topk_ids' dtype (torch.topk gives int64).
+    MoEExperts.warmup passes its own."""
     api_moe.check_moe_sizes(model_dim=model_dim, inter_dim=inter_dim, experts=experts, topk=topk)
     # numpy integers pass that check; as ints here, since the ops below refused a numpy topk or experts
     model_dim, inter_dim, experts, topk = map(validate.integer, (model_dim, inter_dim, experts, topk))

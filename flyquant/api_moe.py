@@ -321,9 +321,10 @@ def fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *, b1=None,
     order (local ids; their count is checked with FLYQUANT_DEBUG=1). apply_weights_at: "stage2"
     (default) or "stage1" (a2 carries the routing weight; without b2, which stage 2 would then add
     unweighted). out: (T, model_dim), overwritten (not contiguous: the layer is computed into a
-    contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim / inter_dim: the true sizes when the weights are padded (default
-    x.shape[1] and w1.shape[1] / 2). Routing ids outside [0, num_experts) are dropped on the kernel
-    path (checked only with FLYQUANT_DEBUG=1; the reference path always refuses them).
+    contiguous buffer and copied, a fourth launch); None: a new out_dtype tensor. model_dim /
+    inter_dim: the true sizes when the weights are padded (default x.shape[1] and w1.shape[1] /
+    2). Routing ids outside [0, num_experts) are dropped on the kernel path (checked only with
+    FLYQUANT_DEBUG=1; the reference path always refuses them).
     fq.moe_routing gives topk_weights and topk_ids from router logits.
     """
     tokens, topk, num_experts, model_dim, inter_dim, block_m = _fused_moe_sizes(

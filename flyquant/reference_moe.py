@@ -277,10 +277,10 @@ def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, in
 def check_activation_args(activation: str, alpha, limit) -> None:
     """alpha and limit real numbers (whatever the activation: float() took "7", True, a tensor);
     swiglu_oai's alpha finite in FP32 (a NaN or infinite one, or one past FLT_MAX, gave a NaN
-    layer or a step for the sigmoid, without an error) and its limit >= 0 (+inf: no clamp). A negative or NaN limit has
-    no meaning, and the kernels' clamps (v_med3_f32) and torch.clamp would disagree on it; a
-    finite one above FLT_MAX is +inf in FP32 (torch.clamp refuses it, the kernels took it for a
-    finite clamp): refused on both backends."""
+    layer or a step for the sigmoid, without an error) and its limit >= 0 (+inf: no clamp). A
+    negative or NaN limit has no meaning, and the kernels' clamps (v_med3_f32) and torch.clamp
+    would disagree on it; a finite one above FLT_MAX is +inf in FP32 (torch.clamp refuses it, the
+    kernels took it for a finite clamp): refused on both backends."""
     validate.real_number(alpha, "alpha")
     validate.real_number(limit, "limit")
     if activation != "swiglu_oai":

@@ -101,8 +101,11 @@ def _wide_tile_n(arch: str, cols: int, tiles_per_column_tile: int, widths) -> in
     return next((t for t in widths if cols % t == 0 and tiles_per_column_tile * (cols // t) >= cus), 128)
 
 
-def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
-                     experts: int, signed_zeros: bool, scale_layout=None) -> Plan:
+def plan_grouped_mm_sizes(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int,
+                          experts: int, signed_zeros: bool = True, scale_layout=None) -> Plan:
+    """The plan of a grouped GEMM from its sizes (forward: a (m, k), b (E, n, k); wgrad: x (m, k),
+    y (m, n)); under FLYQUANT_BACKEND=flydsl a BackendError for sizes the kernel does not take. The
+    training op plans its GEMMs with it before its quantize launches."""
     target = _kernel_target(op, device)
     if isinstance(target, Plan):
         return target
@@ -132,27 +135,17 @@ def _grouped_mm_plan(op: str, device: torch.device, out_dtype: torch.dtype, m: i
     return _kernel_plan(op, target, name, config, *reasons, *(("an empty output: nothing is launched",) if empty else ()))
 
 
-def refuse_unsupported(op: str, device: torch.device, out_dtype: torch.dtype, m: int, n: int, k: int) -> None:
-    """Under FLYQUANT_BACKEND=flydsl, the BackendError the op's plan would raise for these sizes (as
-    _grouped_mm_plan takes them), for a caller that launches other work first (the training op
-    quantizes before its GEMMs plan): nothing otherwise."""
-    target = _kernel_target(op, device)
-    if not isinstance(target, Plan):
-        why = _grouped_mm_unsupported(op, target.arch, m, n, k, out_dtype)
-        if why:
-            _forced_reference(why)
-
-
 def plan_mxfp8_grouped_mm(a, b, offs, out_dtype, signed_zeros=True, scale_layout=None) -> Plan:
     """The MXFP8 grouped GEMM (forward / dgrad), inputs already checked."""
     e, n, k = b.shape
-    return _grouped_mm_plan("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros, scale_layout)
+    return plan_grouped_mm_sizes("mxfp8_grouped_mm", a.device, out_dtype, a.shape[0], n, k, e, signed_zeros,
+                                 scale_layout)
 
 
 def plan_mxfp8_grouped_mm_wgrad(x, y, offs, out_dtype, signed_zeros=True) -> Plan:
     """The MXFP8 grouped weight-gradient GEMM, inputs already checked."""
-    return _grouped_mm_plan("mxfp8_grouped_mm_wgrad", x.device, out_dtype, x.shape[0], y.shape[1], x.shape[1],
-                            offs.shape[0], signed_zeros)
+    return plan_grouped_mm_sizes("mxfp8_grouped_mm_wgrad", x.device, out_dtype, x.shape[0], y.shape[1], x.shape[1],
+                                 offs.shape[0], signed_zeros)
 
 
 def grouped_mm_launcher(plan: Plan):

@@ -18,8 +18,8 @@ launch one at a time, and every variable is restored when the block ends.
 
 The cache (``$FLYQUANT_CACHE_DIR``, default ``$XDG_CACHE_HOME/flyquant`` or
 ``~/.cache/flyquant``) holds code this process loads: FlyDSL's pickled kernels, the emulator's
-HIP stand-in (a shared object) and the linker script. So it must be private: every directory flyquant reads code from is owned by the user
-and writable by no one else, directories flyquant creates are 0700, and a directory that
+HIP stand-in (a shared object) and the linker script. So it must be private: every directory
+flyquant reads code from is owned by the user and writable by no one else, directories flyquant creates are 0700, and a directory that
 fails the check is a ``CacheDirError`` naming it and the fix, never used.
 """
 

@@ -170,12 +170,12 @@ def _refuse_unsupported_gemms(A, B_t, offs, out_dtype, pad, wgrad_with_hp) -> No
         return
     _, k, n = B_t.shape
     rows = _padded_row_count(A.shape[0], offs.numel()) if pad else A.shape[0]
-    gemms = [("mxfp8_grouped_mm", n, k, True),  # (op, n, k, run): as select_grouped_mm plans them
+    gemms = [("mxfp8_grouped_mm", n, k, True),  # (op, n, k, run): as plan_grouped_mm_sizes takes them
              ("mxfp8_grouped_mm", k, n, A.requires_grad),  # dgrad: grad_out (M, N) x B_t along N
              ("mxfp8_grouped_mm_wgrad", k, n, B_t.requires_grad and not wgrad_with_hp)]
     for op, gemm_n, gemm_k, run in gemms:
         if run:
-            select_grouped_mm.refuse_unsupported(op, A.device, out_dtype, rows, gemm_n, gemm_k)
+            select_grouped_mm.plan_grouped_mm_sizes(op, A.device, out_dtype, rows, gemm_n, gemm_k, B_t.shape[0])
 
 
 class _MXFP8GroupedMM(torch.autograd.Function):

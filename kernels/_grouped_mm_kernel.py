@@ -43,9 +43,10 @@ output columns 4c .. 4c + 3: each lane stores 8 (bf16) or 16 (fp32) contiguous b
   block's partial product starts from 0 and is added to the accumulator times sa * sb (packed
   FMAs); the final sum is multiplied by 4 (the two halvings). sa * sb is FP32: codes whose
   exponents sum past 127 make it inf (a finite result becomes inf, or NaN where the block's
-  products cancel), below FP32's smallest value it is 0 (a tiny finite result becomes 0); gfx950 has no such
-  product. The step's scales are converted to f32 once per workgroup into LDS ([row][block] for
-  A: a lane reads its row's four at once; [block][column] for B: its four output columns at once).
+  products cancel), below FP32's smallest value it is 0 (a tiny finite result becomes 0);
+  gfx950 has no such product. The step's scales are converted to f32 once per workgroup into
+  LDS ([row][block] for A: a lane reads its row's four at once; [block][column] for B: its four
+  output columns at once).
 
 Memory safety. Every access goes through a buffer resource sized to its tensor (a and a_scale: M
 rows; b and b_scale: the group's expert; out: M rows), masked rows and K chunks at an offset past
