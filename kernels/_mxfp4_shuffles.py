@@ -5,6 +5,8 @@ FlyDSL kernels (flyquant.layouts holds the reference permutations)."""
 
 from __future__ import annotations
 
+import math
+
 from flyquant.arch import arch_info
 
 from . import _mx_common as mx
@@ -12,10 +14,10 @@ from ._mx_common import WAVE, add, band, lshr, mul, shl, sub
 
 A16W4_NLANE = 16  # aiter's shuffle_weight_a16w4 default: 16 rows of N per tile
 A16W4_KLANE = WAVE // A16W4_NLANE  # 4 blocks of K per tile row
-PLACED_TILES_PER_WAVE = 8  # a row tile's tiles in runs of 8 per wave (the last run: those left)
-# Large launches: up to 32 tiles a wave (a divisor of the row tile's, so no padding), spreading the
-# wave's setup over up to 4 times the steps, while at least 4 waves per CU remain (a step loads 8
-# KiB: 32 KiB in flight per CU, issue 4's target for large shapes).
+PLACED_TILES_PER_WAVE = 8  # the shortest run of a row tile's tiles a wave takes (but for the row tile's last)
+# Large launches: up to 32 tiles a wave, spreading the wave's setup over up to 4 times the steps,
+# while at least 4 waves per CU remain (a step loads 8 KiB: 32 KiB in flight per CU, issue 4's
+# target for large shapes).
 LONG_TILES_PER_WAVE = 32
 LONG_WAVES_PER_CU = 4
 
@@ -39,19 +41,18 @@ def row_tiles(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> 
     """(16-row x 4-block tiles per row tile of nkb blocks, tiles per wave) of the shuffles, where
     mxfp4_quantize.build_rows places a wave's tiles once in one row tile: the row tile's tiles
     (two-tile steps: 2 ceil(nkb / 8), the last step's blocks past nkb phantoms; a4w4's one-tile
-    steps: ceil(nkb / 4)) in waves of their largest divisor from 32 down to 9 (whole steps) that
-    leaves a launch of row_tile_count row tiles LONG_WAVES_PER_CU, else padded to whole waves of 8;
-    a wave runs only the row tile's. a16w4's one-tile steps (not placed, their (row, kb) carried):
-    ceil(nkb / 4) and 8."""
+    steps: ceil(nkb / 4)) split among the fewest waves that leave a launch of row_tile_count row
+    tiles LONG_WAVES_PER_CU waves per CU (and none longer than 32 tiles), in near-equal runs of
+    whole steps, at least 8 tiles; the row tile padded to whole runs (padded_run) where they do
+    not divide it: a wave runs only the row tile's tiles. a16w4's one-tile steps (not placed,
+    their (row, kb) carried): ceil(nkb / 4) and 8."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
     if real is None:
-        return -(-nkb // 4), 8
+        return -(-nkb // 4), PLACED_TILES_PER_WAVE
     step = 2 if two_tile_steps(arch, dtype, shuffle) else 1
     waves_wanted = arch_info(arch).compute_units * LONG_WAVES_PER_CU
-    for per in range(LONG_TILES_PER_WAVE, PLACED_TILES_PER_WAVE, -step):
-        if real % per == 0 and row_tile_count * real // per >= waves_wanted:
-            return real, per
-    per = PLACED_TILES_PER_WAVE
+    waves = max(math.ceil(waves_wanted / max(row_tile_count, 1)), -(-real // LONG_TILES_PER_WAVE))
+    per = max(PLACED_TILES_PER_WAVE, -(-real // (waves * step)) * step)
     return -(-real // per) * per, per
 
 
@@ -62,22 +63,29 @@ def real_row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> int | None:
     return -(-nkb // 4) if shuffle == "a4w4" else None
 
 
-def padded_rows(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> bool:
-    """Whether row_tiles pads a row tile (its placed tiles not a whole number of waves)."""
+def padded_run(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> int:
+    """The run of tiles per wave a row tile is padded to whole multiples of (row_tiles), 0 where
+    the runs divide it."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
-    return real is not None and row_tiles(arch, dtype, shuffle, nkb, row_tile_count)[0] != real
+    padded, per = row_tiles(arch, dtype, shuffle, nkb, row_tile_count)
+    return per if real is not None and padded != real else 0
 
 
-def emit_row_tiles(nkb, two_tile: bool, ragged: bool, padded: bool):
+def emit_row_tiles(nkb, two_tile: bool, ragged: bool, pad_run: int):
     """row_tiles' (real, padded) tiles per row tile, emitted: two-tile steps 2 ceil(nkb / 8)
-    (nkb / 4 unless ragged), one-tile steps ceil(nkb / 4) (nkb / 4 unless ragged); padded: rounded
-    up to whole waves."""
+    (nkb / 4 unless ragged), one-tile steps ceil(nkb / 4) (nkb / 4 unless ragged); pad_run
+    (padded_run, compile-time): rounded up to whole runs of that many."""
     if ragged:
         real = shl(lshr(add(nkb, 7), 3), 1) if two_tile else lshr(add(nkb, 3), 2)
     else:
         real = lshr(nkb, 2)
-    per = PLACED_TILES_PER_WAVE
-    return real, band(add(real, per - 1), -per) if padded else real
+    if not pad_run:
+        return real, real
+    up = add(real, pad_run - 1)
+    if pad_run & (pad_run - 1) == 0:
+        return real, band(up, -pad_run)
+    magic, shift = mx.divide_magic(pad_run)
+    return real, mul(lshr(add(mx.umulhi(up, mx.i32_bits(magic)), up), shift), pad_run)
 
 
 def a16w4_scale_offset(tile, kb, nl, nkb):

@@ -51,8 +51,8 @@ plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). A wave's tiles lie in one
 (_mxfp4_shuffles.row_tiles), placed by one division (row_tile_first), and its steps' x, data and
 code offsets are linear in their first unit ("mfma" codes of one-tile steps: placed per step);
 steps take two tiles on gfx950 with 16-bit x (a16w4 and a4w4), one elsewhere (a4w4; a16w4 carries
-its (row, kb) per tile). A row tile is padded to whole waves of steps; one-tile steps run only
-its real tiles, and where K % 128 == 64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's
+its (row, kb) per tile). A row tile is padded to whole runs of a wave's tiles; a wave runs only
+the row tile's real ones, and where K % 128 == 64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's
 last step drops the pairs past the row's end (loads and codes out of range, data stores past
 the wave's data buffer, which ends with the row tile's); a two-tile last step whose second tile
 holds none of the row's blocks runs its first tile alone (nkb % 8 of 1 to 4).
@@ -114,7 +114,7 @@ def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
-               waves: int = MAX_WAVES, k_align: int = 0, padded: bool = False):
+               waves: int = MAX_WAVES, k_align: int = 0, pad_run: int = 0):
     """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
     != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
@@ -122,8 +122,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
     caller's zeros)); k_align (a4w4_k_align, a4w4 only): 64, a row tile's last step holds pairs of
     blocks past the row's end (ragged: not read, stores dropped); 256 (two-tile steps) or 128
-    (one-tile steps), none does; padded (sh.padded_rows): the row tiles' placed tiles are not whole
-    waves (a wave runs only its row tile's)."""
+    (one-tile steps), none does; pad_run (sh.padded_run): the row tiles' placed tiles are padded
+    to whole runs of pad_run tiles, a wave's (a wave runs only its row tile's); 0: the runs divide them."""
     spec = Spec(arch, dtype, mode)
     assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
@@ -136,7 +136,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
-            + (f"_k{k_align}" if k_align else "") + ("_padded" if padded else "") + (f"_{scale_layout}" if scale_layout else "")
+            + (f"_k{k_align}" if k_align else "") + (f"_pad{pad_run}" if pad_run else "") + (f"_{scale_layout}" if scale_layout else "")
             + f"_w{waves}")
     source = SOURCE_TAG
 
@@ -175,7 +175,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         4 blocks of one row tile, its two pairs of 2 blocks; a16w4's one-tile steps: `first`,
         carried from step to step."""
         nkb, row_bytes, k, magic, shift, dims = shape
-        tpr = sh.emit_row_tiles(nkb, pair_tiles, ragged, padded)[1] if placed else lshr(nkb, 2)
+        tpr = sh.emit_row_tiles(nkb, pair_tiles, ragged, pad_run)[1] if placed else lshr(nkb, 2)
         return first if first is not None else sh.row_tile_first(t0, tpr, magic, shift)
 
     def kept(flag, x):
@@ -435,7 +435,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             nt = 2 if pair_tiles else 1  # tiles per step
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
-            regrid = ragged or padded  # the output unit is not the grid's
+            regrid = ragged or pad_run  # the output unit is not the grid's
             inside = mx.cmp_ult(mul(row, shape[0]), nb) if regrid else mx.cmp_ult(t_first, nb)
             out0 = add(mul(row, shape[0]), shl(kb, 4))  # the output unit of the wave's first tile
             if shuffle != "a4w4":
@@ -469,8 +469,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                             placed=(add(x0, mul(d, in_block // 16)), codes, keeps))
 
             tiles = val(tiles_per_wave)
-            if padded:  # the row tile's from the wave's first
-                tiles = mx.umin(tiles, sub(sh.emit_row_tiles(shape[0], pair_tiles, ragged, padded)[0], lshr(kb, 2)))
+            if pad_run:  # the row tile's from the wave's first
+                tiles = mx.umin(tiles, sub(sh.emit_row_tiles(shape[0], pair_tiles, ragged, pad_run)[0], lshr(kb, 2)))
             end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
                 t_last = sub(end, nt * WAVE)
@@ -623,7 +623,7 @@ def _launch_rows(x, data, scales, *, arch, scaling_mode, shuffle, rows_per_exper
     with toolchain.target(arch, x.device):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0,
-                              sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))
+                              sh.padded_run(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
                mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,
