@@ -42,8 +42,13 @@ def _mxfp8_quantize_op(
                   signed_zeros=signed_zeros)
 
 
+# The fakes run the public functions' checks (metadata only on FakeTensors: validate.tracing), so that
+# a torch.ops.flyquant.* call refused when it runs is refused while traced, and its axis is read alike
+
+
 @_mxfp8_quantize_op.register_fake
 def _(x, axis, scaling_mode, scale_layout, offs, signed_zeros=True):
+    axis = reference.check_mxfp8_2d(x, axis, scaling_mode, scale_layout, offs)
     return reference.mxfp8_quantize_empty(x, axis, scale_layout, offs)
 
 
@@ -75,6 +80,7 @@ def _mxfp8_quantize_dual_op(x: torch.Tensor, scaling_mode: str) -> tuple[torch.T
 
 @_mxfp8_quantize_dual_op.register_fake
 def _(x, scaling_mode):
+    reference.check_mxfp8_dual(x, scaling_mode)
     return (*reference.mxfp8_quantize_empty(x, -1), *reference.mxfp8_quantize_empty(x, 0))
 
 
@@ -100,6 +106,7 @@ def _mxfp8_quantize_3d_op(
 
 @_mxfp8_quantize_3d_op.register_fake
 def _(w, scaling_mode, scale_block_k, scale_layout, signed_zeros=True):
+    scale_block_k = reference.check_mxfp8_3d(w, scaling_mode, scale_block_k, scale_layout)
     return reference.mxfp8_quantize_3d_empty(w, scale_block_k, scale_layout)
 
 
@@ -144,6 +151,7 @@ def _mxfp4_quantize_op(x: torch.Tensor, axis: int, scaling_mode: str, scale_layo
 
 @_mxfp4_quantize_op.register_fake
 def _(x, axis, scaling_mode, scale_layout=None, shuffle=None):
+    axis = validate.mxfp4_quantize_args(x, axis, scaling_mode, scale_layout, shuffle)
     return reference.mxfp4_quantize_empty(x, axis, scale_layout)
 
 
@@ -176,6 +184,7 @@ def _mxfp4_quantize_dual_op(x: torch.Tensor, scaling_mode: str
 
 @_mxfp4_quantize_dual_op.register_fake
 def _(x, scaling_mode):
+    validate.mxfp4_quantize_args(x, -1, scaling_mode, None, None)
     return (*reference.mxfp4_quantize_empty(x, -1), *reference.mxfp4_quantize_empty(x, 0))
 
 
@@ -213,6 +222,7 @@ def _mxfp4_quantize_3d_op(w: torch.Tensor, scaling_mode: str, shuffle: Optional[
 
 @_mxfp4_quantize_3d_op.register_fake
 def _(w, scaling_mode, shuffle, gate_up):
+    reference.check_mxfp4_3d(w, scaling_mode, shuffle, gate_up)
     return reference.weight_shaped(w, *reference.mxfp4_quantize_empty(w, -1))
 
 

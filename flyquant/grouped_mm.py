@@ -44,6 +44,7 @@ def _grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
 
 @_grouped_mm_op.register_fake
 def _(a, a_scale, b, b_scale, offs, out_dtype, scale_layout=None, signed_zeros=True):
+    ref.check_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, scale_layout)  # as the op (metadata only)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -83,6 +84,7 @@ def _grouped_mm_wgrad_op(x: torch.Tensor, x_scale: torch.Tensor, y: torch.Tensor
 
 @_grouped_mm_wgrad_op.register_fake
 def _(x, x_scale, y, y_scale, offs, out_dtype, signed_zeros=True):
+    ref.check_grouped_mm_wgrad(x, x_scale, y, y_scale, offs, out_dtype)
     return x.new_empty((offs.shape[0], y.shape[1], x.shape[1]), dtype=out_dtype)
 
 

@@ -155,7 +155,7 @@ def _check_wgrad_groups(offs) -> None:
     synchronisation: a router's unaligned groups stop the step (the next synchronisation fails with
     the message) instead of giving B_t a gradient from blocks that straddle groups."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if offs.device.type == "cpu" and not validate.tracing(offs):
         if (sizes % MX_BLOCK != 0).any():
             raise ValueError(f"{UNALIGNED_GROUPS}; offs {offs.tolist()} gives sizes {sizes.tolist()}")
         return
@@ -255,7 +255,7 @@ def mxfp8_grouped_mm(A, B_t, offs, out_dtype=torch.bfloat16, scaling_mode="rceil
     if a_quantized is not None:
         a_data, a_scale = _check_quantized(A, a_quantized, wgrad_with_hp)
     _check(A, B_t, offs, out_dtype, scaling_mode, quantized=a_data is not None)
-    if pad and not torch.compiler.is_compiling():  # the GEMMs see only the padded ends (not while tracing: values)
+    if pad and not validate.tracing(offs):  # the GEMMs see only the padded ends (not while tracing: values)
         grouped_mm.check_host_offs(check_grouped_mm_offs, offs, A.shape[0])
     _refuse_unsupported_gemms(A, B_t, offs, out_dtype, pad, wgrad_with_hp)
     return _MXFP8GroupedMM.apply(A, B_t, offs, out_dtype, scaling_mode, wgrad_with_hp, pad, a_data, a_scale)

@@ -12,6 +12,7 @@ import operator
 from typing import Iterable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .formats import MX_BLOCK, MXFP4_SCALING_MODES, SCALING_MODES
 
@@ -22,6 +23,12 @@ OFFS_GROUP_MULTIPLE = 128  # torchao's grouped-GEMM contract: every token group 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tracing(*tensors) -> bool:
+    """Whether there are no values or addresses to check: while torch.compile traces, or when a
+    given tensor is a FakeTensor (the ops' fakes, make_fx, a FakeTensorMode; data_ptr() is 0)."""
+    return torch.compiler.is_compiling() or any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def tensor(x, name: str, dtypes: Optional[Iterable[torch.dtype]] = None, ndim=None) -> None:
@@ -220,10 +227,10 @@ def offs(group_offs, x: torch.Tensor, rows: int) -> None:
     along the `rows` (M) dimension, on x's device, non-decreasing, ending at `rows`, and every
     group size (including the first, from 0) a multiple of 128. Reads the values (a host sync
     on a GPU), except while torch.compile traces, where there are none: the op's body checks them
-    when the graph runs. Contiguous on every backend, so a call succeeds or fails the same way on
-    both: the kernels read offs as a packed int32 array."""
+    when the graph runs (nor of a FakeTensor). Contiguous on every backend, so a call succeeds or
+    fails the same way on both: the kernels read offs as a packed int32 array."""
     offs_tensor(group_offs, "x", x)
-    if not torch.compiler.is_compiling():
+    if not tracing(group_offs):
         offs_values(group_offs, rows, OFFS_GROUP_MULTIPLE, exact_end=True)
 
 
@@ -280,8 +287,9 @@ def no_overlap(out: torch.Tensor, out_name: str, inputs: dict) -> None:
     Conservative: byte ranges that interleave without sharing an element count as overlapping.
     While torch.compile traces there are no addresses (nor storage offsets): an input that is
     `out`, or a view of the tensor `out` views, is refused whatever part it holds (memory shared
-    any other way is not seen there; fused_moe(out=x) under torch.compile returned zeros)."""
-    if torch.compiler.is_compiling():
+    any other way is not seen there; fused_moe(out=x) under torch.compile returned zeros). The
+    same for FakeTensors (all at address 0)."""
+    if tracing(out):
         for name, t in inputs.items():
             if t is not None and t.numel() and out.numel() and (t is out or _root(t) is _root(out)):
                 raise ValueError(f"{out_name} must not share memory with the input {name} (under torch.compile a "

@@ -4,13 +4,17 @@ or offs, reading past the tensors, and took int64 offs as int32; the MXFP4 ops r
 non-contiguous x as if it were contiguous). The MXFP4 and grouped GEMM op bodies run their
 public functions' checks; the MXFP8 quantize and MoE ops' launchers and references check their
 own inputs (the MXFP8 op body only the axis). The kernel backend is forced, so a missing check
-would launch under strict memory instead of raising."""
+would launch under strict memory instead of raising. The quantize and grouped GEMM ops' fakes run
+the same checks (helper-76: a refused call traced, and the MXFP4 fake read axis 1 as columnwise),
+and the checks of values and addresses wait for real tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import flyquant as fq
 from flyquant import moe, reference
 
 BF16, E8M0 = torch.bfloat16, torch.float8_e8m0fnu
@@ -126,3 +130,44 @@ def test_every_registered_op_has_cases():
 def test_registered_op_refuses_what_the_public_function_refuses(op):
     for call, exc, words in _all_cases()[op]:
         _refused(call, exc, words)
+
+
+@pytest.mark.parametrize("op", sorted(QUANTIZE_CASES) + ["mxfp8_grouped_mm", "mxfp8_grouped_mm_wgrad"])
+def test_fake_refuses_what_the_op_refuses(op):
+    cases = _all_cases()[op]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for call, exc, words in cases:
+            _refused(call, exc, words)
+
+
+def test_fakes_read_the_axis_as_the_ops():
+    """An axis written as x.dim() - 1 (or -2 for MXFP8's 32x1): the fake's outputs have the real
+    outputs' shapes, dtypes and strides."""
+    x3 = torch.randn(2, 32, 64, dtype=BF16)
+    calls = [lambda: ops.mxfp4_quantize(X, 1, "floor", None, None), lambda: ops.mxfp4_quantize(x3, 2, "floor", None, None),
+             lambda: ops.mxfp8_quantize(X, 1, "rceil", None, None), lambda: ops.mxfp8_quantize(X, -2, "rceil", None, None)]
+    for call in calls:
+        real = call()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = call()
+        assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+
+
+def test_value_and_address_checks_wait_for_real_tensors():
+    """Under a FakeTensorMode (make_fx, the fakes) there are no offs values and every address is 0:
+    fused_moe with its own out and the 32x1 quantize with offs trace (helper-76: "out must not
+    overlap the input x", DataDependentOutputException), as under torch.compile."""
+    from test_fused_moe import INTER_DIM, MODEL_DIM, layer
+
+    p = layer(3, 2, 4)
+    args = [p[k] for k in ("x", "w1", "w1_scale", "w2", "w2_scale", "weights", "ids")]
+    x, offs = torch.randn(256, 64, dtype=BF16), torch.tensor([128, 256], dtype=torch.int32)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in args]
+    out = mode.from_tensor(torch.empty(3, MODEL_DIM, dtype=BF16))
+    with mode:
+        assert fq.fused_moe(*fakes, out=out, model_dim=MODEL_DIM, inter_dim=INTER_DIM).shape == (3, MODEL_DIM)
+        data, scales = fq.mxfp8_quantize(mode.from_tensor(x), 0, offs=mode.from_tensor(offs))
+        assert data.shape == (256, 64) and scales.shape == (64, 8)
+        with pytest.raises(ValueError, match="must not share memory"):  # a view of x: seen without addresses
+            fq.fused_moe(*fakes, out=fakes[0][:, :MODEL_DIM], model_dim=MODEL_DIM, inter_dim=INTER_DIM)
