@@ -57,10 +57,15 @@ def _moe_gemm2_op(
     )
 
 
+# The fakes check as both backends do (no values or addresses), so a torch.ops.flyquant.* call refused
+# when it runs is refused while traced
+
+
 @_moe_gemm2_op.register_fake
 def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
       apply_weights, model_dim, inter_dim):
-    return None
+    reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                                       topk, block_m, out=out, bias=bias, model_dim=model_dim, inter_dim=inter_dim)
 
 
 def _check_out_dtype(out_dtype) -> None:
@@ -152,7 +157,9 @@ def _moe_gemm1_op(
 @_moe_gemm1_op.register_fake
 def _(out, x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias,
       activation, alpha, limit, apply_weights, model_dim, inter_dim):
-    return None
+    reference_moe.check_moe_gemm1_call(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids,
+                                       topk, block_m, bias=bias, activation=activation, out=out, model_dim=model_dim,
+                                       inter_dim=inter_dim, limit=limit, alpha=alpha)
 
 
 def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m,
@@ -270,6 +277,8 @@ def _moe_sorting_op(
 
 @_moe_sorting_op.register_fake
 def _(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf):
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=False)
+    _check_moe_buf(topk_ids, moe_buf)
     rows = topk_ids.shape[0] * topk_ids.shape[1] + num_experts * block_m - topk_ids.shape[1]
     new = functools.partial(topk_ids.new_empty, dtype=torch.int32)
     return new(rows), topk_ids.new_empty(rows, dtype=torch.float32), new(-(-rows // block_m)), new(2)

@@ -4,8 +4,7 @@ or offs, reading past the tensors, and took int64 offs as int32; the MXFP4 ops r
 non-contiguous x as if it were contiguous). The MXFP4 and grouped GEMM op bodies run their
 public functions' checks; the MXFP8 quantize and MoE ops' launchers and references check their
 own inputs (the MXFP8 op body only the axis). The kernel backend is forced, so a missing check
-would launch under strict memory instead of raising. The quantize and grouped GEMM ops' fakes run
-the same checks (helper-76: a refused call traced, and the MXFP4 fake read axis 1 as columnwise),
+would launch under strict memory instead of raising. The fakes run the same checks (helper-76: a refused call traced, and the MXFP4 fake read axis 1 as columnwise),
 and the checks of values and addresses wait for real tensors."""
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ def test_registered_op_refuses_what_the_public_function_refuses(op):
         _refused(call, exc, words)
 
 
-@pytest.mark.parametrize("op", sorted(QUANTIZE_CASES) + ["mxfp8_grouped_mm", "mxfp8_grouped_mm_wgrad"])
+@pytest.mark.parametrize("op", sorted(_all_cases()))
 def test_fake_refuses_what_the_op_refuses(op):
     cases = _all_cases()[op]
     with FakeTensorMode(allow_non_fake_inputs=True):
