@@ -162,7 +162,7 @@ def test_a4w4_shuffle_is_aiters(arch):
 
 
 # The a4w4 tile orders (kernels/_mxfp4_shuffles.row_tiles): a wave's tiles in one row tile, placed
-# once, in runs of 8 (a wave runs only its row tile's); gfx950 16-bit two tiles a step (the row
+# once, in runs of 8 at these small launches (a wave runs only its row tile's); gfx950 16-bit two tiles a step (the row
 # tile's tiles rounded up to whole steps), elsewhere one; "k64": the last step drops pairs past the
 # row's end. (80, 512) 4 tiles a row tile, 5 waves, the last workgroup's other 3 past the end,
 # (48, 256) 2 and an odd row tile count, (32, 1024) 8; (32, 384) nkb 12, (32, 2880) GPT-OSS's K,
