@@ -52,6 +52,7 @@ torchao's Triton casts (and aiter's MXFP4 quantize, when aiter imports) are amon
 from __future__ import annotations
 
 import argparse
+import fractions
 import math
 import sys
 import zlib
@@ -241,7 +242,7 @@ def model_case(case: Case, arch: str, max_elements: int, seed: int = 0) -> dict:
     # first compile is one whose resources are read; the emulated kernel's are then known by name.
     full_key = (arch, case.kind, case.mode, case.dtype, case.shape)
     full_res = common.compiled_resources(full_key, arch, api_call, case, torch.empty(case.shape, dtype=case.dtype))
-    with fp4.waves_of_full_launch(math.prod(shape) / case.elements):
+    with fp4.waves_of_full_launch(fractions.Fraction(math.prod(shape), case.elements)):
         small_plan = plan(case, x)
         common.compiled_resources(full_key[:-1] + (shape,), arch, api_call, case, x)
         with emu.device_like_allocations():

@@ -22,6 +22,7 @@ layout padded to 256 rows and 8 columns, as aiter's e8m0_shuffle pads).
 from __future__ import annotations
 
 import contextlib
+import fractions
 import math
 
 import torch
@@ -50,8 +51,9 @@ KEEP = {"fp4_32x1": "m", "fp4_3d_a16w4": "k"}
 
 
 @contextlib.contextmanager
-def waves_of_full_launch(fraction: float):
-    """Plan and run a reduced input (`fraction` of the full one's elements) with the full launch's
+def waves_of_full_launch(fraction: fractions.Fraction):
+    """Plan and run a reduced input (`fraction` of the full one's elements, exact: a float's
+    rounding moved row_tiles' threshold across a whole wave count) with the full launch's
     wave length: the shuffles' waves grow while the launch keeps _mxfp4_shuffles.LONG_WAVES_PER_CU
     waves per CU, a threshold scaled here by the reduction, so the emulated launch's waves take
     the full one's steps (its per-element figures, not the reduced launch's)."""

@@ -68,6 +68,13 @@ def _(out, a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_
                                        topk, block_m, out=out, bias=bias, model_dim=model_dim, inter_dim=inter_dim)
 
 
+def _debug_values(*tensors) -> bool:
+    """Whether FLYQUANT_DEBUG's checks of tensor values (a host synchronisation) run: not on fake
+    tensors (make_fx, a FakeTensorMode: there are no values); under torch.compile they break the
+    graph and run eagerly."""
+    return env.flag("FLYQUANT_DEBUG") and (torch.compiler.is_compiling() or not validate.fake(*tensors))
+
+
 def _check_out_dtype(out_dtype) -> None:
     """The MoE output dtypes the stage-2 kernel accumulates into: bf16 or fp32 (anything else, a
     string included, is a TypeError naming out_dtype)."""
@@ -99,7 +106,7 @@ def moe_gemm2_a16w4(a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_
         a2, w2, w2_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, out=out,
         bias=bias, model_dim=model_dim, inter_dim=inter_dim)
     validate.flag(apply_weights, "apply_weights")  # "no" was torch's schema error naming the internal op
-    if env.flag("FLYQUANT_DEBUG"):
+    if _debug_values(sorted_ids):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w2.shape[0])
     if out is None:
@@ -185,7 +192,7 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
         x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids, num_valid_ids, topk, block_m, bias=bias,
         activation=activation, out=out, model_dim=model_dim, inter_dim=inter_dim, limit=limit, alpha=alpha)
     validate.flag(apply_weights, "apply_weights")  # bool() took "no" for True: weighted rows, no error
-    if env.flag("FLYQUANT_DEBUG"):
+    if _debug_values(sorted_ids):
         reference_moe.check_moe_gemm2_values(sorted_ids, sorted_expert_ids, num_valid_ids, topk, block_m, tokens,
                                              w1.shape[0])
     if out is None:
@@ -293,7 +300,7 @@ def moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, 
     2 GiB; any other by moe_buf.zero_() first (on a GPU, a launch of its own)."""
     num_experts, block_m = validate.as_int(num_experts), validate.as_int(block_m)
     moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask,
-                          check_ids=env.flag("FLYQUANT_DEBUG"))
+                          check_ids=_debug_values(topk_ids))
     _check_moe_buf(topk_ids, moe_buf)
     return _moe_sorting_op(topk_ids, topk_weights, num_experts, block_m, expert_mask, moe_buf)
 
@@ -432,7 +439,7 @@ def _fused_moe_sizes(x, w1, w2, b2, topk_ids, expert_mask, apply_weights_at, mod
         raise ValueError(f"w2.shape[0] = {w2.shape[0]} must equal w1.shape[0] = {experts} (the experts held here)")
     num_experts = experts if expert_mask is None else expert_mask.shape[0]
     # the served count is a value: read when asked for (a host synchronisation), as the ids are
-    if expert_mask is not None and not torch.compiler.is_compiling() and env.flag("FLYQUANT_DEBUG"):
+    if expert_mask is not None and not torch.compiler.is_compiling() and _debug_values(expert_mask):
         served = int((expert_mask != 0).sum())
         if served != experts:
             raise ValueError(f"expert_mask serves {served} experts but w1 and w2 hold {experts}: the weights hold "
@@ -475,7 +482,7 @@ def _explain_moe1(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_ids
 
 
 def _explain_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask=None, moe_buf=None):
-    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=env.flag("FLYQUANT_DEBUG"))
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=_debug_values(topk_ids))
     _check_moe_buf(topk_ids, moe_buf)
     return select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask)
 
@@ -489,7 +496,7 @@ def _explain_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, *,
     a2 = torch.empty(tokens * topk, inter_dim, dtype=torch.bfloat16, device=x.device)
     _check_fused_moe(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, b1, b2, activation, alpha, limit,
                      expert_mask, out, out_dtype, a2, topk, block_m, model_dim, inter_dim)
-    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=env.flag("FLYQUANT_DEBUG"))
+    moe.check_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask, check_ids=_debug_values(topk_ids))
     dtype = out.dtype if out is not None else out_dtype
     return (select.plan_moe_sorting(topk_ids, topk_weights, num_experts, block_m, expert_mask),
             select.plan_moe_gemm1_a16w4(x, w1, topk, block_m, model_dim, inter_dim, b1 is not None, activation,
@@ -503,7 +510,7 @@ def _explain_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_
     """The two plans moe_stage2 runs: sorting, stage 2 (on the same block_m)."""
     _, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
                                                                         inter_dim)
-    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=env.flag("FLYQUANT_DEBUG"))
+    moe.check_moe_sorting(topk_ids, topk_weights, experts, block_m, check_ids=_debug_values(topk_ids))
     reference_moe.check_moe_gemm2_call(a2, w2, w2_scale, *_unsorted(a2.device), topk, block_m, bias=bias,
                                        model_dim=model_dim, inter_dim=inter_dim)
     return (select.plan_moe_sorting(topk_ids, topk_weights, experts, block_m, None),

@@ -287,8 +287,8 @@ def plan_mxfp4_quantize(x: torch.Tensor, axis: int, scaling_mode: str, shuffle=N
             name += f"_a4w4_k{k_align}"
         elif shuffle:
             name += "_a16w4_gate_up" if gate_up else "_a16w4"
-        pad_run = shuffles.padded_run(target.arch, _dtype_name(x.dtype), shuffle, -(-shape[1] // 32), chunk // 16)
-        name += f"_pad{pad_run}" if pad_run else ""
+        name += "_padded" if shuffles.padded_rows(target.arch, _dtype_name(x.dtype), shuffle, -(-shape[1] // 32),
+                                                 chunk // 16) else ""
         name += f"_{scale_layout}" if scale_layout else ""
         split = "one lane per block of 32, 16-byte loads and stores"
         if shuffle == "a4w4":

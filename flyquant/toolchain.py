@@ -59,6 +59,7 @@ _launch_device: list[int | None] = [None]  # the GPU of the innermost target() b
 _in_target = threading.local()  # .depth: the target() blocks this thread is inside
 
 _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_GROUP_OTHER_SEARCH = stat.S_IXGRP | stat.S_IXOTH
 _CACHE_WHY = (
     "flyquant loads code from its cache (FlyDSL's pickled kernels, the emulator's HIP library, the linker "
     "script), so every directory in it must be owned by you (uid {uid}) and writable by no one else"
@@ -108,7 +109,11 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
     every directory below it up to the result exist as directories owned by this user and not
     writable by group or others; directories above `root` are not writable by group or others
     unless sticky. With `tree`, every entry inside the result is checked the same way (FlyDSL
-    creates its own subdirectories and pickles there). Symlinks are resolved first. Raises
+    creates its own subdirectories and pickles there; under a umask such as 002 they are
+    group-writable: where a directory on the way denies group and others its search permission, as
+    the ones flyquant creates do, no one else can reach them, and such an entry of ours loses its
+    group write bit instead of being refused; one others can write is refused). Symlinks are
+    resolved first. Raises
     CacheDirError naming the directory, the problem and the fix; `source` says where `root`
     came from (the variable that names it)."""
     fix_root = source if source.isupper() else "FLYQUANT_CACHE_DIR"
@@ -144,10 +149,14 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
             raise _unsafe(level, "it is not a directory", f"remove it, or point {fix_root} elsewhere", source)
         _check_private(level, st, source, fix_root)
     if tree:
+        sealed = any(not os.stat(level).st_mode & _GROUP_OTHER_SEARCH for level in levels)
         for entry in _walk(levels[-1]):
             try:
                 entry_stat = os.stat(entry)
             except FileNotFoundError:  # a temporary file another process just renamed
+                continue
+            if sealed and entry_stat.st_uid == os.geteuid() and entry_stat.st_mode & _GROUP_OTHER_WRITE == stat.S_IWGRP:
+                os.chmod(entry, stat.S_IMODE(entry_stat.st_mode) & ~stat.S_IWGRP)
                 continue
             _check_private(entry, entry_stat, source, fix_root)
     with _checked_lock:

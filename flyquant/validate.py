@@ -12,7 +12,7 @@ import operator
 from typing import Iterable, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._guards import detect_fake_mode
 
 from .formats import MX_BLOCK, MXFP4_SCALING_MODES, SCALING_MODES
 
@@ -26,9 +26,15 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def tracing(*tensors) -> bool:
-    """Whether there are no values or addresses to check: while torch.compile traces, or when a
-    given tensor is a FakeTensor (the ops' fakes, make_fx, a FakeTensorMode; data_ptr() is 0)."""
-    return torch.compiler.is_compiling() or any(isinstance(t, FakeTensor) for t in tensors)
+    """Whether there are no values or addresses to check: while torch.compile traces, under an
+    active FakeTensorMode (make_fx, export), or when a given tensor is fake or wraps one (the ops'
+    fakes, functionalization; data_ptr() is 0)."""
+    return torch.compiler.is_compiling() or fake(*tensors)
+
+
+def fake(*tensors) -> bool:
+    """Under an active FakeTensorMode, or a given tensor is fake or wraps one (no values, no addresses)."""
+    return detect_fake_mode(tensors) is not None
 
 
 def tensor(x, name: str, dtypes: Optional[Iterable[torch.dtype]] = None, ndim=None) -> None:
@@ -56,8 +62,9 @@ def high_precision(x, name: str, ndim=None) -> None:
 
 
 def is_int(value) -> bool:
-    """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int that is not a bool (True would otherwise pass as 1 for topk, block_m, k_batch ...); a
+    SymInt too (a size traced under torch.compile(dynamic=True), as the ops' fakes see it)."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def as_int(value):

@@ -42,18 +42,22 @@ def row_tiles(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> 
     mxfp4_quantize.build_rows places a wave's tiles once in one row tile: the row tile's tiles
     (two-tile steps: 2 ceil(nkb / 8), the last step's blocks past nkb phantoms; a4w4's one-tile
     steps: ceil(nkb / 4)) split among the fewest waves that leave a launch of row_tile_count row
-    tiles LONG_WAVES_PER_CU waves per CU (and none longer than 32 tiles), in near-equal runs of
-    whole steps, at least 8 tiles; the row tile padded to whole runs (padded_run) where they do
-    not divide it: a wave runs only the row tile's tiles. a16w4's one-tile steps (not placed,
+    tiles LONG_WAVES_PER_CU waves per CU (and none longer than 32 tiles), in runs of one length,
+    whole steps of at least 8 tiles (the last run shorter where they do not divide the row tile,
+    which is padded to whole runs, padded_rows): a wave runs only the row tile's tiles. a16w4's one-tile steps (not placed,
     their (row, kb) carried): ceil(nkb / 4) and 8."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
     if real is None:
         return -(-nkb // 4), PLACED_TILES_PER_WAVE
     step = 2 if two_tile_steps(arch, dtype, shuffle) else 1
     waves_wanted = arch_info(arch).compute_units * LONG_WAVES_PER_CU
-    waves = max(math.ceil(waves_wanted / max(row_tile_count, 1)), -(-real // LONG_TILES_PER_WAVE))
-    per = max(PLACED_TILES_PER_WAVE, -(-real // (waves * step)) * step)
-    return -(-real // per) * per, per
+    wanted = max(math.ceil(waves_wanted / max(row_tile_count, 1)), -(-real // LONG_TILES_PER_WAVE))
+    waves = wanted
+    while True:  # runs rounded up to whole steps can leave fewer waves than wanted: split finer
+        per = max(PLACED_TILES_PER_WAVE, -(-real // (waves * step)) * step)
+        if per == PLACED_TILES_PER_WAVE or -(-real // per) >= wanted:
+            return -(-real // per) * per, per
+        waves += 1
 
 
 def real_row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> int | None:
@@ -63,29 +67,18 @@ def real_row_tiles(arch: str, dtype: str, shuffle, nkb: int) -> int | None:
     return -(-nkb // 4) if shuffle == "a4w4" else None
 
 
-def padded_run(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> int:
-    """The run of tiles per wave a row tile is padded to whole multiples of (row_tiles), 0 where
-    the runs divide it."""
+def padded_rows(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> bool:
+    """Whether row_tiles pads a row tile (its placed tiles not whole runs of a wave's)."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
-    padded, per = row_tiles(arch, dtype, shuffle, nkb, row_tile_count)
-    return per if real is not None and padded != real else 0
+    return real is not None and row_tiles(arch, dtype, shuffle, nkb, row_tile_count)[0] != real
 
 
-def emit_row_tiles(nkb, two_tile: bool, ragged: bool, pad_run: int):
-    """row_tiles' (real, padded) tiles per row tile, emitted: two-tile steps 2 ceil(nkb / 8)
-    (nkb / 4 unless ragged), one-tile steps ceil(nkb / 4) (nkb / 4 unless ragged); pad_run
-    (padded_run, compile-time): rounded up to whole runs of that many."""
+def emit_real_row_tiles(nkb, two_tile: bool, ragged: bool):
+    """real_row_tiles emitted: two-tile steps 2 ceil(nkb / 8), one-tile steps ceil(nkb / 4) (nkb / 4
+    unless ragged)."""
     if ragged:
-        real = shl(lshr(add(nkb, 7), 3), 1) if two_tile else lshr(add(nkb, 3), 2)
-    else:
-        real = lshr(nkb, 2)
-    if not pad_run:
-        return real, real
-    up = add(real, pad_run - 1)
-    if pad_run & (pad_run - 1) == 0:
-        return real, band(up, -pad_run)
-    magic, shift = mx.divide_magic(pad_run)
-    return real, mul(lshr(add(mx.umulhi(up, mx.i32_bits(magic)), up), shift), pad_run)
+        return shl(lshr(add(nkb, 7), 3), 1) if two_tile else lshr(add(nkb, 3), 2)
+    return lshr(nkb, 2)
 
 
 def a16w4_scale_offset(tile, kb, nl, nkb):

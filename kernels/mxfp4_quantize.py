@@ -114,7 +114,7 @@ def plan_rows(shape, arch: str, shuffle, dtype: str) -> RowPlan:
 
 
 def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale_layout=None,
-               waves: int = MAX_WAVES, k_align: int = 0, pad_run: int = 0):
+               waves: int = MAX_WAVES, k_align: int = 0, padded: bool = False):
     """An uncached @flyc.jit launcher of the rowwise kernel for one specialization (tail: K % 32
     != 0, rows divided and partial blocks masked; shuffle: None, "a16w4" or "a16w4_gate_up", the
     outputs written in aiter's A16W4 layouts, K % 256 == 0, or "a4w4", the data in aiter's
@@ -122,8 +122,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     the codes at their places in aiter's e8m0_shuffle (_mx_common.scale_offset; the padding is the
     caller's zeros)); k_align (a4w4_k_align, a4w4 only): 64, a row tile's last step holds pairs of
     blocks past the row's end (ragged: not read, stores dropped); 256 (two-tile steps) or 128
-    (one-tile steps), none does; pad_run (sh.padded_run): the row tiles' placed tiles are padded
-    to whole runs of pad_run tiles, a wave's (a wave runs only its row tile's); 0: the runs divide them."""
+    (one-tile steps), none does; padded (sh.padded_rows): the row tiles' placed tiles are padded
+    to whole runs of a wave's (a wave runs only its row tile's real tiles)."""
     spec = Spec(arch, dtype, mode)
     assert (k_align in (64, 128, 256)) == (shuffle == "a4w4")
     # code_lines' tile pairs in one lined_tiles step (the amaxes of 16-bit x packed in a dword)
@@ -136,7 +136,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
     in_block = MX_BLOCK * spec.elem_bytes
     loads = in_block // PIECE_BYTES
     name = (f"mxfp4_rows_{spec.tag}" + ("_tail" if tail else "") + (f"_{shuffle}" if shuffle else "")
-            + (f"_k{k_align}" if k_align else "") + (f"_pad{pad_run}" if pad_run else "") + (f"_{scale_layout}" if scale_layout else "")
+            + (f"_k{k_align}" if k_align else "") + ("_padded" if padded else "") + (f"_{scale_layout}" if scale_layout else "")
             + f"_w{waves}")
     source = SOURCE_TAG
 
@@ -174,8 +174,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         """Shuffles: (output row, kb) of the tile's first block (wave-uniform): a tile is 16 rows x
         4 blocks of one row tile, its two pairs of 2 blocks; a16w4's one-tile steps: `first`,
         carried from step to step."""
-        nkb, row_bytes, k, magic, shift, dims = shape
-        tpr = sh.emit_row_tiles(nkb, pair_tiles, ragged, pad_run)[1] if placed else lshr(nkb, 2)
+        nkb, row_bytes, k, magic, shift, dims, tpr = shape
         return first if first is not None else sh.row_tile_first(t0, tpr, magic, shift)
 
     def kept(flag, x):
@@ -190,7 +189,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         wave-uniform flags of the tile's two pairs (a pair past the row's end is not read)); with the
         elements present in each (tail, else None); within_x: the tile lies inside x (plain: du's bytes
         then go in the scalar offset, which the range check does not see, instead of a VALU add)."""
-        nkb, row_bytes, k, magic, shift, dims = shape
+        nkb, row_bytes, k, magic, shift, dims, _ = shape
         if tail:  # per register its block g (row division) and the elements present from the piece's first
             col, piece = lane[1:3]
             gs = [add(add(t0, col), du + i * (LOAD_BYTES // in_block)) for i in range(loads)]
@@ -250,7 +249,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         within_x: every tile lies inside x (lined_loads)."""
         rx, rq, rs = bufs
         lane_out, own = lane[:2]
-        nkb, row_bytes, k, magic, shift, dims = shape
+        nkb, row_bytes, k, magic, shift, dims, _ = shape
         t0s = [add(t0, WAVE * j) if j else t0 for j in range(n)]
         if placed:
             firsts, tile_ins, keeps = [None] * n, [placed[0]] * n, placed[2] or [None] * n
@@ -386,7 +385,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         mx.for_range(sub(tiles_per_wave, shl(pairs, 1)), lambda i: lined_tiles(tile(add(shl(pairs, 1), i)), 1, *args))
 
     def body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
-             s_bytes, dims):
+             s_bytes, dims, row_tiles):
         tid = val(fx.Int32(fx.thread_idx.x))
         wave = mx.readfirstlane(lshr(tid, 6))
         lane = band(tid, WAVE - 1)
@@ -396,7 +395,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         rq = mx.buffer(q, zero, mul(mx.to_i64(nb), OUT_BLOCK_BYTES))
         rs = mx.buffer(s, zero, mx.to_i64(val(s_bytes)))
         first = add(mul(val(fx.Int32(fx.block_idx.x)), mul(tiles_per_wave, waves)), mul(wave, tiles_per_wave))
-        bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims))
+        bufs, shape = (rx, rq, rs), (val(nkb), val(row_bytes), val(k), val(magic), val(shift), val(dims), val(row_tiles))
         sizes, n1_args = (nb, val(x_bytes)), (val(n1), val(magic_n1), val(shift_n1))
         col, piece = _lane_split(lane, dists)
         lane_unit = add(shl(lshr(col, 3), 4), band(col, 7)) if paired else col
@@ -435,7 +434,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
             nt = 2 if pair_tiles else 1  # tiles per step
             t_first = mul(first, WAVE)
             row, kb = tile_first(t_first, shape, None)
-            regrid = ragged or pad_run  # the output unit is not the grid's
+            regrid = ragged or padded  # the output unit is not the grid's
             inside = mx.cmp_ult(mul(row, shape[0]), nb) if regrid else mx.cmp_ult(t_first, nb)
             out0 = add(mul(row, shape[0]), shl(kb, 4))  # the output unit of the wave's first tile
             if shuffle != "a4w4":
@@ -469,8 +468,8 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
                             placed=(add(x0, mul(d, in_block // 16)), codes, keeps))
 
             tiles = val(tiles_per_wave)
-            if pad_run:  # the row tile's from the wave's first
-                tiles = mx.umin(tiles, sub(sh.emit_row_tiles(shape[0], pair_tiles, ragged, pad_run)[0], lshr(kb, 2)))
+            if padded:  # the row tile's from the wave's first
+                tiles = mx.umin(tiles, sub(sh.emit_real_row_tiles(shape[0], pair_tiles, ragged), lshr(kb, 2)))
             end = add(t_first, mul(tiles, WAVE))
             if ragged:  # only a wave's last step can hold the row tile's end
                 t_last = sub(end, nt * WAVE)
@@ -501,7 +500,7 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         nkb: fx.Int32,
         row_bytes: fx.Int32,  # K * element bytes
         k: fx.Int32,  # K
-        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles sh.row_tiles' first
+        magic: fx.Int32,  # floor(g / d) = (umulhi(g, magic) + g) >> shift: d = nkb, shuffles row_tiles
         shift: fx.Int32,
         x_bytes: fx.Int32,  # M * K * element bytes
         n1: fx.Int32,  # a16w4_gate_up: N / 32 (rows per expert / 32); 1 otherwise
@@ -509,9 +508,10 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         shift_n1: fx.Int32,
         s_bytes: fx.Int32,  # s's size: M * nkb, or the padded mfma layout's
         dims: fx.Int32,  # mfma: padded scale columns / 8
+        row_tiles: fx.Int32,  # shuffles: a row tile's tiles, padded (sh.row_tiles' first; magic's divisor); else 0
     ):
         body(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1, shift_n1,
-             s_bytes, dims)
+             s_bytes, dims, row_tiles)
 
     @flyc.jit
     def launch(
@@ -531,12 +531,13 @@ def build_rows(arch: str, dtype: str, mode: str, tail: bool, shuffle=None, scale
         shift_n1: fx.Int32,
         s_bytes: fx.Int32,
         dims: fx.Int32,
+        row_tiles: fx.Int32,
         workgroups: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         assert source and name  # closure values, so FlyDSL's disk cache keys on them (sources, variant)
         kernel(x, q, s, nblocks, tiles_per_wave, nkb, row_bytes, k, magic, shift, x_bytes, n1, magic_n1,
-               shift_n1, s_bytes, dims).launch(
+               shift_n1, s_bytes, dims, row_tiles).launch(
             grid=(workgroups, 1, 1), block=(WAVE * waves, 1, 1), stream=stream
         )
 
@@ -615,7 +616,8 @@ def _launch_rows(x, data, scales, *, arch, scaling_mode, shuffle, rows_per_exper
     nkb = -(-k // MX_BLOCK)
     prows, pcols = scales.shape
     tail = k % MX_BLOCK != 0
-    magic, shift = mx.divide_magic(sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16)[0] if shuffle else nkb)
+    row_tiles = sh.row_tiles(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16)[0] if shuffle else 0
+    magic, shift = mx.divide_magic(row_tiles or nkb)
     # gate_up's rows per expert in 32-row tiles (N % 32 == 0); unused by the other variants (any N)
     n1 = rows_per_expert // (sh.A16W4_NLANE * 2) if shuffle == "a16w4_gate_up" else 1
     magic_n1, shift_n1 = mx.divide_magic(n1)
@@ -623,8 +625,8 @@ def _launch_rows(x, data, scales, *, arch, scaling_mode, shuffle, rows_per_exper
     with toolchain.target(arch, x.device):
         launch = _cached_rows(arch, TORCH_DTYPES[x.dtype], scaling_mode, tail, shuffle, scale_layout, cfg.waves,
                               sh.a4w4_k_align(arch, TORCH_DTYPES[x.dtype], k) if shuffle == "a4w4" else 0,
-                              sh.padded_run(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))
+                              sh.padded_rows(arch, TORCH_DTYPES[x.dtype], shuffle, nkb, m // 16))
         launch(x, data, scales, m * nkb, cfg.tiles_per_wave, nkb, k * x.element_size(), k, mx.i32_bits(magic), shift,
                x.numel() * x.element_size(), n1, mx.i32_bits(magic_n1), shift_n1, prows * pcols,
-               mx.layout_dims(scale_layout, pcols) if scale_layout else 0, cfg.workgroups,
+               mx.layout_dims(scale_layout, pcols) if scale_layout else 0, row_tiles, cfg.workgroups,
                stream=toolchain.stream(x))

@@ -3,6 +3,8 @@ tiny configurations, in modelled mode under flyquant.emu (test_bench.py's helper
 
 from __future__ import annotations
 
+import fractions
+
 import torch
 
 import flyquant.emu as emu
@@ -142,14 +144,16 @@ def test_quantize_bench_reduced_mxfp4_shuffles_keep_the_full_waves():
     from flyquant.kernels.mxfp4_quantize import plan_rows
 
     threshold = sh.LONG_WAVES_PER_CU
-    for shuffle, full_shape, small_shape, per in (("a4w4", (8192, 7168), (512, 7168), 28),
-                                                  ("a4w4", (8192, 2880), (1280, 2880), 12),
-                                                  ("a16w4", (8 * 5120, 5120), (768, 5120), 20)):
-        full = plan_rows(full_shape, "gfx950", shuffle, "bf16")
-        with bench.fp4.waves_of_full_launch(small_shape[0] / full_shape[0]):
-            reduced = plan_rows(small_shape, "gfx950", shuffle, "bf16")
+    # gfx942 9728x2816: 2 waves a row tile exactly, which a float fraction rounded up to 3 (runs of 8)
+    for arch, shuffle, full_shape, small_shape, per in (("gfx950", "a4w4", (8192, 7168), (512, 7168), 28),
+                                                        ("gfx950", "a4w4", (8192, 2880), (1280, 2880), 12),
+                                                        ("gfx950", "a16w4", (8 * 5120, 5120), (768, 5120), 20),
+                                                        ("gfx942", "a4w4", (9728, 2816), (5376, 2816), 11)):
+        full = plan_rows(full_shape, arch, shuffle, "bf16")
+        with bench.fp4.waves_of_full_launch(fractions.Fraction(small_shape[0], full_shape[0])):
+            reduced = plan_rows(small_shape, arch, shuffle, "bf16")
         assert full.tiles_per_wave == reduced.tiles_per_wave == per
-        assert plan_rows(small_shape, "gfx950", shuffle, "bf16").tiles_per_wave == 8
+        assert plan_rows(small_shape, arch, shuffle, "bf16").tiles_per_wave == 8
     assert sh.LONG_WAVES_PER_CU == threshold
 
 

@@ -349,6 +349,33 @@ def test_new_cache_directories_are_created_0700(tmp_path, monkeypatch):
     assert kernels.startswith(str(root / "flydsl"))
 
 
+def test_cache_works_under_umask_002(tmp_path, monkeypatch):
+    """Under umask 002 (RHEL's default; helper-79): the emulator's stub is built 0700, not refused as
+    group-writable, and the group-writable entries FlyDSL creates in the kernel cache lose their
+    group write bit where no one else can reach them (the cache's own 0700 directories); under a
+    directory others can search they are still refused."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(root))
+    monkeypatch.setattr(toolchain, "_checked", {})
+    old_umask = os.umask(0o002)
+    try:
+        stub = runtime.build_stub()
+        kernels = Path(toolchain.kernel_cache_dir())
+        (kernels / "launch_x").mkdir()
+        (kernels / "launch_x" / "k.pkl").write_bytes(b"")
+        toolchain._checked.clear()
+        assert Path(toolchain.kernel_cache_dir()) == kernels
+    finally:
+        os.umask(old_umask)
+    assert _mode(stub) == 0o700 and _mode(kernels / "launch_x") == 0o755 and _mode(kernels / "launch_x" / "k.pkl") == 0o644
+    os.chmod(kernels / "launch_x", 0o775)
+    for level in (root, root / "flydsl", kernels):
+        os.chmod(level, 0o755)  # others may search: a group-writable entry is refused
+    toolchain._checked.clear()
+    with pytest.raises(toolchain.CacheDirError, match="group or others can write it"):
+        toolchain.kernel_cache_dir()
+
+
 def test_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
     """Without FLYQUANT_CACHE_DIR: $XDG_CACHE_HOME/flyquant when XDG_CACHE_HOME is absolute (helper-70:
     it was ignored), else ~/.cache/flyquant (a relative XDG_CACHE_HOME is invalid per the spec)."""

@@ -91,7 +91,7 @@ def test_every_field_of_a_config_is_in_the_key():
      [dict(arch="gfx950"), dict(dtype="fp16"), dict(mode="even"), dict(tail=True), dict(shuffle="a16w4"),
       dict(shuffle="a16w4_gate_up"), dict(shuffle="a4w4", k_align=128), dict(waves=2)]),
     (mxfp4_quantize.build_rows, dict(arch="gfx950", dtype="bf16", mode="floor", tail=False, shuffle="a4w4", k_align=256),
-     [dict(k_align=128), dict(k_align=64), dict(scale_layout="mfma"), dict(pad_run=8), dict(pad_run=12)]),
+     [dict(k_align=128), dict(k_align=64), dict(scale_layout="mfma"), dict(padded=True)]),
     (mxfp4_quantize_cols.build_cols, dict(arch="gfx942", dtype="bf16", mode="floor", odd=False),
      [dict(arch="gfx950"), dict(dtype="fp32"), dict(mode="rceil"), dict(odd=True), dict(waves=2)]),
     (mxfp4_quantize_dual.build_dual, dict(arch="gfx942", dtype="bf16", mode="floor", tail=False),

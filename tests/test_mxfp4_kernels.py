@@ -495,8 +495,8 @@ def _compile(arch, dtype, mode, tail):
     x = torch.zeros(64, 256, dtype=torch_dtype)
     q, s = torch.zeros(64, 128, dtype=U8), torch.zeros(64, 8, dtype=U8)
     (r,) = toolchain.compile_only(arch, k4.build_rows(arch, dtype, mode, tail), x, q, s, 512, 2, 8,
-                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 512, 0, 1,
-                                  stream=0)
+                                  256 * x.element_size(), 256, 0, 3, x.numel() * x.element_size(), 1, 0, 0, 512, 0, 0,
+                                  1, stream=0)
     return r
 
 

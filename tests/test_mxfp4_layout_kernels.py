@@ -36,7 +36,7 @@ def test_3d_a16w4_shuffle_is_aiters(arch, gate_up):
         got = fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=gate_up)
     (launch,) = launches
     # gfx950: two-tile steps, K 512's 4 tiles a row tile padded to a wave's 8
-    padded = "_pad8" if arch == "gfx950" else ""
+    padded = "_padded" if arch == "gfx950" else ""
     assert launch.kernel.startswith(f"mxfp4_rows_even_bf16_{arch}_a16w4{'_gate_up' if gate_up else ''}{padded}_w")
     assert_same(got, want, "a16w4")
     assert_same(reference.mxfp4_quantize_3d(w, "even", "a16w4", gate_up), want, "reference a16w4")
@@ -81,7 +81,7 @@ def test_3d_a16w4_lined(arch, dtype, mode):
                 got = fq.mxfp4_quantize_3d(w, mode, shuffle="a16w4", gate_up=gate_up)
             (launch,) = launches
             # gfx950 16-bit: K 768's 6 tiles a row tile padded to a wave's 8
-            padded = "_pad8" if arch == "gfx950" and dtype != torch.float32 and w.shape[2] == 768 else ""
+            padded = "_padded" if arch == "gfx950" and dtype != torch.float32 and w.shape[2] == 768 else ""
             assert launch.kernel.startswith(
                 f"mxfp4_rows_{mode}_{c4.TORCH_DTYPES[dtype]}_{arch}_a16w4{'_gate_up' if gate_up else ''}{padded}_w")
             assert_same(got, reference.mxfp4_quantize_3d(w, mode, "a16w4", gate_up), f"a16w4 {tuple(w.shape)} gate_up={gate_up}")
@@ -145,11 +145,11 @@ def test_a4w4_shuffle_is_aiters(arch):
             got = fq.mxfp4_quantize(x, scaling_mode="rceil", scale_layout=layout, shuffle="a4w4")
         (launch,) = launches
         # one-tile steps (gfx950 FP32, gfx942): nkb 10's 3 tiles a row tile padded to a wave's 8
-        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4_k64_pad8{'_mfma' if layout else ''}_w")
+        assert launch.kernel.startswith(f"mxfp4_rows_rceil_{c4.TORCH_DTYPES[dtype]}_{arch}_a4w4_k64_padded{'_mfma' if layout else ''}_w")
         assert_same(got, want, f"a4w4 {layout}")
         assert_same(reference.mxfp4_quantize(x, -1, "rceil", layout, "a4w4"), want, f"reference a4w4 {layout}")
     plan = fq.explain(fq.mxfp4_quantize, x, scale_layout="mfma", shuffle="a4w4")
-    assert plan.kernel.endswith(f"_{arch}_a4w4_k64_pad8_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
+    assert plan.kernel.endswith(f"_{arch}_a4w4_k64_padded_mfma") and any("e8m0_shuffle" in r for r in plan.reasons)
     for bad, match in (((x[:, :20].contiguous(),), "M \\(rows, leading dims flattened\\) = 40 a multiple of 16"),
                        ((x[..., :288].contiguous(),), "K = 288 a multiple of 64"),
                        ((x, 0), "^shuffle='a4w4': rowwise only")):
@@ -189,7 +189,7 @@ def test_a4w4_tile_orders(arch, dtype, mode):
         two = arch == "gfx950" and dtype != torch.float32  # two-tile steps
         align = (256 if k % 256 == 0 else 64) if two else 128 if k % 128 == 0 else 64
         nkb = k // 32  # a row tile's tiles: whole steps; padded unless whole waves of 8
-        padded = "_pad8" if (2 * -(-nkb // 8) if two else -(-nkb // 4)) % 8 else ""
+        padded = "_padded" if (2 * -(-nkb // 8) if two else -(-nkb // 4)) % 8 else ""
         for layout in (None, "mfma"):
             with emu.record() as launches:
                 got = fq.mxfp4_quantize(x, scaling_mode=mode, scale_layout=layout, shuffle="a4w4")
@@ -234,17 +234,17 @@ def test_long_waves_only_where_the_launch_stays_wide():
     assert sh.row_tiles(*two, 90, 16) == (24, 8)  # K 2880, short: 3 waves a row tile
     assert sh.row_tiles(*two, 90, 512) == (24, 12)  # 8192 x 2880: 1024 waves of 12
     assert sh.row_tiles(*two, 90, 1024) == (24, 24)
-    assert sh.row_tiles(*two, 44, 4096) == (12, 12)  # no even divisor of 12 from 32 to 10 but 12
+    assert sh.row_tiles(*two, 44, 4096) == (12, 12)  # 12 tiles: one wave
     assert sh.row_tiles(*two, 36, 4096) == (10, 10)
     assert sh.row_tiles(*two, 28, 4096) == (8, 8)  # 8 tiles: one wave a row tile, no padding
-    assert sh.row_tiles(*two, 20, 4096) == (8, 8) and sh.padded_run(*two, 20, 4096) == 8  # 6 tiles
+    assert sh.row_tiles(*two, 20, 4096) == (8, 8) and sh.padded_rows(*two, 20, 4096)  # 6 tiles
     # 8192 x 2816: 22 tiles in 2 waves of 12 and 10 (in runs of 8: 3 waves, 3 setups for 11 steps)
-    assert sh.row_tiles(*two, 88, 512) == (24, 12) and sh.padded_run(*two, 88, 512) == 12
+    assert sh.row_tiles(*two, 88, 512) == (24, 12) and sh.padded_rows(*two, 88, 512)
     assert sh.row_tiles(*two, 200, 512) == (52, 26)  # 50 tiles: 2 waves (the largest divisor, 10: 5)
-    assert sh.row_tiles(*one, 88, 1024) == (22, 11) and not sh.padded_run(*one, 88, 1024)  # gfx942: 304 CUs
+    assert sh.row_tiles(*one, 88, 1024) == (22, 11) and not sh.padded_rows(*one, 88, 1024)  # gfx942: 304 CUs
     assert sh.row_tiles(*one, 90, 4096) == (23, 23)  # prime: one-tile steps take any run
-    assert sh.row_tiles(*one, 90, 16) == (24, 8) and sh.padded_run(*one, 90, 16) == 8
-    assert not sh.padded_run(*one, 90, 4096)
+    assert sh.row_tiles(*one, 90, 16) == (24, 8) and sh.padded_rows(*one, 90, 16)
+    assert not sh.padded_rows(*one, 90, 4096)
     assert sh.row_tiles("gfx950", "bf16", "a16w4", 160, 2560) == (40, 20)  # 8 x 5120 x 5120 weights
 
 
@@ -262,13 +262,15 @@ def test_long_waves_are_exact(arch, dtype, monkeypatch):
     monkeypatch.setattr(sh, "LONG_WAVES_PER_CU", 0)
     emu.enable(arch)
     two = arch == "gfx950" and dtype != torch.float32
-    for m, k, pad in ((32, 4224, "_pad18" if two else "_pad17"), (16, 7168, ""), (48, 2880, "")):
+    for m, k, padded in ((32, 4224, True), (16, 7168, False), (48, 2880, False)):
         x = random_rows(m, k, dtype, seed=m + k)
         specials = special_blocks(dtype)
         x.view(-1, 32)[torch.arange(specials.shape[0]) * 37 % (x.numel() // 32)] = specials
         for layout in (None, "mfma"):
             plan = fq.explain(fq.mxfp4_quantize, x, scaling_mode="floor", scale_layout=layout, shuffle="a4w4")
-            assert plan.config["tiles_per_wave"] > 8 and ("_pad" in plan.kernel) == bool(pad) and pad in plan.kernel
+            if k == 4224:
+                assert plan.config["tiles_per_wave"] == (18 if two else 17)
+            assert plan.config["tiles_per_wave"] > 8 and ("_padded" in plan.kernel) == padded
             with emu.record() as launches:
                 got = fq.mxfp4_quantize(x, scaling_mode="floor", scale_layout=layout, shuffle="a4w4")
             assert launches[0].grid[0] == plan.config["workgroups"]

@@ -94,6 +94,7 @@ def build_stub() -> Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise EmuError(f"building the HIP stand-in failed ({' '.join(cmd)}):\n{result.stderr}")
+        out.chmod(0o700)  # the linker's mode follows the umask (002: group-writable, refused when loaded)
         out.replace(target)  # atomic: a concurrent first use never loads a half-written library
     return private_file(target)
 
