@@ -241,6 +241,7 @@ def test_long_waves_only_where_the_launch_stays_wide():
     # 8192 x 2816: 22 tiles in 2 waves of 12 and 10 (in runs of 8: 3 waves, 3 setups for 11 steps)
     assert sh.row_tiles(*two, 88, 512) == (24, 12) and sh.padded_rows(*two, 88, 512)
     assert sh.row_tiles(*two, 200, 512) == (52, 26)  # 50 tiles: 2 waves (the largest divisor, 10: 5)
+    assert sh.row_tiles(*two, 200, 171) == (56, 8)  # 6 waves wanted: runs of 10 would leave 5 (helper-78)
     assert sh.row_tiles(*one, 88, 1024) == (22, 11) and not sh.padded_rows(*one, 88, 1024)  # gfx942: 304 CUs
     assert sh.row_tiles(*one, 90, 4096) == (23, 23)  # prime: one-tile steps take any run
     assert sh.row_tiles(*one, 90, 16) == (24, 8) and sh.padded_rows(*one, 90, 16)

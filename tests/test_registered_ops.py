@@ -168,5 +168,24 @@ def test_value_and_address_checks_wait_for_real_tensors():
         assert fq.fused_moe(*fakes, out=out, model_dim=MODEL_DIM, inter_dim=INTER_DIM).shape == (3, MODEL_DIM)
         data, scales = fq.mxfp8_quantize(mode.from_tensor(x), 0, offs=mode.from_tensor(offs))
         assert data.shape == (256, 64) and scales.shape == (64, 8)
+    with FakeTensorMode(allow_non_fake_inputs=True) as active:  # a real offs inside an active fake mode
+        assert fq.mxfp8_quantize(active.from_tensor(x), 0, offs=offs)[1].shape == (64, 8)
+    with mode:
         with pytest.raises(ValueError, match="must not share memory"):  # a view of x: seen without addresses
             fq.fused_moe(*fakes, out=fakes[0][:, :MODEL_DIM], model_dim=MODEL_DIM, inter_dim=INTER_DIM)
+
+
+def test_fakes_take_symbolic_sizes():
+    """torch.compile(dynamic=True) with topk read from topk_ids' shape: the MoE ops' fakes check a
+    SymInt topk as an int (helper-78: "topk must be a positive int, got s27")."""
+    tokens, experts, model_dim, inter_dim, block_m = 4, 4, 256, 256, 32
+    w2 = torch.zeros(experts, model_dim, inter_dim // 2, dtype=torch.uint8)
+    w2_scale = torch.full((experts, model_dim, inter_dim // 32), 127, dtype=torch.uint8)
+    ids = torch.randint(0, experts, (tokens, 2), dtype=torch.int32)
+    weights, a2 = torch.rand(tokens, 2), torch.randn(tokens * 2, inter_dim, dtype=BF16)
+
+    def stage2(a2, ids, weights):
+        return fq.moe_gemm2_a16w4(a2, w2, w2_scale, *fq.moe_sorting(ids, weights, experts, block_m), topk=ids.shape[1],
+                                  block_m=block_m, model_dim=model_dim, inter_dim=inter_dim)
+
+    assert torch.equal(torch.compile(stage2, backend="aot_eager", dynamic=True)(a2, ids, weights), stage2(a2, ids, weights))
