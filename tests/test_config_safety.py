@@ -5,6 +5,7 @@ expected form; the kernel cache is private to its user; launching is thread-safe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -450,6 +451,25 @@ def test_kernel_cache_with_an_entry_others_can_write_is_refused(tmp_path, monkey
     with pytest.raises(toolchain.CacheDirError, match=re.escape(f"unsafe cache directory {entry} (FLYQUANT_CACHE_DIR): "
                                                                 "group or others can write it (mode 0o666)")):
         toolchain.kernel_cache_dir()
+
+
+def test_damaged_emulator_library_is_rebuilt(tmp_path, monkeypatch):
+    """A stub that is not what was built (cut short, emptied, other bytes: helper-79, a truncated
+    one killed the process with SIGBUS when loaded) is rebuilt, its checksum beside it."""
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    stub = runtime.build_stub()
+    checksum = stub.with_name(stub.name + ".sha256")
+    size = stub.stat().st_size
+
+    def rebuilt():  # a whole library again, the checksum its own (builds need not be byte-identical)
+        return (runtime.build_stub() == stub and stub.stat().st_size == size
+                and checksum.read_text() == hashlib.sha256(stub.read_bytes()).hexdigest())
+
+    for damaged in (stub.read_bytes()[:4096], b"", b"\x7fELF" + bytes(size - 4)):
+        stub.write_bytes(damaged)
+        assert rebuilt()
+    checksum.unlink()  # a cache from before the checksum: rebuilt once
+    assert rebuilt()
 
 
 def test_emulator_library_others_can_write_is_not_loaded(tmp_path, monkeypatch):

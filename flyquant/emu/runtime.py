@@ -18,6 +18,7 @@ import collections
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -64,25 +65,35 @@ def _compiler() -> str:
 
 
 def stub_path() -> Path:
-    """Where the stub for the current sources lives: <cache>/emu/<hash of sources>/libamdhip64.so.7,
-    its directory created 0700 if missing and checked private (toolchain.private_dir)."""
+    """Where the stub for the current sources and machine lives: <cache>/emu/<hash of sources and
+    machine>/libamdhip64.so.7 (a home shared with an aarch64 host holds both builds), its directory
+    created 0700 if missing and checked private (toolchain.private_dir)."""
     from ..toolchain import cache_dir, private_dir
 
     here = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(platform.machine().encode())
     for name in _SOURCES:
         digest.update((here / name).read_bytes())
     return private_dir(cache_dir(), "emu", digest.hexdigest()[:16]) / SONAME
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def build_stub() -> Path:
-    """Compile the stub if this version of its sources was not built yet; returns its path, a
-    file of this user's that no one else can write (toolchain.private_file: it is loaded next)."""
+    """Compile the stub if this version of its sources was not built yet, or what is there is not
+    what was built (its SHA-256 beside it: a copy cut short, an emptied file; loading a truncated
+    library killed the process with SIGBUS); returns its path, a file of this user's that no one
+    else can write (toolchain.private_file: it is loaded next)."""
     from ..toolchain import private_file
 
     target = stub_path()
+    checksum = target.with_name(SONAME + ".sha256")
     if target.exists():
-        return private_file(target)
+        private_file(target)  # one another user could have written is refused, not rebuilt over
+        if checksum.exists() and checksum.read_text() == _sha256(target):
+            return target
     here = Path(__file__).resolve().parent
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / SONAME
@@ -95,7 +106,9 @@ def build_stub() -> Path:
         if result.returncode != 0:
             raise EmuError(f"building the HIP stand-in failed ({' '.join(cmd)}):\n{result.stderr}")
         out.chmod(0o700)  # the linker's mode follows the umask (002: group-writable, refused when loaded)
+        (Path(tmp) / "sha256").write_text(_sha256(out))
         out.replace(target)  # atomic: a concurrent first use never loads a half-written library
+        (Path(tmp) / "sha256").replace(checksum)
     return private_file(target)
 
 
