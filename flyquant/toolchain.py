@@ -26,6 +26,7 @@ fails the check is a ``CacheDirError`` naming it and the fix, never used.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import io
@@ -197,9 +198,19 @@ def _lld_works(lld: Path) -> bool:
     return lld.is_file() and os.access(lld, os.X_OK)
 
 
-@functools.lru_cache(maxsize=None)
 def rocm_path() -> str:
-    """A ROCM_PATH whose llvm/bin/ld.lld links code object v6: ROCm's own, else a ziglang shim."""
+    """A ROCM_PATH whose llvm/bin/ld.lld links code object v6: ROCm's own, else a ziglang shim
+    (written again if the cache was deleted under this process: every later compile failed with
+    "lld invocation failed")."""
+    path = _rocm_path()
+    if not os.path.exists(os.path.join(path, "llvm", "bin", "ld.lld")):
+        _rocm_path.cache_clear()
+        path = _rocm_path()
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _rocm_path() -> str:
     for candidate in (os.environ.get("ROCM_PATH"), "/opt/rocm"):
         if candidate and _lld_works(Path(candidate) / "llvm" / "bin" / "ld.lld"):
             return candidate
@@ -296,6 +307,7 @@ def target(arch: str, device=None):
             cache = str(private_dir(user_cache, source="FLYDSL_RUNTIME_CACHE_DIR", tree=True))
         else:
             cache = kernel_cache_dir()
+        _check_lockable(cache)
         _in_target.depth = getattr(_in_target, "depth", 0) + 1
         try:
             with _environ(ARCH=arch, FLYDSL_GPU_ARCH=arch, ROCM_PATH=rocm_path(), FLYDSL_RUNTIME_CACHE_DIR=cache), \
@@ -303,6 +315,37 @@ def target(arch: str, device=None):
                 yield
         finally:
             _in_target.depth -= 1
+
+
+_lockable: set[str] = set()  # kernel cache directories _check_lockable passed in this process
+
+
+def _check_lockable(cache: str) -> None:
+    """FlyDSL guards each cache entry with flock on `<entry>.lock`, opened for writing even to read
+    the entry: a read-only cache (a pre-warmed container image) raised a bare PermissionError, and
+    a filesystem without flock (Lustre without -o flock, some FUSE mounts) made every compile wait
+    600 s with no message (helper-79). Probed once per directory and process; a CacheDirError
+    names the fix. Not with FLYDSL_RUNTIME_ENABLE_CACHE=0 (no disk cache)."""
+    if cache in _lockable or os.environ.get("FLYDSL_RUNTIME_ENABLE_CACHE") == "0":
+        return
+    fix = ("point FLYQUANT_CACHE_DIR (or FLYDSL_RUNTIME_CACHE_DIR) at a writable directory on a local "
+           "filesystem, or set FLYDSL_RUNTIME_ENABLE_CACHE=0 (no disk cache: each process compiles its kernels)")
+    try:
+        fd = os.open(os.path.join(cache, ".lock-probe"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise CacheDirError(f"cannot write in the kernel cache {cache} ({exc.strerror}): FlyDSL opens a lock "
+                            f"file beside each entry, even to read it. Fix: {fix}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        pass  # held by another process: locking works
+    except OSError as exc:
+        raise CacheDirError(f"the filesystem of the kernel cache {cache} does not support flock ({exc.strerror}): "
+                            f"FlyDSL's locks would wait 600 s for every kernel. Fix: {fix}") from None
+    finally:
+        os.close(fd)
+    _lockable.add(cache)
 
 
 def stream(tensor):

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -375,6 +376,60 @@ def test_cache_works_under_umask_002(tmp_path, monkeypatch):
     toolchain._checked.clear()
     with pytest.raises(toolchain.CacheDirError, match="group or others can write it"):
         toolchain.kernel_cache_dir()
+
+
+def test_kernel_cache_that_cannot_be_locked_is_refused(tmp_path, monkeypatch):
+    """FlyDSL opens `<entry>.lock` for writing and flocks it even to read: a cache it cannot write
+    (a read-only image) or lock (a filesystem without flock: 600 s of silent retries, helper-79) is
+    a CacheDirError naming the fix, before anything compiles; FLYDSL_RUNTIME_ENABLE_CACHE=0 skips it."""
+    import errno
+    import fcntl
+
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(toolchain, "_lockable", set())
+    cache = toolchain.kernel_cache_dir()
+    real_open = os.open
+
+    def read_only(path, *args):
+        if str(path).startswith(cache):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *args)
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    for patch, words in ((("open", read_only), "cannot write in the kernel cache"),
+                         (("flock", no_flock), "does not support flock")):
+        module = os if patch[0] == "open" else fcntl
+        with monkeypatch.context() as m:
+            m.setattr(module, *patch)
+            with pytest.raises(toolchain.CacheDirError, match=words + ".*FLYDSL_RUNTIME_ENABLE_CACHE=0"):
+                with toolchain.target("gfx950"):
+                    pass
+            m.setenv("FLYDSL_RUNTIME_ENABLE_CACHE", "0")
+            with toolchain.target("gfx950"):
+                pass
+    with toolchain.target("gfx950"):  # a working cache: probed once
+        pass
+    assert toolchain._lockable == {cache}
+
+
+def test_linker_shim_rewritten_when_the_cache_is_deleted(tmp_path, monkeypatch):
+    """The cache deleted under a running process (a tmp cleaner): the ziglang linker shim is
+    written again (rocm_path was memoized: every later compile failed, "lld invocation failed")."""
+    monkeypatch.setenv("FLYQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    monkeypatch.setattr(toolchain, "_lld_works", lambda path: False)  # no ROCm: the shim
+    toolchain._rocm_path.cache_clear()
+    try:
+        shim = toolchain.rocm_path()
+        lld = Path(shim, "llvm", "bin", "ld.lld")
+        assert lld.exists()
+        shutil.rmtree(tmp_path / "cache")
+        monkeypatch.setattr(toolchain, "_checked", {})
+        assert toolchain.rocm_path() == shim and lld.exists()
+    finally:
+        toolchain._rocm_path.cache_clear()
 
 
 def test_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
