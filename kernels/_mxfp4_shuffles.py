@@ -44,8 +44,8 @@ def row_tiles(arch: str, dtype: str, shuffle, nkb: int, row_tile_count: int) -> 
     steps: ceil(nkb / 4)) split among the fewest waves that leave a launch of row_tile_count row
     tiles LONG_WAVES_PER_CU waves per CU (and none longer than 32 tiles), in runs of one length,
     whole steps of at least 8 tiles (the last run shorter where they do not divide the row tile,
-    which is padded to whole runs, padded_rows): a wave runs only the row tile's tiles. a16w4's one-tile steps (not placed,
-    their (row, kb) carried): ceil(nkb / 4) and 8."""
+    which is padded to whole runs, padded_rows): a wave runs only the row tile's tiles. a16w4's
+    one-tile steps (not placed, their (row, kb) carried): ceil(nkb / 4) and 8."""
     real = real_row_tiles(arch, dtype, shuffle, nkb)
     if real is None:
         return -(-nkb // 4), PLACED_TILES_PER_WAVE

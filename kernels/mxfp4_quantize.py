@@ -51,9 +51,9 @@ plus a lane part (_mxfp4_shuffles.a16w4_scale_offset). A wave's tiles lie in one
 (_mxfp4_shuffles.row_tiles), placed by one division (row_tile_first), and its steps' x, data and
 code offsets are linear in their first unit ("mfma" codes of one-tile steps: placed per step);
 steps take two tiles on gfx950 with 16-bit x (a16w4 and a4w4), one elsewhere (a4w4; a16w4 carries
-its (row, kb) per tile). A row tile is padded to whole runs of a wave's tiles; a wave runs only
-the row tile's real ones, and where K % 128 == 64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's
-last step drops the pairs past the row's end (loads and codes out of range, data stores past
+its (row, kb) per tile). A row tile is padded to whole runs of a wave's tiles (the padded count
+a launch argument, row_tiles); a wave runs only the row tile's real ones, and where K % 128 ==
+64 (or, two tiles a step, K % 256 != 0: "ragged") a wave's last step drops the pairs past the row's end (loads and codes out of range, data stores past
 the wave's data buffer, which ends with the row tile's); a two-tile last step whose second tile
 holds none of the row's blocks runs its first tile alone (nkb % 8 of 1 to 4).
 """
