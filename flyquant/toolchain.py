@@ -19,8 +19,9 @@ launch one at a time, and every variable is restored when the block ends.
 The cache (``$FLYQUANT_CACHE_DIR``, default ``$XDG_CACHE_HOME/flyquant`` or
 ``~/.cache/flyquant``) holds code this process loads: FlyDSL's pickled kernels, the emulator's
 HIP stand-in (a shared object) and the linker script. So it must be private: every directory
-flyquant reads code from is owned by the user and writable by no one else, directories flyquant creates are 0700, and a directory that
-fails the check is a ``CacheDirError`` naming it and the fix, never used.
+flyquant reads code from is owned by the user and writable by no one else, directories flyquant
+creates are 0700, and a directory that fails the check is a ``CacheDirError`` naming it and the
+fix, never used.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
         else:
             levels.insert(0, ancestor)  # created by us below, so checked as ours
     levels = sorted(set(levels), key=lambda p: len(p.parts))
+    sealed = False  # a level denies group and others its search permission: no one else reaches below
     for level in levels:
         try:
             os.mkdir(level, 0o700)
@@ -149,8 +151,8 @@ def private_dir(root, *parts: str, source: str = "FLYQUANT_CACHE_DIR", tree: boo
         if not stat.S_ISDIR(st.st_mode):
             raise _unsafe(level, "it is not a directory", f"remove it, or point {fix_root} elsewhere", source)
         _check_private(level, st, source, fix_root)
+        sealed = sealed or not st.st_mode & _GROUP_OTHER_SEARCH
     if tree:
-        sealed = any(not os.stat(level).st_mode & _GROUP_OTHER_SEARCH for level in levels)
         for entry in _walk(levels[-1]):
             try:
                 entry_stat = os.stat(entry)
