@@ -162,8 +162,8 @@ def test_a4w4_shuffle_is_aiters(arch):
 
 
 # The a4w4 tile orders (kernels/_mxfp4_shuffles.row_tiles): a wave's tiles in one row tile, placed
-# once, in runs of 8 at these small launches (a wave runs only its row tile's); gfx950 16-bit two tiles a step (the row
-# tile's tiles rounded up to whole steps), elsewhere one; "k64": the last step drops pairs past the
+# once, in runs of 8 at these small launches (a wave runs only its row tile's); gfx950 16-bit two
+# tiles a step (the row tile's tiles rounded up to whole steps), elsewhere one; "k64": the last step drops pairs past the
 # row's end. (80, 512) 4 tiles a row tile, 5 waves, the last workgroup's other 3 past the end,
 # (48, 256) 2 and an odd row tile count, (32, 1024) 8; (32, 384) nkb 12, (32, 2880) GPT-OSS's K,
 # nkb 90 (24 tiles on gfx950, 23 on gfx942: 3 waves a row tile), (48, 320) nkb 10 and (16, 448)
@@ -223,9 +223,10 @@ def test_a4w4_last_step_runs_only_real_tiles():
 
 def test_long_waves_only_where_the_launch_stays_wide():
     """_mxfp4_shuffles.row_tiles splits a row tile among the fewest waves (of up to 32 tiles) that
-    keep 4 waves per CU in the launch (gfx950: 256 CUs, 1024 waves), in near-equal runs of whole
-    steps of at least 8 tiles; a row tile that is no whole number of runs is padded to them (the
-    padded waves run only its real tiles)."""
+    keep 4 waves per CU in the launch (gfx950: 256 CUs, 1024 waves), in runs of one length, whole
+    steps of at least 8 tiles (split finer where rounding up to whole steps would leave fewer waves);
+    a row tile that is no whole number of runs is padded to them (the padded waves run only its real
+    tiles)."""
     one = ("gfx942", "bf16", "a4w4")  # one-tile steps: ceil(nkb / 4) tiles a row tile
     two = ("gfx950", "bf16", "a4w4")  # two-tile steps: 2 ceil(nkb / 8)
     assert sh.row_tiles(*two, 224, 512) == (56, 28)  # 8192 x 7168: 1024 waves of 28
