@@ -172,9 +172,9 @@ def moe_true_dims(a2, w2, model_dim=None, inter_dim=None) -> tuple[int, int]:
     _, n_pad, k_half = w2.shape
     model_dim = n_pad if model_dim is None else validate.as_int(model_dim)
     inter_dim = a2.shape[1] if inter_dim is None else validate.as_int(inter_dim)
-    if not 0 < model_dim <= n_pad:
+    if not validate.is_int(model_dim) or not 0 < model_dim <= n_pad:
         raise ValueError(f"model_dim = {model_dim} must be in [1, w2.shape[1] = {n_pad}]")
-    if not 0 < inter_dim <= min(2 * k_half, a2.shape[1]):
+    if not validate.is_int(inter_dim) or not 0 < inter_dim <= min(2 * k_half, a2.shape[1]):
         raise ValueError(f"inter_dim = {inter_dim} must be in [1, min(K = 2 * w2.shape[2] = {2 * k_half}, a2.shape[1] = {a2.shape[1]})]")
     return model_dim, inter_dim
 
@@ -265,8 +265,8 @@ def moe_activation(g: torch.Tensor, u: torch.Tensor, activation: str, alpha: flo
 def moe_stage1_true_dims(x, w1, model_dim=None, inter_dim=None) -> tuple[int, int]:
     """The true (model_dim, inter_dim): given, or x's width and half the weights' rows."""
     _, n2, k_half = w1.shape
-    model_dim = x.shape[1] if model_dim is None else model_dim
-    inter_dim = n2 // 2 if inter_dim is None else inter_dim
+    model_dim = x.shape[1] if model_dim is None else validate.as_int(model_dim)
+    inter_dim = n2 // 2 if inter_dim is None else validate.as_int(inter_dim)
     if not validate.is_int(model_dim) or not 0 < model_dim <= min(2 * k_half, x.shape[1]):
         raise ValueError(f"model_dim = {model_dim} must be in [1, min(K = 2 * w1.shape[2] = {2 * k_half}, x.shape[1] = {x.shape[1]})]")
     if not validate.is_int(inter_dim) or not 0 < inter_dim <= n2 // 2:

@@ -138,3 +138,41 @@ def test_bad_input_raises():
         R.moe_gemm2_a16w4(a2, packed, s2, *sorting, topk=topk, block_m=block_m, inter_dim=300)
     with pytest.raises(ValueError, match="bias must have shape"):
         R.moe_gemm2_a16w4(a2, packed, s2, *sorting, topk=topk, block_m=block_m, bias=bias[:1])
+
+
+def test_bounds_that_keep_the_kernel_inside_its_tensors():
+    """Each limit the kernel's accesses rely on, at the first size past it: inter_dim within a2's
+    width (not only w2's K), bias as wide as model_dim, an expert id for every block of sorted_ids
+    (the last one too); and the true sizes are ints."""
+    tokens, topk, experts, n, k, block_m = 4, 2, 2, 32, 256, 16
+    packed, scales, topk_ids, topk_weights, a2, bias = make_problem(tokens, topk, experts, n, k, seed=43)
+    sorting = moe_sorting(topk_ids, topk_weights, experts, block_m)
+    s2 = scales.view(experts * n, k // 32)
+    call = lambda *args, **kw: R.moe_gemm2_a16w4(*args, topk=topk, block_m=block_m, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"inter_dim = 256 must be in \[1, min\(K = 2 \* w2.shape\[2\] = 256, a2.shape\[1\] = 128\)"):
+        call(a2[:, :128], packed, s2, *sorting, inter_dim=256)
+    call(a2[:, :128], packed, s2, *sorting, inter_dim=128)  # the largest allowed
+    with pytest.raises(ValueError, match="bias must have shape"):
+        call(a2, packed, s2, *sorting, bias=bias[:, :n - 1])
+    assert len(sorting[2]) == -(-len(sorting[0]) // block_m) > 1
+    with pytest.raises(ValueError, match="sorted_expert_ids must have"):
+        call(a2, packed, s2, sorting[0], sorting[1], sorting[2][:-1], sorting[3])
+    for name in ("model_dim", "inter_dim"):
+        with pytest.raises(ValueError, match=f"{name} = 16.0 must be in"):
+            call(a2, packed, s2, *sorting, **{name: 16.0})
+
+
+def test_sorted_ids_of_a_partial_last_block():
+    """num_valid_ids[0] at least len(sorted_ids), which is not a whole number of blocks (its last
+    rows cut off: here padding rows): the rows left are all in use, and the layer is the whole
+    sorting's."""
+    tokens, topk, experts, n, k, block_m = 4, 2, 2, 32, 256, 16
+    packed, scales, topk_ids, topk_weights, a2, _ = make_problem(tokens, topk, experts, n, k, seed=44)
+    ids, weights, expert_ids, num_valid = moe_sorting(topk_ids, topk_weights, experts, block_m)
+    rows = len(ids) - 3
+    assert rows % block_m and ((ids[rows:] & 0xFFFFFF) == tokens).all()  # the cut rows pad the last block
+    s2 = scales.view(experts * n, k // 32)
+    got = R.moe_gemm2_a16w4(a2, packed, s2, ids[:rows], weights[:rows], expert_ids,
+                            torch.tensor([rows + 100, tokens], dtype=torch.int32), topk=topk, block_m=block_m)
+    want = R.moe_gemm2_a16w4(a2, packed, s2, ids, weights, expert_ids, num_valid, topk=topk, block_m=block_m)
+    assert torch.equal(got, want)

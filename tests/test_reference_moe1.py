@@ -206,5 +206,31 @@ def test_bad_input_raises():
         R.moe_gemm1_a16w4(x, packed, s1, *sorting, topk=topk, block_m=block_m, model_dim=300)
     with pytest.raises(ValueError, match="w1_scale must have shape"):
         R.moe_gemm1_a16w4(x, packed, s1[:, :4], *sorting, topk=topk, block_m=block_m)
+    # the limits the kernel's accesses rely on, at the first size past them: out as wide as
+    # inter_dim (a narrower one would be written past its rows), model_dim within x's width (not
+    # only w1's K); and the true sizes are ints
+    with pytest.raises(ValueError, match="out must have shape"):
+        R.moe_gemm1_a16w4(x, packed, s1, *sorting, topk=topk, block_m=block_m,
+                          out=torch.zeros(tokens * topk, half - 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"model_dim = 200 must be in \[1, min\(K = 2 \* w1.shape\[2\] = 256, x.shape\[1\] = 128\)"):
+        R.moe_gemm1_a16w4(x[:, :128], packed, s1, *sorting, topk=topk, block_m=block_m, model_dim=200)
+    for name in ("model_dim", "inter_dim"):
+        with pytest.raises(ValueError, match=f"{name} = 16.0 must be in"):
+            R.moe_gemm1_a16w4(x, packed, s1, *sorting, topk=topk, block_m=block_m, **{name: 16.0})
+
+
+def test_activations_match_torch():
+    """moe_activation against torch's own functions: silu, gelu with the tanh approximation, and
+    GPT-OSS's swiglu as transformers' GptOssExperts computes it (the gate clamped from above only,
+    the up projection both ways), on gates and ups reaching past the limit on both sides."""
+    g = torch.linspace(-20, 20, 161)
+    u = torch.linspace(9, -9, 161)
+    torch.testing.assert_close(R.moe_activation(g, u, "silu"), F.silu(g) * u, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(R.moe_activation(g, u, "gelu"), F.gelu(g, approximate="tanh") * u, rtol=1e-6, atol=1e-6)
+    alpha, limit = 1.702, 7.0
+    gate, up = g.clamp(max=limit), u.clamp(-limit, limit)
+    want = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    # atol far below g * sigmoid(alpha * g) at the clamp (-7: -4.6e-5), so a gate clamped below shows
+    torch.testing.assert_close(R.moe_activation(g, u, "swiglu_oai", alpha, limit), want, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="gate_up_proj.shape"):
         R.gate_up_rows_from_interleaved(torch.zeros(2, 32, 7))

@@ -179,6 +179,21 @@ def test_tails_are_the_zero_padded_input(axis):
     assert torch.equal(packed, want_packed) and torch.equal(scales.view(U8), want_scales.view(U8))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", [0.0, -0.0, 1e-38, 2.0**-133])
+def test_tail_padding_is_zero_whatever_the_elements_present(mode, value):
+    """A partial block of zeros or of values at the bottom of FP32 (normal and subnormal) is
+    quantized as the block padded with exact zeros: its scale comes from the elements present
+    only (a padding value of its own would lift an all-zero or tiny block's scale)."""
+    x = torch.full((2, 40), value)
+    x[1, 5] = 3.0  # a second row whose first block is not tiny
+    padded = torch.nn.functional.pad(x, (0, 24))
+    for got, want in zip(R.mxfp4_quantize(x, -1, mode), R.mxfp4_quantize(padded, -1, mode)):
+        assert torch.equal(got.view(U8), want.view(U8))
+    if value == 0:
+        assert (R.mxfp4_quantize(x, -1, mode)[1].view(U8)[:, 1] == 0).all()
+
+
 def test_shapes_leading_dims_1d_and_empty():
     x = _wide_random((2, 3, 64), torch.float32, seed=35)
     packed, scales = R.mxfp4_quantize(x)

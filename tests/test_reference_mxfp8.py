@@ -435,6 +435,39 @@ def test_dequantize_matches_torchao_to_dtype(tao):
     torch.testing.assert_close(R.mxfp8_dequantize(d3, s3, 1)[0], R.mxfp8_dequantize(data0, scales0, 0), rtol=0, atol=0)
 
 
+def test_dequantize_3d_32x32_blocks():
+    """3D data with one scale per 32x32 tile (scale_block_k=32): each tile is its codes times its
+    own scale, the tiles along K differing by 2^10 so that a scale taken from the wrong tile shows."""
+    w = torch.randn(2, 64, 96, generator=torch.Generator().manual_seed(21))
+    w[..., 32:64] *= 1024
+    data, scales = R.mxfp8_quantize_3d(w, "floor", scale_block_k=32)
+    assert scales.shape == (2, 2, 3)
+    got = R.mxfp8_dequantize(data, scales, 1)
+    for e in range(2):
+        for i in range(2):
+            for j in range(3):
+                tile = data[e, 32 * i:32 * i + 32, 32 * j:32 * j + 32].float()
+                scale = 2.0 ** (scales[e, i, j].view(U8).item() - 127)
+                assert torch.equal(got[e, 32 * i:32 * i + 32, 32 * j:32 * j + 32], tile * scale), (e, i, j)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_unsigned_zeros_are_the_signed_bytes_without_minus_zero(axis):
+    """signed_zeros=False (both orientations): the data bytes of the signed quantize with every -0
+    (0x80) written as +0, the scales unchanged; x holds -0.0 and negatives that round to -0."""
+    x = _wide_random((64, 64), torch.float32, seed=22)
+    x[::3, ::5] = -0.0
+    x[1::4, ::7] = -1e-30
+    signed = R.mxfp8_quantize(x, axis, "floor")
+    unsigned = R.mxfp8_quantize(x, axis, "floor", signed_zeros=False)
+    want = _bytes(signed[0]).clone()
+    assert (want == 0x80).sum() > 0
+    want[want == 0x80] = 0
+    assert_bytes(unsigned[0], want)
+    assert unsigned[0].stride() == signed[0].stride()
+    assert_bytes(unsigned[1], signed[1])
+
+
 def test_dequantize_code0_is_2_pow_minus_127():
     data = torch.full((1, 32), 1.0).to(torch.float8_e4m3fn)
     scales = torch.zeros(1, 1, dtype=U8).view(torch.float8_e8m0fnu)
@@ -454,6 +487,8 @@ BAD_2D = [
     (torch.zeros(2, 64, 64), {}, ValueError, "2D"),
     (torch.zeros(64, 48), {}, ValueError, r"K, quantized in blocks of 32\) = 48"),
     (torch.zeros(48, 64), {"axis": 0}, ValueError, r"M, quantized in blocks of 32\) = 48"),
+    (torch.zeros(32, 0), {}, ValueError, r"K, quantized in blocks of 32\) = 0 must be a positive"),
+    (torch.zeros(0, 64), {"axis": 0}, ValueError, r"M, quantized in blocks of 32\) = 0 must be a positive"),
     (torch.zeros(64, 64), {"axis": 2}, ValueError, "axis"),
     (torch.zeros(64, 64), {"scaling_mode": "ceil"}, ValueError, "scaling_mode"),
     (torch.zeros(64, 64), {"scale_layout": "blocked"}, ValueError, "scale_layout"),
@@ -479,6 +514,8 @@ def test_bad_3d_and_dequantize_input_raises():
         R.mxfp8_quantize_3d(torch.zeros(2, 64, 40), scale_block_k=32)
     with pytest.raises(ValueError, match="scale_block_k"):
         R.mxfp8_quantize_3d(torch.zeros(2, 64, 64), scale_block_k=16)
+    with pytest.raises(ValueError, match=r"N, quantized in blocks of 32\) = 0 must be a positive"):
+        R.mxfp8_quantize_3d(torch.zeros(1, 0, 32))
     with pytest.raises(ValueError, match=r"M, quantized in blocks of 32\) = 40"):
         R.mxfp8_quantize_dual(torch.zeros(40, 64))
     data = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
