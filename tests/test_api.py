@@ -234,6 +234,56 @@ def test_warmup_compiles_the_kernels_of_the_call_it_is_told(moe_launcher_configs
     assert not called & old_style  # what warmup compiled before it took these options
 
 
+def test_warmup_runs_the_stage1_weights_variant(monkeypatch):
+    """stage1_weights=True warms up the layer with the routing weights applied in stage 1 (the
+    kernels a call with apply_weights_at="stage1" runs), not the default's."""
+    from flyquant import api
+
+    monkeypatch.setenv("FLYQUANT_BACKEND", "reference")
+    seen = []
+    monkeypatch.setattr(api, "fused_moe", lambda *args, **kw: seen.append(kw["apply_weights_at"]))
+    sizes = dict(model_dim=64, inter_dim=64, experts=2, topk=1, activation="silu", device="cpu")
+    for stage1_weights, want in ((True, "stage1"), (False, "stage2")):
+        seen.clear()
+        api.warmup(**sizes, tokens=(1, 2), stage1_weights=stage1_weights)
+        assert seen == [want, want]
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_reference_backend_honours_unsigned_zeros(reference_backend, axis):
+    """signed_zeros=False on the reference backend (every CPU call without the emulator): the
+    signed call's data bytes with each -0 (0x80) written as +0, the scales unchanged."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[::3] = -0.0
+    x[1, :32] = -1e-30  # a block whose elements all round to -0
+    signed = fq.mxfp8_quantize(x, axis)
+    unsigned = fq.mxfp8_quantize(x, axis, signed_zeros=False)
+    codes = signed[0].view(torch.uint8)
+    assert (codes == 0x80).any()
+    assert torch.equal(unsigned[0].view(torch.uint8), torch.where(codes == 0x80, 0, codes))
+    assert torch.equal(unsigned[1].view(torch.uint8), signed[1].view(torch.uint8))
+
+
+def test_explain_of_stage_2_plans_for_the_outs_dtype(monkeypatch):
+    """explain(moe_gemm2_a16w4, ..., out=fp32 tensor) names the FP32-output kernel the call runs,
+    not the BF16 default's."""
+    from flyquant import select
+
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    experts, tokens, n, k = 2, 4, 64, 256
+    w2 = torch.zeros(experts, n, k // 2, dtype=torch.uint8)
+    w2_scale = fq.shuffle_scale_a16w4(torch.full((experts, n, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+                                      experts)
+    a2 = torch.zeros(tokens, k, dtype=torch.bfloat16)
+    ids = (torch.arange(tokens) % experts).view(tokens, 1).to(torch.int32)
+    sorting = moe.moe_sorting(ids, torch.ones(tokens, 1), experts, 16)
+    plans = {dtype: fq.explain(fq.moe_gemm2_a16w4, a2, w2, w2_scale, *sorting, 1, 16,
+                               out=torch.zeros(tokens, n, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    for dtype, plan in plans.items():
+        assert plan.kernel == select.plan_moe_gemm2_a16w4(a2, w2, 1, 16, n, k, dtype, False).kernel
+    assert plans[torch.float32].kernel != plans[torch.bfloat16].kernel
+
+
 def test_device_0_is_torchs_device_0():
     # device=0 (torch.device(0): accelerator 0) went through `device or "cpu"`: moe_block_m gave the
     # CPU's block size and warmup compiled and ran for the CPU, with no error

@@ -127,6 +127,34 @@ def test_column_kernel_matrices_of_2_gib_go_to_the_reference(monkeypatch):
         select.plan_mxfp8_quantize_dual(big, "rceil")
 
 
+def test_grouped_mm_outputs_of_2_gib_go_to_the_reference(monkeypatch):
+    """A grouped GEMM whose output alone reaches 2 GiB (small operands: K 32) is planned on the
+    reference: its offsets are 32-bit too. 2^30 outputs are 4 GiB in FP32 and 2 GiB in BF16; half
+    as many rows fit."""
+    from flyquant import select_grouped_mm
+
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    cpu, m, n, k = torch.device("cpu"), 1 << 17, 1 << 13, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = select_grouped_mm.plan_grouped_mm_sizes("mxfp8_grouped_mm", cpu, dtype, m, n, k, 1)
+        assert plan.backend == "reference" and "2 GiB" in plan.reasons[-1], plan
+    assert select_grouped_mm.plan_grouped_mm_sizes("mxfp8_grouped_mm", cpu, torch.bfloat16, m // 2, n, k, 1).backend == "flydsl"
+    # the weight gradient's output is (E, N, K): one expert's N x K
+    plan = select_grouped_mm.plan_grouped_mm_sizes("mxfp8_grouped_mm_wgrad", cpu, torch.float32, 64, 1 << 14, 1 << 15, 2)
+    assert plan.backend == "reference" and "2 GiB" in plan.reasons[-1], plan
+
+
+def test_sorting_past_the_kernels_pair_limit_goes_to_the_reference(monkeypatch):
+    """moe_sorting: MAX_PAIRS routed pairs are one launch, one more is the reference's."""
+    from flyquant.kernels import moe_sorting as kernel
+
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    for pairs, backend in ((kernel.MAX_PAIRS, "flydsl"), (kernel.MAX_PAIRS + 1, "reference")):
+        ids = torch.zeros(1, 1, dtype=torch.int32).expand(pairs, 1)
+        weights = torch.zeros(1, 1).expand(pairs, 1)
+        assert select.plan_moe_sorting(ids, weights, 8, 32, None).backend == backend, pairs
+
+
 def test_mxfp8_3d_plans_the_tiles_the_launcher_uses(monkeypatch):
     """3D plans carry the launch's configuration: N = 64 takes 64-row tiles with 32 x 1 blocks but
     128-row ones with 32 x 32 blocks; the transposed view with 32 x 32 blocks is the column kernel's
@@ -154,6 +182,15 @@ def test_moe_plan_carries_waves(monkeypatch):
     monkeypatch.setenv("FLYQUANT_CONFIG", '{"waves": 1}')
     plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 16, 2880, 2880, torch.bfloat16, False)
     assert plan.config["waves"] == 1 and "_w1x1_" in plan.kernel
+
+
+def test_moe_block_m_off_the_row_tiles_goes_to_the_reference(monkeypatch):
+    """A caller's block_m that no row tile divides (8) is the reference's, with the reason."""
+    monkeypatch.setattr(select, "_emulator_arch", lambda: "gfx950")
+    a2 = torch.empty(1, dtype=torch.bfloat16).expand(4, 2880)
+    w2 = torch.empty(1, dtype=torch.uint8).expand(128, 3072, 1536)
+    plan = select.plan_moe_gemm2_a16w4(a2, w2, 4, 8, 2880, 2880, torch.bfloat16, False)
+    assert plan.backend == "reference" and "block_m must be a multiple of 16" in plan.reasons[-1]
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
