@@ -11,7 +11,8 @@ rceil, bf16 inputs (randn * 30), each through the public API (fq.mxfp8_quantize,
 ..._3d) so the selector's choice is what runs. The default shapes are MoE-training sizes plus
 the three shapes issue 4 measured torchao 0.18's FlyDSL kernels on. MXFP4 (kinds fp4_1x32,
 fp4_32x1, fp4_dual, fp4_a4w4, fp4_3d_a16w4; modes floor, rceil, even; each beside our MXFP8 1x32
-on the same shape, and issue 14's targets evaluated): bench/quantize_mxfp4.py.
+and the MXFP8 kind of its orientations on the same shape, and issue 14's targets evaluated):
+bench/quantize_mxfp4.py.
 
 Hardware mode (ROCm GPU): median and minimum of single-call event timings after a warm-up,
 TB/s = (bytes read + bytes written) / time and the fraction of HBM peak (MI300X 5.3 TB/s,
@@ -441,8 +442,8 @@ def cases_for(args) -> list[Case]:
                 if kind not in fp4.KINDS:
                     cases += [Case(kind, shape, mode, DTYPES[d]) for mode in fp8_modes]
                     continue
-                for mode in fp4_modes:  # each beside our MXFP8 1x32 on the same shape
-                    cases += [Case(*fp4.fp8_partner(kind, shape, mode), DTYPES[d]), Case(kind, shape, mode, DTYPES[d])]
+                for mode in fp4_modes:  # each beside our MXFP8 1x32 and its orientations' kind, same shape
+                    cases += [Case(*p, DTYPES[d]) for p in fp4.fp8_partners(kind, shape, mode)] + [Case(kind, shape, mode, DTYPES[d])]
     for kind, shape in dict.fromkeys(torchao_cases):
         if kind in args.kinds:
             cases += [Case(kind, shape, mode, DTYPES[d]) for d in args.dtypes for mode in fp8_modes]
@@ -526,15 +527,15 @@ def main(argv=None) -> dict:
                 for name in args.vs:
                     peer_rows += peers.compare(PEERS[name], case, x, arch, args.vs_configs, new[0])
     print()
-    if mode == "modelled":  # each row beside the best peer; each MXFP4 row beside our MXFP8 1x32 on its shape
+    if mode == "modelled":  # each row beside the best peer; each MXFP4 row beside our MXFP8 rows on its shape
         by_name = {(r["case"], r["arch"]): r for r in rows}
         for case in cases_for(args):
             for r in (by_name.get((case.name, arch)) for arch in archs):
                 if r and r.get("status") == "ok":
                     peers.annotate_best(r, peer_rows)
                     if case.kind in fp4.KINDS:
-                        partner = Case(*fp4.fp8_partner(case.kind, case.shape, case.mode), case.dtype).name
-                        fp4.annotate(r, by_name.get((partner, r["arch"])))
+                        partners = [Case(*p, case.dtype).name for p in fp4.fp8_partners(case.kind, case.shape, case.mode)]
+                        fp4.annotate(r, [by_name.get((p, r["arch"])) for p in partners])
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     common.print_table(list(display(measured)), MODELLED_COLUMNS if mode == "modelled" else HARDWARE_COLUMNS)
     unmeasured = [r for r in rows if r.get("status", "ok") != "ok"]

@@ -12,7 +12,9 @@ strides included, against flyquant.reference in the run:
 Modes floor, rceil and even (aiter's dynamic_mxfp4_quant rounding; --quick runs only even).
 Every MXFP4 case brings the MXFP8 1x32 case of the same 2D shape (a 3D shape flattened to
 (E*N, K)) and the same mode (even: floor, whose scale even's is with one rounding add before
-it), so that "wave-instructions per element <= our MXFP8 1x32's" is evaluated on each row.
+it), so that "wave-instructions per element <= our MXFP8 1x32's" is evaluated on each row, and
+the MXFP8 case writing the same orientations (fp4_32x1: 32x1, fp4_dual: dual; the others 1x32
+again), whose ratio is reported beside it ("vs fp8 same"; no target).
 
 The minimum bytes (`bytes_moved`) are the input read once and each output tensor written once,
 at the sizes the API returns them (trailing blocks padded to 32 elements; the "mfma" scale
@@ -118,16 +120,25 @@ def bytes_moved(kind: str, shape: tuple, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize + sum(t.numel() * t.element_size() for t in outputs)
 
 
-def fp8_partner(kind: str, shape: tuple, mode: str) -> tuple:
-    """(kind, shape, mode) of the MXFP8 1x32 case an MXFP4 case is held to."""
-    return "1x32", (math.prod(shape[:-1]), shape[-1]), FP8_MODE[mode]
+# the MXFP8 kind writing the same orientations as an MXFP4 kind (the rest: rowwise, 1x32)
+SAME_ORIENTATIONS = {"fp4_32x1": "32x1", "fp4_dual": "dual"}
 
 
-def annotate(row: dict, fp8_row: dict | None) -> None:
-    """Adds to an MXFP4 row our MXFP8 1x32 figure on the same shape (the best peer's: peers.annotate_best)."""
-    if fp8_row and fp8_row.get("status") == "ok":
-        row["fp8_1x32_instr_per_element"] = fp8_row["instr_per_element"]
-        row["vs_fp8_1x32"] = row["instr_per_element"] / fp8_row["instr_per_element"]
+def fp8_partners(kind: str, shape: tuple, mode: str) -> list[tuple]:
+    """(kind, shape, mode) of the two MXFP8 cases an MXFP4 case is shown beside: 1x32, which issue
+    14 holds every MXFP4 kind to, and the kind writing the same orientations (reported, no target)."""
+    flat = (math.prod(shape[:-1]), shape[-1])
+    return [(k, flat, FP8_MODE[mode]) for k in ("1x32", SAME_ORIENTATIONS.get(kind, "1x32"))]
+
+
+def annotate(row: dict, fp8_rows: list) -> None:
+    """Adds to an MXFP4 row our MXFP8 figures on the same shape (fp8_partners' rows, None where
+    not measured): 1x32's, and the same orientations' (the best peer's: peers.annotate_best)."""
+    for key, fp8_row in zip(("vs_fp8_1x32", "vs_fp8_same"), fp8_rows):
+        if fp8_row and fp8_row.get("status") == "ok":
+            row[key] = row["instr_per_element"] / fp8_row["instr_per_element"]
+    if "vs_fp8_1x32" in row:
+        row["fp8_1x32_instr_per_element"] = fp8_rows[0]["instr_per_element"]
 
 
 def target_misses(row: dict) -> list[str]:

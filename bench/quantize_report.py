@@ -62,6 +62,7 @@ MODELLED_COLUMNS = [
     ("torchao_instr_per_element", "torchao"),
     ("vs_torchao", "ratio"),
     ("vs_fp8_1x32", "vs fp8 1x32"),
+    ("vs_fp8_same", "vs fp8 same"),
     ("coalescing_loads", "coal ld"),
     ("store_coal", "coal st (per mnemonic)"),
     ("partial_store_fraction", "partial st"),

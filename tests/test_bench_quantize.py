@@ -108,17 +108,20 @@ def test_quantize_bench_mxfp4_rows(tmp_path):
     rows = read_outputs(tmp_path, "quantize_modelled")["rows"]
     for arch in ("gfx950", "gfx942"):
         assert [r["case"] for r in rows if r["arch"] == arch] == [
-            "1x32 64x256 floor", "fp4_1x32 64x256 even", "fp4_32x1 64x256 even", "fp4_dual 64x256 even",
-            "fp4_a4w4 64x256 even", "fp4_3d_a16w4 2x32x256 even"]
-    fp8 = {r["arch"]: r for r in rows if r["kind"] == "1x32"}
+            "1x32 64x256 floor", "fp4_1x32 64x256 even", "32x1 64x256 floor", "fp4_32x1 64x256 even",
+            "dual 64x256 floor", "fp4_dual 64x256 even", "fp4_a4w4 64x256 even", "fp4_3d_a16w4 2x32x256 even"]
+    fp8 = {(r["kind"], r["arch"]): r for r in rows if not r["kind"].startswith("fp4_")}
+    same = {"fp4_32x1": "32x1", "fp4_dual": "dual"}
     for row in rows:
         assert row["status"] == "ok" and row["bit_exact"] is True and row["reduction"] == "exact", row["case"]
         assert all(k.startswith(("mxfp8", "mxfp4")) and row["arch"] in k for k in row["kernels"])
         if row["kind"].startswith("fp4_"):
-            assert row["vs_fp8_1x32"] == row["instr_per_element"] / fp8[row["arch"]]["instr_per_element"]
+            for key, kind in (("vs_fp8_1x32", "1x32"), ("vs_fp8_same", same.get(row["kind"], "1x32"))):
+                assert row[key] == row["instr_per_element"] / fp8[kind, row["arch"]]["instr_per_element"]
         # 64x256 bf16: 32 KiB in; per orientation 8 KiB of FP4 data and 512 B of scales (a4w4's "mfma"
-        # scales padded to 256 rows x 8 columns: 2 KiB)
-        outputs = {"1x32": 16384 + 512, "fp4_dual": 2 * (8192 + 512), "fp4_a4w4": 8192 + 2048}
+        # scales padded to 256 rows x 8 columns: 2 KiB), of MXFP8 data 16 KiB
+        outputs = {"1x32": 16384 + 512, "32x1": 16384 + 512, "dual": 2 * (16384 + 512), "fp4_dual": 2 * (8192 + 512),
+                   "fp4_a4w4": 8192 + 2048}
         assert row["compulsory_bytes"] == 32768 + outputs.get(row["kind"], 8192 + 512)
         assert row["traffic_vs_compulsory"] == row["global_bytes"] / row["compulsory_bytes"]
 
