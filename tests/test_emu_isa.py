@@ -604,3 +604,21 @@ def test_packed_f32_fma_halves_with_sgpr_pair(opsel, opsel_hi):
     hi = a[opsel_hi & 1] * np.float32(b[opsel_hi >> 1 & 1]) + c
     assert np.array_equal(as_f32(w.v[6, :50]), lo[:50]) and np.array_equal(as_f32(w.v[7, :50]), hi[:50])
     assert (w.v[6:8, 50:] == 7).all()
+
+
+def test_v_maximum3_quiets_a_signalling_nan():
+    # IEEE 754-2019 maximum (the v_maximum helpers; RDNA4's V_MAXIMUM_F32 pseudocode spells out
+    # cvtToQuietNAN): a signalling NaN operand comes back quieted, its payload kept, in FP32 and in
+    # each FP16 half
+    w, _ = run("gfx950", I.v_maximum3_f32(v[3], v[0], v[1], v[2]), I.v_pk_maximum3_f16(v[6], v[4], v[5], v[5]),
+               vgpr={0: 0x7F800001, 1: f32(1.0), 2: f32(2.0), 4: 0x3C007D01, 5: 0x3C003C00})
+    assert int(w.v[3, 0]) == 0x7FC00001 and int(w.v[6, 0]) == 0x3C007F01
+
+
+def test_packed_f32_mul_with_neg_on_one_half_keeps_op_sel_hi():
+    # V_PK_MUL_F32: D.lo = S0[op_sel[0]] * S1[op_sel[1]], D.hi = S0[op_sel_hi[0]] * S1[op_sel_hi[1]],
+    # neg / neg_hi negating each half's sources: neg = 0b10 (S1 of the low half), op_sel 0, op_sel_hi
+    # 0b11: lo = 2 * -5 = -10, hi = 3 * 7 = 21 (halves with different negations take the per-half path)
+    w, _ = run("gfx942", I.v_pk_mul_f32(v[4:5], v[0:1], v[2:3], opsel=0, opsel_hi=3, neg=0b10, neg_hi=0),
+               vgpr={0: f32(2.0), 1: f32(3.0), 2: f32(5.0), 3: f32(7.0)})
+    assert (as_f32(w.v[4]) == -10.0).all() and (as_f32(w.v[5]) == 21.0).all()

@@ -219,3 +219,25 @@ def test_mfma_i32_16x16x32_i8_accumulates(arch):
                vgpr={10: pa[0], 11: pa[1], 20: pb[0], 21: pb[1], **{r: c[r] for r in range(4)}})
     d = w.v[0:4].view(np.int32).reshape(4, 4, 16).transpose(1, 0, 2).reshape(16, 16)
     assert np.array_equal(d, a @ b + 1000)
+
+
+def test_scaled_fp4_conversion_writes_only_active_lanes():
+    # VALU results go only to lanes with EXEC set: lanes 32..63 keep their 0xDEADBEEF. Active lanes:
+    # byte 0 = fp4(2.0) = 0x4 (high nibble), fp4(1.0) = 0x2 (low), the other bytes kept
+    w, _ = run("gfx950", I.v_cvt_scalef32_pk_fp4_f32(v[3], v[0], v[1], v[2]),
+               vgpr={0: f32(1.0), 1: f32(2.0), 2: f32(1.0), 3: 0xDEADBEEF}, exec_mask=(1 << 32) - 1)
+    assert (w.v[3, :32] == 0xDEADBE42).all() and (w.v[3, 32:] == 0xDEADBEEF).all()
+
+
+def test_v_cvt_pk_bf8_f32_nan_code_gfx950():
+    # OCP E5M2 on gfx950: a NaN gives S.11111.10 with its sign (isa_cvt's reading of AMD's host model,
+    # amd_hip_ocp_host.hpp; not checked on hardware): +NaN -> 0x7E, -NaN -> 0xFE
+    w, _ = run("gfx950", I.v_cvt_pk_bf8_f32(v[2], v[0], v[1]), vgpr={0: 0x7FC00000, 1: 0xFFC00001, 2: 0})
+    assert int(w.v[2, 0]) == 0xFE7E
+
+
+def test_v_cvt_f32_fp8_vop3_op_sel_picks_the_byte():
+    # V_CVT_F32_FP8 (VOP3): byte OPSEL[1:0] of S0; gfx950 OCP E4M3: 0xC4 = -3.0, 0x38 = 1.0
+    w, _ = run("gfx950", I.v_cvt_f32_fp8_e64(v[1], v[0], opsel=2), I.v_cvt_f32_fp8_e64(v[2], v[0], opsel=3),
+               vgpr={0: 0x38C40000})
+    assert as_f32(w.v[1, 0]) == -3.0 and as_f32(w.v[2, 0]) == 1.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tinygrad.renderer.amd.dsl import s, v
+from tinygrad.renderer.amd.dsl import EXEC, s, v
 from tinygrad.runtime.autogen.amd.cdna import ins as I
 
 from flyquant.emu.alloc import aligned
@@ -281,3 +281,27 @@ def test_global_atomic_pk_add_f16_every_lane(arch):
     w, _ = run(arch, I.global_atomic_pk_add_f16(vdst=v[3], addr=v[0], data=v[2], saddr=OFF, offset=0, sc0=1),
                vgpr={0: a & 0xFFFFFFFF, 1: a >> 32, 2: 0x38003C00, 3: 9}, memory=Memory())
     assert out[0] == 0x50005400 and w.v[3, 0] == 0
+
+
+def test_buffer_store_writes_only_active_lanes():
+    # MUBUF stores write for the lanes with EXEC set only (every access in range here)
+    buf = np.zeros(64, np.uint32)
+    inst = I.buffer_store_dword(vdata=v[2], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=0)
+    run("gfx942", inst, sgpr=_rsrc_sgprs(buf.ctypes.data, 256), vgpr={0: LANES * 4, 2: LANES + 1},
+        memory=Memory(), exec_mask=0x5555555555555555)
+    assert np.array_equal(buf, np.where(LANES % 2 == 0, LANES + 1, 0))
+
+
+def test_buffer_load_to_lds_leaves_the_lds_of_inactive_lanes():
+    # LDS first filled with 0xEE bytes (ds_write_b128, every lane); then with lane 3 out of EXEC a
+    # buffer_load_dwordx4 ... lds writes M0 + 16 l for the active lanes only: lane 3's slot keeps its bytes
+    buf = np.arange(4 * 64, dtype=np.uint32) + 1000
+    full = (1 << 64) - 1
+    sgpr = {**_rsrc_sgprs(buf.ctypes.data, 4 * 4 * 64), 124: 0, 10: full & ~(1 << 3) & 0xFFFFFFFF, 11: full >> 32}
+    fill = {8 + i: 0xEEEEEEEE for i in range(4)}
+    w, _ = run("gfx950", I.ds_write_b128(addr=v[1], data0=v[8:11], offset0=0, offset1=0), I.s_mov_b64(EXEC, s[10:11]),
+               I.buffer_load_dwordx4(vdata=v[4:7], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=0, lds=1),
+               sgpr=sgpr, vgpr={0: LANES * 16, 1: LANES * 16, **fill}, memory=Memory(), lds=16 * 64)
+    lds = w.wg.lds.view(np.uint32).reshape(64, 4)
+    assert (lds[3] == 0xEEEEEEEE).all()
+    assert np.array_equal(lds[0], buf[0:4]) and np.array_equal(lds[4], buf[16:20])

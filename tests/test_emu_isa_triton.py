@@ -217,7 +217,8 @@ def test_buffer_load_dwordx4_to_lds():
     # LDS address of lane l = M0 + inst_offset + 16 * l (M0 = 64, offset 16); the global side reads
     # base + inst_offset + v0 = 16 + 16 * l bytes, num_records 16 + 16 * 5 + 8: lanes 0..4 in
     # range, lane 5 only its first two dwords (out-of-range dwords write 0), lane 6 and up nothing.
-    # Lane 3 is off: its 16 LDS bytes keep their old value 0xEE. VGPRs are untouched.
+    # Lane 3 is off: its 16 LDS bytes are not written (0 here, as they start; that they keep other
+    # bytes: test_emu_isa_memory.test_buffer_load_to_lds_leaves_the_lds_of_inactive_lanes). VGPRs are untouched.
     buf = np.arange(4 * 64 + 16, dtype=np.uint32) + 1000
     lanes = np.arange(64, dtype=np.uint32)
     inst = I.buffer_load_dwordx4(vdata=v[4:7], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=16, lds=1)
