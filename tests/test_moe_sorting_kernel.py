@@ -373,3 +373,12 @@ def test_api_falls_back_to_the_reference_above_the_kernel_limits():
     plan = fq.explain(fq.moe_sorting, ids, weights, 8, K.MAX_BLOCK_M + 1)
     assert plan.backend == "reference" and any("block_m" in r for r in plan.reasons)
     assert_identical(fq.moe_sorting(ids, weights, 8, 2048), reference(ids, weights, 8, 2048))
+
+
+def test_moe_buf_limit_is_exclusive(monkeypatch):
+    """moe_buf's byte offsets are non-negative i32: a buffer of exactly MAX_MOE_BUF_BYTES is refused."""
+    monkeypatch.setattr(K, "MAX_MOE_BUF_BYTES", 64)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    ids[:, 1] = 1
+    with pytest.raises(ValueError, match="moe_buf must span a multiple of 4 bytes below 64"):
+        K.moe_sorting(ids, torch.ones(4, 2), 8, 16, arch="gfx950", moe_buf=torch.zeros(32, dtype=torch.bfloat16))

@@ -463,6 +463,19 @@ def test_rows_in_chunks(arch, monkeypatch):
     assert plan.backend == "flydsl" and "3 launches of up to 64 rows (whole experts)" in " ".join(plan.reasons), plan
 
 
+def test_a16w4_chunks_are_whole_experts(monkeypatch):
+    """A launch limit of 1.5 experts (96 rows of 512 bytes): the a16w4 chunks are still whole
+    experts (64 rows, 3 launches), not any multiple of the layout's 32-row tiles, whose output
+    would start mid-expert."""
+    monkeypatch.setattr(k4.mx, "MAX_LAUNCH_BYTES", 96 * 512 + 1)
+    emu.enable("gfx950")
+    w = random_rows(3 * 64, 256, torch.bfloat16, seed=43).reshape(3, 64, 256)
+    with emu.record() as launches:
+        got = fq.mxfp4_quantize_3d(w, "floor", "a16w4", True)
+    assert_same(got, reference.mxfp4_quantize_3d(w, "floor", "a16w4", True), "a16w4 chunks")
+    assert len(launches) == 3
+
+
 def test_api_op_plan_and_errors():
     """fq.mxfp4_quantize runs the kernel under the emulator (the op's plan), leading dims
     flattened; quantize_mxfp4 keeps them; bad input is the reference's ValueError."""

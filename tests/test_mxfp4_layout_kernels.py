@@ -13,6 +13,7 @@ import flyquant.emu as emu
 from flyquant import layouts, reference
 from flyquant.kernels import _mxfp4_common as c4
 from flyquant.kernels import _mxfp4_shuffles as sh
+from flyquant.kernels import mxfp4_quantize as k4
 
 import oracles
 from test_mxfp4_kernels import ARCHS, DTYPES, MODES, U8, assert_same, random_rows, special_blocks
@@ -280,6 +281,28 @@ def test_long_waves_are_exact(arch, dtype, monkeypatch):
     w = random_rows(2 * 64, 1536, dtype, seed=5).reshape(2, 64, 1536)
     assert_same(fq.mxfp4_quantize_3d(w, "even", shuffle="a16w4", gate_up=True),
                 reference.mxfp4_quantize_3d(w, "even", "a16w4", True), "a16w4 gate_up")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plan_rows_is_the_launchers_row_tiles(arch):
+    """The plan (waves, tiles per wave, workgroups) and the launch (row_tiles' padded count, the
+    divisor of the row-tile placement) each ask row_tiles, with the same row-tile count: the
+    plan's waves run the launch's runs, and its grid covers every row tile's padded tiles."""
+    for m, k in ((64, 4224), (4096, 7168), (8192, 6400), (1024, 4224), (2048, 2880)):
+        per_row, per_wave = sh.row_tiles(arch, "bf16", "a4w4", -(-k // 32), m // 16)
+        cfg = k4.plan_rows((m, k), arch, "a4w4", "bf16")
+        assert cfg.tiles_per_wave == per_wave and cfg.waves * cfg.tiles_per_wave * cfg.workgroups >= m // 16 * per_row
+
+
+def test_long_waves_split_by_the_row_tile_count(monkeypatch):
+    """Waves as long as a launch of 4 row tiles wants them (8 waves on gfx950's 256 CUs: a row tile
+    of 34 tiles in 2 waves of 18, padded to 36): byte for byte the reference's."""
+    monkeypatch.setattr(sh, "LONG_WAVES_PER_CU", 1 / 32)
+    emu.enable("gfx950")
+    x = random_rows(64, 4224, torch.bfloat16, seed=7)
+    assert fq.explain(fq.mxfp4_quantize, x, scaling_mode="floor", shuffle="a4w4").config["tiles_per_wave"] == 18
+    got = fq.mxfp4_quantize(x, scaling_mode="floor", shuffle="a4w4")
+    assert_same(got, reference.mxfp4_quantize(x, -1, "floor", None, "a4w4"), "a4w4 64x4224")
 
 
 def _zero_padded(t, shape):

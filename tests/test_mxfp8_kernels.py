@@ -298,6 +298,14 @@ def test_token_groups(arch):
                reference.mxfp8_quantize(x, -1, "floor", "tcgen05", offs), f"1x32 offs {ends}")
 
 
+def test_1x32_block_count_limit_is_exclusive(monkeypatch):
+    """One launch's blocks stay below MAX_LAUNCH_BYTES (their code offsets are non-negative i32):
+    exactly the limit is refused, naming it."""
+    monkeypatch.setattr(mx, "MAX_LAUNCH_BYTES", 4096)
+    with pytest.raises(ValueError, match="at most 4095"):
+        q2.quantize_1x32(torch.zeros(2048, 64, dtype=torch.bfloat16), arch="gfx950")  # 2048 x 2 blocks
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_1x32_row_chunks(arch, monkeypatch):
     # Tensors of 2 GiB or more go out in row chunks, one launch each (layouts: 256-row chunks,
