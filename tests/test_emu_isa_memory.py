@@ -14,7 +14,7 @@ from flyquant.emu.alloc import aligned
 from flyquant.emu.isa_base import EmuError
 from flyquant.emu.memory import Memory
 
-from test_emu_isa import ARCHS, LANES, OFF, ZERO, run
+from test_emu_isa import ARCHS, FULL, LANES, OFF, ZERO, run
 
 
 # --- memory -------------------------------------------------------------------------------------------
@@ -296,8 +296,7 @@ def test_buffer_load_to_lds_leaves_the_lds_of_inactive_lanes():
     # LDS first filled with 0xEE bytes (ds_write_b128, every lane); then with lane 3 out of EXEC a
     # buffer_load_dwordx4 ... lds writes M0 + 16 l for the active lanes only: lane 3's slot keeps its bytes
     buf = np.arange(4 * 64, dtype=np.uint32) + 1000
-    full = (1 << 64) - 1
-    sgpr = {**_rsrc_sgprs(buf.ctypes.data, 4 * 4 * 64), 124: 0, 10: full & ~(1 << 3) & 0xFFFFFFFF, 11: full >> 32}
+    sgpr = {**_rsrc_sgprs(buf.ctypes.data, 4 * 4 * 64), 124: 0, 10: FULL & ~(1 << 3) & 0xFFFFFFFF, 11: FULL >> 32}
     fill = {8 + i: 0xEEEEEEEE for i in range(4)}
     w, _ = run("gfx950", I.ds_write_b128(addr=v[1], data0=v[8:11], offset0=0, offset1=0), I.s_mov_b64(EXEC, s[10:11]),
                I.buffer_load_dwordx4(vdata=v[4:7], vaddr=v[0], srsrc=s[4:7], soffset=ZERO, offen=1, offset=0, lds=1),

@@ -353,14 +353,13 @@ def test_64_bit_operands_read_float_inline_constants_as_doubles(arch):
 def test_scalar_carry_chain_edges():
     # S_ADDC_U32: SCC = S0 + S1 + SCC >= 2^32 (the carry-in counts); S_SUB_U32: SCC = S1 > S0 (equal
     # operands do not borrow). The random operands of the tests above almost never land on these.
-    m32 = 0xFFFFFFFF
     for inst, sgpr, scc, want in (
-        (I.s_addc_u32(s[2], s[0], s[1]), {0: m32, 1: 0}, 1, (0, 1)),
+        (I.s_addc_u32(s[2], s[0], s[1]), {0: M32, 1: 0}, 1, (0, 1)),
         (I.s_addc_u32(s[2], s[0], s[1]), {0: 0x80000000, 1: 0x7FFFFFFF}, 1, (0, 1)),
-        (I.s_addc_u32(s[2], s[0], s[1]), {0: m32, 1: 0}, 0, (m32, 0)),
+        (I.s_addc_u32(s[2], s[0], s[1]), {0: M32, 1: 0}, 0, (M32, 0)),
         (I.s_sub_u32(s[2], s[0], s[1]), {0: 5, 1: 5}, 0, (0, 0)),
-        (I.s_sub_u32(s[2], s[0], s[1]), {0: m32, 1: m32}, 1, (0, 0)),
-        (I.s_sub_u32(s[2], s[0], s[1]), {0: 4, 1: 5}, 0, (m32, 1)),
+        (I.s_sub_u32(s[2], s[0], s[1]), {0: M32, 1: M32}, 1, (0, 0)),
+        (I.s_sub_u32(s[2], s[0], s[1]), {0: 4, 1: 5}, 0, (M32, 1)),
     ):
         w, _ = run("gfx942", inst, sgpr=sgpr, scc=scc)
         assert (int(w.s[2]), int(w.scc)) == want, (inst, sgpr, scc)

@@ -309,20 +309,20 @@ def test_mfma_over_all_operand_codes_with_inline_zero_c(arch, name, dtype, k, pe
 def test_v_add_co_u32_carries_only_past_2_pow_32():
     # V_ADD_CO_U32: VCC[lane] = the 33rd bit of the sum: 0xFFFFFFFE + 1 = 0xFFFFFFFF does not carry,
     # 0xFFFFFFFF + 1 = 2^32 does (result 0)
-    a = np.full(64, 0xFFFFFFFE, np.uint32)
-    a[1::2] = 0xFFFFFFFF
+    a = np.full(64, M32 - 1, np.uint32)
+    a[1::2] = M32
     w, _ = run("gfx942", I.v_add_co_u32_e32(v[2], 1, v[0]), vgpr={0: a})
-    assert (w.v[2, 0::2] == 0xFFFFFFFF).all() and (w.v[2, 1::2] == 0).all()
+    assert (w.v[2, 0::2] == M32).all() and (w.v[2, 1::2] == 0).all()
     assert (w.s[106], w.s[107]) == (0xAAAAAAAA, 0xAAAAAAAA)  # VCC: the odd lanes
 
 
 def test_v_mad_u64_u32_carry_edges():
     # {D1.u1, D0.u64} = 65'U(S0) * 65'U(S1) + 65'U(S2.u64): an addend of 0 never carries (the kernels'
     # address idiom); (2^32 - 1)^2 + (2^33 - 1) = 2^64 exactly: D0 = 0 with the carry
-    x = np.full(64, 0xFFFFFFFF, np.uint32)
+    x = np.full(64, M32, np.uint32)
     lo, hi = np.zeros(64, np.uint32), np.zeros(64, np.uint32)
-    lo[1::2], hi[1::2] = 0xFFFFFFFF, 1  # 2^33 - 1 on the odd lanes
+    lo[1::2], hi[1::2] = M32, 1  # 2^33 - 1 on the odd lanes
     w, _ = run("gfx942", I.v_mad_u64_u32(v[2:3], s[0:1], v[0], v[0], v[4:5]), vgpr={0: x, 4: lo, 5: hi})
     assert (w.v[2, 1::2] == 0).all() and (w.v[3, 1::2] == 0).all()
-    assert (w.v[2, 0::2] == 1).all() and (w.v[3, 0::2] == 0xFFFFFFFE).all()  # (2^32 - 1)^2
+    assert (w.v[2, 0::2] == 1).all() and (w.v[3, 0::2] == M32 - 1).all()  # (2^32 - 1)^2
     assert (w.s[0], w.s[1]) == (0xAAAAAAAA, 0xAAAAAAAA)  # the carry: odd lanes only
