@@ -97,12 +97,15 @@ def _random_blocks(n, dtype, seed):
     return (torch.randn(n, BLOCK, generator=g) * 30).to(dtype)
 
 
-def rows_tensor(dtype, m, k, seed=0):
-    """(m, k) with the special blocks first in the flat block order (the 1x32 blocks)."""
+def rows_tensor(dtype, m, k, seed=0, at=0):
+    """(m, k) holding the special blocks from flat block `at` on (the 1x32 blocks; as many as
+    fit past `at`, all of them from 0), random blocks around them."""
     special = torch.stack([b for _, b in special_blocks(dtype)])
     n = m * k // BLOCK
-    assert special.shape[0] <= n
-    blocks = torch.cat([special, _random_blocks(n - special.shape[0], dtype, seed)])
+    assert at or special.shape[0] <= n
+    blocks = _random_blocks(n, dtype, seed)
+    fit = min(special.shape[0], n - at)
+    blocks[at:at + fit] = special[:fit]
     return blocks.reshape(m, k)
 
 
@@ -153,6 +156,10 @@ def test_1x32(arch, mode, dtype):
     x = rows_tensor(dtype, 81, 96)
     got = q2.quantize_1x32(x, arch=arch, scaling_mode=mode)
     _pairs(got, reference.mxfp8_quantize(x, -1, mode), "1x32")
+    # from block 64 on: a 16-bit tile's second half (each lane's second block, its own rare-path
+    # test), FP32's second tile
+    x = rows_tensor(dtype, 81, 96, at=64)
+    _pairs(q2.quantize_1x32(x, arch=arch, scaling_mode=mode), reference.mxfp8_quantize(x, -1, mode), "1x32 from block 64")
     one = _random_blocks(1, dtype, 1)  # a one-block tensor: one lane of one tile
     _pairs(q2.quantize_1x32(one, arch=arch, scaling_mode=mode), reference.mxfp8_quantize(one, -1, mode), "1x32 one block")
 
