@@ -58,7 +58,8 @@ def mxfp8_quantize(x, axis=-1, scaling_mode="rceil", scale_layout=None, offs=Non
     axis=-1 (1x32): data (M, K) row-major, scales (M, K/32). axis=0 (32x1): data (M, K)
     column-major (stride (1, M)), scales (K, M/32). scaling_mode "floor" | "rceil";
     scale_layout None | "tcgen05" | "mfma"; offs: int32 token-group end offsets along M
-    (torchao's grouped-GEMM contract). Returns (float8_e4m3fn data, float8_e8m0fnu scales).
+    (torchao's grouped-GEMM contract; non-decreasing, the last == M, every group a multiple of
+    128 rows, else a ValueError). Returns (float8_e4m3fn data, float8_e8m0fnu scales).
     signed_zeros=False: zeros +0 (validate.SIGNED_ZEROS_DOC), for fq.mxfp8_grouped_mm(...,
     signed_zeros=False) on gfx942.
     """
@@ -394,7 +395,7 @@ PURE_MODULES = ("flyquant.reference", "flyquant.reference_moe", "flyquant.refere
                 "flyquant.moe", "flyquant.formats")
 
 
-def explain(fn, *args, **kwargs) -> Plan:
+def explain(fn, *args, **kwargs) -> Plan | tuple[Plan, ...]:
     """The selector's plan for `fn(*args, **kwargs)`, printed and returned, without running it
     (fused_moe: its three plans, sorting, stage 1, stage 2; moe_stage2: sorting, stage 2). fn is one
     of flyquant's kernel-backed ops or a pure-PyTorch function (PURE_MODULES); else a TypeError."""

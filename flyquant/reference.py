@@ -326,7 +326,8 @@ def _check_scales(scales, data_name, data):
 
 def dequantize_mxfp4(packed, scales):
     """(..., K/2) packed E2M1 + (..., K/32) E8M0 -> FP32 (..., K) = value * 2^(code - 127)
-    (code 0 is 2^-127, 0xFF is NaN)."""
+    (code 0 is 2^-127, 0xFF is NaN). K = 2 * packed.shape[-1], whole blocks: the quantized
+    tensor's K0 % 32 != 0 comes back zero-padded to them (slice [..., :K0])."""
     validate.tensor(packed, "packed", (torch.uint8, torch.float4_e2m1fn_x2))
     _check_scales(scales, "packed", packed)
     if packed.dim() < 1 or packed.shape[-1] % (MX_BLOCK // 2):  # checked before shape[-1] is read (0-d)

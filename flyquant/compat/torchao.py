@@ -88,7 +88,8 @@ def mxfp8_quantize_2d_1x32_flydsl(
     stage_count: int = 2,
     offs: torch.Tensor = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> e4m3fn data (M, K) row-major, e8m0 scales (M, K/32)."""
+    """(M, K) -> e4m3fn data (M, K) row-major, e8m0 scales (M, K/32). offs (token-group ends)
+    as flyquant.mxfp8_quantize takes it: non-decreasing, the last == M, groups of 128-row multiples."""
     _check_input(x, 2, block_size)
     if x.shape[1] % MX_BLOCK:
         _fail(f"K must be a multiple of {MX_BLOCK}", f"got K = {x.shape[1]}")
@@ -105,7 +106,9 @@ def mxfp8_quantize_2d_32x1_flydsl(
     offs: torch.Tensor = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> e4m3fn data (M, K) with stride (1, M), e8m0 scales (K, M/32), or torchao's
-    blocked (tcgen05) scales with blocked_scale_output=True (per token group when offs is given)."""
+    blocked (tcgen05) scales with blocked_scale_output=True (per token group when offs is given;
+    offs as flyquant.mxfp8_quantize takes it: non-decreasing, the last == M, groups of 128-row
+    multiples)."""
     _check_input(x, 2, block_size)
     if x.shape[0] % MX_BLOCK:
         _fail(f"M ({x.shape[0]}) must be a multiple of block_size ({MX_BLOCK})")

@@ -212,6 +212,9 @@ class MoEExperts(torch.nn.Module):
     # ---- forward and state ----------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The experts' output for hidden_states (..., model_dim) routed by topk_ids and topk_weights
+        (tokens, topk) (note the order: ids first, as transformers' experts modules take them; fused_moe
+        takes the weights first), in hidden_states' float dtype and shape."""
         # a float tensor: the output is converted back to its dtype (an int or bool one got the result
         # truncated, a complex one lost its imaginary part, silently)
         validate.tensor(hidden_states, "hidden_states", FLOAT_WEIGHTS)
