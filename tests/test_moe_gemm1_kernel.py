@@ -160,6 +160,14 @@ def test_topk1_many_tokens_two_k_iterations_and_unrouted_rows(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_dense_epilogue_with_an_n_tail(arch):
+    """40 tokens in 32-row tiles (more than 8 live rows: the dense epilogue) with 2 * inter_dim = 96
+    not a multiple of tile_n 128: the columns past inter_dim stay untouched (check's sentinels)."""
+    p = make_problem(40, 1, 3, 224, 48, 64, 256, 32, seed=8, bias_dtype=torch.float32, skip_expert=None)
+    check(arch, p, "silu", False, tile_n=128)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_nan_inf_propagate(arch):
     """NaN / Inf in x and in the bias reach the outputs as in the reference's formulas (NaN through
     the GPT-OSS clamps too): the same NaN positions, the same infinities, finite elements within T."""

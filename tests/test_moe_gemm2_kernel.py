@@ -321,6 +321,17 @@ def test_non_finite_blocks_give_the_references_nan_and_inf(arch, case):
     assert ((got.double() - ref.double()).abs()[~special] <= tol[~special]).all()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nan_scales_in_the_k_padding_are_not_applied(arch):
+    """inter_dim 384 of w_k 512 with E8M0 NaN (255) as the padding's scale codes: the K steps past
+    inter_dim mask their scales as well as a2 (0 x NaN-scaled weights would be NaN)."""
+    p = make_problem(7, 2, 4, 128, 384, 16, seed=4, w_n=128, w_k=512)
+    p["scales"].view(torch.uint8)[..., 384 // 32:] = 255
+    p["w2_scale"] = layouts.shuffle_scale_a16w4(p["scales"].reshape(4 * 128, -1), 4)
+    got = run_case(arch, p, torch.float32, k_batch=1, tile_n=128, tile_m=16)
+    check(p, got, torch.zeros(7, 128), torch.float32, 1, True)
+
+
 def ck_style_sorting(topk_ids, topk_weights, experts, block_m):
     """moe_sorting's contract as aiter's CK kernel fills it by default: an expert with no token
     still gets one block of padding rows (sorted_expert_ids names it), so blocks without any

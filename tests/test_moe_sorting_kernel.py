@@ -85,7 +85,9 @@ def expected_dropping(ids, weights, experts, block_m, mask=None):
 
 # (T, topk, E, block_m, waves): T 1 / 3 / 17 / 130 x topk 1 / 4 / 8 x E 1 / 8 / 128 x block_m 16 / 32 / 64;
 # waves None = the launcher's choice (1 wave up to 1023 pairs), 4 and 8 split the pairs over waves
-# in slices (130 x 8 = 1040 pairs: 4 waves of 260; 17 x 4 over 8 waves: most slices empty)
+# in slices (130 x 8 = 1040 pairs: 4 waves of 260; 17 x 4 over 8 waves: most slices empty); one
+# wave's 65 pairs (a last round of one pair); 254 x 1 over 2 experts in blocks of 2: 257 rows, one
+# past the fill loop's whole chunks of 4 rows per lane (the last row padding only)
 CASES = [
     (1, 1, 1, 16, None),  # one pair, one expert
     (1, 4, 128, 16, None),  # decode: 4 blocks in use of 128 + padding
@@ -97,6 +99,8 @@ CASES = [
     (130, 4, 128, 32, None),
     (130, 8, 128, 16, 4),
     (130, 8, 8, 64, 8),
+    (65, 1, 8, 16, 1),
+    (254, 1, 2, 2, 1),
 ]
 
 
