@@ -168,6 +168,15 @@ def test_dense_epilogue_with_an_n_tail(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tile_m,model_dim", [(32, 96), (64, 224)])
+def test_k_tail_on_tiles_of_several_row_blocks(arch, tile_m, model_dim):
+    """model_dim 96 / 224 of w_k 256 (NaN in x past it) on 32- and 64-row tiles, whose x is loaded
+    at use rather than through the 16-row tile's masked step loads."""
+    p = make_problem(20, 2, 4, model_dim, 48, 64, 256, tile_m, seed=3)
+    check(arch, p, "silu", False, tile_m=tile_m)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_nan_inf_propagate(arch):
     """NaN / Inf in x and in the bias reach the outputs as in the reference's formulas (NaN through
     the GPT-OSS clamps too): the same NaN positions, the same infinities, finite elements within T."""

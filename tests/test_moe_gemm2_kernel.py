@@ -156,6 +156,9 @@ def check(p, got, out0, out_dtype, k_batch, apply_weights):
 # 4: 2x2 / 4x1 / 1x4; 2: 1x2 / 2x1; 1: 1x1; padded_splitk's 4x1 gives one 16-column block per
 # wave (a wave starting at the odd half of a 32-row scale group).
 # fp32 outputs carry the checks that bf16 rounding would blur (bias once per k-split).
+# tile32_k_tail / tile64_k_tail: a K tail (inter 352 / 480 of w_k 512, NaN in a2 past it) on the
+# tiles of several row blocks, whose A is loaded at use (the 16-row tile's goes through the step's
+# masked loads): the first / second step of the last iteration partly past inter_dim.
 CASES = [
     # id,          tokens, topk, model, inter, w_n,  w_k, block_m, tile_m, tile_n, k_batch, waves, out_dtype,   weights, bias
     ("topk1",           6,    1,   128,   512, None, None,     16,     16,    128,      1,     4, torch.bfloat16, True, None),
@@ -171,6 +174,8 @@ CASES = [
     ("two_iters",       9,    2,   128,  1024, None, None,     16,     16,    128,      1,     2, torch.bfloat16, True, None),
     ("loop_uniform",    5,    2,   128,  1536, None, None,     16,     16,    128,      1,     2, torch.float32, True, torch.bfloat16),
     ("loop_uneven",     5,    2,   128,  1792, None, None,     16,     16,     64,      2,     1, torch.float32, False, None),
+    ("tile32_k_tail",  20,    2,   128,   352, None,  512,     32,     32,    128,      1,  None, torch.float32, True, None),
+    ("tile64_k_tail",  20,    2,   128,   480, None,  512,     64,     64,    128,      1,  None, torch.bfloat16, True, None),
 ]
 SCALE_SPREAD = {"topk1": 24}  # E8M0 codes 103..151 (the rest: codes around 125)
 

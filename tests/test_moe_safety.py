@@ -233,6 +233,28 @@ def test_a2_rows_past_4_gib(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_32_row_block_whose_window_rows_start_at_row_16(arch):
+    """Token windows with 32-row tiles: a block whose rows 0-15 are tokens of the first window and
+    rows 16-18 the second window's only tokens in it; each window's launch must find the block
+    (its scan looks at all 32 rows, not the first 16)."""
+    gen = torch.Generator().manual_seed(21)
+    experts, model_dim, inter_dim, rows = 4, 64, 256, 33000
+    w = torch.randn(experts, model_dim, inter_dim, generator=gen)
+    packed, scales = quantize_mxfp4(w)
+    a2 = torch.empty(rows, 65536, dtype=torch.bfloat16)[:, :inter_dim]  # > 4 GiB of address space: windows
+    toks = list(range(0, 160, 10)) + [32768, 32800, 32999]
+    p = dict(a2=a2, w2=layouts.shuffle_weight_a16w4(packed), topk=1, block_m=32, model_dim=model_dim,
+             w2_scale=layouts.shuffle_scale_a16w4(scales.reshape(experts * model_dim, -1), experts),
+             inter_dim=inter_dim, sorting=window_sorting(a2, [(2, toks)], 32, gen),
+             dense=reference.dequantize_mxfp4(packed, scales).double())
+    out = torch.zeros(rows, model_dim, dtype=torch.float32)
+    run_strict(arch, p, out=out, bias=None, tile_m=32)
+    exact, bound = _expected_rows(p, list(range(len(toks))))
+    err = (out[toks].double() - exact).abs()
+    assert (err <= U_F32 * (exact.abs() + bound) + bound).all(), err.max(dim=1).values
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_masked_k_chunks_read_zero_in_an_a2_past_2_gib(arch):
     """An a2 of 2.2 GB (one 32-bit buffer would do): the lanes of the K tail past inter_dim load at
     the out-of-range offset OOB (2 GiB - 16), which lies inside a buffer that large, where a2 holds
