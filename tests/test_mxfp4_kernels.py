@@ -452,7 +452,8 @@ def test_rows_in_chunks(arch, monkeypatch):
     """The rowwise kernel takes a tensor of 2 GiB or more in row chunks, one launch each on views
     of x and of the outputs (the "mfma" scales: chunks of whole 256-row tiles; a16w4: whole
     experts). A 40 KiB limit splits (600, 70) FP32 (a K tail; 280-byte rows) into 146-row chunks,
-    (512, 64) BF16 with the "mfma" scales into 2 x 256 rows (with them a4w4's data too), and three
+    (512, 64) BF16 with the "mfma" scales into 2 x 256 rows (with them a4w4's data too), a4w4 with
+    plain scales into whole 16-row tiles (304 + 208 rows), and three
     (64, 256) BF16 experts with the a16w4 gate_up shuffle into one expert a launch; the bytes are
     the reference's."""
     monkeypatch.setattr(k4.mx, "MAX_LAUNCH_BYTES", 40 * 1024)
@@ -466,6 +467,8 @@ def test_rows_in_chunks(arch, monkeypatch):
               reference.mxfp4_quantize_3d(w, "floor", "a16w4", True), 3)]
     cases += [(lambda s=s: fq.mxfp4_quantize(y, scaling_mode="even", scale_layout="mfma", shuffle=s),
                reference.mxfp4_quantize(y, -1, "even", "mfma", s), 2) for s in (None, "a4w4")]
+    cases.append((lambda: fq.mxfp4_quantize(y, scaling_mode="even", shuffle="a4w4"),
+                  reference.mxfp4_quantize(y, -1, "even", None, "a4w4"), 2))
     for run, want, count in cases:
         with emu.record() as launches:
             assert_same(run(), want, f"{count} chunks")

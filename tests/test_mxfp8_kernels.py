@@ -295,6 +295,12 @@ def test_unsigned_zeros(arch, mode, dtype):
 def test_token_groups(arch):
     # Group ends (multiples of 128, one empty group): 32x1 "tcgen05" blocks scales per group
     # (the kernel looks its group up by binary search); 1x32 and plain layouts are unchanged.
+    # K = 256 with four groups: two 128-row tiles of the (K, M/32) scales (a group's blocked layout
+    # differs from the whole matrix's), a power-of-two group count (the search's last step).
+    x4 = rows_tensor(torch.bfloat16, 512, 256)
+    offs4 = torch.tensor([128, 256, 384, 512], dtype=torch.int32)
+    _pairs(q2.quantize_32x1(x4, arch=arch, scaling_mode="rceil", scale_layout="tcgen05", offs=offs4),
+           reference.mxfp8_quantize(x4, 0, "rceil", "tcgen05", offs4), "32x1 offs of 4 groups, K 256")
     x = rows_tensor(torch.bfloat16, 512, 96)
     for ends in ([512], [128, 128, 384, 512]):
         offs = torch.tensor(ends, dtype=torch.int32)

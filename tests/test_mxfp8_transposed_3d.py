@@ -71,9 +71,11 @@ def test_reference_is_torchaos_32x1_t(tao, mode, dtype):
         assert_same(a, b, "reference vs contiguous copy")
 
 
-# (E, N, K): one expert with K = 256 (the mfma/tcgen05 layouts straight from the 1x32 kernel);
-# three experts with K = 40 (layouts not whole row tiles: laid out per expert afterwards).
-SHAPES = [(1, 96, 256), (3, 64, 40)]
+# (E, N, K): two experts with K = 256 (the mfma/tcgen05 layouts straight from the 1x32 kernel, per
+# expert); three experts with K = 40 (layouts not whole row tiles: laid out per expert afterwards);
+# two with K = 128 (whole 128-row tcgen05 tiles, straight from the kernel; mfma's 256-row tiles
+# not: laid out afterwards).
+SHAPES = [(2, 96, 256), (3, 64, 40), (2, 64, 128)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
