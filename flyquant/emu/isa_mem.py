@@ -18,8 +18,10 @@ here behaves the same under either.
 A buffer load with the LDS bit, and global_load_lds_* (gfx950 up to DWORDx4; Triton's pipelined
 loads), write each active lane's bytes to LDS instead of VGPRs, at M0 + inst_offset + lane * bytes
 (the LDS address the CDNA3/CDNA4 ISA guides give for loads to LDS, M0 holding the base;
-inst_offset applies to both addresses); a buffer load's out-of-range components write 0. Their
-traffic is counted as the global load.
+inst_offset applies to both addresses), a 32-bit sum: a negative offset that takes it below 0
+wraps far past any LDS allocation, out of range (dropped and counted, as isa_lds does), not to
+LDS's last bytes; a buffer load's out-of-range components write 0. Their traffic is counted as
+the global load.
 
 DS (LDS) instructions are isa_lds'. In strict memory mode every plain global store goes through
 the launch's race check (store_races).
@@ -185,6 +187,12 @@ def _atomic_op(name: str) -> str | None:
 
 
 # --- GLOBAL / FLAT ------------------------------------------------------------------------------------
+def lds_addresses(w, inst_offset: int, nbytes: int) -> np.ndarray:
+    """The LDS byte address of each lane of a load to LDS: M0 + inst_offset + lane * nbytes, a
+    32-bit sum (module docstring: below 0 it wraps out of range)."""
+    return ((int(w.s[D.M0]) + inst_offset) + LANE_IDS.astype(np.int64) * nbytes) & 0xFFFFFFFF
+
+
 def _global_address(ctx, inst):
     """Closure w -> uint64[64] lane addresses of a GLOBAL/FLAT instruction."""
     f = inst.f
@@ -219,7 +227,7 @@ def build_global(inst, ctx):
             addrs = address(w)
             data = w.launch.memory.load(addrs, nbytes, mask)
             if to_lds:
-                Lds.write(w, (int(w.s[D.M0]) + lds_offset) + LANE_IDS.astype(np.int64) * nbytes, data, mask)
+                Lds.write(w, lds_addresses(w, lds_offset, nbytes), data, mask)
             else:
                 write_load(w, row, data, nbytes, signed, d16, mask)
             w.launch.rec.global_access(index, addrs, mask, nbytes, False)
@@ -378,8 +386,7 @@ def build_buffer(inst, ctx):
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
                 rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
             if to_lds:
-                lds_addrs = (int(w.s[D.M0]) + inst_offset) + LANE_IDS.astype(np.int64) * nbytes
-                Lds.write(w, lds_addrs, data, active)
+                Lds.write(w, lds_addresses(w, inst_offset, nbytes), data, active)
             else:
                 write_load(w, row, data, nbytes, signed, d16, active)
         return load
