@@ -200,8 +200,9 @@ def test_nan_inf_propagate(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("alpha,limit,gate", [(1.702, float("inf"), float("inf")), (-1.0, 7.0, float("-inf"))],
-                         ids=["no-clamp-g-inf", "negative-alpha-g-minus-inf"])
+@pytest.mark.parametrize("alpha,limit,gate", [(1.702, float("inf"), float("inf")), (-1.0, 7.0, float("-inf")),
+                                              (-0.5, 7.0, float("-inf"))],
+                         ids=["no-clamp-g-inf", "negative-alpha-g-minus-inf", "alpha-in-(-1,0)-g-minus-inf"])
 def test_swiglu_oai_infinite_gate_term_as_the_reference(arch, alpha, limit, gate):
     """swiglu_oai's (u' + 1) t, t = g' sigmoid(alpha g'), with t infinite: g = +inf and limit = inf (no
     clamp, allowed), or g = -inf and alpha < 0 (sigmoid 1). Computed as fma(u', t, t) = u' t + t that is
@@ -209,8 +210,7 @@ def test_swiglu_oai_infinite_gate_term_as_the_reference(arch, alpha, limit, gate
     9). Gate columns 0-15 of both experts take a bias of `gate`, their up columns u < -1 (0-7) or about
     -0.5 (8-15): the same infinities and NaN positions as the reference, in the dense form (expert 0's
     10-row tile) and the sparse one (expert 1's 2-row tile)."""
-    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=14, bias_dtype=torch.float32, skip_expert=None)
-    p = _routed(p, [0] * 10 + [1] * 2, block_m=16)
+    p = _dense_and_sparse_tiles()
     p["bias"][:, :16] = gate
     p["bias"][:, 32:40] = -40.0
     p["bias"][:, 40:48] = -0.5
@@ -338,6 +338,57 @@ def test_finite_and_nan_paths_give_the_same_bits(arch):
     assert int(shared.sum()) >= 4
     assert torch.equal(finite[others].view(torch.int16), mixed[others].view(torch.int16))
     assert mixed[~others].isnan().all()
+
+
+def _dense_and_sparse_tiles():
+    """12 tokens, top-1: 10 on expert 0 (the dense epilogue's tile), 2 on expert 1 (the sparse one)."""
+    p = make_problem(12, 1, 2, 256, 32, 32, 256, 16, seed=14, bias_dtype=torch.float32, skip_expert=None)
+    return _routed(p, [0] * 10 + [1] * 2, block_m=16)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("col", [1, 2])
+def test_a_lone_nan_gate_bias_reaches_its_column(arch, col):
+    """The tile's only non-finite value, a NaN gate bias of expert 0 at column 1 or 2 (not the first
+    of a lane's four columns): the NaN check must see every column of every lane's group."""
+    p = _dense_and_sparse_tiles()
+    p["bias"][0, col] = float("nan")
+    got = run(arch, p, "swiglu_oai").double()
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                    bias=p["bias"], activation="swiglu_oai").double()
+    assert ref[:10, col].isnan().all() and torch.equal(got.isnan(), ref.isnan())
+
+
+def _with_weight_bits(p, row, bits):
+    ids, weights, eids, nvalid = p["sorting"]
+    weights = weights.clone()
+    weights.view(torch.int32)[row] = bits
+    return dict(p, sorting=(ids, weights, eids, nvalid)), int(ids[row]) & 0xFFFFFF
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bits", [0x7FFFFFFF, -1], ids=["nan-payload", "negative-nan-payload"])
+def test_a_nan_routing_weight_makes_its_row_nan(arch, bits):
+    """apply_weights with a NaN routing weight whose payload fills the mantissa (the usual 0x7FC00000
+    does not show a conversion that loses it): its a2 row is NaN, the others are not."""
+    p, token = _with_weight_bits(_dense_and_sparse_tiles(), 3, bits)
+    got = run(arch, p, "swiglu_oai", apply_weights=True).double()
+    ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                    bias=p["bias"], activation="swiglu_oai", apply_weights=True).double()
+    assert ref[token].isnan().all() and torch.equal(got.isnan(), ref.isnan())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_negative_zero_routing_weight_keeps_the_zeros_signs(arch):
+    """apply_weights with a routing weight of -0.0: the row is act * -0.0, zeros of the sign opposite
+    to act's, bit for bit as the reference's (check() compares values, blind to a zero's sign)."""
+    p, token = _with_weight_bits(_dense_and_sparse_tiles(), 3, -(1 << 31))
+    for activation in ("silu", "swiglu_oai"):
+        got = run(arch, p, activation, apply_weights=True)
+        ref = reference.moe_gemm1_a16w4(p["x"], p["w1"], p["w1_scale"], *p["sorting"], topk=1, block_m=16,
+                                        bias=p["bias"], activation=activation, apply_weights=True)
+        assert (ref[token] == 0).all() and ref[token].signbit().any()
+        assert torch.equal(got[token].view(torch.int16), ref[token].view(torch.int16)), activation
 
 
 def _routed(p, experts_of_tokens, block_m=32):

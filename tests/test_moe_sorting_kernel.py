@@ -101,6 +101,7 @@ CASES = [
     (130, 8, 8, 64, 8),
     (65, 1, 8, 16, 1),
     (254, 1, 2, 2, 1),
+    (3, 1, 1, 1, None),  # topk == E, block_m 1: every row a pair's, the last pair on the last row
 ]
 
 
@@ -132,6 +133,18 @@ def test_many_experts_and_odd_block_sizes(arch, case):
     mask = torch.rand(experts, generator=torch.Generator().manual_seed(1)) > 0.3
     got, _ = run_kernel(arch, ids, weights, experts, block_m, mask, waves=waves)
     assert_identical(got, reference(ids, weights, experts, block_m, mask))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_largest_expert_count_with_every_expert_served(arch):
+    """E = 1024 with no mask (1024 served experts: a count needing all of the scan's served bits),
+    the last expert routed."""
+    ids, weights = routing(40, 8, 1024, seed=21)
+    ids[0, 0] = ids[-1, -1] = 1023
+    got, _ = run_kernel(arch, ids, weights, 1024, 16)
+    want = reference(ids, weights, 1024, 16)
+    assert 1023 in want[2].tolist()
+    assert_identical(got, want)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
