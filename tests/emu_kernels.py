@@ -7,6 +7,7 @@ enough to emulate in well under a second, and each stresses one part of the mach
 - ``vector_add``: predicated 128-bit global loads/stores, 2-D grid, tail predicate;
 - ``block_sum``: a tree reduction through LDS with a barrier between steps (4 waves), or
   without them (an LDS race);
+- ``lds_before_write``: each thread reads its LDS slot before anything is written there;
 - ``last_block_id``: every workgroup stores its id to one address (a store race);
 - ``wave_shuffles``: cross-lane data movement inside one wave (shuffle xor / down / idx);
 - ``mfma_tile``: one 32x32 tile of A @ B^T on a 2x2 grid of 16x16 MFMAs (f32 and bf16);
@@ -138,6 +139,28 @@ def block_sum(arch: str, barriers: bool = True):
     @flyc.jit
     def launch(X: fx.Tensor, Out: fx.Tensor, blocks: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
         emu_block_sum(X, Out).launch(grid=(blocks, 1, 1), block=(BLOCK_SUM_THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def lds_before_write(arch: str):
+    """Out[b * 64 + t] = LDS slot t (a u32) of workgroup b, read before the workgroup writes it; then,
+    when `write` is nonzero, slot t = t (an argument: the compiler cannot take LDS for never written
+    and drop the read)."""
+
+    @flyc.kernel
+    def emu_lds_before_write(Out: fx.Tensor, write: fx.Int32):
+        tid = fx.thread_idx.x
+        lds = fx.SharedAllocator().allocate(fx.Array[fx.Int32, WAVE]).peek()
+        slots = lds.view(fx.make_layout(WAVE, 1))
+        fx.memref_store(fx.memref_load(slots, tid), Out, fx.block_idx.x * WAVE + tid)
+        if write != 0:
+            fx.memref_store(fx.Int32(tid), slots, tid)
+
+    @flyc.jit
+    def launch(Out: fx.Tensor, write: fx.Int32, blocks: fx.Constexpr[int], stream: fx.Stream = fx.Stream(None)):
+        emu_lds_before_write(Out, write).launch(grid=(blocks, 1, 1), block=(WAVE, 1, 1), stream=stream)
 
     return launch
 

@@ -16,6 +16,7 @@ import torch
 
 import flyquant.emu as emu
 from flyquant import toolchain
+from flyquant.emu import interp
 
 
 ARCHS = ("gfx942", "gfx950")
@@ -78,6 +79,16 @@ def test_an_lds_race_between_waves_is_an_error(arch):
     with pytest.raises(emu.EmuLaunchError, match=r"LdsRace: wave \d (reads|writes) LDS byte \d+, which wave \d "
                                            r"(wrote|read) with no s_barrier between them"):
         run(arch, K.block_sum(arch, barriers=False), x, out, 1, tensors=(x, out))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lds_read_before_any_write_holds_the_fill_not_zeros(arch):
+    # LDS contents at a workgroup's start are undefined on hardware: every workgroup's LDS starts
+    # as interp.LDS_FILL bytes, so a kernel relying on zeroed LDS (a histogram it forgot to clear)
+    # shows; the second workgroup sees the fill again, not the first one's bytes.
+    out = torch.zeros(2 * K.WAVE, dtype=torch.int32)
+    run(arch, K.lds_before_write(arch), out, 1, 2, tensors=(out,))  # workgroup 0 writes its slots
+    assert (out.view(torch.uint8) == interp.LDS_FILL).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,7 +14,9 @@ workgroup ids; v0 = workitem id x, or on gfx90a+
 x | y << 10 | z << 20 when y/z are enabled; EXEC has the lanes of the workgroup's threads;
 MODE holds the descriptor's float modes. A kernel with a private segment gets zeroed private
 memory per lane (`isa_scratch`); its private-segment wave-offset SGPR stays 0 (every wave's
-private memory starts at offset 0).
+private memory starts at offset 0). A workgroup's LDS starts filled with LDS_FILL, not zeros:
+its contents are undefined on hardware, so a kernel that reads LDS it did not write (a histogram
+it forgot to clear) gets visibly wrong bytes here.
 
 The program is decoded once per (code object, kernel), following branches from the entry, and
 turned into a list of closures (`Program`), one per instruction. An instruction the interpreter
@@ -59,6 +61,7 @@ def max_wave_instructions() -> int:
 # the first launch); execute(max_wave_instructions=...) overrides it per launch.
 MAX_WAVE_INSTRUCTIONS = max_wave_instructions()
 LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+LDS_FILL = 0xA5  # a workgroup's LDS bytes before its first write (module docstring)
 MAX_WORKGROUP_THREADS = 1024
 WORKITEM_ID_BITS = 10  # gfx90a+: v0 = x | y << 10 | z << 20
 _PROGRAM_CACHE: OrderedDict = OrderedDict()
@@ -376,7 +379,7 @@ def execute(co, kernel: str, grid, block, kernarg_addr: int, dynamic_lds: int, m
             for gy in range(grid[1]):
                 for gx in range(grid[0]):
                     wg.ids = (gx, gy, gz)
-                    wg.lds.fill(0)
+                    wg.lds.fill(LDS_FILL)
                     if wg.races is not None:
                         wg.races.reset()
                     launch.start(wg)
