@@ -178,8 +178,9 @@ def moe_gemm1_a16w4(x, w1, w1_scale, sorted_ids, sorted_weights, sorted_expert_i
 
     x: (T, model_dim) bf16 (other float dtypes run the reference); w1, w1_scale: (E, 2P, K/2) MXFP4
     gate rows then up rows and their E8M0 scales, shuffled with gate_up=True (aiter's stage-1
-    layout; flyquant.layouts.gate_up_rows_from_interleaved converts GPT-OSS's interleaved weights); the sorted_* and
-    num_valid_ids: moe_sorting's outputs for `block_m`. bias: (E, 2P) in w1's row order.
+    layout; flyquant.layouts.gate_up_rows_from_interleaved converts GPT-OSS's interleaved
+    weights); the sorted_* and num_valid_ids: moe_sorting's outputs for `block_m`. bias: (E, 2P)
+    in w1's row order.
     activation: "silu" | "gelu" (tanh) | "swiglu_oai" (GPT-OSS, with alpha and limit).
     out: (T*topk, >= inter_dim) bf16, rows of routed pairs written, the others untouched; None: a
     zeroed (T*topk, inter_dim) tensor. model_dim / inter_dim: the true sizes when the weights are
@@ -221,7 +222,8 @@ def check_moe_sizes(**sizes) -> None:
 def moe_stage2(a2, topk_ids, topk_weights, w2, w2_scale, *, bias=None, out_dtype=torch.bfloat16, model_dim=None,
                inter_dim=None):
     """From routing (topk_ids, topk_weights (tokens, topk)) and the stage-1 output a2 ((tokens *
-    topk, inter_dim) bf16, token-major: row t * topk + k for token t's slot k) to the layer output: moe_sorting with the selector's block size (which also zeroes the output), then
+    topk, inter_dim) bf16, token-major: row t * topk + k for token t's slot k) to the layer
+    output: moe_sorting with the selector's block size (which also zeroes the output), then
     moe_gemm2_a16w4 adding into it. Two launches on the kernel path and no host synchronisation:
     routing ids outside [0, E) are dropped there (FLYQUANT_DEBUG=1 and the reference refuse them)."""
     tokens, topk, experts, model_dim, inter_dim, block_m = _moe_stage2_sizes(a2, topk_ids, w2, out_dtype, model_dim,
