@@ -37,10 +37,13 @@ def as_f32(bits) -> np.ndarray:
     return np.asarray(bits, np.uint32).view(np.float32)
 
 
-def run(arch, *insts, sgpr=None, vgpr=None, agpr=None, exec_mask=FULL, scc=0, lds=0, memory=None, budget=10_000):
-    """Run `insts` + s_endpgm as one wave; returns (wave, stats)."""
-    code = b"".join(i.to_bytes() for i in insts) + I.s_endpgm().to_bytes()
-    prog = interp.snippet(code, arch)
+def program(arch, *insts):
+    """`insts` + s_endpgm as an interpreter program."""
+    return interp.snippet(b"".join(i.to_bytes() for i in insts) + I.s_endpgm().to_bytes(), arch)
+
+
+def wave(sgpr=None, vgpr=None, agpr=None, exec_mask=FULL, scc=0):
+    """A wave holding the given registers (VGPRs: a value or 64 lanes' values, FP32 as its bits)."""
     w = Wave()
     w.set_exec(exec_mask)
     w.scc = scc
@@ -51,7 +54,13 @@ def run(arch, *insts, sgpr=None, vgpr=None, agpr=None, exec_mask=FULL, scc=0, ld
         w.v[k] = val.view(np.uint32) if val.dtype == np.float32 else val.astype(np.uint32)
     for k, val in (agpr or {}).items():
         w.v[AGPR_BASE + k] = val
-    stats = interp.run_wave(prog, w, memory, lds, budget)
+    return w
+
+
+def run(arch, *insts, sgpr=None, vgpr=None, agpr=None, exec_mask=FULL, scc=0, lds=0, memory=None, budget=10_000):
+    """Run `insts` + s_endpgm as one wave; returns (wave, stats)."""
+    w = wave(sgpr, vgpr, agpr, exec_mask, scc)
+    stats = interp.run_wave(program(arch, *insts), w, memory, lds, budget)
     return w, stats
 
 

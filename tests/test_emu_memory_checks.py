@@ -16,29 +16,14 @@ from tinygrad.runtime.autogen.amd.cdna import ins as I
 import flyquant.emu as emu
 from flyquant.emu import decode as D
 from flyquant.emu import interp
-from flyquant.emu.isa_base import EmuError, Wave
+from flyquant.emu.isa_base import EmuError
 from flyquant.emu.memory import EmuMemoryError, Memory
 from flyquant.emu.runtime import kernarg_readable_bytes
 from flyquant.emu.store_races import StoreRaceCheck
 
 from conftest import _Extents, tensor_extent
-from test_emu_isa import ARCHS, FULL, LANES, OFF, run
+from test_emu_isa import ARCHS, LANES, OFF, program, run, wave
 from test_emu_isa_memory import _rsrc_sgprs
-
-
-def _program(arch, *insts):
-    return interp.snippet(b"".join(i.to_bytes() for i in insts) + I.s_endpgm().to_bytes(), arch)
-
-
-def _wave(vgpr, sgpr=None, wave_id=0):
-    w = Wave()
-    w.set_exec(FULL)
-    w.wave_id = wave_id
-    for k, value in (sgpr or {}).items():
-        w.s[k] = value & 0xFFFFFFFF
-    for k, value in vgpr.items():
-        w.v[k] = np.asarray(value).astype(np.uint32)
-    return w
 
 
 # --- strict memory ------------------------------------------------------------------------------------
@@ -143,8 +128,7 @@ def test_a_buffer_store_race_between_workgroups(num_records):
     buf = np.zeros(64, np.uint32)
     mem = Memory(strict=True)
     key = mem.register(buf.ctypes.data, buf.nbytes)
-    prog = _program("gfx950", I.buffer_store_dword(vdata=v[2], vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1,
-                                                    offset=0))
+    prog = program("gfx950", I.buffer_store_dword(vdata=v[2], vaddr=v[0], srsrc=s[4:7], soffset=s[8], offen=1, offset=0))
     launch = interp._Launch(mem)
     try:
         with pytest.raises(EmuError, match="StoreRace"):
@@ -152,7 +136,8 @@ def test_a_buffer_store_race_between_workgroups(num_records):
                 wg = interp._Workgroup(0)
                 wg.ids = (g, 0, 0)
                 launch.start(wg)
-                w = _wave({0: LANES * 4, 2: np.full(64, g + 1)}, sgpr={**_rsrc_sgprs(buf.ctypes.data, num_records), 8: 0})
+                w = wave(sgpr={**_rsrc_sgprs(buf.ctypes.data, num_records), 8: 0},
+                         vgpr={0: LANES * 4, 2: np.full(64, g + 1)})
                 w.wg, w.launch = wg, launch
                 interp._run_workgroup([w], prog, [0] * len(prog.ops), 1000)
     finally:
@@ -176,7 +161,8 @@ def _one_workgroup(prog, regs, lds_bytes):
     launch.start(wg)
     waves = []
     for i, vgpr in enumerate(regs):
-        w = _wave(vgpr, wave_id=i)
+        w = wave(vgpr=vgpr)
+        w.wave_id = i
         w.wg, w.launch = wg, launch
         waves.append(w)
     with np.errstate(all="ignore"):
@@ -186,8 +172,8 @@ def _one_workgroup(prog, regs, lds_bytes):
 def test_an_lds_read_inside_another_waves_written_dword_is_a_race():
     """Wave 0 writes dwords 0-255; wave 1, with no barrier, reads byte 2 (inside lane 0's dword, not
     its first byte). Each wave's other access touches bytes no other wave does."""
-    prog = _program("gfx950", I.ds_write_b32(addr=v[0], data0=v[1], offset0=0, offset1=0),
-                    I.ds_read_u8(vdst=v[3], addr=v[2], offset0=0, offset1=0))
+    prog = program("gfx950", I.ds_write_b32(addr=v[0], data0=v[1], offset0=0, offset1=0),
+                   I.ds_read_u8(vdst=v[3], addr=v[2], offset0=0, offset1=0))
     wave0 = {0: LANES * 4, 1: np.full(64, 0xFFFFFFFF), 2: 512 + LANES}
     wave1 = {0: 256 + LANES * 4, 1: np.full(64, 0xFFFFFFFF), 2: np.full(64, 2)}
     with pytest.raises(EmuError, match=r"LdsRace: wave 1 reads LDS byte 2, which wave 0 wrote"):
@@ -196,7 +182,7 @@ def test_an_lds_read_inside_another_waves_written_dword_is_a_race():
 
 
 def test_an_lds_write_over_another_waves_write_is_a_race():
-    prog = _program("gfx950", I.ds_write_b32(addr=v[0], data0=v[1], offset0=0, offset1=0))
+    prog = program("gfx950", I.ds_write_b32(addr=v[0], data0=v[1], offset0=0, offset1=0))
     wave0 = {0: LANES * 4, 1: np.full(64, 0xFFFFFFFF)}
     wave1 = {0: LANES * 4, 1: np.full(64, 0xEEEEEEEE)}
     with pytest.raises(EmuError, match=r"LdsRace: wave 1 writes LDS byte 0, which wave 0 wrote"):
@@ -225,9 +211,9 @@ def test_a_load_to_lds_below_address_0_is_out_of_range_not_wrapped():
 
 # --- scratch ------------------------------------------------------------------------------------------
 def _scratch_load(offset):
-    w = _wave({})
+    w = wave()
     w.scratch = np.zeros((64, 64), np.uint8)
-    interp.run_wave(_program("gfx950", I.scratch_load_dword(vdst=v[1], addr=v[0], saddr=OFF, offset=offset & 0x1FFF)), w)
+    interp.run_wave(program("gfx950", I.scratch_load_dword(vdst=v[1], addr=v[0], saddr=OFF, offset=offset & 0x1FFF)), w)
 
 
 def test_scratch_accesses_outside_a_lanes_bytes_are_errors():

@@ -19,6 +19,8 @@ from flyquant.kernels import mxfp4_quantize_dual as kd
 from flyquant.kernels import mxfp8_quantize_2d as q2
 from flyquant.kernels import mxfp8_quantize_3d as q3
 
+from test_mxfp4_kernels import assert_same
+
 ARCHS = ("gfx950", "gfx942")
 HUGE = 2.0**122  # BF16 0x7C80: read as FP16 (gfx950's packed amax) a signalling NaN, not Inf or NaN
 
@@ -28,14 +30,9 @@ def _random(shape, dtype, seed):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def _same(got, want, what):
-    for i, (g, w) in enumerate(zip(got, want)):
-        if isinstance(g, tuple):
-            _same(g, w, f"{what} output {i}")
-            continue
-        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), f"{what} output {i}"
-        bad = (g.view(torch.uint8) != w.view(torch.uint8)).nonzero()
-        assert bad.numel() == 0, f"{what} output {i}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
+def _flat(pairs):
+    """The dual kernels' ((data, scales), (data, scales)) as one tuple of tensors."""
+    return tuple(t for pair in pairs for t in pair)
 
 
 def _families(mode):
@@ -45,16 +42,16 @@ def _families(mode):
          lambda x: reference.mxfp4_quantize(x, -1, mode), (64, 128)),
         ("mxfp4 cols", lambda x, a: kc.quantize_cols(x, arch=a, scaling_mode=mode),
          lambda x: reference.mxfp4_quantize(x, 0, mode), (64, 128)),
-        ("mxfp4 dual", lambda x, a: kd.quantize_dual(x, arch=a, scaling_mode=mode),
-         lambda x: (reference.mxfp4_quantize(x, -1, mode), reference.mxfp4_quantize(x, 0, mode)), (64, 128)),
-        ("mxfp4 dual tail", lambda x, a: kd.quantize_dual(x, arch=a, scaling_mode=mode),
-         lambda x: (reference.mxfp4_quantize(x, -1, mode), reference.mxfp4_quantize(x, 0, mode)), (37, 75)),
+        ("mxfp4 dual", lambda x, a: _flat(kd.quantize_dual(x, arch=a, scaling_mode=mode)),
+         lambda x: reference.mxfp4_quantize(x, -1, mode) + reference.mxfp4_quantize(x, 0, mode), (64, 128)),
+        ("mxfp4 dual tail", lambda x, a: _flat(kd.quantize_dual(x, arch=a, scaling_mode=mode)),
+         lambda x: reference.mxfp4_quantize(x, -1, mode) + reference.mxfp4_quantize(x, 0, mode), (37, 75)),
         ("mxfp8 1x32", lambda x, a: q2.quantize_1x32(x, arch=a, scaling_mode=mode),
          lambda x: reference.mxfp8_quantize(x, -1, mode), (256, 256)),
         ("mxfp8 32x1", lambda x, a: q2.quantize_32x1(x, arch=a, scaling_mode=mode),
          lambda x: reference.mxfp8_quantize(x, 0, mode), (256, 256)),
-        ("mxfp8 dual", lambda x, a: q2.quantize_dual(x, arch=a, scaling_mode=mode),
-         lambda x: reference.mxfp8_quantize_dual(x, mode), (256, 256)),
+        ("mxfp8 dual", lambda x, a: _flat(q2.quantize_dual(x, arch=a, scaling_mode=mode)),
+         lambda x: _flat(reference.mxfp8_quantize_dual(x, mode)), (256, 256)),
         ("mxfp8 3d", lambda x, a: q3.quantize_3d(x, arch=a, scaling_mode=mode),
          lambda x: reference.mxfp8_quantize_3d(x, mode), (2, 64, 128)),
     ]
@@ -69,7 +66,7 @@ def test_a_lone_bf16_value_past_2_121(arch):
     for i, (name, kernel, ref, shape) in enumerate(_families("floor")):
         x = _random(shape, torch.bfloat16, i)
         x[(1,) * (len(shape) - 2) + (40 % shape[-2], 50)] = HUGE
-        _same(kernel(x, arch), ref(x), f"{name} {shape} with 2^122")
+        assert_same(kernel(x, arch), ref(x), f"{name} {shape} with 2^122")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -84,7 +81,7 @@ def test_a_lone_non_finite_value_in_a_lanes_last_position(arch, dtype):
             x = _random(shape, dtype, 10 * i + j)
             lead = (1,) * (len(shape) - 2)
             x[lead + (row % shape[-2], col % shape[-1])] = value
-            _same(kernel(x, arch), ref(x), f"{name} {shape} with {value} at {(row, col)}")
+            assert_same(kernel(x, arch), ref(x), f"{name} {shape} with {value} at {(row, col)}")
 
 
 @pytest.mark.parametrize("dtype,mode,rows,scale", [(torch.bfloat16, "floor", 7, 2.0**-124),
@@ -96,5 +93,5 @@ def test_gfx942_dual_encoder_range_in_a_lanes_last_row(dtype, mode, rows, scale)
     emu.enable("gfx942")
     x = _random((64, 128), dtype, 3)
     x[rows, 32:64] = (torch.linspace(-1, 1, 32) * scale).to(dtype)
-    got = kd.quantize_dual(x, arch="gfx942", scaling_mode=mode)
-    _same(got, (reference.mxfp4_quantize(x, -1, mode), reference.mxfp4_quantize(x, 0, mode)), "gfx942 dual")
+    got = _flat(kd.quantize_dual(x, arch="gfx942", scaling_mode=mode))
+    assert_same(got, reference.mxfp4_quantize(x, -1, mode) + reference.mxfp4_quantize(x, 0, mode), "gfx942 dual")

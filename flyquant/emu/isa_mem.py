@@ -187,10 +187,14 @@ def _atomic_op(name: str) -> str | None:
 
 
 # --- GLOBAL / FLAT ------------------------------------------------------------------------------------
-def lds_addresses(w, inst_offset: int, nbytes: int) -> np.ndarray:
-    """The LDS byte address of each lane of a load to LDS: M0 + inst_offset + lane * nbytes, a
-    32-bit sum (module docstring: below 0 it wraps out of range)."""
-    return ((int(w.s[D.M0]) + inst_offset) + LANE_IDS.astype(np.int64) * nbytes) & 0xFFFFFFFF
+def lds_addresses(inst_offset: int, nbytes: int):
+    """Closure w -> the LDS byte address of each lane of a load to LDS: M0 + inst_offset + lane *
+    nbytes, a 32-bit sum (module docstring: below 0 it wraps out of range)."""
+    lanes = LANE_IDS.astype(np.int64) * nbytes + inst_offset
+
+    def at(w):
+        return (int(w.s[D.M0]) + lanes) & 0xFFFFFFFF
+    return at
 
 
 def _global_address(ctx, inst):
@@ -220,14 +224,14 @@ def build_global(inst, ctx):
     kind, nbytes, signed, d16 = parsed
     if kind == "load":
         row = None if to_lds else data_rows(inst, "vdst")
-        lds_offset = sext(inst.f["offset"], 13)
+        lds_at = lds_addresses(sext(inst.f["offset"], 13), nbytes)
 
         def load(w):
             mask = _active(w)
             addrs = address(w)
             data = w.launch.memory.load(addrs, nbytes, mask)
             if to_lds:
-                Lds.write(w, lds_addresses(w, lds_offset, nbytes), data, mask)
+                Lds.write(w, lds_at(w), data, mask)
             else:
                 write_load(w, row, data, nbytes, signed, d16, mask)
             w.launch.rec.global_access(index, addrs, mask, nbytes, False)
@@ -374,6 +378,8 @@ def build_buffer(inst, ctx):
         return int(np.count_nonzero(ok[::ncomp]))
 
     if kind == "load":
+        lds_at = lds_addresses(inst_offset, nbytes)
+
         def load(w):
             addrs, all_in, check = addresses(w)
             active = None if w.exec_full else w.exec_mask
@@ -386,7 +392,7 @@ def build_buffer(inst, ctx):
                 data = mem.load(caddrs, comp_bytes, ok).reshape(LANES, nbytes)
                 rec.global_access(index, caddrs, ok, comp_bytes, False, lanes_moving(ok))
             if to_lds:
-                Lds.write(w, lds_addresses(w, inst_offset, nbytes), data, active)
+                Lds.write(w, lds_at(w), data, active)
             else:
                 write_load(w, row, data, nbytes, signed, d16, active)
         return load
